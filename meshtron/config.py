@@ -1,0 +1,307 @@
+"""Typed configuration for every meshtron run.
+
+Each section is a dataclass; every field is also a command-line flag. The flag
+name is the field name with ``_`` replaced by ``-`` (Megatron-LM's names), and a
+YAML config file uses the field names as keys. ``MeshtronConfig`` groups the
+sections; ``validate()`` checks the whole configuration before any work starts
+and raises :class:`ConfigError`, whose message names the offending flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error. The message names the flag and what would be valid."""
+
+
+def opt(default: Any = None, help: str = "", choices: Optional[tuple] = None, aliases: tuple = (),
+        nargs: Optional[str] = None, metavar: Optional[str] = None) -> Any:
+    """A dataclass field carrying what the command line needs to expose it as a flag."""
+    meta = {"help": help, "choices": choices, "aliases": aliases, "nargs": nargs, "metavar": metavar}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """Shape and architecture of the decoder-only transformer."""
+
+    model: Optional[str] = opt(None, "Named preset (see `meshtron presets`); any flag below overrides its fields. "
+                                     "With no preset and no shape flags, the 'tiny' preset is used.", metavar="PRESET")
+    num_layers: int = opt(2, "Number of transformer layers.")
+    hidden_size: int = opt(64, "Hidden (model) dimension.")
+    ffn_hidden_size: Optional[int] = opt(None, "MLP inner dimension (default 4*hidden, or 2/3 of that rounded to 64 with --swiglu).")
+    num_attention_heads: int = opt(4, "Number of query heads.")
+    group_query_attention: bool = opt(False, "Use grouped-query attention with --num-query-groups key/value heads.")
+    num_query_groups: Optional[int] = opt(None, "Number of key/value heads with --group-query-attention.")
+    kv_channels: Optional[int] = opt(None, "Head dimension (default hidden / heads).")
+    seq_length: int = opt(128, "Training sequence length in tokens.")
+    max_position_embeddings: Optional[int] = opt(None, "Maximum positions (learned positions table size; default --seq-length).")
+    normalization: str = opt("LayerNorm", "Normalisation layer.", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = opt(1e-5, "Epsilon of the normalisation layers.")
+    swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU.")
+    position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=("learned_absolute", "rope"))
+    rotary_base: float = opt(10000.0, "RoPE base (theta).")
+    use_rope_scaling: bool = opt(False, "Llama-3.1 RoPE frequency scaling.")
+    rope_scaling_factor: float = opt(8.0, "Llama-3.1 RoPE scaling factor (with --use-rope-scaling).")
+    rope_original_max_position_embeddings: int = opt(8192, "Original context length of the Llama-3.1 RoPE scaling.")
+    untie_embeddings_and_output_weights: bool = opt(False, "Separate output layer instead of reusing the input embedding.")
+    disable_bias_linear: bool = opt(False, "No biases in linear layers.")
+    add_qkv_bias: bool = opt(False, "Bias on the query/key/value projection even with --disable-bias-linear.")
+    hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.")
+    attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
+    init_method_std: float = opt(0.02, "Std of the normal weight initialisation (output projections are scaled by 1/sqrt(2*layers)).")
+    vocab_size: Optional[int] = opt(None, "Vocabulary size (taken from the tokenizer when one is used; required shape for --mock-data).")
+    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    # Mixture of experts.
+    num_experts: Optional[int] = opt(None, "Number of experts (MoE); unset means dense MLP.")
+    moe_ffn_hidden_size: Optional[int] = opt(None, "Inner dimension of each expert (default --ffn-hidden-size).")
+    moe_router_topk: int = opt(2, "Experts per token.")
+    moe_router_load_balancing_type: str = opt("aux_loss", "Load balancing.", choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = opt(0.0, "Auxiliary load-balancing loss coefficient.")
+    moe_z_loss_coeff: Optional[float] = opt(None, "Router z-loss coefficient.")
+    moe_router_score_function: str = opt("softmax", "Router score function.", choices=("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = opt(False, "Apply softmax before top-k selection.")
+    moe_router_enable_expert_bias: bool = opt(False, "Aux-loss-free balancing with a per-expert bias.")
+    moe_router_bias_update_rate: float = opt(1e-3, "Update rate of the per-expert bias.")
+    moe_expert_capacity_factor: Optional[float] = opt(None, "Capacity factor; tokens over capacity are dropped.")
+    moe_shared_expert_intermediate_size: Optional[int] = opt(None, "Inner size of the shared expert(s).")
+    moe_layer_freq: int = opt(1, "Every n-th layer is MoE.")
+    moe_grouped_gemm: bool = opt(False, "Accepted for Megatron compatibility; meshtron uses grouped GEMM on GPU where available.")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and batch are split over processes."""
+
+    tensor_model_parallel_size: int = opt(1, "Tensor-parallel size (split each layer's matmuls).")
+    pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel size (split layers into stages).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = opt(None, "Layers per virtual stage (interleaved 1F1B).")
+    virtual_pipeline_model_parallel_size: Optional[int] = opt(None, "Virtual stages per pipeline rank (interleaved 1F1B).")
+    decoder_first_pipeline_num_layers: Optional[int] = opt(None, "Layers on the first pipeline stage (uneven split).")
+    decoder_last_pipeline_num_layers: Optional[int] = opt(None, "Layers on the last pipeline stage (uneven split).")
+    context_parallel_size: int = opt(1, "Context-parallel size (split the sequence).")
+    cp_comm_type: str = opt("p2p", "Context-parallel attention communication.", choices=("p2p", "allgather"))
+    expert_model_parallel_size: int = opt(1, "Expert-parallel size.")
+    expert_tensor_parallel_size: Optional[int] = opt(None, "Tensor-parallel size inside experts (default: TP).")
+    sequence_parallel: bool = opt(False, "Sequence parallelism for norms/dropout (needs TP > 1).")
+    use_distributed_optimizer: bool = opt(False, "Shard fp32 optimizer state over data-parallel ranks (ZeRO-1).")
+    overlap_grad_reduce: bool = opt(False, "Overlap the data-parallel gradient reduction with backward.")
+    overlap_param_gather: bool = opt(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
+    ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient-reduction bucket (default max(40M, 1M*DP)).")
+    grad_reduce_in_bf16: bool = opt(False, "Reduce gradients in bf16 instead of fp32.")
+    tp_comm_overlap: bool = opt(False, "Overlap tensor-parallel communication with compute.")
+    distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))
+    distributed_timeout_minutes: float = opt(10.0, "Timeout of collective operations, in minutes.")
+    # Launcher (the shortcut `meshtron train --nproc-per-node N`, passed to torch.distributed.run).
+    nproc_per_node: Optional[int] = opt(None, "Start N processes on this node through torch.distributed.run.",
+                                        aliases=("--nproc_per_node",))
+    nnodes: str = opt("1", "Number of nodes (or MIN:MAX) for the launcher.")
+    node_rank: int = opt(0, "This node's rank for the launcher.")
+    master_addr: str = opt("127.0.0.1", "Rendezvous address for the launcher.")
+    master_port: int = opt(29500, "Rendezvous port for the launcher.")
+    rdzv_backend: str = opt("static", "Rendezvous backend for the launcher (static or c10d).")
+    rdzv_endpoint: str = opt("", "Rendezvous endpoint HOST:PORT for the launcher (c10d).")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, learning-rate schedule and clipping."""
+
+    optimizer: str = opt("adam", "Optimizer (AdamW with decoupled weight decay).", choices=("adam",))
+    lr: float = opt(3e-4, "Peak learning rate.")
+    min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
+    lr_decay_style: str = opt("cosine", "Decay after warm-up.",
+                              choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    lr_warmup_iters: int = opt(0, "Linear warm-up iterations.")
+    lr_warmup_fraction: Optional[float] = opt(None, "Warm-up as a fraction of --lr-decay-iters.")
+    lr_warmup_init: float = opt(0.0, "Learning rate at the start of warm-up.")
+    lr_decay_iters: Optional[int] = opt(None, "Iterations over which to decay (default --train-iters).")
+    lr_wsd_decay_style: str = opt("linear", "Shape of the WSD cool-down.", choices=("linear", "cosine", "exponential", "minus_sqrt"))
+    lr_wsd_decay_iters: Optional[int] = opt(None, "Length of the WSD cool-down (default 10%% of --lr-decay-iters).")
+    weight_decay: float = opt(0.01, "Decoupled weight decay (not applied to norms and biases).")
+    clip_grad: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).")
+    adam_beta1: float = opt(0.9, "Adam beta1.")
+    adam_beta2: float = opt(0.999, "Adam beta2.")
+    adam_eps: float = opt(1e-8, "Adam epsilon.")
+    optimizer_cpu_offload: bool = opt(False, "Keep the optimizer state and step on the CPU.", aliases=("--cpu-optimizer",))
+    optimizer_offload_fraction: float = opt(1.0, "Fraction of the optimizer state offloaded with --optimizer-cpu-offload.")
+    cpu_optimizer_type: str = opt("ADAM", "Accepted for Megatron compatibility (meshtron's CPU step is AdamW).", choices=("ADAM", "adam"))
+    max_nonfinite_steps: int = opt(5, "Stop after this many consecutive steps with a non-finite loss or gradient.")
+
+
+@dataclass
+class TrainConfig:
+    """Batching, iterations, precision, recomputation and evaluation."""
+
+    micro_batch_size: int = opt(1, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: Optional[int] = opt(None, "Samples per iteration across all data-parallel ranks "
+                                                 "(default micro-batch * data-parallel size).")
+    train_iters: int = opt(300, "Training iterations.")
+    seed: int = opt(1234, "Seed of weights, data order and dropout.")
+    device: Optional[str] = opt(None, "cpu or cuda (default cuda when available).", choices=("cpu", "cuda"))
+    bf16: bool = opt(False, "bf16 weights and compute with fp32 master weights and gradients (default on CUDA).")
+    fp32: bool = opt(False, "Force fp32 weights and compute (default on CPU).")
+    fp16: bool = opt(False, "Not supported: use --bf16.")
+    fp8_format: Optional[str] = opt(None, "FP8 linear layers.", choices=("e4m3", "hybrid"))
+    fp8_hybrid: bool = opt(False, "Alias of --fp8-format hybrid.")
+    fp8_recipe: str = opt("tensorwise", "FP8 scaling recipe.", choices=("tensorwise", "rowwise", "delayed"))
+    recompute_granularity: Optional[str] = opt(None, "Activation recomputation.", choices=("full", "selective"))
+    recompute_method: Optional[str] = opt(None, "Which layers to recompute with --recompute-granularity full.",
+                                          choices=("uniform", "block"))
+    recompute_num_layers: int = opt(1, "Layers per recomputed chunk (uniform) or recomputed layers (block).")
+    compile: Optional[bool] = opt(None, "torch.compile each transformer layer (default on CUDA).")
+    eval_interval: int = opt(100, "Evaluate on the validation split every N iterations (0 disables).")
+    eval_iters: int = opt(10, "Validation iterations per evaluation.")
+    exit_signal_handler: bool = opt(False, "On SIGTERM, save a checkpoint and exit cleanly.")
+    exit_duration_in_mins: Optional[float] = opt(None, "Save and exit after this many minutes of training.")
+    exit_interval: Optional[int] = opt(None, "Save and exit at the first iteration divisible by this.")
+    generate_sample: bool = opt(True, "After training, print a sample generated by the model (default corpus only).")
+    # Accepted for Megatron compatibility: meshtron makes these choices itself.
+    use_mcore_models: bool = opt(False, "Accepted for Megatron compatibility (meshtron has one model implementation).")
+    transformer_impl: Optional[str] = opt(None, "Accepted for Megatron compatibility (meshtron uses its own layers).",
+                                          choices=("local", "transformer_engine"))
+    use_flash_attn: bool = opt(False, "Accepted for Megatron compatibility (flash/cuDNN attention is the default on CUDA).")
+
+
+@dataclass
+class DataConfig:
+    """Training data and tokenizer."""
+
+    data_path: list = opt([], "Dataset prefixes, optionally weighted: PREFIX or W1 PREFIX1 W2 PREFIX2 ...", nargs="+")
+    split: str = opt("969,30,1", "Train,valid,test proportions of --data-path.")
+    train_data_path: list = opt([], "Separate training dataset prefixes (weighted like --data-path).", nargs="+")
+    valid_data_path: list = opt([], "Separate validation dataset prefixes.", nargs="+")
+    test_data_path: list = opt([], "Separate test dataset prefixes.", nargs="+")
+    mock_data: bool = opt(False, "Synthetic random tokens (for benchmarks).")
+    data_cache_path: Optional[str] = opt(None, "Where dataset index caches go (default beside the data).")
+    tokenizer_type: Optional[str] = opt(None, "Tokenizer kind.", choices=(
+        "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer", "ByteTokenizer",
+        "NullTokenizer"))
+    tokenizer_model: Optional[str] = opt(None, "Tokenizer file or directory (tokenizer.json, HF directory, .model, tiktoken file).")
+    vocab_file: Optional[str] = opt(None, "GPT-2 BPE vocabulary (vocab.json).")
+    merge_file: Optional[str] = opt(None, "GPT-2 BPE merges (merges.txt).")
+    dataloader_type: str = opt("single", "Accepted for Megatron compatibility (meshtron's sampler is deterministic).",
+                               choices=("single", "cyclic", "external"))
+    num_workers: int = opt(2, "Data loader worker processes.")
+    reset_position_ids: bool = opt(False, "Restart position ids after each end-of-document token.")
+    reset_attention_mask: bool = opt(False, "Do not attend across end-of-document tokens.")
+    eod_mask_loss: bool = opt(False, "Exclude end-of-document tokens from the loss.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and loading checkpoints."""
+
+    save: Optional[str] = opt(None, "Directory to save checkpoints in.")
+    load: Optional[str] = opt(None, "Directory to load a checkpoint from.")
+    save_interval: Optional[int] = opt(None, "Save every N iterations (and at the end of training).")
+    async_save: bool = opt(False, "Write checkpoints in the background.")
+    save_retain: Optional[int] = opt(None, "Keep only the newest K checkpoints.")
+    no_load_optim: bool = opt(False, "Do not load the optimizer state.")
+    no_load_rng: bool = opt(False, "Do not load the RNG state.")
+    finetune: bool = opt(False, "Load weights only and start at iteration 0.")
+    ckpt_format: str = opt("torch_dist", "Accepted for Megatron compatibility (meshtron writes torch.distributed.checkpoint).",
+                           choices=("torch_dist", "torch"))
+
+
+@dataclass
+class LogConfig:
+    """Logging and metrics."""
+
+    log_interval: int = opt(10, "Log every N iterations.")
+    metrics_file: Optional[str] = opt(None, "Append JSON metrics, one object per line (rank 0).")
+    tensorboard_dir: Optional[str] = opt(None, "Write TensorBoard scalars here.")
+    wandb_project: Optional[str] = opt(None, "Log to this Weights & Biases project (needs wandb installed).")
+    wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name.")
+    peak_tflops: Optional[float] = opt(None, "Peak dense bf16 TFLOP/s per device for MFU (default by device name).")
+    progress_bar: Optional[bool] = opt(None, "Live progress bar (default: when stdout is a terminal).")
+    quiet: bool = opt(False, "Only errors and the final summary.")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "log": LogConfig,
+}
+
+
+@dataclass
+class MeshtronConfig:
+    """A whole run's configuration: one instance of each section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        """A flat {field: value} dict (YAML-compatible)."""
+        out: dict = {}
+        for name in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+    def set(self, key: str, value: Any) -> None:
+        """Set one field by its flat name (``hidden_size``); raises ConfigError for unknown keys."""
+        section = FIELD_SECTION.get(key)
+        if section is None:
+            raise ConfigError(f"unknown option '{key}'")
+        setattr(getattr(self, section), key, value)
+
+    def get(self, key: str) -> Any:
+        return getattr(getattr(self, FIELD_SECTION[key]), key)
+
+    def validate(self, world_size: int = 1) -> "MeshtronConfig":
+        """Fill derived defaults and check every constraint. Returns self."""
+        from meshtron.validation import validate_config
+
+        validate_config(self, world_size)
+        return self
+
+
+FIELD_SECTION: dict[str, str] = {f.name: sec for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+def flag_name(field_name: str) -> str:
+    """``hidden_size`` -> ``--hidden-size``."""
+    return "--" + field_name.replace("_", "-")
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived quantities used throughout the code.
+# ---------------------------------------------------------------------------------------------
+
+def head_dim(m: ModelConfig) -> int:
+    return m.kv_channels if m.kv_channels else m.hidden_size // m.num_attention_heads
+
+
+def num_kv_heads(m: ModelConfig) -> int:
+    return m.num_query_groups if (m.group_query_attention and m.num_query_groups) else m.num_attention_heads
+
+
+def ffn_size(m: ModelConfig) -> int:
+    if m.ffn_hidden_size:
+        return m.ffn_hidden_size
+    if m.swiglu:
+        return int((4 * m.hidden_size * 2 / 3) / 64) * 64 or 4 * m.hidden_size
+    return 4 * m.hidden_size
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary padded to a multiple of divisible_by * tp (Megatron's rule)."""
+    multiple = max(1, divisible_by) * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)

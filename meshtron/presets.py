@@ -1,0 +1,121 @@
+"""Named model shapes with their published dimensions, and parameter counting.
+
+A preset is a dict of ModelConfig fields. ``apply_preset`` copies them onto a
+config; flags given by the user are applied afterwards and win.
+"""
+
+from __future__ import annotations
+
+from meshtron.config import ModelConfig, ffn_size, head_dim, num_kv_heads
+
+_GPT2 = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
+             vocab_size=50257, seq_length=1024, max_position_embeddings=1024, norm_epsilon=1e-5,
+             hidden_dropout=0.0, attention_dropout=0.0)
+_LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
+              untie_embeddings_and_output_weights=True, group_query_attention=True, hidden_dropout=0.0,
+              attention_dropout=0.0, init_method_std=0.02)
+_LLAMA2 = dict(_LLAMA, vocab_size=32000, seq_length=4096, max_position_embeddings=4096, rotary_base=10000.0,
+               norm_epsilon=1e-5)
+_LLAMA3 = dict(_LLAMA, vocab_size=128256, seq_length=8192, max_position_embeddings=131072, rotary_base=500000.0,
+               norm_epsilon=1e-5, use_rope_scaling=True, rope_scaling_factor=8.0,
+               rope_original_max_position_embeddings=8192)
+
+#: name -> (ModelConfig fields, published parameter count, where the number comes from)
+PRESETS: dict[str, tuple[dict, int | None, str]] = {
+    "tiny": (dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=352, seq_length=128, max_position_embeddings=128, rotary_base=10000.0,
+                  untie_embeddings_and_output_weights=False, norm_epsilon=1e-5, init_method_std=0.02),
+             None, "for CPU runs and tests; vocabulary from the tokenizer"),
+    "gpt2-small": (dict(_GPT2, num_layers=12, hidden_size=768, num_attention_heads=12), 124_439_808, "GPT-2 124M"),
+    "gpt2-medium": (dict(_GPT2, num_layers=24, hidden_size=1024, num_attention_heads=16), 354_823_168, "GPT-2 355M"),
+    "gpt2-large": (dict(_GPT2, num_layers=36, hidden_size=1280, num_attention_heads=20), 774_030_080, "GPT-2 774M"),
+    "gpt2-xl": (dict(_GPT2, num_layers=48, hidden_size=1600, num_attention_heads=25), 1_557_611_200, "GPT-2 1.5B"),
+    "llama2-7b": (dict(_LLAMA2, num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
+                       ffn_hidden_size=11008), 6_738_415_616, "Llama 2 7B"),
+    "llama2-13b": (dict(_LLAMA2, num_layers=40, hidden_size=5120, num_attention_heads=40, num_query_groups=40,
+                        ffn_hidden_size=13824), 13_015_864_320, "Llama 2 13B"),
+    "llama2-70b": (dict(_LLAMA2, num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                        ffn_hidden_size=28672), 68_976_648_192, "Llama 2 70B"),
+    "llama3-1b": (dict(_LLAMA3, num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
+                       ffn_hidden_size=8192, untie_embeddings_and_output_weights=False, rope_scaling_factor=32.0),
+                  1_235_814_400, "Llama 3.2 1B"),
+    "llama3-3b": (dict(_LLAMA3, num_layers=28, hidden_size=3072, num_attention_heads=24, num_query_groups=8,
+                       ffn_hidden_size=8192, untie_embeddings_and_output_weights=False, rope_scaling_factor=32.0),
+                  3_212_749_824, "Llama 3.2 3B"),
+    "llama3-8b": (dict(_LLAMA3, num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                       ffn_hidden_size=14336), 8_030_261_248, "Llama 3.1 8B"),
+    "llama3-70b": (dict(_LLAMA3, num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                        ffn_hidden_size=28672), 70_553_706_496, "Llama 3.1 70B"),
+    "llama3-405b": (dict(_LLAMA3, num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
+                         ffn_hidden_size=53248), 405_853_388_800, "Llama 3.1 405B"),
+    "mistral-7b": (dict(_LLAMA, vocab_size=32000, seq_length=4096, max_position_embeddings=32768,
+                        rotary_base=10000.0, norm_epsilon=1e-5, num_layers=32, hidden_size=4096,
+                        num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336),
+                   7_241_732_096, "Mistral 7B v0.1"),
+    "mixtral-8x7b": (dict(_LLAMA, vocab_size=32000, seq_length=4096, max_position_embeddings=32768,
+                          rotary_base=1e6, norm_epsilon=1e-5, num_layers=32, hidden_size=4096,
+                          num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336, num_experts=8,
+                          moe_router_topk=2, moe_aux_loss_coeff=0.02),
+                     46_702_792_704, "Mixtral 8x7B"),
+    "mixtral-8x22b": (dict(_LLAMA, vocab_size=32768, seq_length=4096, max_position_embeddings=65536,
+                           rotary_base=1e6, norm_epsilon=1e-5, num_layers=56, hidden_size=6144,
+                           num_attention_heads=48, num_query_groups=8, ffn_hidden_size=16384, num_experts=8,
+                           moe_router_topk=2, moe_aux_loss_coeff=0.001),
+                      140_630_071_296, "Mixtral 8x22B"),
+}
+
+
+def apply_preset(cfg: ModelConfig, name: str) -> None:
+    """Copy a preset's fields onto ``cfg`` (user flags are applied afterwards)."""
+    fields, _, _ = PRESETS[name]
+    for key, value in fields.items():
+        setattr(cfg, key, value)
+    cfg.model = name
+
+
+def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str, int]:
+    """Parameter counts computed from the shape, without building the model.
+
+    Returns ``total`` (every parameter), ``matmul`` (the weights a token passes through in
+    matrix multiplications: attention, MLP/active experts, router and output layer; not the
+    input embedding, norms or biases; used for FLOPs) and ``embedding``.
+    """
+    V = vocab_size if vocab_size is not None else (m.vocab_size or 0)
+    H, L, d = m.hidden_size, m.num_layers, head_dim(m)
+    nq, nkv, F = m.num_attention_heads, num_kv_heads(m), ffn_size(m)
+    bias = not m.disable_bias_linear
+    qkv_bias = bias or m.add_qkv_bias
+    norm_params = H if m.normalization == "RMSNorm" else 2 * H
+
+    attn_w = H * nq * d + 2 * H * nkv * d + nq * d * H
+    attn_b = (nq * d + 2 * nkv * d if qkv_bias else 0) + (H if bias else 0)
+    mlp_in = 2 * F if m.swiglu else F
+    dense_w = H * mlp_in + F * H
+    dense_b = (mlp_in + H) if bias else 0
+
+    total = matmul = 0
+    for layer in range(L):
+        total += attn_w + attn_b + 2 * norm_params
+        matmul += attn_w
+        if m.num_experts and layer % max(1, m.moe_layer_freq) == 0:
+            Fe = m.moe_ffn_hidden_size or F
+            expert_w = H * (2 * Fe if m.swiglu else Fe) + Fe * H
+            expert_b = ((2 * Fe if m.swiglu else Fe) + H) if bias else 0
+            router = H * m.num_experts
+            shared = 0
+            if m.moe_shared_expert_intermediate_size:
+                Fs = m.moe_shared_expert_intermediate_size
+                shared = H * (2 * Fs if m.swiglu else Fs) + Fs * H
+            total += m.num_experts * (expert_w + expert_b) + router + shared
+            matmul += m.moe_router_topk * expert_w + router + shared
+        else:
+            total += dense_w + dense_b
+            matmul += dense_w
+    embedding = V * H
+    total += embedding + norm_params
+    if m.position_embedding_type == "learned_absolute":
+        total += (m.max_position_embeddings or m.seq_length) * H
+    if m.untie_embeddings_and_output_weights:
+        total += V * H
+    matmul += V * H  # the output layer, tied or not
+    return {"total": total, "matmul": matmul, "embedding": embedding}
