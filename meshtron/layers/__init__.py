@@ -1,1 +1,1 @@
-"""meshtron.layers"""
+"""Transformer building blocks, tensor-parallel aware."""

@@ -1,0 +1,176 @@
+"""The decoder-only transformer (GPT / LLaMA / Mistral family), as one pipeline stage.
+
+A stage holds a slice of the layers, keyed by their global index (layer i is
+``layers.i`` on whichever stage holds it); the first stage also holds the
+embedding, the last the final norm, output layer and loss. With one stage it is
+the whole model. Activations between layers are [seq, batch, hidden] (the
+sequence split in shards with sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from meshtron.config import ModelConfig, head_dim, padded_vocab_size
+from meshtron.layers.attention import KVCache, SelfAttention, attention_mask_from_documents
+from meshtron.layers.cross_entropy import linear_cross_entropy
+from meshtron.layers.embedding import VocabParallelEmbedding
+from meshtron.layers.mlp import MLP
+from meshtron.layers.norm import Norm
+from meshtron.layers.rotary import inverse_frequencies, rope_tables
+from meshtron.parallel import comm
+from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.random import RNGTracker
+from meshtron.parallel.sharding import ShardSpec, new_param, shard
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int, sequence_parallel: bool,
+                 mlp: Optional[nn.Module] = None):
+        super().__init__()
+        prefix = f"layers.{index}"
+        self.sequence_parallel = sequence_parallel
+        self.input_norm = Norm(f"{prefix}.input_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon,
+                               sequence_parallel)
+        self.attention = SelfAttention(cfg, ctx, f"{prefix}.attention", sequence_parallel)
+        self.post_attention_norm = Norm(f"{prefix}.post_attention_norm", cfg.hidden_size, cfg.normalization,
+                                        cfg.norm_epsilon, sequence_parallel)
+        self.mlp = mlp if mlp is not None else MLP(cfg, ctx, f"{prefix}.mlp", sequence_parallel)
+        self.hidden_dropout = cfg.hidden_dropout
+        self.tracker: Optional[RNGTracker] = None
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0:
+            return x
+        if self.sequence_parallel and self.tracker is not None:  # shards differ across TP: own stream
+            with self.tracker.fork():
+                return F.dropout(x, self.hidden_dropout, True)
+        return F.dropout(x, self.hidden_dropout, True)
+
+    def forward(self, x: torch.Tensor, rope, mask, cache: Optional[KVCache] = None) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.input_norm(x), rope, mask, cache))
+        return x + self._dropout(self.mlp(self.post_attention_norm(x)))
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage of the transformer (the whole model when ``layer_ids`` covers every layer).
+
+    Parameters are created on the meta device; call
+    :func:`meshtron.parallel.sharding.initialize_parameters` to materialise them.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, vocab_size: int,
+                 layer_ids: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True,
+                 sequence_parallel: bool = False, recompute_layers: Sequence[int] = (),
+                 make_mlp=None):
+        super().__init__()
+        self.cfg = cfg
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, ctx.tp)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel and ctx.tp > 1
+        self.recompute_layers = set(recompute_layers)
+        layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
+        sp = self.sequence_parallel
+        with torch.device("meta"):
+            if pre_process:
+                self.embedding = VocabParallelEmbedding(
+                    ctx, vocab_size, self.padded_vocab, cfg.hidden_size, cfg.init_method_std, sp,
+                    (cfg.max_position_embeddings or cfg.seq_length)
+                    if cfg.position_embedding_type == "learned_absolute" else None)
+            self.layers = nn.ModuleDict({
+                str(i): TransformerLayer(cfg, ctx, i, sp, make_mlp(cfg, ctx, i, sp) if make_mlp else None)
+                for i in layer_ids})
+            if post_process:
+                self.final_norm = Norm("final_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sp)
+                tied = not cfg.untie_embeddings_and_output_weights
+                if not (tied and pre_process):
+                    name = "embedding.word_embeddings.weight" if tied else "output.weight"
+                    self.output_weight = new_param(ShardSpec((shard(
+                        name, (vocab_size, cfg.hidden_size), 0, ctx.tp_rank, ctx.tp, std=cfg.init_method_std,
+                        padded_size=self.padded_vocab),), extra={"tied_copy": tied}))
+        self.use_rope = cfg.position_embedding_type == "rope"
+        self.rope_dim = head_dim(cfg)
+
+    def set_rng_tracker(self, tracker: RNGTracker) -> None:
+        for module in self.modules():
+            if hasattr(module, "tracker"):
+                module.tracker = tracker
+
+    @property
+    def output_projection(self) -> torch.Tensor:
+        return self.output_weight if hasattr(self, "output_weight") else self.embedding.weight
+
+    def _rope(self, seq: int, position_ids: Optional[torch.Tensor], device, dtype, offset: int = 0):
+        if not self.use_rope:
+            return None
+        inv = inverse_frequencies(self.rope_dim, self.cfg.rotary_base, device, self.cfg)
+        pos = position_ids if position_ids is not None else torch.arange(offset, offset + seq, device=device)
+        cos, sin = rope_tables(pos, inv, dtype)
+        if self.sequence_parallel:  # each TP rank holds a sequence shard... of the activations only;
+            pass  # attention sees the full (gathered) sequence, so the tables stay whole.
+        return cos, sin
+
+    def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, loss_weight: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
+                caches: Optional[dict] = None, position_offset: int = 0):
+        """Run this stage.
+
+        First stage: ``tokens`` [batch, seq]; other stages: ``hidden`` from the previous stage.
+        Last stage with ``labels``: returns (sum of loss_weight * token loss, token losses [batch, seq]).
+        Last stage without labels: logits [batch, seq, vocab]. Other stages: hidden [seq, batch, hidden].
+        """
+        if self.pre_process:
+            pos_for_embedding = position_ids
+            if pos_for_embedding is None and position_offset:
+                pos_for_embedding = torch.arange(position_offset, position_offset + tokens.shape[1],
+                                                 device=tokens.device)[None].expand(tokens.shape[0], -1)
+            x = self.embedding(tokens, pos_for_embedding)
+            seq = tokens.shape[1]
+        else:
+            x = hidden
+            seq = x.shape[0] * (self.ctx.tp if self.sequence_parallel else 1)
+        rope = self._rope(seq, position_ids, x.device, x.dtype, position_offset)
+        mask = attention_mask_from_documents(document_ids) if document_ids is not None else None
+        for key, layer in self.layers.items():
+            cache = caches.setdefault(key, KVCache()) if caches is not None else None
+            if int(key) in self.recompute_layers and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, rope, mask, use_reentrant=False)
+            else:
+                x = layer(x, rope, mask, cache)
+        if not self.post_process:
+            return x
+        return self.output(x, labels, loss_weight)
+
+    def output(self, x: torch.Tensor, labels: Optional[torch.Tensor], loss_weight: Optional[torch.Tensor]):
+        x = self.final_norm(x)
+        group = self.ctx.tp_group
+        x = (comm.gather_from_sequence(x, group, grad_is_partial=True) if self.sequence_parallel
+             else comm.copy_to_tp(x, group))
+        weight = self.output_projection
+        rows = weight.shape[0]
+        vocab_start = self.ctx.tp_rank * rows
+        valid_cols = max(0, min(rows, self.vocab_size - vocab_start))
+        s, b, h = x.shape
+        if labels is None:
+            logits = comm.gather_last_dim(F.linear(x, weight), group)[..., :self.vocab_size]
+            return logits.transpose(0, 1)
+        flat_labels = labels.t().reshape(-1)
+        flat_weight = loss_weight.t().reshape(-1) if loss_weight is not None else None
+        total, losses = linear_cross_entropy(x.reshape(s * b, h), weight, flat_labels, flat_weight, vocab_start,
+                                             valid_cols, group)
+        return total, losses.view(s, b).t()
+
+
+def build_model(cfg: ModelConfig, ctx: ParallelContext, vocab_size: int, **kwargs) -> GPTModel:
+    """Construct a (meta-device) model stage; see :class:`GPTModel`."""
+    return GPTModel(cfg, ctx, vocab_size, **kwargs)
