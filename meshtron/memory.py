@@ -1,0 +1,399 @@
+"""An estimate of the GPU memory one rank needs to train a configuration.
+
+Used beside measured peaks in ``meshtron bench`` and by anything that plans a layout. It is
+an estimate of live tensors (comparable to ``torch.cuda.max_memory_allocated``): it leaves out
+the CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation, communication buffers and
+transient copies (e.g. the few-times-larger peak inside the loss's backward).
+
+The accounting follows Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv:2205.05198) and Megatron-LM's theoretical memory report, adapted to
+this model family (RMSNorm, RoPE, grouped-query attention, SwiGLU) and to flash attention.
+
+Weights, gradients, optimizer state (bytes per parameter)
+----------------------------------------------------------
+- bf16 training (``--bf16``, ``--fp8-format``, or the GPU default): bf16 weights 2, fp32 main
+  gradients 4 (2 with ``--grad-reduce-in-bf16``), fp32 master weights + Adam m + v 12.
+- fp32 training (``--fp32`` or ``--device cpu``): weights 4, gradients 4, Adam m + v 8.
+- Each rank holds its tensor-parallel shard of its pipeline stage's layers (norms and
+  row-parallel biases are replicated), the vocab-parallel embedding on the first stage and
+  the output layer on the last (a tied embedding has a copy there when PP > 1). Experts are
+  split over EP and the expert tensor-parallel size.
+- ``--use-distributed-optimizer`` divides the optimizer state over DP x CP (expert weights:
+  over the expert data-parallel group, DP x CP x TP / (EP x ETP)); gradients stay whole.
+  ``--optimizer-cpu-offload`` moves ``--optimizer-offload-fraction`` of it off the GPU.
+
+Activations of one layer for one micro-batch
+--------------------------------------------
+Per token (``b*s`` tokens, ``s`` the sequence per context-parallel rank), with ``e`` bytes per
+activation element (2 in bf16, 4 in fp32), hidden ``h``, ``a`` query heads and ``g`` key/value
+groups of head dim ``d``, MLP width ``f``, the tensors autograd keeps for the backward are:
+
+====================================  =================  ===============
+tensor                                bytes per token    split over TP
+====================================  =================  ===============
+input of the two norms                2*e*h              only with SP
+norm statistics (fp32 rstd / mean)    2*4 (RMS) 2*8 (LN) only with SP
+outputs of the norms (= inputs of     2*e*h              only with SP
+QKV and of the MLP's first matmul)
+q, k, v after RoPE                    e*d*(a + 2g)       always
+attention output (= out-proj input)   e*d*a              always
+flash-attention log-sum-exp (fp32)    4*a                always
+SwiGLU input (gate and up)            2*e*f              always
+SwiGLU output (= down-proj input)     e*f                always
+two hidden-dropout masks (if p > 0)   2*h                only with SP
+====================================  =================  ===============
+
+(RoPE keeps nothing per token: its backward needs only the cos/sin tables. A fused SwiGLU
+keeps its input and recomputes the SiLU. A GeLU MLP keeps ``e*f`` for the GeLU input instead
+of ``2*e*f``.) So without recomputation a layer keeps, with ``q = a*d`` and ``k = g*d``::
+
+    b*s * [ e*(4h + 2q + 2k + 3f) + 4a + stats + dropout ]          (SwiGLU)
+
+For GPT-style layers (GeLU, ``f = 4h``, ``q = k = h``, dropout on) this is
+``b*s*(e*16h + 2h) = 34*b*s*h`` bytes in bf16: Korthikanti's ``sbh*34``; the ``5as/h`` term of
+their formula is absent because flash attention (SDPA's flash/cuDNN kernels, meshtron's GPU
+default) never stores the ``s x s`` attention matrix; ``flash_attention=False`` adds it back
+(softmax output ``e``, plus mask and dropout output ``1+e`` with attention dropout, per head
+per key position). For Llama-3-8B (``h=4096, q=4096, k=1024, f=14336``) the bf16 figure is
+``139,264 + 136`` bytes per token per layer, about ``34.0*h``.
+
+Without sequence parallelism the "only with SP" rows are replicated on each TP rank
+(Korthikanti's ``10sbh + 24sbh/t``); with SP everything is divided by TP.
+
+Recomputation
+-------------
+- ``selective`` (cheap, memory-heavy ops recomputed, matmul outputs kept; the modules are
+  ``core_attn``, ``norm``, ``act`` by default): ``core_attn`` drops the log-sum-exp (and the
+  attention matrix without flash), ``norm`` drops the norm outputs (2*e*h), ``act`` drops the
+  SwiGLU/GeLU output (e*f).
+- ``full`` keeps only each checkpointed chunk's input (``e*h`` per token, split over TP with
+  SP); ``uniform`` checkpoints chunks of ``--recompute-num-layers`` layers and, during the
+  backward, holds that many layers' full activations; ``block`` recomputes the first
+  ``--recompute-num-layers`` layers of each stage and keeps the rest.
+
+Pipeline, embedding and loss
+----------------------------
+- 1F1B: rank r holds ``min(PP - r, M)`` micro-batches' activations of its layers (M
+  micro-batches per iteration). Interleaved with V virtual stages: rank r holds
+  ``min(M*V, 2(PP-r-1) + (V-1)*PP + 1)`` chunk-forwards of ``L/(PP*V)`` layers; for rank 0
+  this is ``L * (1 + (PP-1)/(PP*V))`` layers, Korthikanti's interleaving factor.
+- First stage: token ids (int64, 8 bytes per token) and the embedding dropout mask.
+- Last stage: final norm input and output-layer input (``2*e*h``) and the fp32 logits kept
+  by the cross-entropy (``4*V/TP`` per token, V the padded vocabulary), for one micro-batch;
+  ``chunked_loss=True`` drops them (a chunked or fused loss keeps only a transient chunk).
+- Context parallelism divides the sequence: ``s = seq_length / CP``.
+- Mixture of experts (approximate; balanced routing, no dropped tokens): the MLP rows become
+  router logits and probabilities (fp32, ``8*E``), ``topk`` copies of each token into and out
+  of the experts (``2*topk*e*h``, split over TP with SP), the experts' interiors
+  (``topk*e*3f_e / ETP``) and a shared expert's like a dense MLP.
+
+The reported figure is for the pipeline rank with the largest total (first or last stage).
+FP8 is not modelled separately (its linears keep bf16 inputs here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads, padded_vocab_size
+
+GIB = 2**30
+#: What ``--recompute-granularity selective`` recomputes (see the module docstring).
+SELECTIVE_MODULES: tuple[str, ...] = ("core_attn", "norm", "act")
+_KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated bytes per GPU on the most loaded pipeline stage."""
+
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int  # layers, embedding and final norm (without the logits)
+    logits: int  # fp32 logits kept for the loss's backward (0 with a chunked loss)
+    stage: int = 0  # the pipeline rank these figures are for
+    microbatches_in_flight: float = 1.0  # on that stage (fractional with interleaving)
+    total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", self.weights + self.gradients + self.optimizer_state
+                           + self.activations + self.logits)
+
+    def as_dict(self) -> dict:
+        """Bytes of each part, plus the stage and in-flight micro-batches."""
+        return {"weights": self.weights, "gradients": self.gradients, "optimizer_state": self.optimizer_state,
+                "activations": self.activations, "logits": self.logits, "total": self.total,
+                "stage": self.stage, "microbatches_in_flight": self.microbatches_in_flight}
+
+    def table(self) -> str:
+        """A small human table in GiB."""
+        rows = [("weights", self.weights), ("gradients", self.gradients),
+                ("optimizer state", self.optimizer_state), ("activations", self.activations),
+                ("logits", self.logits), ("total", self.total)]
+        lines = [f"estimated memory per GPU (pipeline stage {self.stage}, "
+                 f"{self.microbatches_in_flight:g} micro-batches in flight)"]
+        lines += [f"  {name:<16}{value / GIB:>10.2f} GiB" for name, value in rows]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations.
+# ---------------------------------------------------------------------------------------------
+
+def _is_moe_layer(m: ModelConfig, layer: int) -> bool:
+    return bool(m.num_experts) and layer % max(1, m.moe_layer_freq) == 0
+
+
+def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
+                           sequence_parallel: bool = False, act_bytes: int = 2,
+                           recompute: Optional[str] = None, moe: bool = False, expert_tp: Optional[int] = None,
+                           flash_attention: bool = True,
+                           selective_modules: Iterable[str] = SELECTIVE_MODULES) -> float:
+    """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
+
+    ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
+    or ``"full"`` (then only the layer's input is counted). See the module docstring.
+    """
+    if recompute not in (None, "selective", "full"):
+        raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
+    selective = set(selective_modules) if recompute == "selective" else set()
+    unknown = selective - _KNOWN_MODULES
+    if unknown:
+        raise ValueError(f"unknown selective recompute modules {sorted(unknown)}; known: {sorted(_KNOWN_MODULES)}")
+    e, h, d = act_bytes, m.hidden_size, head_dim(m)
+    tokens = micro_batch * seq
+    sp_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return tokens * e * h / sp_div
+
+    heads = math.ceil(m.num_attention_heads / tp)
+    groups = math.ceil(num_kv_heads(m) / tp)  # fewer groups than TP ranks: groups are replicated
+    stats = 4 if m.normalization == "RMSNorm" else 8
+
+    # Parts replicated over TP unless sequence parallelism splits them.
+    rep = 2 * e * h + 2 * stats
+    if "norm" not in selective:
+        rep += 2 * e * h
+    if m.hidden_dropout > 0:
+        rep += 2 * h  # bool masks
+
+    # Parts always split over TP (per-rank heads and MLP columns).
+    part = e * d * (2 * heads + 2 * groups)
+    if "core_attn" not in selective:
+        if flash_attention:
+            part += 4 * heads
+        else:
+            part += heads * seq * (e + ((1 + e) if m.attention_dropout > 0 else 0))
+
+    def mlp_part(width: int, divisor: int) -> float:
+        inner = (2 * width if m.swiglu else width) + (0 if "act" in selective else width)
+        return e * inner / divisor
+
+    if moe:
+        fe = m.moe_ffn_hidden_size or ffn_size(m)
+        rep += 8 * m.num_experts + 2 * m.moe_router_topk * e * h
+        part += m.moe_router_topk * mlp_part(fe, expert_tp or tp)
+        if m.moe_shared_expert_intermediate_size:
+            part += mlp_part(m.moe_shared_expert_intermediate_size, tp)
+    else:
+        part += mlp_part(ffn_size(m), tp)
+    return tokens * (rep / sp_div + part)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers.
+# ---------------------------------------------------------------------------------------------
+
+def virtual_stages(cfg: MeshtronConfig) -> int:
+    """Virtual pipeline stages per rank (1 without interleaving)."""
+    par = cfg.parallel
+    if par.virtual_pipeline_model_parallel_size:
+        return par.virtual_pipeline_model_parallel_size
+    if par.num_layers_per_virtual_pipeline_stage:
+        per_rank = cfg.model.num_layers // par.pipeline_model_parallel_size
+        return max(1, per_rank // par.num_layers_per_virtual_pipeline_stage)
+    return 1
+
+
+def stage_chunks(cfg: MeshtronConfig) -> list[list[list[int]]]:
+    """For each pipeline rank, its model chunks (one per virtual stage) as lists of global layer indices."""
+    L, p, v = cfg.model.num_layers, cfg.parallel.pipeline_model_parallel_size, virtual_stages(cfg)
+    first, last = cfg.parallel.decoder_first_pipeline_num_layers, cfg.parallel.decoder_last_pipeline_num_layers
+    if v == 1:
+        sizes = [0] * p
+        if p > 1 and first:
+            sizes[0] = first
+        if p > 1 and last:
+            sizes[-1] = last
+        free = [r for r in range(p) if sizes[r] == 0]
+        rest = L - sum(sizes)
+        for i, r in enumerate(free):  # spread the remaining layers evenly, earlier ranks first
+            sizes[r] = rest // len(free) + (1 if i < rest % len(free) else 0)
+        starts = [sum(sizes[:r]) for r in range(p)]
+        return [[list(range(starts[r], starts[r] + sizes[r]))] for r in range(p)]
+    chunk = L // (p * v)
+    return [[list(range((k * p + r) * chunk, (k * p + r + 1) * chunk)) for k in range(v)] for r in range(p)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters.
+# ---------------------------------------------------------------------------------------------
+
+def _mlp_params(m: ModelConfig, width: int, tp: int) -> float:
+    fan_in = 2 * width if m.swiglu else width
+    weights = (m.hidden_size * fan_in + width * m.hidden_size) / tp
+    biases = 0 if m.disable_bias_linear else fan_in / tp + m.hidden_size
+    return weights + biases
+
+
+def layer_parameters(m: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
+                     expert_tp: Optional[int] = None) -> tuple[float, float]:
+    """(dense, expert) parameters of one layer held by one rank."""
+    h, d = m.hidden_size, head_dim(m)
+    heads, groups = math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp)
+    qkv_out = d * (heads + 2 * groups)
+    dense = h * qkv_out + heads * d * h  # QKV and output projection shards
+    if not m.disable_bias_linear or m.add_qkv_bias:
+        dense += qkv_out
+    if not m.disable_bias_linear:
+        dense += h  # output-projection bias (row-parallel: replicated)
+    dense += 2 * (h if m.normalization == "RMSNorm" else 2 * h)
+    expert = 0.0
+    if _is_moe_layer(m, layer):
+        fe = m.moe_ffn_hidden_size or ffn_size(m)
+        dense += h * m.num_experts  # router (replicated)
+        if m.moe_shared_expert_intermediate_size:
+            dense += _mlp_params(m, m.moe_shared_expert_intermediate_size, tp)
+        expert = m.num_experts / ep * _mlp_params(m, fe, expert_tp or tp)
+    else:
+        dense += _mlp_params(m, ffn_size(m), tp)
+    return dense, expert
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate.
+# ---------------------------------------------------------------------------------------------
+
+def _uses_bf16(cfg: MeshtronConfig) -> bool:
+    t = cfg.train
+    if t.fp32 or t.device == "cpu":
+        return bool(t.bf16 or t.fp8_format)
+    return True  # bf16 (and fp8, whose master weights are the same) is the GPU default
+
+
+def estimate_memory(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
+                    flash_attention: bool = True, chunked_loss: bool = False,
+                    selective_modules: Iterable[str] = SELECTIVE_MODULES) -> MemoryEstimate:
+    """Estimated training memory per GPU for ``cfg`` on ``world_size`` GPUs (see the module docstring).
+
+    The figures are those of the pipeline rank with the largest total. ``vocab_size`` is the
+    tokenizer's; it is padded as the model pads it. Without ``world_size`` the data-parallel
+    size is 1 (world = TP x CP x PP).
+    """
+    stages = stage_estimates(cfg, vocab_size, world_size=world_size, flash_attention=flash_attention,
+                             chunked_loss=chunked_loss, selective_modules=selective_modules)
+    return max(stages, key=lambda est: est.total)
+
+
+def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
+                    flash_attention: bool = True, chunked_loss: bool = False,
+                    selective_modules: Iterable[str] = SELECTIVE_MODULES) -> list[MemoryEstimate]:
+    """:func:`estimate_memory` for every pipeline rank, in rank order."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+    model_parallel = tp * pp * cp
+    if world_size is None:
+        world_size = model_parallel
+    if world_size % model_parallel:
+        raise ValueError(f"world size {world_size} is not a multiple of TP x CP x PP = {model_parallel}")
+    dp = world_size // model_parallel
+    global_batch = tr.global_batch_size or tr.micro_batch_size * dp
+    n_micro = max(1, global_batch // (tr.micro_batch_size * dp))
+    v = virtual_stages(cfg)
+    sp = par.sequence_parallel and tp > 1
+    sp_div = tp if sp else 1
+    seq = m.seq_length // cp
+    tokens = tr.micro_batch_size * seq
+    bf16 = _uses_bf16(cfg)
+    e = 2 if bf16 else 4
+    vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
+    selective_modules = tuple(selective_modules)
+
+    w_bytes = 2 if bf16 else 4
+    g_bytes = 2 if (bf16 and par.grad_reduce_in_bf16) else 4
+    o_bytes = 12 if bf16 else 8
+    opt_gpu = 1.0 - (_offload_fraction(cfg) if cfg.optim.optimizer_cpu_offload else 0.0)
+    dense_shard = dp * cp if par.use_distributed_optimizer else 1
+    expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if par.use_distributed_optimizer else 1
+
+    def act(layer: int, recompute: Optional[str]) -> float:
+        return layer_activation_bytes(m, micro_batch=tr.micro_batch_size, seq=seq, tp=tp, sequence_parallel=sp,
+                                      act_bytes=e, recompute=recompute, moe=_is_moe_layer(m, layer),
+                                      expert_tp=etp, flash_attention=flash_attention,
+                                      selective_modules=selective_modules)
+
+    def chunk_activation(layers: list[int]) -> tuple[float, float]:
+        """(bytes kept per micro-batch, extra working bytes while a recomputed chunk runs backward)."""
+        gran, n = tr.recompute_granularity, max(1, tr.recompute_num_layers)
+        if gran != "full":
+            return sum(act(i, gran) for i in layers), 0.0
+        full = [act(i, None) for i in layers]
+        if tr.recompute_method == "block":
+            kept = sum(act(i, "full") for i in layers[:n]) + sum(full[n:])
+            return kept, (max(full[:n]) if layers[:n] else 0.0)
+        kept = sum(act(layers[i], "full") for i in range(0, len(layers), n))  # one input per chunk of n
+        window = max((sum(full[i:i + n]) for i in range(0, len(layers), n)), default=0.0)
+        return kept, window
+
+    out: list[MemoryEstimate] = []
+    for rank, chunks in enumerate(stage_chunks(cfg)):
+        first, last = rank == 0, rank == pp - 1
+        # Parameters on this rank.
+        dense = expert = 0.0
+        for layers in chunks:
+            for i in layers:
+                dl, el = layer_parameters(m, i, tp, ep, etp)
+                dense, expert = dense + dl, expert + el
+        if first:
+            dense += vocab * m.hidden_size / tp
+            if m.position_embedding_type == "learned_absolute":
+                dense += (m.max_position_embeddings or m.seq_length) * m.hidden_size
+        if last:
+            dense += m.hidden_size if m.normalization == "RMSNorm" else 2 * m.hidden_size
+            if m.untie_embeddings_and_output_weights or pp > 1:
+                dense += vocab * m.hidden_size / tp
+        params = dense + expert
+        weights = params * w_bytes
+        grads = params * g_bytes
+        optim = (dense / dense_shard + expert / expert_shard) * o_bytes * opt_gpu
+
+        # Activations: in-flight micro-batches (1F1B) or chunk-forwards (interleaved).
+        kept_and_work = [chunk_activation(layers) for layers in chunks]
+        per_micro = sum(k for k, _ in kept_and_work)
+        working = max(w for _, w in kept_and_work)
+        if v == 1:
+            in_flight = float(min(pp - rank, n_micro))
+        else:
+            in_flight = min(n_micro * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
+        activations = in_flight * per_micro + working
+        if first:
+            embed = 8 * tokens + (tokens * m.hidden_size / sp_div if m.hidden_dropout > 0 else 0)
+            activations += in_flight * embed
+        logits = 0.0
+        if last:
+            stats = 4 if m.normalization == "RMSNorm" else 8
+            activations += tokens * (2 * e * m.hidden_size + stats) / sp_div
+            logits = 0.0 if chunked_loss else tokens * vocab / tp * 4
+        out.append(MemoryEstimate(weights=round(weights), gradients=round(grads), optimizer_state=round(optim),
+                                  activations=round(activations), logits=round(logits), stage=rank,
+                                  microbatches_in_flight=in_flight))
+    return out
+
+
+def _offload_fraction(cfg: MeshtronConfig) -> float:
+    """The share of optimizer state moved to the CPU by ``--optimizer-cpu-offload`` (0..1)."""
+    return min(1.0, max(0.0, cfg.optim.optimizer_offload_fraction))

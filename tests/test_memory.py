@@ -1,0 +1,251 @@
+"""The memory estimate: hand-computed cases and the properties a planner relies on."""
+
+import math
+
+import pytest
+
+from meshtron.config import MeshtronConfig, ModelConfig
+from meshtron.memory import (
+    MemoryEstimate,
+    estimate_memory,
+    layer_activation_bytes,
+    layer_parameters,
+    stage_chunks,
+    stage_estimates,
+)
+from meshtron.presets import apply_preset, count_parameters
+
+
+def config(preset: str = "tiny", **fields) -> MeshtronConfig:
+    cfg = MeshtronConfig()
+    apply_preset(cfg.model, preset)
+    for key, value in fields.items():
+        cfg.set(key, value)
+    return cfg
+
+
+def gpt_layer(**overrides) -> ModelConfig:
+    """A GPT-style layer: LayerNorm, GeLU with f = 4h, multi-head attention, dropout on."""
+    m = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, normalization="LayerNorm",
+                    swiglu=False, hidden_dropout=0.1, attention_dropout=0.1, seq_length=2048)
+    for key, value in overrides.items():
+        setattr(m, key, value)
+    return m
+
+
+B, S, H, A = 2, 2048, 1024, 16
+STATS = 2 * 8  # two LayerNorms keep fp32 mean and rstd per token
+
+
+# ------------------------------------------------------------------------------- one layer by hand
+
+def test_gpt_layer_is_korthikanti_34sbh_with_flash():
+    got = layer_activation_bytes(gpt_layer(), micro_batch=B, seq=S, act_bytes=2)
+    assert got == B * S * (34 * H + STATS + 4 * A)  # + fp32 log-sum-exp per head
+
+
+def test_gpt_layer_without_flash_adds_5as_over_h():
+    got = layer_activation_bytes(gpt_layer(), micro_batch=B, seq=S, act_bytes=2, flash_attention=False)
+    assert got == S * B * H * (34 + 5 * A * S / H) + B * S * STATS
+
+
+def test_tensor_parallel_without_and_with_sequence_parallel():
+    m, t = gpt_layer(), 4
+    no_sp = layer_activation_bytes(m, micro_batch=B, seq=S, tp=t, act_bytes=2)
+    assert no_sp == B * S * (10 * H + STATS + (24 * H + 4 * A) / t)  # Korthikanti's 10sbh + 24sbh/t
+    sp = layer_activation_bytes(m, micro_batch=B, seq=S, tp=t, sequence_parallel=True, act_bytes=2)
+    full = layer_activation_bytes(m, micro_batch=B, seq=S, act_bytes=2)
+    assert sp == full / t
+
+
+def test_llama3_8b_swiglu_gqa_layer_by_hand():
+    cfg = config("llama3-8b")
+    # Per token: e*(4h + 2q + 2k + 3f) + 4*heads (lse) + 2*4 (RMSNorm rstd), e = 2.
+    per_token = 2 * (4 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336) + 4 * 32 + 8
+    assert per_token == 139_400
+    assert layer_activation_bytes(cfg.model, micro_batch=1, seq=4096) == 4096 * per_token
+
+
+def test_recomputation_levels_by_hand_and_ordered():
+    m = gpt_layer()
+    none = layer_activation_bytes(m, micro_batch=B, seq=S)
+    selective = layer_activation_bytes(m, micro_batch=B, seq=S, recompute="selective")
+    full = layer_activation_bytes(m, micro_batch=B, seq=S, recompute="full")
+    # selective drops the norm outputs (4h bytes), the lse (4a) and the GeLU output (8h).
+    assert selective == B * S * (22 * H + STATS)
+    assert full == B * S * 2 * H  # the layer input only
+    assert full < selective < none
+    only_core = layer_activation_bytes(m, micro_batch=B, seq=S, recompute="selective",
+                                       selective_modules=("core_attn",))
+    assert only_core == none - B * S * 4 * A
+    with pytest.raises(ValueError):
+        layer_activation_bytes(m, micro_batch=B, seq=S, recompute="some")
+    with pytest.raises(ValueError, match="mlp"):
+        layer_activation_bytes(m, micro_batch=B, seq=S, recompute="selective", selective_modules=("mlp",))
+
+
+def test_context_parallel_halves_layer_activations():
+    m = config("llama3-8b").model
+    assert layer_activation_bytes(m, micro_batch=1, seq=2048) * 2 == layer_activation_bytes(m, micro_batch=1, seq=4096)
+
+
+# ------------------------------------------------------------------------------- parameters
+
+@pytest.mark.parametrize("preset_name,vocab", [("tiny", 4096), ("gpt2-small", 50304), ("llama3-8b", 128256),
+                                                ("mixtral-8x7b", 32000)])
+def test_one_rank_holds_every_parameter_once(preset_name, vocab):
+    cfg = config(preset_name, device="cpu")  # fp32: 4 + 4 + 8 bytes per parameter
+    total = count_parameters(cfg.model, vocab)["total"]
+    est = estimate_memory(cfg, vocab)
+    assert est.weights == 4 * total and est.gradients == 4 * total and est.optimizer_state == 8 * total
+
+
+def test_bf16_bytes_per_parameter_and_grad_reduce_in_bf16():
+    cfg = config("tiny")  # GPU default: bf16 weights, fp32 grads, 12 bytes of optimizer state
+    total = count_parameters(cfg.model, 4096)["total"]
+    est = estimate_memory(cfg, 4096)
+    assert (est.weights, est.gradients, est.optimizer_state) == (2 * total, 4 * total, 12 * total)
+    cfg.parallel.grad_reduce_in_bf16 = True
+    assert estimate_memory(cfg, 4096).gradients == 2 * total
+
+
+def test_distributed_optimizer_divides_optimizer_state_by_dp():
+    cfg = config("llama3-1b", global_batch_size=8)
+    plain = estimate_memory(cfg, 128256, world_size=4)
+    cfg.parallel.use_distributed_optimizer = True
+    sharded = estimate_memory(cfg, 128256, world_size=4)
+    assert sharded.optimizer_state == plain.optimizer_state / 4
+    assert (sharded.weights, sharded.gradients, sharded.activations) == (plain.weights, plain.gradients,
+                                                                         plain.activations)
+    cfg.optim.optimizer_cpu_offload, cfg.optim.optimizer_offload_fraction = True, 0.5
+    assert estimate_memory(cfg, 128256, world_size=4).optimizer_state == sharded.optimizer_state / 2
+
+
+def test_tensor_parallel_shards_all_but_norms():
+    cfg = config("tiny", device="cpu", tensor_model_parallel_size=2)
+    total = count_parameters(cfg.model, 4096)["total"]
+    replicated_norms = (2 * cfg.model.num_layers + 1) * cfg.model.hidden_size
+    per_rank = estimate_memory(cfg, 4096).weights / 4
+    assert 2 * per_rank == total + replicated_norms
+
+
+def test_experts_are_split_over_expert_parallel_ranks():
+    m = config("mixtral-8x7b").model
+    dense1, expert1 = layer_parameters(m, 0, tp=1, ep=1)
+    dense2, expert2 = layer_parameters(m, 0, tp=1, ep=2)
+    assert dense1 == dense2 and expert2 == expert1 / 2 == 4 * 3 * 4096 * 14336
+
+
+def test_vocab_is_padded_like_the_model():
+    cfg = config("tiny", device="cpu")
+    # 4000 pads to 4096 (multiple of 128): same memory as 4096.
+    assert estimate_memory(cfg, 4000).weights == estimate_memory(cfg, 4096).weights
+
+
+# ------------------------------------------------------------------------------- pipeline
+
+def test_stage_chunks_even_uneven_and_interleaved():
+    assert stage_chunks(config("tiny", num_layers=8, pipeline_model_parallel_size=4)) == [
+        [[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]
+    uneven = config("tiny", num_layers=8, pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=2)
+    assert stage_chunks(uneven) == [[[0, 1]], [[2, 3, 4]], [[5, 6, 7]]]
+    inter = config("tiny", num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert stage_chunks(inter) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+
+
+def test_pipeline_stages_split_parameters_and_last_stage_copies_tied_embedding():
+    cfg = config("tiny", device="cpu", pipeline_model_parallel_size=2, global_batch_size=8)
+    total = count_parameters(cfg.model, 4096)["total"]
+    stages = stage_estimates(cfg, 4096, world_size=2)
+    assert sum(s.weights for s in stages) == 4 * (total + 4096 * cfg.model.hidden_size)
+    assert stages[0].logits == 0 and stages[1].logits > 0
+
+
+def test_1f1b_in_flight_micro_batches():
+    cfg = config("tiny", num_layers=8, pipeline_model_parallel_size=4, global_batch_size=16)
+    assert [s.microbatches_in_flight for s in stage_estimates(cfg, 4096, world_size=4)] == [4, 3, 2, 1]
+    cfg.train.global_batch_size = 2  # fewer micro-batches than stages
+    assert [s.microbatches_in_flight for s in stage_estimates(cfg, 4096, world_size=4)] == [2, 2, 2, 1]
+
+
+def test_interleaved_first_stage_factor():
+    p, v, L = 4, 2, 16
+    cfg = config("tiny", num_layers=L, pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v,
+                 global_batch_size=8)
+    stages = stage_estimates(cfg, 4096, world_size=p)
+    first = stages[0]
+    layers_on_rank = L // p
+    # Layer-forwards kept on rank 0: L * (1 + (p-1)/(p*v)) = 22.
+    assert first.microbatches_in_flight * layers_on_rank == L * (1 + (p - 1) / (p * v)) == 22
+    per_layer = layer_activation_bytes(cfg.model, micro_batch=1, seq=128)
+    token_ids = 8 * 128
+    assert first.activations == round(first.microbatches_in_flight * (layers_on_rank * per_layer + token_ids))
+
+
+# ------------------------------------------------------------------------------- whole estimate
+
+def test_activation_totals_by_hand_with_full_recompute():
+    cfg = config("tiny", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    m, tokens, h = cfg.model, 128, 128
+    layer = layer_activation_bytes(m, micro_batch=1, seq=128)
+    chunk_input = tokens * 2 * h
+    extras = 8 * tokens + tokens * (2 * 2 * h + 4)  # token ids; final norm input + output-layer input + rstd
+    est = estimate_memory(cfg, 4096)
+    assert est.activations == 2 * chunk_input + 2 * layer + extras  # 2 checkpoints + a 2-layer window
+    assert est.logits == tokens * 4096 * 4
+    cfg.train.recompute_method, cfg.train.recompute_num_layers = "block", 1
+    assert estimate_memory(cfg, 4096).activations == chunk_input + 3 * layer + layer + extras
+
+
+def test_recompute_orders_totals():
+    totals = {}
+    for gran in (None, "selective", "full"):
+        cfg = config("llama3-8b", seq_length=4096, micro_batch_size=2, recompute_granularity=gran,
+                     recompute_method="uniform" if gran == "full" else None)
+        totals[gran] = estimate_memory(cfg, 128256).total
+    assert totals["full"] < totals["selective"] < totals[None]
+
+
+def test_sequence_parallel_and_context_parallel_reduce_activations():
+    def acts(**fields):
+        return estimate_memory(config("llama3-8b", seq_length=4096, **fields), 128256)
+
+    tp2 = acts(tensor_model_parallel_size=2)
+    tp2_sp = acts(tensor_model_parallel_size=2, sequence_parallel=True)
+    tp1 = acts()
+    assert tp2_sp.activations < tp2.activations < tp1.activations
+    assert tp2_sp.activations == pytest.approx(tp1.activations / 2, rel=1e-3)  # token ids are not split
+    assert tp2.logits == tp2_sp.logits == tp1.logits / 2
+    cp2 = acts(context_parallel_size=2)
+    assert cp2.logits == tp1.logits / 2 and cp2.activations == pytest.approx(tp1.activations / 2, rel=1e-6)
+
+
+def test_chunked_loss_drops_logits_and_fp32_doubles_activations():
+    cfg = config("llama3-1b", seq_length=4096)
+    assert estimate_memory(cfg, 128256, chunked_loss=True).logits == 0
+    bf16 = estimate_memory(cfg, 128256)
+    cfg.train.device = "cpu"
+    fp32 = estimate_memory(cfg, 128256)
+    assert fp32.logits == bf16.logits
+    assert fp32.activations > 1.9 * bf16.activations
+
+
+def test_world_size_must_fit_the_layout():
+    with pytest.raises(ValueError, match="TP x CP x PP"):
+        estimate_memory(config("tiny", tensor_model_parallel_size=2), 4096, world_size=3)
+
+
+def test_llama3_8b_figures_and_report():
+    cfg = config("llama3-8b", seq_length=4096, micro_batch_size=2, global_batch_size=4,
+                 use_distributed_optimizer=True)
+    est = estimate_memory(cfg, 128256, world_size=2)
+    total_params = count_parameters(cfg.model, 128256)["total"]
+    assert est.weights == 2 * total_params and est.optimizer_state == 6 * total_params
+    assert est.activations == pytest.approx(32 * 2 * 4096 * 139_400, rel=0.01)  # 32 layers dominate
+    assert est.logits == 2 * 4096 * 128256 * 4
+    d = est.as_dict()
+    assert d["total"] == est.total == sum(d[k] for k in ("weights", "gradients", "optimizer_state",
+                                                          "activations", "logits"))
+    table = est.table()
+    assert "total" in table and f"{est.total / 2**30:.2f} GiB" in table
+    assert isinstance(est, MemoryEstimate) and math.isfinite(est.total)
