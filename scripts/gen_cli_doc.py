@@ -1,0 +1,82 @@
+"""Write docs/cli.md, the reference of every `meshtron train` flag, from the configuration dataclasses.
+
+Usage: python scripts/gen_cli_doc.py [--check]
+(--check exits 1 when docs/cli.md differs from what the config describes.)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from meshtron.cli import FlagSpec, flag_groups
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+
+INTRO = """\
+# `meshtron train` flags
+
+Generated from `meshtron/config.py` by `python scripts/gen_cli_doc.py`; do not edit by hand.
+`meshtron train --help` prints the same flags.
+
+- Flag names are Megatron-LM's: every configuration field `hidden_size` is the flag `--hidden-size`.
+- A YAML file given with `--config FILE.yaml` holds `field: value` pairs with the same names
+  (`hidden_size: 4096`, or the dashed `hidden-size: 4096`). An unknown key is an error that suggests the closest one.
+- Precedence, lowest first: the defaults below, the `--model` preset, the YAML file, the command line.
+  Without `--model` and without any of `--num-layers`, `--hidden-size`, `--num-attention-heads`,
+  the `tiny` preset is used.
+- Boolean flags: `--flag` sets it, `--no-flag` clears it (YAML: `flag: true` / `flag: false`).
+- List flags (`--data-path`) take several values: `--data-path 0.7 A 0.3 B` (YAML: a list or a string).
+- Errors (unknown flag, bad value, impossible layout, missing file) are one line naming the flag, exit code 2.
+- The Megatron compatibility flags are accepted so that Megatron scripts run unchanged; meshtron prints a one-line
+  note when one is given.
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _flags(spec: FlagSpec) -> str:
+    value = "" if spec.kind is bool else (" {" + ",".join(spec.choices) + "}" if spec.choices else
+                                          " " + (spec.metavar or ("N" if spec.kind is int else "X" if spec.kind is float
+                                                                  else "VALUE")))
+    if spec.nargs == "+":
+        value += " ..."
+    shown = [f"`{spec.flag}{value}`"] + [f"`{s}`" for s in spec.option_strings[1:]]
+    shown += [f"`{s}`" for s in spec.negative_strings]
+    return "<br>".join(shown)
+
+
+def _default(spec: FlagSpec) -> str:
+    if spec.default is None or spec.default == []:
+        return ""
+    return f"`{spec.default}`"
+
+
+def render() -> str:
+    """The whole of docs/cli.md."""
+    out = [INTRO]
+    for topic, specs in flag_groups():
+        out.append(f"\n## {topic}\n\n| Flag | Default | Description |\n|---|---|---|\n")
+        for spec in specs:
+            help_text = spec.help.replace("%%", "%")  # argparse-escaped percent signs
+            out.append(f"| {_flags(spec)} | {_default(spec)} | {_cell(help_text)} |\n")
+    return "".join(out)
+
+
+def main() -> int:
+    text = render()
+    if "--check" in sys.argv[1:]:
+        if not DOC.exists() or DOC.read_text() != text:
+            print(f"{DOC} is stale: run python scripts/gen_cli_doc.py", file=sys.stderr)
+            return 1
+        return 0
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

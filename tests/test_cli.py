@@ -1,0 +1,411 @@
+"""The `meshtron` command line: flag parsing, YAML precedence, help groups, aliases, errors and the launcher."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from meshtron import cli, launcher, validation
+from meshtron.cli import TOPICS, build_config, flag_specs, main, parse_train_args, train_parser
+from meshtron.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_meshtron(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m meshtron ARGS`` in a fresh process."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "meshtron", *args], capture_output=True, text=True, cwd=REPO,
+                          env=full_env, timeout=120)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(validation, "_cuda_available", lambda: False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one line on stderr, exit code 2, no traceback.
+# ---------------------------------------------------------------------------------------------
+
+def test_unknown_flag_suggests_closest_in_a_subprocess() -> None:
+    result = run_meshtron("train", "--hiden-size", "4")
+    assert result.returncode == 2
+    assert result.stderr == "meshtron train: error: unknown flag --hiden-size; did you mean --hidden-size?\n"
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--hiden-size=4"], "unknown flag --hiden-size; did you mean --hidden-size?"),
+    (["--tensor-parallel-size", "2"], "did you mean --tensor-model-parallel-size?"),
+    (["--hidden"], "unknown flag --hidden; did you mean --hidden-size?"),  # no prefix matching
+    (["--zzzzzz"], "unknown flag --zzzzzz (see meshtron train --help)"),
+    (["stray"], "unexpected argument 'stray'"),
+    (["--normalization", "rmsnorm2"], "--normalization: invalid value 'rmsnorm2' (did you mean RMSNorm?); "
+                                      "valid: LayerNorm, RMSNorm"),
+    (["--hidden-size", "abc"], "--hidden-size: expected an integer, got 'abc'"),
+    (["--lr", "fast"], "--lr: expected a number, got 'fast'"),
+    (["--nproc_per_node", "x"], "--nproc-per-node: expected an integer, got 'x'"),
+    (["--model", "llama3-7b"], "--model: invalid value 'llama3-7b'"),
+    (["--num-layers"], "--num-layers: expected one argument"),
+])
+def test_bad_arguments_are_one_line_errors(argv: list[str], expected: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtron train: error: ")
+    assert expected in err
+    assert err.count("\n") == 1
+
+
+def test_validation_error_exits_2(capsys: pytest.CaptureFixture, no_cuda: None) -> None:
+    assert main(["train", "--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("meshtron train: error: --num-attention-heads (6) must be divisible by "
+                   "--tensor-model-parallel-size (4)\n")
+
+
+def test_unknown_command(capsys: pytest.CaptureFixture) -> None:
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'; did you mean 'train'?" in capsys.readouterr().err
+
+
+def test_missing_command_module_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match=r"the 'x' command is not available \(meshtron.not_a_module is missing\)"):
+        cli._load_entry("x", "meshtron.not_a_module", "main")
+    with pytest.raises(ConfigError, match=r"meshtron.cli.not_a_function is missing"):
+        cli._load_entry("x", "meshtron.cli", "not_a_function")
+
+
+def test_every_command_is_dispatched() -> None:
+    assert set(cli.COMMANDS) == {"train", "presets"} | set(cli.EXTERNAL_COMMANDS)
+
+
+def test_help_is_fast_and_does_not_import_torch() -> None:
+    code = ("import sys; from meshtron.cli import build_config, train_parser; train_parser().format_help(); "
+            "build_config(['--model', 'llama3-8b']); print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
+    top = run_meshtron("--help")
+    assert top.returncode == 0 and all(c in top.stdout for c in cli.COMMANDS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Help groups.
+# ---------------------------------------------------------------------------------------------
+
+def _group_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    return {s: g.title for g in parser._action_groups for a in g._group_actions for s in a.option_strings}
+
+
+def test_help_is_grouped_by_topic() -> None:
+    text = train_parser().format_help()
+    for topic in TOPICS:
+        assert f"\n{topic}:\n" in text
+    group = _group_of(train_parser())
+    expected = {
+        "--num-layers": "Model", "--swiglu": "Model", "--num-experts": "Mixture of experts",
+        "--moe-router-topk": "Mixture of experts", "--tensor-model-parallel-size": "Parallelism",
+        "--sequence-parallel": "Parallelism", "--nproc-per-node": "Launcher", "--nnodes": "Launcher",
+        "--rdzv-endpoint": "Launcher", "--lr": "Optimizer and learning rate", "--train-iters": "Training",
+        "--bf16": "Precision and recomputation", "--fp8-hybrid": "Precision and recomputation",
+        "--recompute-granularity": "Precision and recomputation", "--compile": "Precision and recomputation",
+        "--data-path": "Data and tokenizer", "--save": "Checkpoints", "--metrics-file": "Logging",
+        "--use-mcore-models": "Megatron compatibility", "--transformer-impl": "Megatron compatibility",
+        "--use-flash-attn": "Megatron compatibility", "--dataloader-type": "Megatron compatibility",
+        "--ckpt-format": "Megatron compatibility", "--cpu-optimizer-type": "Megatron compatibility",
+        "--moe-grouped-gemm": "Megatron compatibility",
+    }
+    assert {flag: group[flag] for flag in expected} == expected
+
+
+def test_train_help_in_a_subprocess() -> None:
+    result = run_meshtron("train", "--help")
+    assert result.returncode == 0
+    assert "--hidden-size" in result.stdout and "Megatron compatibility:" in result.stdout
+
+
+def test_every_field_has_a_flag() -> None:
+    from meshtron.config import FIELD_SECTION
+
+    assert {s.name for s in flag_specs()} == set(FIELD_SECTION)
+    assert all(s.help for s in flag_specs())
+
+
+# ---------------------------------------------------------------------------------------------
+# Precedence: defaults < preset < YAML < flags.
+# ---------------------------------------------------------------------------------------------
+
+def write(path: Path, text: str) -> str:
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_flags_override_yaml_override_preset(tmp_path: Path) -> None:
+    config = write(tmp_path / "run.yaml", """
+        model: gpt2-small
+        num_layers: 3
+        seq-length: 256      # dashed keys work too
+        lr: 1e-3             # YAML 1.1 reads this as a string; it is converted
+        mock_data: true
+        data_path: null
+    """)
+    cfg = build_config(["--config", config, "--num-layers", "5"])
+    assert cfg.model.num_layers == 5            # flag over YAML
+    assert cfg.model.seq_length == 256          # YAML over preset (1024)
+    assert cfg.model.hidden_size == 768         # preset over dataclass default (64)
+    assert cfg.model.hidden_dropout == 0.0      # preset over dataclass default (0.1)
+    assert cfg.model.normalization == "LayerNorm"
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert cfg.data.mock_data is True and cfg.data.data_path == []
+    assert cfg.model.model == "gpt2-small"
+
+
+def test_model_flag_overrides_yaml_model(tmp_path: Path) -> None:
+    config = write(tmp_path / "run.yaml", "model: gpt2-small\nhidden_size: 1024\n")
+    cfg = build_config(["--config", config, "--model", "llama3-8b"])
+    assert cfg.model.model == "llama3-8b"
+    assert cfg.model.num_layers == 32           # from the flag's preset
+    assert cfg.model.hidden_size == 1024        # YAML still overrides the preset's field
+
+
+def test_tiny_preset_is_the_default() -> None:
+    cfg = build_config([])
+    assert cfg.model.model == "tiny" and cfg.model.normalization == "RMSNorm"
+    assert build_config(["--seq-length", "64"]).model.model == "tiny"
+    explicit = build_config(["--hidden-size", "32"])  # a shape flag: no preset, dataclass defaults
+    assert explicit.model.model is None and explicit.model.normalization == "LayerNorm"
+
+
+def test_yaml_shape_disables_default_preset(tmp_path: Path) -> None:
+    config = write(tmp_path / "run.yaml", "num_layers: 2\n")
+    assert build_config(["--config", config]).model.model is None
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("hiden_size: 4\n", "unknown key 'hiden_size'; did you mean hidden_size?"),
+    ("hidden_size: big\n", "hidden_size: expected an integer, got 'big'"),
+    ("normalization: Foo\n", "normalization: invalid value 'Foo'"),
+    ("swiglu: maybe\n", "swiglu: expected true or false"),
+    ("- a\n- b\n", "must hold a mapping"),
+    ("a: [\n", "invalid YAML"),
+])
+def test_yaml_errors_name_the_file(tmp_path: Path, text: str, expected: str) -> None:
+    config = write(tmp_path / "bad.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        build_config(["--config", config])
+    assert expected in str(info.value) and "bad.yaml" in str(info.value)
+
+
+def test_missing_yaml_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--config: file .*nope.yaml does not exist"):
+        build_config(["--config", str(tmp_path / "nope.yaml")])
+
+
+# ---------------------------------------------------------------------------------------------
+# Booleans and aliases.
+# ---------------------------------------------------------------------------------------------
+
+def test_boolean_flags_and_negations() -> None:
+    assert build_config(["--no-swiglu"]).model.swiglu is False                  # tiny has SwiGLU
+    assert build_config(["--swiglu", "--hidden-size", "64"]).model.swiglu is True
+    assert build_config(["--compile"]).train.compile is True                    # Optional[bool]
+    assert build_config(["--no-compile"]).train.compile is False
+    assert build_config([]).train.compile is None
+    assert build_config(["--no-load-optim"]).checkpoint.no_load_optim is True  # a field named no_...
+    assert build_config(["--no-generate-sample"]).train.generate_sample is False
+
+
+def test_aliases() -> None:
+    assert build_config(["--fp8-hybrid"]).train.fp8_hybrid is True
+    assert build_config(["--cpu-optimizer"]).optim.optimizer_cpu_offload is True
+    assert build_config(["--cpu-optimizer", "--no-cpu-optimizer"]).optim.optimizer_cpu_offload is False
+    for argv in (["--nproc_per_node", "2"], ["--nproc_per_node=2"], ["--nproc-per-node", "2"]):
+        assert build_config(argv).parallel.nproc_per_node == 2
+    cfg = build_config(["--node_rank", "1", "--master_addr", "h", "--master_port", "1234", "--rdzv_backend", "c10d",
+                        "--rdzv_endpoint", "h:1", "--nnodes=2"])
+    p = cfg.parallel
+    assert (p.node_rank, p.master_addr, p.master_port, p.rdzv_backend, p.rdzv_endpoint, p.nnodes) == \
+        (1, "h", 1234, "c10d", "h:1", "2")
+
+
+def test_choices_are_case_insensitive() -> None:
+    assert build_config(["--lr-decay-style", "wsd"]).optim.lr_decay_style == "WSD"
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Core user guide: every flag of its commands is accepted.
+# ---------------------------------------------------------------------------------------------
+
+# Every flag that appears in the commands of the Megatron-Core user guide our users arrive with, with a value.
+MEGATRON_GUIDE_FLAGS = [
+    ("--nproc_per_node=8", None), ("--nnodes=8", None),
+    ("--tensor-model-parallel-size", "4"), ("--pipeline-model-parallel-size", "4"), ("--context-parallel-size", "1"),
+    ("--expert-model-parallel-size", "4"), ("--sequence-parallel", None), ("--num-layers", "80"),
+    ("--hidden-size", "8192"), ("--num-attention-heads", "64"), ("--seq-length", "4096"),
+    ("--max-position-embeddings", "4096"), ("--micro-batch-size", "1"), ("--global-batch-size", "1024"),
+    ("--lr", "3e-4"), ("--train-iters", "100000"), ("--lr-decay-style", "cosine"), ("--lr-warmup-iters", "2000"),
+    ("--weight-decay", "0.1"), ("--clip-grad", "1.0"), ("--bf16", None), ("--use-mcore-models", None),
+    ("--transformer-impl", "transformer_engine"), ("--data-path", "/path/to/data"),
+    ("--vocab-file", "/path/to/vocab.json"), ("--merge-file", "/path/to/merges.txt"), ("--num-experts", "8"),
+    ("--moe-router-topk", "2"), ("--moe-router-load-balancing-type", "aux_loss"), ("--moe-aux-loss-coeff", "0.01"),
+    ("--use-flash-attn", None), ("--fp8-hybrid", None), ("--recompute-granularity", "full"),
+    ("--recompute-method", "block"), ("--recompute-num-layers", "1"), ("--cpu-optimizer", None),
+    ("--cpu-optimizer-type", "ADAM"), ("--num-layers-per-virtual-pipeline-stage", "2"),
+    ("--dataloader-type", "cyclic"), ("--init-method-std", "0.006"), ("--attention-dropout", "0.0"),
+    ("--hidden-dropout", "0.0"),
+]
+
+
+@pytest.mark.parametrize("flag,value", MEGATRON_GUIDE_FLAGS, ids=[f for f, _ in MEGATRON_GUIDE_FLAGS])
+def test_megatron_guide_flag_is_accepted(flag: str, value: str | None) -> None:
+    args = parse_train_args([flag] + ([value] if value is not None else []))
+    assert len(args.given) == 1
+
+
+def _fake_data(tmp_path: Path) -> dict[str, str]:
+    for name in ("data.bin", "data.idx", "vocab.json", "merges.txt"):
+        (tmp_path / name).write_text("")
+    return {"/path/to/data": str(tmp_path / "data"), "/path/to/vocab.json": str(tmp_path / "vocab.json"),
+            "/path/to/merges.txt": str(tmp_path / "merges.txt")}
+
+
+def test_megatron_guide_70b_script_validates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guide's train_llama_70b.sh with `meshtron train` in place of `torchrun ... pretrain_gpt.py`."""
+    monkeypatch.setattr(validation, "_cuda_available", lambda: True)
+    paths = _fake_data(tmp_path)
+    argv = """--nproc_per_node=8 --nnodes=8
+      --tensor-model-parallel-size 4 --pipeline-model-parallel-size 4 --context-parallel-size 1 --sequence-parallel
+      --num-layers 80 --hidden-size 8192 --num-attention-heads 64 --seq-length 4096 --max-position-embeddings 4096
+      --micro-batch-size 1 --global-batch-size 1024 --lr 3e-4 --train-iters 100000 --lr-decay-style cosine
+      --lr-warmup-iters 2000 --weight-decay 0.1 --clip-grad 1.0 --bf16 --use-mcore-models
+      --transformer-impl transformer_engine --data-path /path/to/data --vocab-file /path/to/vocab.json
+      --merge-file /path/to/merges.txt""".split()
+    args = parse_train_args([paths.get(a, a) for a in argv])
+    cfg = args.config
+    assert launcher.planned_world_size(cfg.parallel) == 64
+    cfg.validate(64)
+    assert validation.data_parallel_size(cfg, 64) == 4
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
+    notices = cli.compat_notices(args)
+    assert [n.split(":")[2].strip() for n in notices] == ["--use-mcore-models", "--transformer-impl transformer_engine"]
+
+
+def test_megatron_guide_moe_command_validates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(validation, "_cuda_available", lambda: True)
+    paths = _fake_data(tmp_path)
+    argv = """--nproc_per_node=8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1
+      --expert-model-parallel-size 4 --num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss
+      --moe-aux-loss-coeff 0.01 --hidden-size 4096 --num-layers 32 --num-attention-heads 32 --seq-length 4096
+      --max-position-embeddings 4096 --bf16 --use-mcore-models --transformer-impl transformer_engine
+      --data-path /path/to/data --vocab-file /path/to/vocab.json --merge-file /path/to/merges.txt""".split()
+    cfg = build_config([paths.get(a, a) for a in argv])
+    cfg.validate(8)
+    assert cfg.model.num_experts == 8 and cfg.parallel.expert_model_parallel_size == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets command.
+# ---------------------------------------------------------------------------------------------
+
+def test_presets_table(capsys: pytest.CaptureFixture) -> None:
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("llama3-8b "))
+    assert row.split() == ["llama3-8b", "32", "4096", "32/8", "14336", "-", "128256", "8.03B", "8.03B", "+0.00%"]
+
+
+def test_presets_json(capsys: pytest.CaptureFixture) -> None:
+    assert main(["presets", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["gpt2-small"]["params"] == 124_439_808
+    assert all(abs(r["diff_percent"]) < 1.0 for r in rows.values() if r["published_params"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher.
+# ---------------------------------------------------------------------------------------------
+
+def test_strip_launcher_flags() -> None:
+    argv = ["--nproc_per_node=8", "--nnodes", "2", "--hidden-size", "64", "--rdzv-endpoint", "h:1", "--node_rank=1",
+            "--master-addr", "a", "--master_port", "1", "--rdzv_backend", "c10d", "--bf16"]
+    assert launcher.strip_launcher_flags(argv) == ["--hidden-size", "64", "--bf16"]
+
+
+def test_torchrun_args() -> None:
+    cfg = build_config(["--nproc-per-node", "8", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        "head:29500"])
+    args = launcher.torchrun_args(cfg.parallel, ["-m", "meshtron", "train", "--bf16"])
+    assert args == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                    "--master-port", "29500", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29500",
+                    "-m", "meshtron", "train", "--bf16"]
+
+
+def test_launcher_flags_ignored_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = build_config(["--nproc-per-node", "2"])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert launcher.should_launch(cfg.parallel)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not launcher.should_launch(cfg.parallel)
+    assert launcher.env_world_size() == 2
+
+
+def test_launcher_validates_before_starting_workers() -> None:
+    """A layout that cannot fit the requested processes fails once, in the launching process."""
+    result = run_meshtron("train", "--nproc-per-node", "2", "--tensor-model-parallel-size", "4", "--device", "cpu")
+    assert result.returncode == 2
+    assert result.stderr == ("meshtron train: error: world size 2 is not divisible by TP(4) x CP(1) x PP(1) = 4: "
+                             "choose --tensor-model-parallel-size, --context-parallel-size and "
+                             "--pipeline-model-parallel-size whose product divides 2\n")
+
+
+def test_elastic_nnodes_has_no_planned_world_size() -> None:
+    assert launcher.planned_world_size(build_config(["--nproc-per-node", "4", "--nnodes", "1:2"]).parallel) is None
+    assert launcher.planned_world_size(build_config(["--nproc-per-node", "4", "--nnodes", "3"]).parallel) == 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_starts_workers_with_the_launch_environment(tmp_path: Path) -> None:
+    """The shortcut's torch.distributed.run arguments start N workers that see RANK and WORLD_SIZE."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys\n"
+                      "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write("
+                      "os.environ['WORLD_SIZE'] + ' ' + os.environ['LOCAL_RANK'] + ' ' + ' '.join(sys.argv[2:]))\n")
+    cfg = build_config(["--nproc-per-node", "2", "--master-port", str(_free_port())])
+    code = launcher.run_torchrun(launcher.torchrun_args(cfg.parallel, [str(script), str(tmp_path), "--bf16"]))
+    assert code == 0
+    assert sorted(p.read_text() for p in tmp_path.glob("rank*")) == ["2 0 --bf16", "2 1 --bf16"]
+
+
+def test_torchrun_failure_returns_the_worker_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    cfg = build_config(["--nproc-per-node", "1", "--master-port", str(_free_port())])
+    assert launcher.run_torchrun(launcher.torchrun_args(cfg.parallel, [str(script)])) == 3
+    assert "worker process(es) failed" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/cli.md stays generated from the config.
+# ---------------------------------------------------------------------------------------------
+
+def test_cli_doc_is_up_to_date() -> None:
+    spec = importlib.util.spec_from_file_location("gen_cli_doc", REPO / "scripts" / "gen_cli_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (REPO / "docs" / "cli.md").read_text() == module.render(), \
+        "docs/cli.md is stale: run `python scripts/gen_cli_doc.py`"

@@ -1,0 +1,70 @@
+"""Model presets: published shapes and parameter counts, and how they combine with flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron import validation
+from meshtron.cli import build_config
+from meshtron.config import ModelConfig
+from meshtron.presets import PRESETS, apply_preset, count_parameters
+
+#: the presets the foundation promises (more may exist)
+REQUIRED = {"tiny", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama2-7b", "llama2-13b", "llama2-70b",
+            "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b", "mistral-7b"}
+
+PUBLISHED = [name for name, (_, published, _) in PRESETS.items() if published]
+
+
+def preset(name: str) -> ModelConfig:
+    m = ModelConfig()
+    apply_preset(m, name)
+    return m
+
+
+def test_required_presets_exist() -> None:
+    assert REQUIRED <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_count_matches_published(name: str) -> None:
+    published = PRESETS[name][1]
+    total = count_parameters(preset(name))["total"]
+    assert abs(total - published) / published < 0.01, f"{name}: {total:,} vs published {published:,}"
+
+
+def test_known_counts_by_hand() -> None:
+    # GPT-2 small: 12 layers x (4*768^2 + 4*768 attention, 8*768^2 + 5*768 MLP, 4*768 norms)
+    # + 50257*768 tokens + 1024*768 positions + 2*768 final norm.
+    H = 768
+    per_layer = (4 * H * H + 4 * H) + (8 * H * H + 5 * H) + 4 * H
+    assert count_parameters(preset("gpt2-small"))["total"] == 12 * per_layer + 50257 * H + 1024 * H + 2 * H
+
+
+def test_moe_counts_active_experts_only_for_flops() -> None:
+    counts = count_parameters(preset("mixtral-8x7b"))
+    assert counts["matmul"] < counts["total"] / 3  # 2 of 8 experts per token
+
+
+@pytest.mark.parametrize("name,world,flags", [
+    ("tiny", 1, []),
+    ("gpt2-small", 1, []),
+    ("llama3-8b", 8, ["--tensor-model-parallel-size", "8", "--sequence-parallel"]),
+    ("llama3-70b", 64, ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4"]),
+    ("llama3-405b", 128, ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8",
+                          "--decoder-first-pipeline-num-layers", "15", "--decoder-last-pipeline-num-layers", "15",
+                          "--context-parallel-size", "2"]),
+    ("mixtral-8x7b", 32, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "8"]),
+])
+def test_presets_validate_in_typical_layouts(name: str, world: int, flags: list[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(validation, "_cuda_available", lambda: True)
+    cfg = build_config(["--model", name, "--mock-data", *flags])
+    cfg.validate(world)
+    assert cfg.model.model == name
+
+
+def test_flags_override_preset_fields() -> None:
+    cfg = build_config(["--model", "llama3-8b", "--num-layers", "2", "--seq-length", "512", "--no-swiglu"])
+    assert (cfg.model.num_layers, cfg.model.seq_length, cfg.model.swiglu) == (2, 512, False)
+    assert cfg.model.hidden_size == 4096 and cfg.model.num_query_groups == 8

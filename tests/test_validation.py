@@ -1,0 +1,266 @@
+"""Validation of whole configurations: every error path, derived defaults, and the example YAML files."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from meshtron import validation
+from meshtron.cli import build_config
+from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.validation import data_parallel_size, parse_data_path, parse_split, validate_config
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]  # a small non-preset model
+
+
+def validated(argv: list[str], world_size: int = 1) -> MeshtronConfig:
+    cfg = build_config(argv)
+    validate_config(cfg, world_size)
+    return cfg
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend CUDA is available (only the config is checked; nothing runs on a GPU)."""
+    monkeypatch.setattr(validation, "_cuda_available", lambda: True)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(validation, "_cuda_available", lambda: False)
+
+
+# (argv, world size, a fragment of the expected message). Every message must name the flag and the numbers.
+ERRORS = [
+    (["--tensor-model-parallel-size", "4"], 6, "world size 6 is not divisible by TP(4) x CP(1) x PP(1) = 4"),
+    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"], 6,
+     "world size 6 is not divisible by TP(1) x CP(2) x PP(2) = 4"),
+    (["--tensor-model-parallel-size", "0"], 1, "--tensor-model-parallel-size must be positive, got 0"),
+    (SHAPE + ["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"], 4,
+     "--num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)"),
+    (SHAPE + ["--num-attention-heads", "12", "--hidden-size", "96", "--group-query-attention",
+              "--num-query-groups", "6", "--tensor-model-parallel-size", "4"], 4,
+     "--num-query-groups (6) must be divisible by --tensor-model-parallel-size (4)"),
+    (SHAPE + ["--group-query-attention", "--num-query-groups", "3"], 1,
+     "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
+    (SHAPE + ["--num-query-groups", "2"], 1, "--num-query-groups 2 needs --group-query-attention"),
+    (SHAPE + ["--hidden-size", "66"], 1, "--hidden-size (66) must be divisible by --num-attention-heads (4)"),
+    (SHAPE + ["--ffn-hidden-size", "250", "--tensor-model-parallel-size", "4"], 4,
+     "--ffn-hidden-size (250) must be divisible by --tensor-model-parallel-size (4)"),
+    (SHAPE + ["--seq-length", "100", "--context-parallel-size", "4"], 4,
+     "--seq-length (100) must be divisible by 2 x --context-parallel-size (4) = 8"),
+    (SHAPE + ["--seq-length", "30", "--tensor-model-parallel-size", "4", "--sequence-parallel"], 4,
+     "--seq-length (30) must be divisible by --tensor-model-parallel-size (4) with --sequence-parallel"),
+    (SHAPE + ["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "4"], 4,
+     "--num-layers (6) must be divisible by --pipeline-model-parallel-size (4)"),
+    (SHAPE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+              "3"], 2, "layers per pipeline stage (4 = --num-layers 8 / --pipeline-model-parallel-size 2) must be "
+                       "divisible by --num-layers-per-virtual-pipeline-stage (3)"),
+    (SHAPE + ["--num-layers-per-virtual-pipeline-stage", "2"], 1,
+     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
+    (SHAPE + ["--num-layers", "8", "--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "3"],
+     3, "--num-layers (8) minus --decoder-first-pipeline-num-layers 3 leaves 5 layers"),
+    (SHAPE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3",
+              "--decoder-last-pipeline-num-layers", "4"], 2, "leaves 1 layers, which must split evenly"),
+    (SHAPE + ["--num-layers", "9", "--pipeline-model-parallel-size", "3", "--decoder-last-pipeline-num-layers", "3",
+              "--virtual-pipeline-model-parallel-size", "2"], 3,
+     "pipeline stage 0 has 3 layers, not divisible by --virtual-pipeline-model-parallel-size (2)"),
+    (SHAPE + ["--num-experts", "6", "--expert-model-parallel-size", "4"], 4,
+     "--num-experts (6) must be divisible by --expert-model-parallel-size (4)"),
+    (SHAPE + ["--num-experts", "8", "--expert-model-parallel-size", "4"], 2,
+     "--expert-model-parallel-size (4) must divide data-parallel size (2) x --context-parallel-size (1) = 2"),
+    (SHAPE + ["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size 2 needs a mixture-of-experts"),
+    (SHAPE + ["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk must be in [1, --num-experts (4)]"),
+    (SHAPE + ["--micro-batch-size", "4", "--global-batch-size", "12"], 2,
+     "--global-batch-size (12) must be divisible by --micro-batch-size (4) x data-parallel size (2) = 8"),
+    (SHAPE + ["--micro-batch-size", "0"], 1, "--micro-batch-size must be positive, got 0"),
+    (SHAPE + ["--fp16"], 1, "--fp16 is not supported: use --bf16"),
+    (SHAPE + ["--bf16", "--fp32"], 1, "--bf16 and --fp32 exclude each other"),
+    (SHAPE + ["--device", "cpu", "--fp8-format", "e4m3"], 1, "--fp8-format e4m3 needs --device cuda"),
+    (SHAPE + ["--device", "cpu", "--fp8-hybrid"], 1, "--fp8-format hybrid needs --device cuda"),
+    (SHAPE + ["--num-layers", "0"], 1, "--num-layers must be positive, got 0"),
+    (SHAPE + ["--hidden-size", "-64"], 1, "--hidden-size must be positive, got -64"),
+    (SHAPE + ["--seq-length", "0"], 1, "--seq-length must be positive, got 0"),
+    (SHAPE + ["--vocab-size", "0"], 1, "--vocab-size must be positive, got 0"),
+    (SHAPE + ["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--lr (0.0001) must be at least --min-lr (0.001)"),
+    (SHAPE + ["--lr", "-1"], 1, "--lr must be >= 0, got -1.0"),
+    (SHAPE + ["--train-iters", "0"], 1, "--train-iters must be positive, got 0"),
+    (SHAPE + ["--hidden-dropout", "1.0"], 1, "--hidden-dropout must be in [0, 1), got 1.0"),
+    (SHAPE + ["--attention-dropout", "-0.1"], 1, "--attention-dropout must be in [0, 1), got -0.1"),
+    (SHAPE + ["--train-iters", "100", "--lr-warmup-iters", "100"], 1,
+     "--lr-warmup-iters (100) must be smaller than --lr-decay-iters (100, default --train-iters)"),
+    (SHAPE + ["--lr-warmup-iters", "10", "--lr-warmup-fraction", "0.1"], 1, "either --lr-warmup-fraction or"),
+    (SHAPE + ["--adam-beta2", "1.0"], 1, "--adam-beta2 must be in [0, 1), got 1.0"),
+    (SHAPE + ["--clip-grad", "-1"], 1, "--clip-grad must be >= 0"),
+    (SHAPE + ["--recompute-method", "block"], 1, "--recompute-method block needs --recompute-granularity full"),
+    (SHAPE + ["--recompute-granularity", "full", "--recompute-num-layers", "5"], 1,
+     "--recompute-num-layers must be in [1, --num-layers (4)], got 5"),
+    (SHAPE + ["--overlap-param-gather"], 1, "--overlap-param-gather needs --use-distributed-optimizer"),
+    (SHAPE + ["--position-embedding-type", "learned_absolute", "--seq-length", "256",
+              "--max-position-embeddings", "128"], 1, "--max-position-embeddings (128) must be at least --seq-length"),
+    (SHAPE + ["--mock-data", "--data-path", "x"], 1, "--mock-data and --data-path exclude each other"),
+    (SHAPE + ["--split", "90,a"], 1, "--split '90,a'"),
+    (SHAPE + ["--data-path", "0.5", "A", "B"], 1, "--data-path: expected PREFIX"),
+    (SHAPE + ["--tokenizer-type", "GPT2BPETokenizer"], 1, "needs --vocab-file and --merge-file"),
+    (SHAPE + ["--tokenizer-type", "SentencePieceTokenizer"], 1, "--tokenizer-type SentencePieceTokenizer needs"),
+    (SHAPE + ["--tokenizer-type", "NullTokenizer"], 1, "--tokenizer-type NullTokenizer needs --vocab-size"),
+    (SHAPE + ["--log-interval", "0"], 1, "--log-interval must be positive, got 0"),
+    (SHAPE + ["--save-interval", "0"], 1, "--save-interval must be positive, got 0"),
+    (SHAPE + ["--nnodes", "2:1"], 1, "--nnodes '2:1'"),
+    (SHAPE + ["--nnodes", "2", "--node-rank", "2"], 1, "--node-rank 2 must be in [0, 1] with --nnodes 2"),
+    (SHAPE + ["--master-port", "70000"], 1, "--master-port must be in 1..65535"),
+    (SHAPE + ["--distributed-backend", "nccl", "--device", "cpu"], 1, "--distributed-backend nccl needs --device"),
+]
+
+
+@pytest.mark.parametrize("argv,world_size,message", ERRORS, ids=[f"{i}-{e[2][:40]}" for i, e in enumerate(ERRORS)])
+def test_validation_error(argv: list[str], world_size: int, message: str, no_cuda: None) -> None:
+    with pytest.raises(ConfigError) as info:
+        validated(argv, world_size)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_cuda_requested_without_cuda(no_cuda: None) -> None:
+    with pytest.raises(ConfigError, match="--device cuda: CUDA is not available"):
+        validated(["--device", "cuda"])
+
+
+def test_file_errors(tmp_path: Path, no_cuda: None) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"--save: cannot create directory .*a_file/ckpt"):
+        validated(["--save", str(blocker / "ckpt")])
+    with pytest.raises(ConfigError, match=r"--load: directory .*missing does not exist"):
+        validated(["--load", str(tmp_path / "missing")])
+    with pytest.raises(ConfigError, match=r"--data-path: .*corpus_text_document.bin does not exist"):
+        validated(["--data-path", str(tmp_path / "corpus_text_document")])
+    (tmp_path / "a.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"--train-data-path: .*a.idx does not exist"):
+        validated(["--train-data-path", "0.7", str(tmp_path / "a")])
+    with pytest.raises(ConfigError, match=r"--vocab-file: file .*vocab.json does not exist"):
+        validated(["--vocab-file", str(tmp_path / "vocab.json")])
+    with pytest.raises(ConfigError, match=r"--tokenizer-model: .*tok.model does not exist"):
+        validated(["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "tok.model")])
+
+
+def test_existing_files_pass(tmp_path: Path, no_cuda: None) -> None:
+    for prefix in ("a", "b"):
+        (tmp_path / f"{prefix}.bin").write_bytes(b"")
+        (tmp_path / f"{prefix}.idx").write_bytes(b"")
+    (tmp_path / "vocab.json").write_text("{}")
+    (tmp_path / "merges.txt").write_text("")
+    save = tmp_path / "new" / "ckpt"
+    cfg = validated(["--data-path", "0.7", str(tmp_path / "a"), "0.3", str(tmp_path / "b"),
+                     "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt"),
+                     "--save", str(save), "--load", str(save)])  # --load == --save: a fresh resumable run
+    assert save.is_dir()
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
+
+
+def test_optional_packages_are_checked(monkeypatch: pytest.MonkeyPatch, no_cuda: None) -> None:
+    monkeypatch.setattr(validation, "_module_available", lambda name: False)
+    with pytest.raises(ConfigError, match=r"--wandb-project needs the wandb package: pip install 'meshtron\[wandb\]'"):
+        validated(["--wandb-project", "p"])
+    with pytest.raises(ConfigError, match=r"--tensorboard-dir needs the tensorboard package"):
+        validated(["--tensorboard-dir", "tb"])
+
+
+def test_derived_defaults_cpu(no_cuda: None) -> None:
+    cfg = validated(SHAPE + ["--micro-batch-size", "2", "--train-iters", "50", "--recompute-granularity", "full"], 4)
+    assert cfg.train.global_batch_size == 8  # micro x DP
+    assert cfg.model.max_position_embeddings == cfg.model.seq_length
+    assert cfg.model.num_query_groups == 4
+    assert cfg.model.ffn_hidden_size == 256
+    assert cfg.optim.lr_decay_iters == 50
+    assert cfg.train.recompute_method == "uniform"
+    assert (cfg.train.device, cfg.train.bf16, cfg.train.fp32, cfg.train.compile) == ("cpu", False, True, False)
+    assert cfg.parallel.expert_tensor_parallel_size == 1
+
+
+def test_derived_defaults_cuda(cuda: None) -> None:
+    cfg = validated(SHAPE + ["--tensor-model-parallel-size", "2", "--fp8-hybrid"], 2)
+    assert (cfg.train.device, cfg.train.bf16, cfg.train.fp32, cfg.train.compile) == ("cuda", True, False, True)
+    assert cfg.train.fp8_format == "hybrid"
+    assert cfg.parallel.expert_tensor_parallel_size == 2
+    assert validated(SHAPE + ["--fp32"]).train.bf16 is False
+    assert validated(SHAPE + ["--no-compile"]).train.compile is False
+
+
+def test_bf16_on_cpu_is_allowed(no_cuda: None) -> None:
+    cfg = validated(SHAPE + ["--bf16"])
+    assert (cfg.train.device, cfg.train.bf16, cfg.train.fp32) == ("cpu", True, False)
+
+
+def test_gqa_replication_and_megatron_default(no_cuda: None) -> None:
+    # TP 4 > 2 query groups: key/value heads are replicated, which is allowed.
+    cfg = validated(SHAPE + ["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
+                    4)
+    assert cfg.model.num_query_groups == 2
+    assert validated(SHAPE + ["--group-query-attention"]).model.num_query_groups == 1  # Megatron's default
+
+
+def test_uneven_and_virtual_pipeline(no_cuda: None) -> None:
+    cfg = validated(SHAPE + ["--num-layers", "10", "--pipeline-model-parallel-size", "4",
+                             "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"], 4)
+    assert cfg.parallel.pipeline_model_parallel_size == 4
+    cfg = validated(SHAPE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                             "--num-layers-per-virtual-pipeline-stage", "2"], 2)
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+
+
+def test_context_and_expert_parallel_layouts_are_accepted(no_cuda: None) -> None:
+    cfg = validated(SHAPE + ["--context-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "4",
+                             "--tensor-model-parallel-size", "2"], 8)
+    assert data_parallel_size(cfg, 8) == 2
+
+
+def test_validate_is_idempotent(no_cuda: None) -> None:
+    cfg = validated(SHAPE + ["--micro-batch-size", "2"], 2)
+    snapshot = cfg.to_dict()
+    cfg.validate(2)
+    assert cfg.to_dict() == snapshot
+
+
+def test_unknown_world_size_skips_layout_checks(no_cuda: None) -> None:
+    cfg = build_config(SHAPE + ["--tensor-model-parallel-size", "4"])
+    validate_config(cfg, None)
+    assert cfg.train.global_batch_size is None
+
+
+def test_parse_data_path() -> None:
+    assert parse_data_path(["0.7", "A", "0.3", "B"]) == [(0.7, "A"), (0.3, "B")]
+    assert parse_data_path(["0.7 A 0.3 B"]) == [(0.7, "A"), (0.3, "B")]
+    assert parse_data_path(["A", "B"]) == [(None, "A"), (None, "B")]
+    with pytest.raises(ConfigError, match="weights must be >= 0"):
+        parse_data_path(["-1", "A", "2", "B"])
+
+
+def test_parse_split() -> None:
+    assert parse_split("969,30,1") == [969, 30, 1]
+    assert parse_split("98/2") == [98, 2, 0]
+    with pytest.raises(ConfigError, match="--split"):
+        parse_split("0,0,0")
+
+
+def _example_world_size(path: Path) -> int:
+    match = re.search(r"^#\s*world-size:\s*(\d+)", path.read_text(), flags=re.MULTILINE)
+    return int(match.group(1)) if match else 1
+
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def test_examples_exist() -> None:
+    assert {p.name for p in EXAMPLES} >= {"tiny_cpu.yaml", "llama3_8b.yaml", "gpt2_small.yaml"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_config_validates(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: None) -> None:
+    monkeypatch.chdir(tmp_path)  # relative --save / --metrics-file paths land here
+    cfg = validated(["--config", str(path)], _example_world_size(path))
+    assert cfg.model.model is not None
