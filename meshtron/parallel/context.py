@@ -51,7 +51,7 @@ class ParallelContext:
     pp_group: Optional[dist.ProcessGroup] = None
     dp_cp_group: Optional[dist.ProcessGroup] = None  # gradient reduction of non-expert parameters
     tp_cp_group: Optional[dist.ProcessGroup] = None
-    model_parallel_group: Optional[dist.ProcessGroup] = None  # TP x PP (x CP): norms and clipping
+    model_parallel_group: Optional[dist.ProcessGroup] = None  # TP x PP: sums of norms over distinct parameters
     embedding_group: Optional[dist.ProcessGroup] = None  # first and last pipeline stage (tied embeddings)
     ep_group: Optional[dist.ProcessGroup] = None
     expert_dp_group: Optional[dist.ProcessGroup] = None
@@ -185,7 +185,7 @@ def build_groups(tp: int, cp: int, pp: int, ep: int, device: torch.device, backe
     ctx.pp_ranks = tuple(next(g for g in pp_groups if rank in g))
     ctx.dp_cp_group = _new_groups(_groups_varying(grid, (DP, CP)), rank, backend, timeout)
     ctx.tp_cp_group = _new_groups(_groups_varying(grid, (CP, TP)), rank, backend, timeout)
-    ctx.model_parallel_group = _new_groups(_groups_varying(grid, (PP, CP, TP)), rank, backend, timeout)
+    ctx.model_parallel_group = _new_groups(_groups_varying(grid, (PP, TP)), rank, backend, timeout)
     embedding_groups = [[g[0], g[-1]] for g in pp_groups] if pp > 1 else []
     ctx.embedding_group = _new_groups(embedding_groups, rank, backend, timeout)
     ep_groups, edp_groups = _expert_groups(tp, cp, dp, pp, ep)

@@ -1,0 +1,104 @@
+"""AdamW with fp32 master weights over bf16 (or fp32) model parameters.
+
+Each model parameter has an fp32 master copy (the parameter itself when it is
+already fp32) and reads its gradient from ``param.main_grad`` (see GradBuffer).
+After the step the updated masters are copied back into the model parameters.
+Norm and bias parameters (1-D) get no weight decay. On CUDA the step runs as
+torch's fused multi-tensor AdamW kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from meshtron.config import OptimConfig
+
+
+def no_weight_decay(param: torch.Tensor) -> bool:
+    """Norm weights and biases (1-D tensors) are not decayed."""
+    return param.dim() == 1
+
+
+class MixedPrecisionAdamW:
+    """AdamW stepping fp32 masters with gradients taken from ``param.main_grad``."""
+
+    def __init__(self, params: Sequence[nn.Parameter], cfg: OptimConfig, fused: bool | None = None):
+        self.params = list(params)
+        self.masters: list[torch.Tensor] = []
+        for p in self.params:
+            if p.dtype == torch.float32:
+                self.masters.append(p)
+            else:
+                self.masters.append(nn.Parameter(p.detach().float().clone()))
+        decay = [m for p, m in zip(self.params, self.masters) if not no_weight_decay(p)]
+        skip = [m for p, m in zip(self.params, self.masters) if no_weight_decay(p)]
+        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": skip, "weight_decay": 0.0}) if g["params"]]
+        device_is_cuda = bool(self.params) and self.params[0].is_cuda
+        fused = device_is_cuda if fused is None else fused
+        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                       fused=fused, foreach=None if fused else True)
+        self._copy_back = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """One AdamW step at learning rate ``lr`` using the (already reduced and clipped) main grads."""
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float()
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+        if self._copy_back:
+            torch._foreach_copy_([p.data for p, _ in self._copy_back], [m.data for _, m in self._copy_back])
+        for m in self.masters:
+            m.grad = None
+
+    def state_tensors(self, index: int) -> dict[str, torch.Tensor]:
+        """fp32 master and Adam moments of parameter ``index`` (same local shape as the parameter)."""
+        m = self.masters[index]
+        state = self.inner.state.get(m, {})
+        out = {"master": m.data}
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                out[key] = state[key]
+        return out
+
+    @torch.no_grad()
+    def load_state_tensors(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`state_tensors`: copy master/moments into parameter ``index``'s state."""
+        self.ensure_state()
+        m = self.masters[index]
+        if "master" in tensors:
+            m.data.copy_(tensors["master"])
+            p = self.params[index]
+            if p is not m:
+                p.data.copy_(m.data)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in tensors:
+                self.inner.state[m][key].copy_(tensors[key])
+
+    @property
+    def step_count(self) -> int:
+        for state in self.inner.state.values():
+            if "step" in state:
+                return int(state["step"])
+        return 0
+
+    def ensure_state(self) -> None:
+        """Create zeroed Adam moments (so a checkpoint can be loaded into them before any step)."""
+        for m in self.masters:
+            state = self.inner.state[m]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(m.data)
+                state["exp_avg_sq"] = torch.zeros_like(m.data)
+                fused = self.inner.defaults.get("fused")
+                state["step"] = torch.zeros((), dtype=torch.float32,
+                                            device=m.device if fused else torch.device("cpu"))
+
+    def set_step_count(self, step: int) -> None:
+        for m in self.masters:
+            if "step" in self.inner.state[m]:
+                self.inner.state[m]["step"].fill_(step)

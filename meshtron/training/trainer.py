@@ -1,0 +1,351 @@
+"""The training loop: build everything from the config, then iterate.
+
+One iteration = one global batch: this rank's micro-batches run forward and
+backward (the pipeline schedule decides the order), gradients accumulate in fp32
+buffers, are reduced over the groups that share parameters, clipped by the
+global norm, and AdamW steps the fp32 masters.
+
+The loss of a micro-batch is sum(token_loss * loss_mask) / (loss tokens in the
+whole global batch), so the gradients summed over micro-batches and data-parallel
+ranks are those of the global-batch mean loss, whatever the layout. That is what
+makes every layout train the same model (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from meshtron.config import MeshtronConfig
+from meshtron.model import GPTModel
+from meshtron.optim.clip import clip_coefficient, global_grad_norm
+from meshtron.optim.grad_buffer import GradBuffer
+from meshtron.optim.grads import GradientSync
+from meshtron.optim.lr_schedule import learning_rate
+from meshtron.optim.optimizer import MixedPrecisionAdamW
+from meshtron.parallel.context import ParallelContext, build_parallel_context
+from meshtron.parallel.random import RNGTracker
+from meshtron.parallel.sharding import initialize_parameters
+from meshtron.pipeline.schedules import forward_backward_no_pipelining
+from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (e.g. repeated non-finite losses); the message says why."""
+
+
+@dataclass
+class TrainingResult:
+    """What a finished run reports (used by tests and `meshtron bench`)."""
+
+    train_losses: dict = field(default_factory=dict)  # iteration -> global-batch mean loss
+    eval_losses: dict = field(default_factory=dict)
+    grad_norms: dict = field(default_factory=dict)
+    step_times: dict = field(default_factory=dict)
+    final_iteration: int = 0
+    sample: Optional[str] = None
+
+
+def compute_dtype(cfg: MeshtronConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float32
+
+
+def recompute_layer_ids(cfg: MeshtronConfig, layer_ids: list[int]) -> list[int]:
+    """Layers run under full activation recomputation on this stage."""
+    t = cfg.train
+    if t.recompute_granularity != "full":
+        return []
+    if t.recompute_method == "block":
+        return layer_ids[: t.recompute_num_layers]
+    return list(layer_ids)
+
+
+def _to_device(mb: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB -> GiB (process RSS)
+
+
+class Trainer:
+    """Owns the model, optimizer, data and logging of one run on this rank."""
+
+    def __init__(self, cfg: MeshtronConfig, ctx: ParallelContext):
+        from meshtron.data import build_data
+        from meshtron.training.logging_sinks import TrainingLogger
+
+        self.cfg, self.ctx = cfg, ctx
+        self.device = ctx.device
+        self.dtype = compute_dtype(cfg)
+        t = cfg.train
+        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
+        self.logger = TrainingLogger(cfg.log, ctx.is_logging_rank, t.train_iters)
+        self.data = build_data(cfg, ctx.dp_rank, ctx.dp)
+        self.vocab_size = self.data.vocab_size
+        self.tracker = RNGTracker(t.seed, ctx.tp_rank, ctx.pp_rank, self.device)
+        self.tracker.seed_default()
+        self.model_chunks = self._build_model()
+        self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
+        grad_dtype = torch.bfloat16 if cfg.parallel.grad_reduce_in_bf16 else torch.float32
+        self.grad_buffer = GradBuffer(self.params, dtype=grad_dtype, device=self.device)
+        self.grad_sync = GradientSync(self.model_chunks, self.params, ctx, self.grad_buffer)
+        self.optimizer = MixedPrecisionAdamW(self.params, cfg.optim)
+        self.state = TrainingState()
+        self.result = TrainingResult()
+        from meshtron.training.metrics import flops_per_token, peak_tflops
+
+        self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
+        self.peak_tflops = peak_tflops(self.device, cfg.log.peak_tflops)
+
+    # ----------------------------------------------------------------------------------- build
+    def _build_model(self) -> list[nn.Module]:
+        cfg, ctx = self.cfg, self.ctx
+        layer_ids = list(range(cfg.model.num_layers))
+        model = GPTModel(cfg.model, ctx, self.vocab_size, layer_ids=layer_ids,
+                         sequence_parallel=cfg.parallel.sequence_parallel,
+                         recompute_layers=recompute_layer_ids(cfg, layer_ids))
+        initialize_parameters(model, cfg.train.seed, self.device, self.dtype)
+        model.set_rng_tracker(self.tracker)
+        if cfg.train.compile:
+            for layer in model.layers.values():
+                layer.compile()
+        return [model]
+
+    # ----------------------------------------------------------------------------------- steps
+    def _prepare(self, micro_batches: list[dict]) -> list[dict]:
+        """Move micro-batches to the device and attach each token's loss weight (mask / global count)."""
+        mbs = [_to_device(mb, self.device) for mb in micro_batches]
+        local = sum(mb["loss_mask"].sum() for mb in mbs)
+        count = local.float().reshape(1)
+        if self.ctx.dp_cp_group is not None:
+            dist.all_reduce(count, group=self.ctx.dp_cp_group)
+        inv = 1.0 / count.clamp(min=1.0)
+        for mb in mbs:
+            mb["loss_weight"] = mb.pop("loss_mask").float() * inv
+        return mbs
+
+    def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Global-batch mean loss from this rank's weighted sum (summed over DP x CP)."""
+        loss = loss_sum.float().clone().reshape(1)
+        if self.ctx.dp_cp_group is not None:
+            dist.all_reduce(loss, group=self.ctx.dp_cp_group)
+        return loss
+
+    def train_step(self, micro_batches: list[dict], iteration: int) -> tuple[torch.Tensor, float, bool]:
+        """One iteration; returns (this rank's loss sum, grad norm, whether the step was applied)."""
+        for chunk in self.model_chunks:
+            chunk.train()
+        self.grad_buffer.zero()
+        mbs = self._prepare(micro_batches)
+        loss_sum = forward_backward_no_pipelining(self.model_chunks, mbs,
+                                                  before_last_backward=self.grad_sync.start_overlap)
+        self.grad_sync.finish()
+        norm = global_grad_norm(self.params, self.ctx)
+        norm_value = norm.item()  # the one host sync of a step: decides whether to skip it
+        if not math.isfinite(norm_value):
+            return loss_sum, norm_value, False
+        coef = clip_coefficient(norm, self.cfg.optim.clip_grad)
+        self.grad_buffer.data.mul_(coef)
+        self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters))
+        return loss_sum, norm_value, True
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        batches = self.data.valid_batches()
+        if batches is None:
+            return None
+        for chunk in self.model_chunks:
+            chunk.eval()
+        total, n = None, 0
+        for micro_batches in batches:
+            mbs = self._prepare(micro_batches)
+            loss_sum = forward_backward_no_pipelining(self.model_chunks, mbs, forward_only=True)
+            total = loss_sum if total is None else total + loss_sum
+            n += 1
+        if n == 0:
+            return None
+        return self._reduce_loss(total).item() / n
+
+    # ----------------------------------------------------------------------------------- loop
+    def _checkpointing(self):
+        try:
+            import meshtron.checkpoint as ckpt
+        except ImportError:
+            return None
+        return ckpt if hasattr(ckpt, "save_checkpoint") else None
+
+    def load(self) -> None:
+        ck = self.cfg.checkpoint
+        if not ck.load:
+            return
+        ckpt = self._checkpointing()
+        state = ckpt.load_checkpoint(ck.load, self.model_chunks, None if ck.no_load_optim else self.optimizer,
+                                     self.ctx, self.cfg, load_optim=not ck.no_load_optim,
+                                     load_rng=not ck.no_load_rng)
+        if state is None:
+            self.logger.info(f"no checkpoint in {ck.load}; starting from scratch")
+            return
+        if ck.finetune:
+            state = TrainingState()
+        elif state.rng is not None and not ck.no_load_rng:
+            restore_rng_state(state.rng, self.tracker)
+        self.state = state
+        self.logger.info(f"resumed from {ck.load} at iteration {state.iteration}")
+
+    def save(self) -> None:
+        ck = self.cfg.checkpoint
+        if not ck.save:
+            return
+        ckpt = self._checkpointing()
+        self.state.rng = capture_rng_state(self.tracker)
+        ckpt.save_checkpoint(ck.save, self.state, self.model_chunks, self.optimizer, self.ctx, self.cfg,
+                             tokenizer=self.data.tokenizer, async_save=ck.async_save, retain=ck.save_retain)
+        self.logger.info(f"saved checkpoint at iteration {self.state.iteration} to {ck.save}")
+
+    def _log_record(self, iteration: int, loss: float, norm: float, lr: float, step_time: float) -> dict:
+        t = self.cfg.train
+        tokens = t.global_batch_size * self.cfg.model.seq_length
+        tok_per_gpu = tokens / step_time / self.ctx.world_size
+        tflops = tok_per_gpu * self.flops_per_token / 1e12
+        return {"type": "train", "iteration": iteration, "consumed_samples": self.state.consumed_samples,
+                "loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
+                "tokens_per_sec_per_gpu": tok_per_gpu, "tflops_per_gpu": tflops,
+                "mfu": (tflops / self.peak_tflops) if self.peak_tflops else None,
+                "peak_mem_gib": _peak_memory_gib(self.device)}
+
+    def train(self) -> TrainingResult:
+        cfg, t = self.cfg, self.cfg.train
+        self.load()
+        signal_handler = None
+        ckpt = self._checkpointing()
+        if t.exit_signal_handler and ckpt is not None and hasattr(ckpt, "install_signal_handler"):
+            signal_handler = ckpt.install_signal_handler()
+        start_time = time.monotonic()
+        batches: Iterator[list[dict]] = self.data.train_batches(self.state.iteration)
+        interval_losses: list[torch.Tensor] = []
+        interval_start = time.perf_counter()
+        interval_steps = 0
+        for iteration in range(self.state.iteration + 1, t.train_iters + 1):
+            micro_batches = next(batches)
+            loss_sum, norm, applied = self.train_step(micro_batches, iteration)
+            self.state.iteration = iteration
+            self.state.consumed_samples += t.global_batch_size
+            interval_steps += 1
+            interval_losses.append(loss_sum)
+            if applied:
+                self.state.nonfinite_in_a_row = 0
+            else:
+                self.state.nonfinite_in_a_row += 1
+                self.state.skipped_iterations += 1
+                self.logger.warning(f"iteration {iteration}: non-finite loss or gradient norm ({norm}); step skipped")
+                if self.state.nonfinite_in_a_row >= cfg.optim.max_nonfinite_steps:
+                    raise TrainingError(
+                        f"{self.state.nonfinite_in_a_row} consecutive iterations had a non-finite loss or gradient "
+                        f"(last at iteration {iteration}); stopping. The last saved checkpoint is intact. "
+                        "Try a lower --lr, a longer --lr-warmup-iters or --clip-grad 1.0.")
+            self.result.grad_norms[iteration] = norm
+            if iteration % cfg.log.log_interval == 0 or iteration == t.train_iters:
+                losses = self._reduce_loss(torch.stack([x.float().reshape(()) for x in interval_losses]).sum())
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                step_time = (time.perf_counter() - interval_start) / interval_steps
+                mean_loss = losses.item() / interval_steps
+                self.result.train_losses[iteration] = mean_loss
+                self.result.step_times[iteration] = step_time
+                lr = learning_rate(cfg.optim, iteration, t.train_iters)
+                self.logger.log_train(self._log_record(iteration, mean_loss, norm, lr, step_time))
+                interval_losses, interval_steps = [], 0
+                interval_start = time.perf_counter()
+            if t.eval_interval and iteration % t.eval_interval == 0:
+                self._evaluate_and_log(iteration)
+                interval_start = time.perf_counter()
+            stop = self._should_stop(iteration, start_time, signal_handler)
+            if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0 or stop:
+                self.save()
+                interval_start = time.perf_counter()
+            if stop:
+                self.logger.info(f"exiting at iteration {iteration} ({stop})")
+                break
+        else:
+            if t.eval_interval and self.state.iteration % t.eval_interval != 0:
+                self._evaluate_and_log(self.state.iteration)
+            if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
+                                        or self.state.iteration % cfg.checkpoint.save_interval != 0):
+                self.save()
+        if ckpt is not None and hasattr(ckpt, "finalize_async_saves"):
+            ckpt.finalize_async_saves()
+        self.result.final_iteration = self.state.iteration
+        return self.result
+
+    def _evaluate_and_log(self, iteration: int) -> None:
+        loss = self.evaluate()
+        if loss is None:
+            return
+        self.result.eval_losses[iteration] = loss
+        ppl = math.exp(min(loss, 50.0))
+        self.logger.log_eval({"type": "eval", "iteration": iteration, "loss": loss, "ppl": ppl})
+
+    def _should_stop(self, iteration: int, start_time: float, signal_handler) -> Optional[str]:
+        t = self.cfg.train
+        reasons = []
+        if signal_handler is not None and signal_handler.triggered:
+            reasons.append("SIGTERM received")
+        if t.exit_interval and iteration % t.exit_interval == 0:
+            reasons.append(f"--exit-interval {t.exit_interval}")
+        if t.exit_duration_in_mins is not None:
+            elapsed = torch.tensor([(time.monotonic() - start_time) / 60.0 >= t.exit_duration_in_mins],
+                                   dtype=torch.int32, device=self.device)
+            if dist.is_initialized():  # every rank must agree, or the save would hang
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if elapsed.item():
+                reasons.append(f"--exit-duration-in-mins {t.exit_duration_in_mins}")
+        if signal_handler is not None and dist.is_initialized():
+            flag = torch.tensor([int(signal_handler.triggered)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and "SIGTERM received" not in reasons:
+                reasons.append("SIGTERM received")
+        return ", ".join(reasons) or None
+
+    def sample_text(self, prompt: str = "def ", max_new_tokens: int = 48) -> Optional[str]:
+        """A sample from the trained model (one-device runs with a tokenizer only)."""
+        if self.data.tokenizer is None or self.ctx.world_size > 1:
+            return None
+        from meshtron.generate import generate_text
+
+        return generate_text(self.model_chunks[0], self.data.tokenizer, prompt, max_new_tokens=max_new_tokens,
+                             temperature=0.8, top_k=40, seed=self.cfg.train.seed)
+
+
+def run_training(cfg: MeshtronConfig) -> TrainingResult:
+    """Entry point of `meshtron train`: validate, set up the process groups, train, clean up."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world)
+    p = cfg.parallel
+    ctx = build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
+                                 p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                                 device=cfg.train.device, backend=p.distributed_backend,
+                                 timeout_minutes=p.distributed_timeout_minutes)
+    trainer = Trainer(cfg, ctx)
+    trainer.logger.info(f"meshtron: {ctx.describe()} on {ctx.device.type}, "
+                        f"{sum(p.numel() for p in trainer.params):,} parameters on this rank, "
+                        f"{trainer.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per iteration")
+    try:
+        result = trainer.train()
+        if cfg.train.generate_sample and not cfg.data.mock_data and not cfg.data.data_path:
+            result.sample = trainer.sample_text()
+            if result.sample is not None:
+                trainer.logger.info("sample: " + result.sample)
+        return result
+    finally:
+        trainer.logger.close()

@@ -1,0 +1,78 @@
+"""Run a function in N local processes joined by a gloo process group (CPU tests of parallel code).
+
+The function must be defined at module level (it is pickled into spawned
+processes). Each process returns a value; ``run_distributed`` returns them by
+rank. A hang fails the test after ``timeout`` seconds instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = ("ok", fn(rank, world, *args))
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        result = ("error", traceback.format_exc())
+    with open(path, "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results = []
+        errors = []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {r}:\n{value}")
+            results.append(value)
+        if hung:
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout}s")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results
