@@ -25,16 +25,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from meshtron.config import MeshtronConfig
-from meshtron.model import GPTModel
-from meshtron.optim.clip import clip_coefficient, global_grad_norm
-from meshtron.optim.grad_buffer import GradBuffer
-from meshtron.optim.grads import GradientSync
+from meshtron.optim.clip import clip_coefficient
+from meshtron.optim.factory import build_optimization
 from meshtron.optim.lr_schedule import learning_rate
-from meshtron.optim.optimizer import MixedPrecisionAdamW
 from meshtron.parallel.context import ParallelContext, build_parallel_context
 from meshtron.parallel.random import RNGTracker
-from meshtron.parallel.sharding import initialize_parameters
-from meshtron.pipeline.schedules import forward_backward_no_pipelining
+from meshtron.pipeline import build_model_chunks, get_schedule, is_data_rank
 from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
 
 
@@ -58,16 +54,6 @@ def compute_dtype(cfg: MeshtronConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.train.bf16 else torch.float32
 
 
-def recompute_layer_ids(cfg: MeshtronConfig, layer_ids: list[int]) -> list[int]:
-    """Layers run under full activation recomputation on this stage."""
-    t = cfg.train
-    if t.recompute_granularity != "full":
-        return []
-    if t.recompute_method == "block":
-        return layer_ids[: t.recompute_num_layers]
-    return list(layer_ids)
-
-
 def _to_device(mb: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in mb.items()}
 
@@ -81,7 +67,7 @@ def _peak_memory_gib(device: torch.device) -> float:
 class Trainer:
     """Owns the model, optimizer, data and logging of one run on this rank."""
 
-    def __init__(self, cfg: MeshtronConfig, ctx: ParallelContext):
+    def __init__(self, cfg: MeshtronConfig, ctx: ParallelContext, data=None):
         from meshtron.data import build_data
         from meshtron.training.logging_sinks import TrainingLogger
 
@@ -91,36 +77,23 @@ class Trainer:
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         self.logger = TrainingLogger(cfg.log, ctx.is_logging_rank, t.train_iters)
-        self.data = build_data(cfg, ctx.dp_rank, ctx.dp)
+        self.data = data if data is not None else build_data(cfg, ctx.dp_rank, ctx.dp,
+                                                             is_data_rank=is_data_rank(ctx))
         self.vocab_size = self.data.vocab_size
         self.tracker = RNGTracker(t.seed, ctx.tp_rank, ctx.pp_rank, self.device)
         self.tracker.seed_default()
-        self.model_chunks = self._build_model()
+        self.model_chunks = build_model_chunks(cfg, ctx, self.vocab_size, self.tracker, self.dtype)
         self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
-        grad_dtype = torch.bfloat16 if cfg.parallel.grad_reduce_in_bf16 else torch.float32
-        self.grad_buffer = GradBuffer(self.params, dtype=grad_dtype, device=self.device)
-        self.grad_sync = GradientSync(self.model_chunks, self.params, ctx, self.grad_buffer)
-        self.optimizer = MixedPrecisionAdamW(self.params, cfg.optim)
+        self.optim = build_optimization(cfg, ctx, self.model_chunks)
+        self.grad_buffer, self.grad_sync, self.optimizer = (self.optim.grad_buffer, self.optim.grad_sync,
+                                                            self.optim.optimizer)
+        self.schedule = get_schedule(cfg, ctx)
         self.state = TrainingState()
         self.result = TrainingResult()
         from meshtron.training.metrics import flops_per_token, peak_tflops
 
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
         self.peak_tflops = peak_tflops(self.device, cfg.log.peak_tflops)
-
-    # ----------------------------------------------------------------------------------- build
-    def _build_model(self) -> list[nn.Module]:
-        cfg, ctx = self.cfg, self.ctx
-        layer_ids = list(range(cfg.model.num_layers))
-        model = GPTModel(cfg.model, ctx, self.vocab_size, layer_ids=layer_ids,
-                         sequence_parallel=cfg.parallel.sequence_parallel,
-                         recompute_layers=recompute_layer_ids(cfg, layer_ids))
-        initialize_parameters(model, cfg.train.seed, self.device, self.dtype)
-        model.set_rng_tracker(self.tracker)
-        if cfg.train.compile:
-            for layer in model.layers.values():
-                layer.compile()
-        return [model]
 
     # ----------------------------------------------------------------------------------- steps
     def _prepare(self, micro_batches: list[dict]) -> list[dict]:
@@ -148,10 +121,9 @@ class Trainer:
             chunk.train()
         self.grad_buffer.zero()
         mbs = self._prepare(micro_batches)
-        loss_sum = forward_backward_no_pipelining(self.model_chunks, mbs,
-                                                  before_last_backward=self.grad_sync.start_overlap)
+        loss_sum = self.schedule(self.model_chunks, mbs, before_last_backward=self.grad_sync.start_overlap)
         self.grad_sync.finish()
-        norm = global_grad_norm(self.params, self.ctx)
+        norm = self.optim.grad_norm()
         norm_value = norm.item()  # the one host sync of a step: decides whether to skip it
         if not math.isfinite(norm_value):
             return loss_sum, norm_value, False
@@ -170,7 +142,7 @@ class Trainer:
         total, n = None, 0
         for micro_batches in batches:
             mbs = self._prepare(micro_batches)
-            loss_sum = forward_backward_no_pipelining(self.model_chunks, mbs, forward_only=True)
+            loss_sum = self.schedule(self.model_chunks, mbs, forward_only=True)
             total = loss_sum if total is None else total + loss_sum
             n += 1
         if n == 0:
