@@ -48,7 +48,7 @@ COMMANDS: dict[str, str] = {
 EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("meshtron.generate", "generate_main"),
     "preprocess": ("meshtron.data.preprocess", "preprocess_main"),
-    "tokenizer": ("meshtron.data.tokenizers", "tokenizer_main"),
+    "tokenizer": ("meshtron.data.tokenizer_train", "tokenizer_main"),
     "convert": ("meshtron.checkpoint.convert", "convert_main"),
     "bench": ("meshtron.bench", "bench_main"),
 }
@@ -432,13 +432,40 @@ def train_main(argv: Sequence[str]) -> int:
     if launcher.should_launch(cfg.parallel):
         launcher.check_before_launch(cfg)  # errors once, here, rather than in every worker
         return launcher.launch(cfg.parallel, argv)
+    world_size = launcher.env_world_size()
     if _is_rank_zero():
         for line in compat_notices(args):
             print(line, file=sys.stderr)
-    cfg.validate(launcher.env_world_size())
+    try:
+        cfg.validate(world_size)
+    except ConfigError:
+        if not _is_rank_zero():
+            return 2  # every rank has the same config: rank 0 alone says what is wrong
+        raise
     run_training = _load_entry("train", "meshtron.training.trainer", "run_training")
-    result = run_training(cfg)
+    try:
+        result = run_training(cfg)
+    except _runtime_errors(run_training) as err:
+        # Raised during the run, possibly on some ranks only: each rank reports its own.
+        where = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 else ""
+        print(f"{PROG} train: error: {where}{err}", file=sys.stderr)
+        return 2 if isinstance(err, ConfigError) else 1
     return result if isinstance(result, int) else 0
+
+
+def _runtime_errors(run_training: Callable[..., Any]) -> tuple[type[BaseException], ...]:
+    """The user-facing error classes a run can raise: config/data errors, the trainer's and checkpointing's."""
+    errors: list[type[BaseException]] = [ConfigError]
+    trainer_error = getattr(sys.modules.get(run_training.__module__), "TrainingError", None)
+    if isinstance(trainer_error, type):
+        errors.append(trainer_error)
+    try:
+        from meshtron.checkpoint.errors import CheckpointError
+    except ImportError:
+        pass
+    else:
+        errors.append(CheckpointError)
+    return tuple(errors)
 
 
 def _human(n: float) -> str:

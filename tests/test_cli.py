@@ -409,3 +409,59 @@ def test_cli_doc_is_up_to_date() -> None:
     spec.loader.exec_module(module)
     assert (REPO / "docs" / "cli.md").read_text() == module.render(), \
         "docs/cli.md is stale: run `python scripts/gen_cli_doc.py`"
+
+
+# ---------------------------------------------------------------------------------------------
+# `meshtron train` hands a validated config to the trainer and reports its errors.
+# ---------------------------------------------------------------------------------------------
+
+class TrainingError(RuntimeError):
+    """Stands in for the trainer's own error class (looked up in the trainer's module)."""
+
+
+def _fake_trainer(monkeypatch: pytest.MonkeyPatch, behaviour) -> list:
+    seen: list = []
+
+    def run_training(cfg):
+        seen.append(cfg)
+        return behaviour(cfg)
+
+    monkeypatch.setattr(cli, "_load_entry", lambda command, module, function: run_training)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    return seen
+
+
+def test_train_passes_a_validated_config(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                         no_cuda: None) -> None:
+    seen = _fake_trainer(monkeypatch, lambda cfg: object())
+    assert main(["train", "--micro-batch-size", "4", "--use-flash-attn"]) == 0
+    (cfg,) = seen
+    assert (cfg.train.device, cfg.train.global_batch_size, cfg.model.model) == ("cpu", 4, "tiny")
+    assert capsys.readouterr().err == ("meshtron train: note: --use-flash-attn: Accepted for Megatron compatibility "
+                                       "(flash/cuDNN attention is the default on CUDA).\n")
+
+
+@pytest.mark.parametrize("error,code", [(ConfigError("--data-path: x.bin does not exist"), 2),
+                                        (TrainingError("5 non-finite steps in a row"), 1)])
+def test_train_errors_during_the_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, no_cuda: None,
+                                     error: Exception, code: int) -> None:
+    def fail(cfg):
+        raise error
+
+    _fake_trainer(monkeypatch, fail)
+    fail.__module__ = __name__  # the module whose TrainingError counts as a user-facing error
+    monkeypatch.setattr(cli, "_load_entry", lambda *a: fail)
+    assert main(["train"]) == code
+    assert capsys.readouterr().err == f"meshtron train: error: {error}\n"
+
+
+def test_validation_error_is_reported_by_rank_zero_only(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("RANK", "3")
+    assert main(["train", "--tensor-model-parallel-size", "4"]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--tensor-model-parallel-size", "4"]) == 2
+    assert "world size 6 is not divisible" in capsys.readouterr().err
