@@ -274,7 +274,10 @@ def help_text(spec: FlagSpec) -> str:
     return text
 
 
-def _metavar(spec: FlagSpec) -> str:
+def metavar_of(spec: FlagSpec) -> str:
+    """The value placeholder shown in help: the field's metavar, ``{a,b}`` for choices, N, X, PATH or STR."""
+    if spec.metavar:
+        return spec.metavar
     if spec.choices:
         return "{" + ",".join(spec.choices) + "}"
     if spec.kind is int:
@@ -306,7 +309,7 @@ def train_parser() -> argparse.ArgumentParser:
             group.add_argument(*spec.option_strings, *spec.negative_strings, dest=spec.name, action=_BoolFlag,
                                negatives=spec.negative_strings, help=helptext)
             continue
-        metavar = spec.metavar or _metavar(spec)
+        metavar = metavar_of(spec)
         group.add_argument(*spec.option_strings, dest=spec.name, type=_argparse_type(spec), nargs=spec.nargs,
                            metavar=metavar, help=helptext)
     return parser

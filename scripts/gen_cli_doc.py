@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from meshtron.cli import FlagSpec, flag_groups
+from meshtron.cli import FlagSpec, flag_groups, metavar_of
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
@@ -38,9 +38,7 @@ def _cell(text: str) -> str:
 
 
 def _flags(spec: FlagSpec) -> str:
-    value = "" if spec.kind is bool else (" {" + ",".join(spec.choices) + "}" if spec.choices else
-                                          " " + (spec.metavar or ("N" if spec.kind is int else "X" if spec.kind is float
-                                                                  else "VALUE")))
+    value = "" if spec.kind is bool else " " + metavar_of(spec)
     if spec.nargs == "+":
         value += " ..."
     shown = [f"`{spec.flag}{value}`"] + [f"`{s}`" for s in spec.option_strings[1:]]
@@ -49,7 +47,7 @@ def _flags(spec: FlagSpec) -> str:
 
 
 def _default(spec: FlagSpec) -> str:
-    if spec.default is None or spec.default == []:
+    if spec.default in (None, [], ""):
         return ""
     return f"`{spec.default}`"
 
