@@ -78,9 +78,15 @@ Pipeline, embedding and loss
   ``min(M*V, 2(PP-r-1) + (V-1)*PP + 1)`` chunk-forwards of ``L/(PP*V)`` layers; for rank 0
   this is ``L * (1 + (PP-1)/(PP*V))`` layers, Korthikanti's interleaving factor.
 - First stage: token ids (int64, 8 bytes per token) and the embedding dropout mask.
-- Last stage: final norm input and output-layer input (``2*e*h``) and the fp32 logits kept
-  by the cross-entropy (``4*V/TP`` per token, V the padded vocabulary), for one micro-batch;
-  ``chunked_loss=True`` drops them (a chunked or fused loss keeps only a transient chunk).
+- Last stage, for one micro-batch: the final norm's input and the output layer's input (or,
+  with the fused loss, the gradient of the hidden states it keeps instead): ``2*e*h``; and
+  the loss (reported as ``logits``). meshtron's loss (``meshtron.layers.cross_entropy``) is
+  fused with the output layer and chunked over tokens: it keeps the fp32 gradient of the
+  output weight (``4*h*V/TP`` bytes) and, while it runs, one chunk's logits: fp32 logits,
+  their exponentials and the gradient in bf16 (``10`` bytes per element in bf16, ``8`` in
+  fp32, of a chunk of about 2^28 / (V/TP) tokens); V is the padded vocabulary.
+  ``fused_loss=False`` models an unfused loss instead: fp32 logits kept for the backward,
+  ``4*V/TP`` bytes per token (Korthikanti's and Megatron's accounting).
 - Context parallelism divides the sequence: ``s = seq_length / CP``.
 - Mixture of experts (approximate; balanced routing, no dropped tokens): the MLP rows become
   router logits and probabilities (fp32, ``8*E``), ``topk`` copies of each token into and out
@@ -98,6 +104,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads, padded_vocab_size
+from meshtron.layers.cross_entropy import _CHUNK_ELEMENTS  # the fused loss's chunk rule, kept in sync
 
 GIB = 2**30
 #: What ``--recompute-granularity selective`` recomputes (see the module docstring).
@@ -113,7 +120,7 @@ class MemoryEstimate:
     gradients: int
     optimizer_state: int
     activations: int  # layers, embedding and final norm (without the logits)
-    logits: int  # fp32 logits kept for the loss's backward (0 with a chunked loss)
+    logits: int  # the loss: kept fp32 logits, or the fused loss's weight gradient and transient chunk
     stage: int = 0  # the pipeline rank these figures are for
     microbatches_in_flight: float = 1.0  # on that stage (fractional with interleaving)
     total: int = field(init=False)
@@ -133,8 +140,8 @@ class MemoryEstimate:
         rows = [("weights", self.weights), ("gradients", self.gradients),
                 ("optimizer state", self.optimizer_state), ("activations", self.activations),
                 ("logits", self.logits), ("total", self.total)]
-        lines = [f"estimated memory per GPU (pipeline stage {self.stage}, "
-                 f"{self.microbatches_in_flight:g} micro-batches in flight)"]
+        lines = [f"estimated memory per GPU (pipeline stage {self.stage}; "
+                 f"micro-batches in flight: {self.microbatches_in_flight:g})"]
         lines += [f"  {name:<16}{value / GIB:>10.2f} GiB" for name, value in rows]
         return "\n".join(lines)
 
@@ -285,7 +292,7 @@ def _uses_bf16(cfg: MeshtronConfig) -> bool:
 
 
 def estimate_memory(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
-                    flash_attention: bool = True, chunked_loss: bool = False,
+                    flash_attention: bool = True, fused_loss: bool = True,
                     selective_modules: Iterable[str] = SELECTIVE_MODULES) -> MemoryEstimate:
     """Estimated training memory per GPU for ``cfg`` on ``world_size`` GPUs (see the module docstring).
 
@@ -294,12 +301,12 @@ def estimate_memory(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     size is 1 (world = TP x CP x PP).
     """
     stages = stage_estimates(cfg, vocab_size, world_size=world_size, flash_attention=flash_attention,
-                             chunked_loss=chunked_loss, selective_modules=selective_modules)
+                             fused_loss=fused_loss, selective_modules=selective_modules)
     return max(stages, key=lambda est: est.total)
 
 
 def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
-                    flash_attention: bool = True, chunked_loss: bool = False,
+                    flash_attention: bool = True, fused_loss: bool = True,
                     selective_modules: Iterable[str] = SELECTIVE_MODULES) -> list[MemoryEstimate]:
     """:func:`estimate_memory` for every pipeline rank, in rank order."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
@@ -387,11 +394,22 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         if last:
             stats = 4 if m.normalization == "RMSNorm" else 8
             activations += tokens * (2 * e * m.hidden_size + stats) / sp_div
-            logits = 0.0 if chunked_loss else tokens * vocab / tp * 4
+            logits = loss_bytes(m.hidden_size, vocab // tp, tr.micro_batch_size * m.seq_length // cp, e, fused_loss)
         out.append(MemoryEstimate(weights=round(weights), gradients=round(grads), optimizer_state=round(optim),
                                   activations=round(activations), logits=round(logits), stage=rank,
                                   microbatches_in_flight=in_flight))
     return out
+
+
+def loss_bytes(hidden: int, vocab_local: int, tokens: int, act_bytes: int, fused: bool = True) -> float:
+    """Bytes the loss holds on the last stage for one micro-batch (see the module docstring)."""
+    if not fused:
+        return tokens * vocab_local * 4.0
+    chunk = min(tokens, max(256, _CHUNK_ELEMENTS // max(1, vocab_local)))
+    # fp32 logits + their exponentials (which become the gradient in place), and the gradient
+    # cast to the activation dtype (no extra copy in fp32).
+    per_element = 8 + (act_bytes if act_bytes < 4 else 0)
+    return 4.0 * hidden * vocab_local + chunk * vocab_local * per_element
 
 
 def _offload_fraction(cfg: MeshtronConfig) -> float:

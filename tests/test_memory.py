@@ -192,7 +192,9 @@ def test_activation_totals_by_hand_with_full_recompute():
     extras = 8 * tokens + tokens * (2 * 2 * h + 4)  # token ids; final norm input + output-layer input + rstd
     est = estimate_memory(cfg, 4096)
     assert est.activations == 2 * chunk_input + 2 * layer + extras  # 2 checkpoints + a 2-layer window
-    assert est.logits == tokens * 4096 * 4
+    # Fused chunked loss: fp32 output-weight gradient + one chunk (all 128 tokens) of fp32 logits,
+    # exponentials and bf16 gradient.
+    assert est.logits == 4 * h * 4096 + tokens * 4096 * 10
     cfg.train.recompute_method, cfg.train.recompute_num_layers = "block", 1
     assert estimate_memory(cfg, 4096).activations == chunk_input + 3 * layer + layer + extras
 
@@ -208,7 +210,7 @@ def test_recompute_orders_totals():
 
 def test_sequence_parallel_and_context_parallel_reduce_activations():
     def acts(**fields):
-        return estimate_memory(config("llama3-8b", seq_length=4096, **fields), 128256)
+        return estimate_memory(config("llama3-8b", seq_length=4096, **fields), 128256, fused_loss=False)
 
     tp2 = acts(tensor_model_parallel_size=2)
     tp2_sp = acts(tensor_model_parallel_size=2, sequence_parallel=True)
@@ -220,14 +222,18 @@ def test_sequence_parallel_and_context_parallel_reduce_activations():
     assert cp2.logits == tp1.logits / 2 and cp2.activations == pytest.approx(tp1.activations / 2, rel=1e-6)
 
 
-def test_chunked_loss_drops_logits_and_fp32_doubles_activations():
-    cfg = config("llama3-1b", seq_length=4096)
-    assert estimate_memory(cfg, 128256, chunked_loss=True).logits == 0
-    bf16 = estimate_memory(cfg, 128256)
+def test_loss_memory_fused_and_unfused_and_fp32_doubles_activations():
+    cfg = config("llama3-1b", seq_length=4096, micro_batch_size=4)
+    tokens, v, h = 4 * 4096, 128256, 2048
+    assert estimate_memory(cfg, v, fused_loss=False).logits == tokens * v * 4  # fp32 logits kept
+    chunk = 2**28 // v  # the fused loss's chunk: about 1 GiB of fp32 logits
+    fused = estimate_memory(cfg, v)
+    assert fused.logits == 4 * h * v + chunk * v * 10
+    assert fused.logits < estimate_memory(cfg, v, fused_loss=False).logits
     cfg.train.device = "cpu"
-    fp32 = estimate_memory(cfg, 128256)
-    assert fp32.logits == bf16.logits
-    assert fp32.activations > 1.9 * bf16.activations
+    fp32 = estimate_memory(cfg, v)
+    assert fp32.logits == 4 * h * v + chunk * v * 8
+    assert fp32.activations > 1.9 * fused.activations
 
 
 def test_world_size_must_fit_the_layout():
@@ -242,7 +248,7 @@ def test_llama3_8b_figures_and_report():
     total_params = count_parameters(cfg.model, 128256)["total"]
     assert est.weights == 2 * total_params and est.optimizer_state == 6 * total_params
     assert est.activations == pytest.approx(32 * 2 * 4096 * 139_400, rel=0.01)  # 32 layers dominate
-    assert est.logits == 2 * 4096 * 128256 * 4
+    assert est.logits == 4 * 4096 * 128256 + (2**28 // 128256) * 128256 * 10
     d = est.as_dict()
     assert d["total"] == est.total == sum(d[k] for k in ("weights", "gradients", "optimizer_state",
                                                           "activations", "logits"))

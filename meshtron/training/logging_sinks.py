@@ -253,8 +253,8 @@ def format_train_line(record: dict, total_iters: int) -> str:
     width = len(str(total_iters))
     mfu = record["mfu"]
     mem = _fmt(record["peak_mem_gib"], ".2f", " GiB")
-    if record.get("peak_mem_allocated_gib") is not None:
-        mem += f" (allocated {_fmt(record['peak_mem_allocated_gib'], '.2f')})"
+    if record.get("peak_mem_reserved_gib") is not None:
+        mem += f" (reserved {_fmt(record['peak_mem_reserved_gib'], '.2f')})"
     step_ms = None if record["step_time_s"] is None else record["step_time_s"] * 1000.0
     parts = [
         f"iteration {record['iteration']:>{width}}/{total_iters}",
@@ -269,7 +269,7 @@ def format_train_line(record: dict, total_iters: int) -> str:
         f"mem: {mem}",
     ]
     for key, value in record.items():
-        if key in TRAIN_FIELDS or key in ("type", "peak_mem_allocated_gib"):
+        if key in TRAIN_FIELDS or key in ("type", "peak_mem_reserved_gib"):
             continue
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         parts.append(f"{key}: {_fmt(value, '.4g') if numeric else value}")
@@ -359,6 +359,14 @@ class TrainingLogger:
             print(msg, file=target, flush=True)
 
     # -- records ----------------------------------------------------------------------------
+
+    def resume_at(self, iteration: int) -> None:
+        """Start the progress bar (and its rate and ETA) at ``iteration``, e.g. after loading a checkpoint."""
+        if self._bar is not None:
+            bar = self._bar
+            bar.reset(total=self.total_iters)
+            bar.initial = bar.n = bar.last_print_n = iteration
+            bar.refresh()
 
     def advance(self, iteration: int) -> None:
         """Move the progress bar to ``iteration`` (cheap; call every iteration)."""

@@ -144,15 +144,16 @@ def perplexity(loss: float) -> float:
 def peak_memory_stats(device: torch.device) -> dict[str, float]:
     """Peak memory since the last reset, in GiB, as metrics-record fields.
 
-    On CUDA, ``peak_mem_gib`` is the allocator's peak reserved memory (what the process took
-    from the device; what decides an out-of-memory error, and what torchtitan prints) and
-    ``peak_mem_allocated_gib`` the peak of live tensors (what the memory estimate predicts).
+    On CUDA, ``peak_mem_gib`` is the peak of live tensors (``max_memory_allocated``: Megatron's
+    "max allocated", and what the memory estimate predicts) and ``peak_mem_reserved_gib`` the
+    caching allocator's peak reserved memory (what the process took from the device, what
+    decides an out-of-memory error, and what torchtitan prints as its memory).
     On a CPU, ``peak_mem_gib`` is the process's peak resident set size.
     """
     device = torch.device(device)
     if device.type == "cuda":
-        return {"peak_mem_gib": torch.cuda.max_memory_reserved(device) / 2**30,
-                "peak_mem_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+        return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "peak_mem_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
     return {"peak_mem_gib": rss_bytes / 2**30}

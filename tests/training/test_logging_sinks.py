@@ -94,11 +94,11 @@ def test_nonfinite_values_become_null_with_flag(tmp_path):
 def test_null_mfu_is_not_nonfinite_and_extra_keys_are_kept(tmp_path):
     path = tmp_path / "m.jsonl"
     with make_logger(metrics_file=str(path)) as log:
-        log.log_train(train_record(mfu=None, aux_loss=torch.tensor(0.01), peak_mem_allocated_gib=9.0))
+        log.log_train(train_record(mfu=None, aux_loss=torch.tensor(0.01), peak_mem_reserved_gib=14.0))
     (rec,) = read_metrics(str(path))
     assert rec["mfu"] is None and "nonfinite" not in rec
     assert rec["aux_loss"] == pytest.approx(0.01) and type(rec["aux_loss"]) is float
-    assert list(rec)[-2:] == ["aux_loss", "peak_mem_allocated_gib"]
+    assert list(rec)[-2:] == ["aux_loss", "peak_mem_reserved_gib"]
 
 
 @pytest.mark.parametrize("bad,exc,match", [
@@ -194,6 +194,18 @@ def test_progress_bar_on_a_terminal():
     assert "\r" in text  # redrawn in place
     assert "10/100" in text and "ETA" in text
     assert "iteration  10/100 | consumed samples: 80" in text  # the interval line is printed above the bar
+
+
+def test_progress_bar_resumes_at_a_checkpoint_iteration():
+    out = TTY()
+    with make_logger(stream=out, total=100) as log:
+        log.resume_at(40)
+        assert out.getvalue().rstrip().split("\r")[-1].startswith("training  40%")
+        log.advance(41)
+        log.advance(30)  # never moves backwards
+        bar = log._bar
+        assert (bar.initial, bar.n) == (40, 41)  # the rate and ETA count from the resumed iteration
+    assert "30/100" not in out.getvalue()
 
 
 @pytest.mark.parametrize("setting,stream_cls,expected", [

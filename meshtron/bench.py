@@ -1,0 +1,247 @@
+"""`meshtron bench`: throughput, MFU and memory of a matrix of configurations in one process launch.
+
+Every row is a set of `meshtron train` flags. Rows come from a YAML file
+(``rows:`` a list of {flag: value} dicts, ``base:`` flags shared by all) and/or
+from flags on the command line, where a comma-separated value expands into one
+row per value (``--micro-batch-size 4,8``). All rows of one launch share its
+world size (the parallel layout may differ as long as it fits the world).
+
+Each row trains on random tokens (``--mock-data``) for ``--warmup`` + ``--steps``
+iterations; warm-up iterations are excluded. The step-time split is measured
+afterwards in separate, synchronised passes (forward only; forward+backward; the
+data-parallel reduction), so it does not disturb the timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from meshtron.config import MeshtronConfig
+
+
+@dataclass
+class RandomTokens:
+    """A stand-in for the data bundle: fixed random micro-batches (no I/O in the timed loop)."""
+
+    vocab_size: int
+    seq_length: int
+    micro_batch_size: int
+    num_micro_batches: int
+    seed: int
+    tokenizer: Any = None
+    eod: Optional[int] = None
+
+    def _batch(self, index: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed + index)
+        tokens = torch.randint(0, self.vocab_size, (self.micro_batch_size, self.seq_length + 1), generator=g)
+        return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                "loss_mask": torch.ones(self.micro_batch_size, self.seq_length)}
+
+    def train_batches(self, start_iteration: int = 0) -> Iterator[list[dict]]:
+        batches = [self._batch(i) for i in range(self.num_micro_batches)]
+        while True:
+            yield batches
+
+    def valid_batches(self):
+        return None
+
+
+def expand_rows(base: list[str]) -> list[list[str]]:
+    """Expand comma-separated flag values into the cartesian product of argument lists."""
+    groups: list[list[list[str]]] = []
+    i = 0
+    while i < len(base):
+        arg = base[i]
+        values = []
+        j = i + 1
+        while j < len(base) and not base[j].startswith("--"):
+            values.append(base[j])
+            j += 1
+        if len(values) == 1 and "," in values[0]:
+            groups.append([[arg, v] for v in values[0].split(",")])
+        else:
+            groups.append([[arg] + values])
+        i = j
+    return [[tok for part in combo for tok in part] for combo in itertools.product(*groups)] if groups else [[]]
+
+
+def yaml_rows(path: str) -> tuple[list[str], list[list[str]]]:
+    import yaml
+
+    with open(path) as f:
+        doc = yaml.safe_load(f) or {}
+
+    def to_argv(d: dict) -> list[str]:
+        out: list[str] = []
+        for key, value in d.items():
+            flag = "--" + str(key).replace("_", "-")
+            if isinstance(value, bool):
+                out.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, list):
+                out += [flag] + [str(v) for v in value]
+            elif value is not None:
+                out += [flag, str(value)]
+        return out
+
+    return to_argv(doc.get("base", {})), [to_argv(r) for r in doc.get("rows", [])]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_row(argv: list[str], warmup: int, steps: int) -> dict:
+    """Build the configuration, train ``warmup + steps`` iterations, and measure."""
+    from meshtron.cli import build_config
+    from meshtron.memory import estimate_memory
+    from meshtron.parallel.context import build_parallel_context
+    from meshtron.training.trainer import Trainer
+
+    cfg: MeshtronConfig = build_config(["--mock-data", "--eval-interval", "0", "--train-iters",
+                                        str(warmup + steps), "--log-interval", str(10**9)] + argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world)
+    p = cfg.parallel
+    ctx = build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
+                                 p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                                 device=cfg.train.device, backend=p.distributed_backend,
+                                 timeout_minutes=p.distributed_timeout_minutes)
+    dev = ctx.device
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    t = cfg.train
+    n_micro = t.global_batch_size // (t.micro_batch_size * ctx.dp)
+    vocab = cfg.model.vocab_size or 32000
+    data = RandomTokens(vocab, cfg.model.seq_length, t.micro_batch_size, n_micro, t.seed)
+    trainer = Trainer(cfg, ctx, data=data)
+    batches = next(data.train_batches())
+    times = []
+    for it in range(1, warmup + steps + 1):
+        _sync(dev)
+        start = time.perf_counter()
+        trainer.train_step(batches, it)
+        _sync(dev)
+        times.append(time.perf_counter() - start)
+    step = statistics.median(times[warmup:])
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+
+    # Step-time split, in separate synchronised passes.
+    def timed(fn, repeat=3) -> float:
+        vals = []
+        for _ in range(repeat):
+            _sync(dev)
+            s = time.perf_counter()
+            fn()
+            _sync(dev)
+            vals.append(time.perf_counter() - s)
+        return statistics.median(vals)
+
+    mbs = trainer._prepare(batches)
+    fwd = timed(lambda: trainer.schedule(trainer.model_chunks, [dict(m) for m in mbs], forward_only=True))
+
+    def fwd_bwd():
+        trainer.grad_buffer.zero()
+        trainer.schedule(trainer.model_chunks, [dict(m) for m in mbs])
+
+    fwdbwd = timed(fwd_bwd)
+    comm = timed(trainer.grad_sync.finish) if ctx.dp * ctx.cp > 1 else 0.0
+    tokens = t.global_batch_size * cfg.model.seq_length
+    tok_s_gpu = tokens / step / ctx.world_size
+    tflops = tok_s_gpu * trainer.flops_per_token / 1e12
+    est = estimate_memory(cfg, vocab)
+    row = {
+        "model": cfg.model.model or "custom", "layout": ctx.describe(), "micro_batch": t.micro_batch_size,
+        "global_batch": t.global_batch_size, "seq": cfg.model.seq_length,
+        "recompute": t.recompute_granularity or "none", "precision": (f"fp8-{t.fp8_format}" if t.fp8_format
+                                                                      else ("bf16" if t.bf16 else "fp32")),
+        "compile": bool(t.compile), "step_s": step, "tokens_per_sec_per_gpu": tok_s_gpu, "tflops_per_gpu": tflops,
+        "mfu": tflops / trainer.peak_tflops if trainer.peak_tflops else None, "peak_mem_gib": peak,
+        "est_mem_gib": est.total / 2**30, "forward_s": fwd, "backward_s": max(0.0, fwdbwd - fwd),
+        "optimizer_s": max(0.0, step - fwdbwd - comm), "exposed_comm_s": comm, "argv": " ".join(argv),
+    }
+    del trainer, mbs, batches
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if dist.is_initialized():
+        dist.barrier()
+    return row
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    cols = [("model", "model", "{}"), ("layout", "layout", "{}"), ("mbs", "micro_batch", "{}"),
+            ("gbs", "global_batch", "{}"), ("seq", "seq", "{}"), ("recompute", "recompute", "{}"),
+            ("prec", "precision", "{}"), ("tok/s/GPU", "tokens_per_sec_per_gpu", "{:,.0f}"),
+            ("TFLOP/s", "tflops_per_gpu", "{:.1f}"), ("MFU", "mfu", "{:.1%}"), ("peak GiB", "peak_mem_gib", "{:.1f}"),
+            ("est GiB", "est_mem_gib", "{:.1f}"), ("step ms", "step_s", "{:.0f}"), ("fwd ms", "forward_s", "{:.0f}"),
+            ("bwd ms", "backward_s", "{:.0f}"), ("opt ms", "optimizer_s", "{:.0f}"), ("comm ms", "exposed_comm_s", "{:.0f}")]
+    ms_keys = {"step_s", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s"}
+
+    def cell(r, key, fmt):
+        v = r.get(key)
+        if v is None:
+            return "-"
+        if "error" in r and key not in ("model", "layout"):
+            return "-"
+        return fmt.format(v * 1000 if key in ms_keys else v)
+
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        line = "| " + " | ".join(cell(r, k, f) for _, k, f in cols) + " |"
+        if "error" in r:
+            line += f" {r['error']}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="meshtron bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--matrix", help="YAML file with base: {flags} and rows: [{flags}, ...]")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per row")
+    parser.add_argument("--steps", type=int, default=10, help="timed iterations per row (median reported)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
+    parser.add_argument("--out", help="also append the rows as JSON lines to this file")
+    args, rest = parser.parse_known_args(list(argv))
+    base, rows = ([], [[]])
+    if args.matrix:
+        base, rows = yaml_rows(args.matrix)
+        rows = rows or [[]]
+    argvs = [a for r in rows for a in expand_rows(base + r + rest)]
+    results = []
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    for row_argv in argvs:
+        try:
+            row = bench_row(row_argv, args.warmup, args.steps)
+        except torch.OutOfMemoryError:
+            row = {"argv": " ".join(row_argv), "error": "out of memory"}
+            gc.collect()
+            torch.cuda.empty_cache()
+        results.append(row)
+        if rank0:
+            print(json.dumps(row) if args.json else f"done: {row.get('argv')}", flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    if rank0 and not args.json:
+        print(format_table(results))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(bench_main(sys.argv[1:]))
