@@ -255,6 +255,7 @@ def format_train_line(record: dict, total_iters: int) -> str:
     mem = _fmt(record["peak_mem_gib"], ".2f", " GiB")
     if record.get("peak_mem_reserved_gib") is not None:
         mem += f" (reserved {_fmt(record['peak_mem_reserved_gib'], '.2f')})"
+    tflops = record["tflops_per_gpu"]
     step_ms = None if record["step_time_s"] is None else record["step_time_s"] * 1000.0
     parts = [
         f"iteration {record['iteration']:>{width}}/{total_iters}",
@@ -264,7 +265,7 @@ def format_train_line(record: dict, total_iters: int) -> str:
         f"grad norm: {_fmt(record['grad_norm'], '.3f')}",
         f"step: {_fmt(step_ms, '.1f', ' ms')}",
         f"tok/s/GPU: {_fmt(record['tokens_per_sec_per_gpu'], ',.0f')}",
-        f"TFLOP/s/GPU: {_fmt(record['tflops_per_gpu'], '.1f')}",
+        f"TFLOP/s/GPU: {_fmt(tflops, '.1f' if tflops is not None and abs(tflops) >= 10 else '.3g')}",
         f"MFU: {_fmt(None if mfu is None else mfu * 100.0, '.1f', '%')}",
         f"mem: {mem}",
     ]

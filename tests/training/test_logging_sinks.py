@@ -176,11 +176,12 @@ def test_console_plain_mode_when_not_a_terminal():
     assert err.getvalue() == "WARNING: skipped a step\n"
 
 
-def test_console_shows_nan_and_missing_mfu():
+def test_console_shows_nan_missing_mfu_and_small_tflops():
     out = NotTTY()
     with make_logger(stream=out) as log:
-        log.log_train(train_record(loss=float("nan"), mfu=None))
+        log.log_train(train_record(loss=float("nan"), mfu=None, tflops_per_gpu=0.003854))
     assert "loss: nan" in out.getvalue() and "MFU: n/a" in out.getvalue()
+    assert "TFLOP/s/GPU: 0.00385" in out.getvalue()
 
 
 def test_progress_bar_on_a_terminal():
