@@ -1,0 +1,255 @@
+"""``load_checkpoint``: restore a checkpoint into any parallel layout; ``load_for_inference`` for one device."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshtron.checkpoint import coordination, layout
+from meshtron.checkpoint.async_save import process_writer
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.checkpoint.metadata import (
+    META_FILE, TOKENIZER_DIR, compare_signatures, compare_tensors, model_signature, read_config, read_meta, read_rng,
+    training_state_from_dict,
+)
+from meshtron.checkpoint.pieces import (
+    MODEL_PREFIX, OPTIM_PREFIX, OPTIM_STATES, canonical_name, model_chunks as model_chunk_list, optimizer_chunks,
+    to_state_dict,
+)
+from meshtron.checkpoint.save import model_vocab_size
+from meshtron.checkpoint.writer import quiet_single_process_notice
+from meshtron.config import MeshtronConfig
+from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.sharding import SPEC_ATTR, spec_of
+from meshtron.training.state import TrainingState
+
+logger = logging.getLogger(__name__)
+
+#: With more tensor differences than this (and model fields that differ), the tensor list is summarised.
+_MAX_TENSOR_LINES_WITH_FIELD_DIFFS = 3
+
+
+def resolve_checkpoint(path: str | Path) -> Optional[Path]:
+    """The checkpoint directory that ``path`` designates, or None if it holds none yet.
+
+    ``path`` is a save directory (the pointer file names the iteration) or one
+    ``iter_N`` directory. A save directory without a pointer but with complete
+    checkpoints (a save killed just before the pointer moved) gives the newest one.
+    """
+    p = Path(path)
+    if (p / META_FILE).is_file():
+        return p
+    if not p.is_dir():
+        return None
+    iteration = layout.read_latest(p)
+    if iteration is None:
+        complete = layout.list_iterations(p)
+        if not complete:
+            return None
+        iteration = complete[-1]
+    d = layout.iteration_dir(p, iteration)
+    if not (d / META_FILE).is_file():
+        raise CheckpointError(f"{p / layout.LATEST_FILE} names iteration {iteration}, but {d} is missing or "
+                              "incomplete")
+    return d
+
+
+def _saved_shapes(ckpt_dir: Path) -> dict[str, tuple]:
+    md = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _required_model_shapes(models: Sequence[nn.Module]) -> dict[str, tuple]:
+    """{canonical name: full shape} of every tensor this rank's model chunks need."""
+    out: dict[str, tuple] = {}
+    for model in models:
+        for _, param in model.named_parameters():
+            if getattr(param, SPEC_ATTR, None) is None:
+                continue  # reported by model_chunks()
+            for piece in spec_of(param).pieces:
+                out[piece.name] = tuple(piece.full_shape)
+    return out
+
+
+def check_compatibility(ckpt_dir: Path, meta: dict, saved: dict[str, tuple], models: Sequence[nn.Module],
+                        cfg: MeshtronConfig, group, need_optimizer: bool) -> None:
+    """Raise CheckpointError listing every difference between the checkpoint and this run's model."""
+    field_diffs = compare_signatures(meta.get("model", {}), model_signature(cfg.model, model_vocab_size(models, cfg)))
+    required: dict[str, tuple] = {}
+    for part in coordination.all_gather_object(_required_model_shapes(models), group):
+        required.update(part)  # the whole model: each pipeline stage knows only its own tensors
+    saved_model = {canonical_name(k): s for k, s in saved.items() if k.startswith(MODEL_PREFIX)}
+    tensor_diffs = compare_tensors(saved_model, required)
+    if need_optimizer:
+        for state in OPTIM_STATES:
+            saved_state = {canonical_name(k): s for k, s in saved.items() if k.startswith(f"{OPTIM_PREFIX}{state}.")}
+            tensor_diffs += [d for d in compare_tensors(saved_state, required, f"optimizer {state}")
+                             if "missing" in d]
+    if field_diffs and len(tensor_diffs) > _MAX_TENSOR_LINES_WITH_FIELD_DIFFS:
+        shown = tensor_diffs[:_MAX_TENSOR_LINES_WITH_FIELD_DIFFS]
+        tensor_diffs = shown + [f"... and {len(tensor_diffs) - len(shown)} more tensor differences that follow "
+                                "from the fields above"]
+    diffs = field_diffs + tensor_diffs
+    if diffs:
+        raise CheckpointError(f"the checkpoint {ckpt_dir} does not match this model", diffs)
+
+
+def _dcp_load(state_dict: dict, ckpt_dir: Path, group, no_dist: bool) -> None:
+    if not state_dict:
+        return
+    try:
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(ckpt_dir)), process_group=group,
+                 no_dist=no_dist)
+    except Exception as err:
+        raise CheckpointError(f"reading tensors from {ckpt_dir} failed: {err}") from err
+
+
+def load_model_tensors(models: Sequence[nn.Module], ckpt_dir: Path, group=None, no_dist: Optional[bool] = None) -> None:
+    """Copy the checkpoint's model tensors into this rank's parameters (in place, any layout)."""
+    no_dist = group is None if no_dist is None else no_dist
+    with torch.no_grad():
+        _dcp_load(to_state_dict(model_chunk_list(models)), ckpt_dir, group, no_dist)
+
+
+def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int) -> None:
+    """Fill the optimizer's masters and moments from the checkpoint (collective over DP for a distributed one)."""
+    optimizer.ensure_state()
+    per_param = [optimizer.state_tensors(i) for i in range(len(optimizer.params))]
+    holder = _StateTensors(optimizer, per_param)
+    with torch.no_grad():
+        _dcp_load(to_state_dict(optimizer_chunks(holder)), ckpt_dir, group, group is None)
+        for i, tensors in enumerate(per_param):
+            optimizer.load_state_tensors(i, {k: tensors[k] for k in OPTIM_STATES})
+    optimizer.set_step_count(step_count)
+
+
+class _StateTensors:
+    """The optimizer's state tensors, fetched once, seen through the optimizer's interface."""
+
+    def __init__(self, optimizer, per_param: list[dict]):
+        self.params = optimizer.params
+        self._per_param = per_param
+
+    def state_tensors(self, index: int) -> dict:
+        return self._per_param[index]
+
+
+def _masters_from_weights(optimizer) -> None:
+    """Without optimizer state to load, the fp32 masters must follow the loaded weights."""
+    with torch.no_grad():
+        for i, param in enumerate(optimizer.params):
+            optimizer.load_state_tensors(i, {"master": param.detach().float()})
+
+
+def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx: ParallelContext,
+                    cfg: MeshtronConfig, *, load_optim: bool = True, load_rng: bool = True) -> Optional[TrainingState]:
+    """Load the latest checkpoint of ``load_dir`` into this run's layout (collective: every rank calls it).
+
+    Returns the saved TrainingState (``rng`` = this rank's saved RNG states, None when
+    not restored: ``load_rng`` False or another world size), or None when ``load_dir``
+    holds no checkpoint yet. Model tensors always load; the optimizer's masters and
+    moments load when ``optimizer`` is given, ``load_optim`` is true and the checkpoint
+    has them, otherwise the masters are set from the loaded weights. Raises
+    CheckpointError listing every difference when the checkpoint's model differs.
+    """
+    process_writer().wait()  # never read while this process is still writing
+    quiet_single_process_notice()
+    group = coordination.checkpoint_group(ctx)
+    no_dist = group is None
+    lead = coordination.rank() == 0
+    ckpt_dir = resolve_checkpoint(load_dir)
+    if ckpt_dir is None:
+        return None
+    meta = read_meta(ckpt_dir)
+    saved = _saved_shapes(ckpt_dir)
+    has_optim = bool(meta.get("optimizer", {}).get("present"))
+    want_optim = optimizer is not None and load_optim and has_optim
+    check_compatibility(ckpt_dir, meta, saved, model_chunks, cfg, group, want_optim)
+
+    load_model_tensors(model_chunks, ckpt_dir, group, no_dist)
+    if want_optim:
+        _load_optimizer(optimizer, ckpt_dir, group, int(meta["optimizer"]["step_count"]))
+    elif optimizer is not None:
+        if load_optim and lead:
+            logger.warning("checkpoint %s has no optimizer state: Adam moments start from zero", ckpt_dir)
+        optimizer.ensure_state()
+        _masters_from_weights(optimizer)
+
+    state = training_state_from_dict(meta["training_state"])
+    state.rng = _load_rng(ckpt_dir, meta, group, lead) if load_rng else None
+    return state
+
+
+def _load_rng(ckpt_dir: Path, meta: dict, group, lead: bool) -> Optional[dict]:
+    saved_world = int(meta.get("rng", {}).get("world_size", meta.get("layout", {}).get("world_size", 0)))
+    world = coordination.world_size()
+    if saved_world != world:
+        if lead:
+            logger.warning("checkpoint %s was written by %d processes, this run has %d: random-number-generator "
+                           "states are not restored", ckpt_dir, saved_world, world)
+        return None
+    rank = coordination.rank()
+    result, error = None, None
+    try:
+        result = read_rng(ckpt_dir, rank)
+    except CheckpointError as err:
+        error = str(err)
+    coordination.agree_or_raise(error, group, f"loading RNG states from {ckpt_dir} failed")
+    return result
+
+
+def latest_checkpoint_config(load_dir: str | Path) -> Optional[MeshtronConfig]:
+    """The run configuration saved with the checkpoint ``load_dir`` designates (None if there is none)."""
+    ckpt_dir = resolve_checkpoint(load_dir)
+    return read_config(ckpt_dir) if ckpt_dir is not None else None
+
+
+def build_empty_model(cfg: MeshtronConfig, vocab_size: int, device: torch.device, dtype: torch.dtype,
+                      ctx: Optional[ParallelContext] = None) -> nn.Module:
+    """A whole (one-stage, one-device) GPTModel with zeroed parameters, ready to receive a checkpoint."""
+    from meshtron.model import GPTModel
+
+    ctx = ctx or ParallelContext(device=device)
+    model = GPTModel(cfg.model, ctx, vocab_size)
+    specs = {name: spec_of(p) for name, p in model.named_parameters()}
+    model.to_empty(device=device)  # new Parameter objects: re-attach the sharding descriptions
+    for name, param in model.named_parameters():
+        param.data = torch.zeros(param.shape, dtype=dtype, device=device)
+        setattr(param, SPEC_ATTR, specs[name])
+    return model
+
+
+def load_for_inference(load_dir: str | Path, device: torch.device | str = "cpu",
+                       dtype: Optional[torch.dtype] = None):
+    """(model, tokenizer or None) from a checkpoint of any layout, on one device, in eval mode.
+
+    ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. The weights are the model
+    tensors of the checkpoint (converted to ``dtype``).
+    """
+    quiet_single_process_notice()
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ckpt_dir = resolve_checkpoint(load_dir)
+    if ckpt_dir is None:
+        raise CheckpointError(f"no checkpoint found in {load_dir} (expected a 'latest' file or an iter_N directory)")
+    meta = read_meta(ckpt_dir)
+    cfg = read_config(ckpt_dir)
+    vocab = meta.get("model", {}).get("vocab_size") or cfg.model.vocab_size
+    if not vocab:
+        raise CheckpointError(f"{ckpt_dir / META_FILE} does not record the vocabulary size")
+    model = build_empty_model(cfg, int(vocab), device, dtype)
+    check_compatibility(ckpt_dir, meta, _saved_shapes(ckpt_dir), [model], cfg, None, False)
+    load_model_tensors([model], ckpt_dir, None, no_dist=True)
+    model.eval()
+    tokenizer = None
+    if (ckpt_dir / TOKENIZER_DIR).is_dir():
+        from meshtron.data.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(ckpt_dir / TOKENIZER_DIR)
+    return model, tokenizer

@@ -1,0 +1,198 @@
+"""What a checkpoint says about itself, and how a run is matched against it.
+
+Each checkpoint directory holds, besides the DCP tensor files:
+
+* ``meshtron_checkpoint.json``: format version, iteration, training progress, the
+  optimizer's step count, the model signature (the shape fields below), the
+  layout that wrote it (for information only: loading does not depend on it);
+* ``config.yaml``: the whole run configuration (``cfg.to_dict()``);
+* ``rng/rank_NNNNN.pt``: each rank's random-number-generator states;
+* ``tokenizer/``: the tokenizer, when the run had one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import yaml
+
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.config import SECTIONS, MeshtronConfig, ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads
+from meshtron.training.state import TrainingState
+
+FORMAT_NAME = "meshtron-dcp"
+FORMAT_VERSION = 1
+META_FILE = "meshtron_checkpoint.json"
+CONFIG_FILE = "config.yaml"
+RNG_DIR = "rng"
+TOKENIZER_DIR = "tokenizer"
+
+
+def model_signature(m: ModelConfig, vocab_size: Optional[int]) -> dict[str, Any]:
+    """The model fields that must agree between a checkpoint and the run loading it (derived values resolved)."""
+    sig: dict[str, Any] = {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": num_kv_heads(m),
+        "kv_channels": head_dim(m),
+        "ffn_hidden_size": ffn_size(m),
+        "vocab_size": vocab_size if vocab_size is not None else m.vocab_size,
+        "normalization": m.normalization,
+        "swiglu": bool(m.swiglu),
+        "position_embedding_type": m.position_embedding_type,
+        "untie_embeddings_and_output_weights": bool(m.untie_embeddings_and_output_weights),
+        "disable_bias_linear": bool(m.disable_bias_linear),
+        "add_qkv_bias": bool(m.add_qkv_bias),
+        "num_experts": m.num_experts,
+    }
+    if m.position_embedding_type == "learned_absolute":
+        sig["max_position_embeddings"] = m.max_position_embeddings or m.seq_length
+    if m.num_experts:
+        sig["moe_ffn_hidden_size"] = m.moe_ffn_hidden_size or ffn_size(m)
+        sig["moe_shared_expert_intermediate_size"] = m.moe_shared_expert_intermediate_size
+        sig["moe_layer_freq"] = m.moe_layer_freq
+    return sig
+
+
+def compare_signatures(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per model field that differs (saved checkpoint vs this run)."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if a != b:
+            out.append(f"{key} ({flag_name(key)}): checkpoint {a!r}, this run {b!r}")
+    return out
+
+
+def compare_tensors(saved: dict[str, tuple], required: dict[str, tuple], what: str = "tensor") -> list[str]:
+    """One line per tensor missing from the checkpoint, present only in the checkpoint, or of another shape."""
+    out = []
+    for name in sorted(set(required) - set(saved)):
+        out.append(f"{what} {name} {tuple(required[name])} is missing from the checkpoint")
+    for name in sorted(set(saved) - set(required)):
+        out.append(f"{what} {name} {tuple(saved[name])} is in the checkpoint but not in this model")
+    for name in sorted(set(saved) & set(required)):
+        if tuple(saved[name]) != tuple(required[name]):
+            out.append(f"{what} {name}: checkpoint shape {tuple(saved[name])}, this model {tuple(required[name])}")
+    return out
+
+
+def training_state_dict(state: TrainingState) -> dict[str, Any]:
+    """The JSON-serialisable part of a TrainingState (everything but the RNG states)."""
+    out = {"iteration": int(state.iteration), "consumed_samples": int(state.consumed_samples),
+           "nonfinite_in_a_row": int(state.nonfinite_in_a_row), "skipped_iterations": int(state.skipped_iterations),
+           "extra": state.extra}
+    try:
+        json.dumps(out)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"TrainingState.extra must be JSON-serialisable to be checkpointed ({err})") from None
+    return out
+
+
+def training_state_from_dict(d: dict[str, Any]) -> TrainingState:
+    return TrainingState(iteration=int(d["iteration"]), consumed_samples=int(d["consumed_samples"]),
+                         nonfinite_in_a_row=int(d.get("nonfinite_in_a_row", 0)),
+                         skipped_iterations=int(d.get("skipped_iterations", 0)), extra=dict(d.get("extra") or {}))
+
+
+def config_yaml(cfg: Optional[MeshtronConfig]) -> str:
+    return yaml.safe_dump(cfg.to_dict() if cfg is not None else {}, sort_keys=False)
+
+
+def config_from_dict(values: dict[str, Any]) -> MeshtronConfig:
+    """A MeshtronConfig holding the saved values (keys unknown to this version are ignored)."""
+    cfg = MeshtronConfig()
+    known = {f for cls in SECTIONS.values() for f in cls.__dataclass_fields__}
+    for key, value in values.items():
+        if key in known:
+            cfg.set(key, value)
+    return cfg
+
+
+def read_config(ckpt_dir: str | Path) -> MeshtronConfig:
+    """The run configuration saved in a checkpoint directory."""
+    f = Path(ckpt_dir) / CONFIG_FILE
+    try:
+        values = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise CheckpointError(f"{f} is missing: {ckpt_dir} is not a complete meshtron checkpoint") from None
+    except yaml.YAMLError as err:
+        raise CheckpointError(f"{f} is not valid YAML ({err})") from None
+    return config_from_dict(values)
+
+
+def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``meshtron_checkpoint.json``, checked for a known format."""
+    f = Path(ckpt_dir) / META_FILE
+    try:
+        meta = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{f} is missing: {ckpt_dir} is not a complete meshtron checkpoint") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{f} is not valid JSON ({err})") from None
+    if meta.get("format") != FORMAT_NAME or int(meta.get("version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(f"{f}: unsupported checkpoint format {meta.get('format')!r} version "
+                              f"{meta.get('version')!r} (this meshtron reads {FORMAT_NAME} up to version "
+                              f"{FORMAT_VERSION})")
+    return meta
+
+
+def meta_json(meta: dict[str, Any]) -> bytes:
+    return (json.dumps(meta, indent=2, sort_keys=False) + "\n").encode()
+
+
+def layout_dict(ctx) -> dict[str, int]:
+    return {"world_size": ctx.world_size, "tp": ctx.tp, "cp": ctx.cp, "dp": ctx.dp, "pp": ctx.pp, "ep": ctx.ep}
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states, stored so that ``torch.load(weights_only=True)`` can read them back.
+# ---------------------------------------------------------------------------------------------
+
+_NDARRAY = "__ndarray__"
+
+
+def _encode(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return {_NDARRAY: torch.from_numpy(np.ascontiguousarray(obj)).clone()}
+    if isinstance(obj, dict):
+        return {k: _encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_encode(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    return obj
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {_NDARRAY}:
+            return obj[_NDARRAY].numpy()
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_decode(v) for v in obj)
+    return obj
+
+
+def rng_file(ckpt_dir: str | Path, rank: int) -> Path:
+    return Path(ckpt_dir) / RNG_DIR / f"rank_{rank:05d}.pt"
+
+
+def rng_bytes(rng_state: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save(_encode(rng_state), buf)
+    return buf.getvalue()
+
+
+def read_rng(ckpt_dir: str | Path, rank: int) -> dict:
+    f = rng_file(ckpt_dir, rank)
+    try:
+        return _decode(torch.load(f, map_location="cpu", weights_only=True))
+    except FileNotFoundError:
+        raise CheckpointError(f"{f} is missing (RNG state of rank {rank}); load with --no-load-rng to skip it") from None
