@@ -52,7 +52,7 @@ def make_micro_batch(samples: np.ndarray, opts: BatchOptions) -> dict[str, torch
     labels = np.ascontiguousarray(samples[:, 1:])
     mbs, seq = tokens.shape
     loss_mask = np.ones((mbs, seq), dtype=np.float32)
-    positions = np.broadcast_to(np.arange(seq, dtype=np.int64), (mbs, seq))
+    positions = np.repeat(np.arange(seq, dtype=np.int64)[None, :], mbs, axis=0)
     out: dict[str, np.ndarray] = {}
     if opts.eod is not None and (opts.reset_position_ids or opts.reset_attention_mask or opts.eod_mask_loss):
         is_eod = tokens == opts.eod
@@ -69,7 +69,7 @@ def make_micro_batch(samples: np.ndarray, opts: BatchOptions) -> dict[str, torch
             # Document id = number of end-of-document tokens strictly before the position.
             counts = np.cumsum(is_eod, axis=1, dtype=np.int32)
             out["document_ids"] = counts - is_eod.astype(np.int32)
-    out.update(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=np.ascontiguousarray(positions))
+    out.update(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=positions)
     batch = {k: torch.from_numpy(v) for k, v in out.items()}
     if opts.pin_memory:
         batch = {k: v.pin_memory() for k, v in batch.items()}

@@ -54,8 +54,6 @@ class DataBundle:
     description: str = ""
 
     def _sampler(self, dataset: SampleSource) -> RankSampler:
-        if not self.is_data_rank:
-            raise RuntimeError("this rank reads no data (built with is_data_rank=False)")
         return RankSampler(dataset, self.global_batch_size, self.micro_batch_size, self.dp_rank, self.dp_size,
                            self.options)
 
@@ -64,7 +62,15 @@ class DataBundle:
         if self.train is None:
             raise RuntimeError("no training data was built")
         sampler = self._sampler(self.train)
-        return iterate(sampler, start_iteration, min(self.train_iters, sampler.num_iterations), self.num_workers)
+        stop = min(self.train_iters, sampler.num_iterations)
+        if not self.is_data_rank:
+            return self._placeholders(start_iteration, stop)
+        return iterate(sampler, start_iteration, stop, self.num_workers)
+
+    def _placeholders(self, start: int, stop: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """What ranks that read no data get: one empty dict per micro-batch, per iteration."""
+        num_micro = self.global_batch_size // (self.dp_size * self.micro_batch_size)
+        return ([{} for _ in range(num_micro)] for _ in range(start, stop))
 
     def valid_batches(self) -> Optional[Iterator[list[dict[str, torch.Tensor]]]]:
         """``eval_iters`` iterations of validation micro-batches, always from validation sample 0
@@ -79,7 +85,10 @@ class DataBundle:
         if dataset is None or self.eval_iters <= 0:
             return None
         sampler = self._sampler(dataset)
-        return iterate(sampler, 0, min(self.eval_iters, sampler.num_iterations), num_workers=0)
+        stop = min(self.eval_iters, sampler.num_iterations)
+        if not self.is_data_rank:
+            return self._placeholders(0, stop)
+        return iterate(sampler, 0, stop, num_workers=0)
 
 
 def parse_weighted_paths(values: Sequence[str], flag: str) -> tuple[Optional[list[float]], list[str]]:
@@ -113,8 +122,8 @@ class _Component:
     weight: Optional[float]
 
 
-def _rank_zero_first(build: Callable[[], T], is_data_rank: bool) -> Optional[T]:
-    """Run ``build`` on global rank 0 first (it writes the caches), then on the other data ranks."""
+def _rank_zero_first(build: Callable[[], T]) -> T:
+    """Run ``build`` on global rank 0 first (it writes the caches), then on the other ranks (which read them)."""
     initialised, rank = dist_state()
     if not initialised:
         return build()
@@ -127,7 +136,7 @@ def _rank_zero_first(build: Callable[[], T], is_data_rank: bool) -> Optional[T]:
     barrier()
     if failure is not None:
         raise failure
-    if rank != 0 and is_data_rank:
+    if rank != 0:
         result = build()
     return result
 
@@ -208,9 +217,10 @@ class _FileDatasets:
 def build_data(cfg: "MeshtronConfig", dp_rank: int, dp_size: int, *, is_data_rank: bool = True) -> DataBundle:
     """The tokenizer and this data-parallel rank's batch iterators for a run.
 
-    Call it on every rank: with torch.distributed initialised it synchronises once so that global
-    rank 0 builds any missing cache (default corpus, dataset index arrays) before the others read.
-    Ranks with ``is_data_rank=False`` (middle pipeline stages) build nothing but the tokenizer.
+    Call it on every rank: with torch.distributed initialised it synchronises so that global rank 0
+    builds any missing cache (default corpus, dataset index arrays) before the others read them.
+    Ranks with ``is_data_rank=False`` (middle pipeline stages) know the datasets' sizes but never read
+    a sample: their iterators yield one empty dict per micro-batch.
     """
     d, m, t = cfg.data, cfg.model, cfg.train
     G = t.global_batch_size or t.micro_batch_size * dp_size
@@ -241,10 +251,8 @@ def build_data(cfg: "MeshtronConfig", dp_rank: int, dp_size: int, *, is_data_ran
                 logger.warning("the default corpus uses its own tokenizer; tokenizer flags apply to --data-path only")
         vocab = tokenizer.vocab_size
         files = _FileDatasets(cfg, default_prefix, samples)
-        datasets = _rank_zero_first(files.build, is_data_rank) or {s: None for s in SPLIT_NAMES}
+        datasets = _rank_zero_first(files.build)
         description = source
-    if not is_data_rank:
-        datasets = {s: None for s in SPLIT_NAMES}
     eod = tokenizer.eod if tokenizer is not None else None
     options = BatchOptions(eod=eod, vocab_size=vocab if tokenizer is not None else None,
                            reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
