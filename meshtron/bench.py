@@ -226,8 +226,8 @@ def bench_main(argv: Sequence[str]) -> int:
     for row_argv in argvs:
         try:
             row = bench_row(row_argv, args.warmup, args.steps)
-        except torch.OutOfMemoryError:
-            row = {"argv": " ".join(row_argv), "error": "out of memory"}
+        except torch.OutOfMemoryError as err:
+            row = {"argv": " ".join(row_argv), "error": "out of memory: " + str(err).split(".")[0][:120]}
             gc.collect()
             torch.cuda.empty_cache()
         results.append(row)
