@@ -24,7 +24,7 @@ import logging
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -51,6 +51,7 @@ class DefaultCorpus:
     """A built default corpus: an indexed-dataset prefix and the tokenizer it was made with."""
 
     directory: Path
+    built_here: bool = field(default=False, compare=False)  # whether this process built it
 
     @property
     def prefix(self) -> str:
@@ -148,14 +149,13 @@ def ensure_default_corpus(cache_root: Optional[Path] = None, vocab_size: int = D
         raise DataError(f"the default corpus found no .py files under {root}; give --data-path "
                         "(or --mock-data --vocab-size N)")
     target = (cache_root or user_cache_dir()) / "default_corpus" / corpus_key(sources, vocab_size, max_bytes)
-    corpus = DefaultCorpus(target)
 
     def is_built() -> bool:
-        return (target / "manifest.json").is_file() and dataset_exists(corpus.prefix)
+        return (target / "manifest.json").is_file() and dataset_exists(DefaultCorpus(target).prefix)
 
     try:
-        build_once(is_built, lambda: _build(root, sources, vocab_size, target))
+        built = build_once(is_built, lambda: _build(root, sources, vocab_size, target))
     except PermissionError as exc:
         raise DataError(f"cannot write the default corpus cache {target}: {exc.strerror}; set MESHTRON_CACHE to a "
                         "writable directory") from None
-    return corpus
+    return DefaultCorpus(target, built_here=built)
