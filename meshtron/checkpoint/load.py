@@ -31,9 +31,6 @@ from meshtron.training.state import TrainingState
 
 logger = logging.getLogger(__name__)
 
-#: With more tensor differences than this (and model fields that differ), the tensor list is summarised.
-_MAX_TENSOR_LINES_WITH_FIELD_DIFFS = 3
-
 
 def resolve_checkpoint(path: str | Path) -> Optional[Path]:
     """The checkpoint directory that ``path`` designates, or None if it holds none yet.
@@ -89,12 +86,9 @@ def check_compatibility(ckpt_dir: Path, meta: dict, saved: dict[str, tuple], mod
     if need_optimizer:
         for state in OPTIM_STATES:
             saved_state = {canonical_name(k): s for k, s in saved.items() if k.startswith(f"{OPTIM_PREFIX}{state}.")}
-            tensor_diffs += [d for d in compare_tensors(saved_state, required, f"optimizer {state}")
+            present = {n: s for n, s in required.items() if n in saved_model}  # model-level gaps are listed once
+            tensor_diffs += [d for d in compare_tensors(saved_state, present, f"optimizer {state}")
                              if "missing" in d]
-    if field_diffs and len(tensor_diffs) > _MAX_TENSOR_LINES_WITH_FIELD_DIFFS:
-        shown = tensor_diffs[:_MAX_TENSOR_LINES_WITH_FIELD_DIFFS]
-        tensor_diffs = shown + [f"... and {len(tensor_diffs) - len(shown)} more tensor differences that follow "
-                                "from the fields above"]
     diffs = field_diffs + tensor_diffs
     if diffs:
         raise CheckpointError(f"the checkpoint {ckpt_dir} does not match this model", diffs)

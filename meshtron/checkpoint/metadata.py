@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -70,16 +71,51 @@ def compare_signatures(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     return out
 
 
+_LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    nums = sorted(set(numbers))
+    for i, n in enumerate(nums):
+        if start is None:
+            start = n
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
+
+
 def compare_tensors(saved: dict[str, tuple], required: dict[str, tuple], what: str = "tensor") -> list[str]:
-    """One line per tensor missing from the checkpoint, present only in the checkpoint, or of another shape."""
-    out = []
-    for name in sorted(set(required) - set(saved)):
-        out.append(f"{what} {name} {tuple(required[name])} is missing from the checkpoint")
-    for name in sorted(set(saved) - set(required)):
-        out.append(f"{what} {name} {tuple(saved[name])} is in the checkpoint but not in this model")
-    for name in sorted(set(saved) & set(required)):
+    """One line per kind of tensor difference: missing from the checkpoint, only in the checkpoint, other shape.
+
+    Tensors that differ the same way in several layers share one line (``layers.*.x ... (layers 0-31)``),
+    so that the list stays complete and short.
+    """
+    items: list[tuple[str, str, tuple]] = []
+    for name in set(required) - set(saved):
+        items.append(("missing", name, (tuple(required[name]),)))
+    for name in set(saved) - set(required):
+        items.append(("extra", name, (tuple(saved[name]),)))
+    for name in set(saved) & set(required):
         if tuple(saved[name]) != tuple(required[name]):
-            out.append(f"{what} {name}: checkpoint shape {tuple(saved[name])}, this model {tuple(required[name])}")
+            items.append(("shape", name, (tuple(saved[name]), tuple(required[name]))))
+    grouped: dict[tuple, list[int]] = {}
+    for kind, name, shapes in items:
+        m = _LAYER_RE.search(name)
+        pattern = _LAYER_RE.sub(lambda g: f"{g.group(1)}layers.*.", name, count=1) if m else name
+        grouped.setdefault((kind, pattern, shapes), []).extend([int(m.group(2))] if m else [])
+    order = {"missing": 0, "extra": 1, "shape": 2}
+    out = []
+    for (kind, pattern, shapes), layers in sorted(grouped.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
+        suffix = f" (layers {_ranges(layers)})" if "layers.*." in pattern else ""
+        if kind == "missing":
+            out.append(f"{what} {pattern} {shapes[0]} is missing from the checkpoint{suffix}")
+        elif kind == "extra":
+            out.append(f"{what} {pattern} {shapes[0]} is in the checkpoint but not in this model{suffix}")
+        else:
+            out.append(f"{what} {pattern}: checkpoint shape {shapes[0]}, this model {shapes[1]}{suffix}")
     return out
 
 

@@ -1,0 +1,194 @@
+"""Shared pieces of the checkpoint tests: tiny models in any layout, a deterministic training step,
+canonical views of model and optimizer state, and a gloo multi-process runner."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshtron.config import MeshtronConfig
+from meshtron.model import GPTModel
+from meshtron.optim.grad_buffer import GradBuffer
+from meshtron.optim.optimizer import MixedPrecisionAdamW
+from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.sharding import initialize_parameters, spec_of, split_local
+
+VOCAB = 100
+SEQ = 16
+
+
+def tiny_config(**overrides: Any) -> MeshtronConfig:
+    """A validated Llama-style configuration small enough for many processes on two cores."""
+    cfg = MeshtronConfig()
+    values = dict(num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=True,
+                  num_query_groups=2, ffn_hidden_size=64, seq_length=SEQ, normalization="RMSNorm", swiglu=True,
+                  position_embedding_type="rope", disable_bias_linear=True, hidden_dropout=0.0,
+                  attention_dropout=0.0, untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=8,
+                  vocab_size=VOCAB, mock_data=True, device="cpu", lr=1e-2, weight_decay=0.1)
+    values.update(overrides)
+    for key, value in values.items():
+        cfg.set(key, value)
+    return cfg.validate(1)
+
+
+def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> list[list[list[int]]]:
+    """Layer ids of each model chunk of each pipeline rank: [pp_rank][chunk] -> layers (interleaved order)."""
+    chunks = pp * virtual
+    per = num_layers // chunks
+    layers = [list(range(c * per, (c + 1) * per)) for c in range(chunks)]
+    return [[layers[v * pp + r] for v in range(virtual)] for r in range(pp)]
+
+
+def build_chunks(cfg: MeshtronConfig, ctx: ParallelContext, seed: int = 1, virtual: int = 1,
+                 sequence_parallel: bool = False) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual stage), initialised from ``seed``."""
+    mine = stage_layers(cfg.model.num_layers, ctx.pp, virtual)[ctx.pp_rank]
+    chunks = []
+    for v, layer_ids in enumerate(mine):
+        first = ctx.pp_rank == 0 and v == 0
+        last = ctx.pp_rank == ctx.pp - 1 and v == virtual - 1
+        model = GPTModel(cfg.model, ctx, VOCAB, layer_ids=layer_ids, pre_process=first, post_process=last,
+                         sequence_parallel=sequence_parallel)
+        initialize_parameters(model, seed, torch.device("cpu"), torch.float32)
+        chunks.append(model)
+    return chunks
+
+
+def make_optimizer(cfg: MeshtronConfig, chunks: Sequence[torch.nn.Module]):
+    params = [p for c in chunks for p in c.parameters()]
+    buffer = GradBuffer(params)
+    return MixedPrecisionAdamW(params, cfg.optim), buffer
+
+
+def elementwise_steps(optimizer, buffer: GradBuffer, steps: int, lr: float = 1e-2) -> None:
+    """Optimizer steps with gradients that are an elementwise function of the weights.
+
+    The resulting weights and moments do not depend on the parallel layout, which makes
+    them comparable across layouts exactly (replicas stay identical too).
+    """
+    for _ in range(steps):
+        buffer.zero()
+        for p in optimizer.params:
+            p.main_grad.copy_(torch.sin(7.0 * p.detach().float()) + 0.1)
+        optimizer.step(lr)
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    return tokens, labels, torch.full((2, SEQ), 1.0 / (2 * SEQ))
+
+
+def forward_loss(model: GPTModel, seed: int = 0) -> float:
+    """Loss of a whole (one-stage) model on a fixed batch."""
+    tokens, labels, weight = batch(seed)
+    with torch.no_grad():
+        total, _ = model(tokens, labels=labels, loss_weight=weight)
+    return float(total)
+
+
+def canonical_state(chunks: Sequence[torch.nn.Module], optimizer=None) -> dict[str, torch.Tensor]:
+    """Full canonical tensors of the model (``model.<name>``) and optimizer (``<state>.<name>``), on every rank."""
+    local = []
+
+    def add(prefix: str, tensor: torch.Tensor, spec) -> None:
+        for piece, part in zip(spec.pieces, split_local(tensor, spec)):
+            local.append((prefix + piece.name, piece, part.narrow(piece.dim, 0, max(piece.valid_length, 0))
+                          .detach().float().clone()))
+
+    for chunk in chunks:
+        for _, p in chunk.named_parameters():
+            add("model.", p.detach(), spec_of(p))
+    if optimizer is not None:
+        for i, p in enumerate(optimizer.params):
+            for key, t in optimizer.state_tensors(i).items():
+                add(f"{key}.", t, spec_of(p))
+    gathered = [local]
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+    out: dict[str, torch.Tensor] = {}
+    for items in gathered:
+        for name, piece, part in items:
+            full = out.setdefault(name, torch.full(piece.full_shape, float("nan")))
+            if piece.valid_length > 0:
+                full.narrow(piece.dim, piece.start, piece.valid_length).copy_(part)
+    return out
+
+
+def assert_same_state(got: dict, ref: dict, atol: float = 0.0) -> None:
+    assert sorted(got) == sorted(ref), f"different tensors: {sorted(set(got) ^ set(ref))}"
+    for name in ref:
+        assert not torch.isnan(ref[name]).any(), f"{name}: reference not fully covered"
+        if atol == 0.0:
+            assert torch.equal(got[name], ref[name]), f"{name} differs (max {(got[name] - ref[name]).abs().max()})"
+        else:
+            torch.testing.assert_close(got[name], ref[name], rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process runner (gloo on free ports; a hang fails the test after ``timeout`` seconds).
+# ---------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result: tuple = ("ok", fn(rank, world, *args))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0) -> list:
+    """``fn(rank, world, *args)`` in ``world`` spawned processes joined by gloo; results by rank."""
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        spawn = mp.get_context("spawn")
+        procs = [spawn.Process(target=_entry, args=(r, world, port, out_dir, fn, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results: list[Optional[Any]] = []
+        errors = []
+        for r in range(world):
+            path = os.path.join(out_dir, f"{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {r}:\n{value}")
+            results.append(value)
+        if hung:
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout}s")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results
