@@ -57,5 +57,27 @@ def main(argv):
         print(torch.cuda.memory_summary(abbreviated=True)[:3000])
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--layout-probe" not in sys.argv:
     main(sys.argv[1:])
+
+
+def model_layout_probe():
+    """SDPA on tensors laid out exactly as SelfAttention makes them, each backend forced."""
+    s, b, nq, ng, d = 4096, 2, 32, 8, 64
+    qkv = torch.randn(s, b, (nq + 2 * ng) * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = torch.split(qkv, [nq * d, ng * d, ng * d], dim=-1)
+    q, k, v = q.reshape(s, b, nq, d) * 1.0, k.reshape(s, b, ng, d) * 1.0, v.view(s, b, ng, d)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    for name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
+        for fix in (False, True):
+            vv = v.contiguous() if fix else v
+            try:
+                with sdpa_kernel([be]):
+                    F.scaled_dot_product_attention(q, k, vv, is_causal=True, enable_gqa=True).sum().backward()
+                print(f"model-layout sdpa {name} v_contiguous={fix}: ok")
+            except Exception as e:  # noqa: BLE001
+                print(f"model-layout sdpa {name} v_contiguous={fix}: FAILS {str(e).splitlines()[0][:100]}")
+
+
+if __name__ == "__main__" and "--layout-probe" in sys.argv:
+    model_layout_probe()

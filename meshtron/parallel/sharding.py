@@ -148,6 +148,7 @@ def split_local(tensor: torch.Tensor, spec: ShardSpec) -> list[torch.Tensor]:
 def initialize_parameters(model: nn.Module, seed: int, device: torch.device, dtype: torch.dtype) -> None:
     """Materialise every parameter of a meta-device model on ``device`` from its canonical pieces."""
     specs = {name: spec_of(p) for name, p in model.named_parameters()}
+    model.to(dtype=dtype)
     model.to_empty(device=device)  # creates new Parameter objects: re-attach the specs
     for name, param in model.named_parameters():
         spec = specs[name]
