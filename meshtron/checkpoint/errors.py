@@ -19,3 +19,12 @@ class CheckpointError(RuntimeError):
             full += ":\n" + "\n".join(f"  - {d}" for d in self.differences)
         super().__init__(full)
         self.summary = message
+
+
+def describe_dcp_failure(err: BaseException) -> list[str]:
+    """One line per failed rank of a torch.distributed.checkpoint error (which carries every rank's exception)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, CheckpointException):
+        return [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(err.failures.items())]
+    return [f"{type(err).__name__}: {err}"]

@@ -9,11 +9,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtron.checkpoint import coordination, layout
 from meshtron.checkpoint.async_save import process_writer
-from meshtron.checkpoint.errors import CheckpointError
+from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.metadata import (
     META_FILE, TOKENIZER_DIR, compare_signatures, compare_tensors, model_signature, read_config, read_meta, read_rng,
     training_state_from_dict,
@@ -100,8 +101,8 @@ def _dcp_load(state_dict: dict, ckpt_dir: Path, group, no_dist: bool) -> None:
     try:
         dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(ckpt_dir)), process_group=group,
                  no_dist=no_dist)
-    except Exception as err:
-        raise CheckpointError(f"reading tensors from {ckpt_dir} failed: {err}") from err
+    except (Exception, CheckpointException) as err:  # DCP reports every rank's failure on every rank
+        raise CheckpointError(f"reading tensors from {ckpt_dir} failed", describe_dcp_failure(err)) from None
 
 
 def load_model_tensors(models: Sequence[nn.Module], ckpt_dir: Path, group=None, no_dist: Optional[bool] = None) -> None:

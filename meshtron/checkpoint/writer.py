@@ -24,11 +24,12 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtron.checkpoint import layout
 from meshtron.checkpoint.coordination import agree_or_raise
-from meshtron.checkpoint.errors import CheckpointError
+from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.metadata import CONFIG_FILE, META_FILE, TOKENIZER_DIR, meta_json, rng_file
 
 #: Files each rank's DCP writer spreads its chunks over (more threads, more write bandwidth).
@@ -132,8 +133,8 @@ def write_and_publish(job: SaveJob) -> Path:
     try:
         dcp.save(job.state_dict, storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=WRITER_THREADS),
                  process_group=group, no_dist=group is None)
-    except Exception as err:  # DCP reports every rank's failure on every rank
-        raise CheckpointError(f"{what}: writing the tensors: {err}") from err
+    except (Exception, CheckpointException) as err:  # DCP reports every rank's failure on every rank
+        raise CheckpointError(f"{what} while writing the tensors", describe_dcp_failure(err)) from None
     job.timings["tensors_s"] = time.perf_counter() - start
     agree_or_raise(_try(_write_extras, job, tmp), group, what)
     agree_or_raise(_try(_verify, job, tmp), group, what)
