@@ -50,6 +50,7 @@ class ChunkResult:
     lengths: dict
     skips: SkipCounts
     num_bytes: int
+    cpu_seconds: float = 0.0  # the worker's CPU time on this chunk
 
 
 @dataclass
@@ -61,6 +62,7 @@ class PreprocessSummary:
     tokens: dict = field(default_factory=dict)  # key -> tokens written
     num_bytes: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # summed over workers: parsing and tokenizing only
     workers: int = 1
     skips: SkipCounts = field(default_factory=SkipCounts)
     outputs: list = field(default_factory=list)
@@ -69,12 +71,18 @@ class PreprocessSummary:
     def mb_per_s(self) -> float:
         return self.num_bytes / 1e6 / max(self.seconds, 1e-9)
 
+    @property
+    def mb_per_cpu_s(self) -> float:
+        """Throughput of one worker that has a core to itself (unaffected by other load on the machine)."""
+        return self.num_bytes / 1e6 / max(self.cpu_seconds, 1e-9)
+
     def report(self, keys: Sequence[str]) -> str:
         docs = sum(self.documents.values())
         toks = sum(self.tokens.values())
         lines = [f"preprocessed {self.files} file(s) in {self.seconds:.1f} s: {docs:,} documents, {toks:,} tokens, "
                  f"{self.num_bytes / 1e6:.1f} MB of text at {self.mb_per_s:.2f} MB/s "
-                 f"({self.mb_per_s / self.workers:.2f} MB/s per worker, {self.workers} worker(s))",
+                 f"({self.mb_per_s / self.workers:.2f} MB/s per worker, {self.workers} worker(s); "
+                 f"{self.mb_per_cpu_s:.2f} MB per worker CPU-second)",
                  f"skipped: {self.skips.describe(keys)}"]
         lines += [f"  e.g. {e}" for e in self.skips.examples]
         lines += [f"wrote {p}.bin and {p}.idx" for p in self.outputs]
@@ -98,6 +106,7 @@ def _init_worker(args: TokenizerArgs, json_keys: Sequence[str], append_eod: bool
 
 def _tokenize_chunk(chunk: RawChunk) -> ChunkResult:
     """Parse and tokenize one chunk in a worker."""
+    cpu_start = time.process_time()
     tok = _WorkerState.tokenizer
     skips = SkipCounts()
     texts = chunk_documents(chunk, _WorkerState.json_keys, skips)
@@ -117,7 +126,7 @@ def _tokenize_chunk(chunk: RawChunk) -> ChunkResult:
             lens = lens[keep]
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lens.sum()))
         tokens[key], lengths[key] = flat, lens
-    return ChunkResult(tokens, lengths, skips, chunk.num_bytes)
+    return ChunkResult(tokens, lengths, skips, chunk.num_bytes, time.process_time() - cpu_start)
 
 
 class _Progress:
@@ -210,6 +219,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_args: Tokeni
                 ndocs += len(res.lengths[k])
             summary.skips.add(res.skips)
             summary.num_bytes += res.num_bytes
+            summary.cpu_seconds += res.cpu_seconds
             bar.update(res.num_bytes, ndocs)
         for k in json_keys:
             summary.outputs.append(writers[k].finalize())

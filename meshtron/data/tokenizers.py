@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from meshtron.data.bpe_engine import FastByteLevelBPE
 from meshtron.data.errors import DataError
 
 META_FILE = "meshtron_tokenizer.json"
@@ -282,6 +283,8 @@ class GPT2BPETokenizer(Tokenizer):
         self._eod = tok.token_to_id("<|endoftext|>")
         if self._eod is None:
             raise DataError(f"--vocab-file {vocab_file} has no <|endoftext|> token (GPT-2's end-of-document)")
+        # Same ids, about four times faster, when tiktoken is installed (see meshtron.data.bpe_engine).
+        self._fast = FastByteLevelBPE.try_build(vocab_file, merge_file)
 
     @property
     def vocab_size(self) -> int:
@@ -291,11 +294,24 @@ class GPT2BPETokenizer(Tokenizer):
     def eod(self) -> int:
         return int(self._eod)
 
+    @property
+    def engine(self) -> str:
+        """Which library encodes: "tiktoken" (fast path) or "tokenizers" (reference)."""
+        return "tiktoken" if self._fast is not None else "tokenizers"
+
     def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self._fast is not None:
+            return self._fast.encode_batch(texts)
         return _hf_encode_batch(self._tok, texts)
+
+    def reference_encode(self, text: str) -> list[int]:
+        """Encoding by the ``tokenizers`` library, whatever the engine."""
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids])

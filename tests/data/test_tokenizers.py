@@ -178,3 +178,24 @@ def test_tokenizer_cli(tmp_path, capsys):
     assert "missing.txt" in capsys.readouterr().err
     assert tokenizer_main(["fit"]) == 2
     assert tokenizer_main(["train", "--vocab-size", "300"]) == 2  # argparse: --input and --output required
+
+
+def test_gpt2_fast_engine_matches_the_reference(tokenizers, bpe_dir, monkeypatch):
+    gpt2 = tokenizers["gpt2"]
+    assert gpt2.engine == "tiktoken"
+    texts = [MULTIBYTE_TEXT, "<|endoftext|> is plain text here", "  lots   of\n\n\n spaces\t\t", ""] + stdlib_texts(200_000)
+    assert gpt2.encode_batch(texts) == [gpt2.reference_encode(t) for t in texts]
+    monkeypatch.setenv("MESHTRON_BPE_ENGINE", "tokenizers")
+    reference = GPT2BPETokenizer(bpe_dir / "vocab.json", bpe_dir / "merges.txt")
+    assert reference.engine == "tokenizers"
+    assert reference.encode_batch(texts[:5]) == gpt2.encode_batch(texts[:5])
+
+
+def test_gpt2_table_not_made_by_plain_bpe_uses_the_reference(tmp_path, bpe_dir):
+    pytest.importorskip("tiktoken")
+    merges = (bpe_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
+    # Repeat a merge: a token made twice has no single rank, so the fast path is not safe.
+    (tmp_path / "merges.txt").write_text("\n".join(merges + [merges[1]]) + "\n", encoding="utf-8")
+    tok = GPT2BPETokenizer(bpe_dir / "vocab.json", tmp_path / "merges.txt")
+    assert tok.engine == "tokenizers"
+    assert tok.decode(tok.encode(MULTIBYTE_TEXT)) == MULTIBYTE_TEXT
