@@ -182,7 +182,9 @@ def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx
 
 
 def _load_rng(ckpt_dir: Path, meta: dict, group, lead: bool) -> Optional[dict]:
-    saved_world = int(meta.get("rng", {}).get("world_size", meta.get("layout", {}).get("world_size", 0)))
+    if not meta.get("rng", {}).get("present", False):
+        return None  # e.g. a checkpoint converted from another format
+    saved_world = int(meta["rng"]["world_size"])
     world = coordination.world_size()
     if saved_world != world:
         if lead:

@@ -183,6 +183,26 @@ def meta_json(meta: dict[str, Any]) -> bytes:
     return (json.dumps(meta, indent=2, sort_keys=False) + "\n").encode()
 
 
+def checkpoint_meta(state: TrainingState, signature: dict[str, Any], layout: dict[str, int],
+                    optimizer_step: Optional[int], rng_world_size: Optional[int], has_tokenizer: bool) -> dict[str, Any]:
+    """The content of ``meshtron_checkpoint.json`` (``optimizer_step``/``rng_world_size`` None: not saved)."""
+    import meshtron
+
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "iteration": int(state.iteration),
+        "training_state": training_state_dict(state),
+        "optimizer": {"present": optimizer_step is not None, "step_count": int(optimizer_step or 0)},
+        "model": signature,
+        "layout": layout,
+        "rng": {"present": rng_world_size is not None, "world_size": int(rng_world_size or 0)},
+        "tokenizer": has_tokenizer,
+        "meshtron_version": meshtron.__version__,
+        "torch_version": torch.__version__,
+    }
+
+
 def layout_dict(ctx) -> dict[str, int]:
     return {"world_size": ctx.world_size, "tp": ctx.tp, "cp": ctx.cp, "dp": ctx.dp, "pp": ctx.pp, "ep": ctx.ep}
 

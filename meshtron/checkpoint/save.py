@@ -6,16 +6,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import torch
 import torch.nn as nn
 
-import meshtron
 from meshtron.checkpoint import coordination
 from meshtron.checkpoint.async_save import process_writer
 from meshtron.checkpoint.errors import CheckpointError
-from meshtron.checkpoint.metadata import (
-    FORMAT_NAME, FORMAT_VERSION, config_yaml, layout_dict, model_signature, rng_bytes, training_state_dict,
-)
+from meshtron.checkpoint.metadata import checkpoint_meta, config_yaml, layout_dict, model_signature, rng_bytes
 from meshtron.checkpoint.pieces import model_chunks as model_chunk_list
 from meshtron.checkpoint.pieces import optimizer_chunks, to_state_dict
 from meshtron.checkpoint.writer import SaveJob, quiet_single_process_notice, write_and_publish
@@ -34,21 +30,10 @@ def model_vocab_size(model_chunks: Sequence[nn.Module], cfg: Optional[MeshtronCo
 
 def build_meta(state: TrainingState, model_chunks: Sequence[nn.Module], optimizer, ctx: ParallelContext,
                cfg: MeshtronConfig, has_tokenizer: bool) -> dict[str, Any]:
-    """The content of ``meshtron_checkpoint.json``."""
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "iteration": int(state.iteration),
-        "training_state": training_state_dict(state),
-        "optimizer": {"present": optimizer is not None,
-                      "step_count": int(optimizer.step_count) if optimizer is not None else 0},
-        "model": model_signature(cfg.model, model_vocab_size(model_chunks, cfg)),
-        "layout": layout_dict(ctx),
-        "rng": {"world_size": coordination.world_size()},
-        "tokenizer": has_tokenizer,
-        "meshtron_version": meshtron.__version__,
-        "torch_version": torch.__version__,
-    }
+    """The content of ``meshtron_checkpoint.json`` for a training checkpoint."""
+    return checkpoint_meta(state, model_signature(cfg.model, model_vocab_size(model_chunks, cfg)), layout_dict(ctx),
+                           int(optimizer.step_count) if optimizer is not None else None, coordination.world_size(),
+                           has_tokenizer)
 
 
 def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.Module], optimizer,

@@ -51,7 +51,7 @@ class SaveJob:
     state_dict: dict
     meta: dict
     config_text: str
-    rng: bytes
+    rng: Optional[bytes]
     group: Optional[dist.ProcessGroup]
     tokenizer: Any = None
     retain: Optional[int] = None
@@ -72,9 +72,10 @@ def _try(fn, *args) -> Optional[str]:
 
 
 def _write_extras(job: SaveJob, tmp: Path) -> None:
-    f = rng_file(tmp, job.rank)
-    f.parent.mkdir(parents=True, exist_ok=True)
-    layout.write_file_durable(f, job.rng)
+    if job.rng is not None:
+        f = rng_file(tmp, job.rank)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        layout.write_file_durable(f, job.rng)
     if job.rank == 0:
         layout.write_file_durable(tmp / CONFIG_FILE, job.config_text.encode())
         if job.tokenizer is not None:
@@ -107,7 +108,7 @@ def verify_tensor_files(ckpt_dir: Path) -> list[str]:
 def _verify(job: SaveJob, tmp: Path) -> None:
     problems = []
     f = rng_file(tmp, job.rank)
-    if not f.is_file() or f.stat().st_size != len(job.rng):
+    if job.rng is not None and (not f.is_file() or f.stat().st_size != len(job.rng)):
         problems.append(f"RNG file {f} is missing or incomplete")
     if job.rank == 0:
         problems += verify_tensor_files(tmp)

@@ -1,0 +1,180 @@
+"""Hugging Face Llama-family <-> meshtron: tensor names and configurations.
+
+Covers ``LlamaForCausalLM`` (Llama 2, Llama 3/3.1/3.2 with their RoPE frequency
+scaling) and ``MistralForCausalLM``. Both use RoPE's rotate-half convention, as
+meshtron does, so query/key weights map without any permutation; grouped-query
+attention maps to ``--group-query-attention --num-query-groups``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+_LAYER_MAP = {
+    "input_layernorm.weight": "input_norm.weight",
+    "self_attn.q_proj.weight": "attention.q.weight",
+    "self_attn.k_proj.weight": "attention.k.weight",
+    "self_attn.v_proj.weight": "attention.v.weight",
+    "self_attn.o_proj.weight": "attention.o.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.gate_proj.weight": "mlp.gate.weight",
+    "mlp.up_proj.weight": "mlp.up.weight",
+    "mlp.down_proj.weight": "mlp.down.weight",
+}
+_GLOBAL_MAP = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "final_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MESHTRON_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LAYER_MAP_BACK = {v: k for k, v in _LAYER_MAP.items()}
+_GLOBAL_MAP_BACK = {v: k for k, v in _GLOBAL_MAP.items()}
+# Buffers some exporters include; they are recomputed from the config.
+_IGNORED_HF = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+def hf_to_meshtron_name(name: str) -> Optional[str]:
+    """Canonical meshtron name of a Hugging Face tensor (None for derived buffers such as inv_freq)."""
+    if _IGNORED_HF.search(name):
+        return None
+    if name in _GLOBAL_MAP:
+        return _GLOBAL_MAP[name]
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _LAYER_MAP:
+        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    raise CheckpointError(f"unexpected tensor {name!r} in the Hugging Face checkpoint (supported: Llama and "
+                          "Mistral without biases)")
+
+
+def meshtron_to_hf_name(name: str) -> str:
+    """Hugging Face name of a canonical meshtron tensor."""
+    if name in _GLOBAL_MAP_BACK:
+        return _GLOBAL_MAP_BACK[name]
+    m = _MESHTRON_LAYER.match(name)
+    if m and m.group(2) in _LAYER_MAP_BACK:
+        return f"model.layers.{m.group(1)}.{_LAYER_MAP_BACK[m.group(2)]}"
+    raise CheckpointError(f"tensor {name!r} has no Hugging Face Llama equivalent")
+
+
+def _rope_settings(hf: dict) -> tuple[float, Optional[dict]]:
+    """(theta, scaling dict or None) from either the transformers-4 keys or the transformers-5 ``rope_parameters``."""
+    params = hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            scaling = None
+        elif kind != "llama3":
+            raise CheckpointError(f"config.json: RoPE scaling type {kind!r} is not supported (meshtron implements "
+                                  "Llama 3.1's 'llama3' scaling)")
+        elif (float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))) != (1.0, 4.0):
+            raise CheckpointError("config.json: llama3 RoPE scaling with low_freq_factor != 1 or high_freq_factor "
+                                  "!= 4 is not supported")
+    return float(theta), scaling
+
+
+def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
+    """A meshtron configuration of the model that a Hugging Face ``config.json`` describes."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise CheckpointError(f"config.json: model_type {kind!r} is not supported (supported: "
+                              f"{', '.join(ARCHITECTURES)})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json: hidden_act {hf.get('hidden_act')!r} is not supported (SwiGLU needs silu)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise CheckpointError("config.json: attention_bias/mlp_bias are not supported (meshtron's Llama has no "
+                              "biases)")
+    heads, kv = int(hf["num_attention_heads"]), int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    theta, scaling = _rope_settings(hf)
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    window = hf.get("sliding_window")
+    if window is not None and int(window) < max_pos:
+        notices.append(f"config.json: sliding_window {window}: meshtron attends over the whole context, which "
+                       f"equals sliding-window attention for sequences up to {window} tokens")
+    values: dict[str, Any] = dict(
+        num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden, ffn_hidden_size=int(hf["intermediate_size"]),
+        num_attention_heads=heads, group_query_attention=kv != heads, num_query_groups=kv,
+        kv_channels=int(hf["head_dim"]) if hf.get("head_dim") and int(hf["head_dim"]) != hidden // heads else None,
+        seq_length=min(max_pos, 4096), max_position_embeddings=max_pos, normalization="RMSNorm",
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-5)), swiglu=True, position_embedding_type="rope",
+        rotary_base=theta, use_rope_scaling=scaling is not None,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), disable_bias_linear=True,
+        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
+        init_method_std=float(hf.get("initializer_range", 0.02)), vocab_size=int(hf["vocab_size"]),
+    )
+    if scaling is not None:
+        values["rope_scaling_factor"] = float(scaling["factor"])
+        values["rope_original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    cfg = MeshtronConfig()
+    for key, value in values.items():
+        cfg.set(key, value)
+    return cfg
+
+
+def check_exportable(m: ModelConfig) -> None:
+    """Raise CheckpointError listing what a Hugging Face Llama/Mistral cannot represent."""
+    problems = []
+    if m.normalization != "RMSNorm":
+        problems.append(f"--normalization {m.normalization} (Llama uses RMSNorm)")
+    if not m.swiglu:
+        problems.append("no --swiglu (Llama's MLP is SwiGLU)")
+    if m.position_embedding_type != "rope":
+        problems.append(f"--position-embedding-type {m.position_embedding_type} (Llama uses rope)")
+    if not m.disable_bias_linear or m.add_qkv_bias:
+        problems.append("linear biases (Llama has none: --disable-bias-linear)")
+    if m.num_experts:
+        problems.append("mixture of experts (--num-experts)")
+    if problems:
+        raise CheckpointError("this checkpoint cannot be written as a Hugging Face Llama/Mistral model", problems)
+
+
+def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: str,
+              eos_id: Optional[int], bos_id: Optional[int]) -> dict:
+    """A ``config.json`` for ``LlamaForCausalLM`` or ``MistralForCausalLM`` (read by transformers 4 and 5)."""
+    theta = float(m.rotary_base)
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    rope_scaling = None
+    if m.use_rope_scaling:
+        rope_scaling = {"rope_type": "llama3", "factor": float(m.rope_scaling_factor), "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": int(m.rope_original_max_position_embeddings)}
+        rope_parameters = {**rope_scaling, "rope_theta": theta}
+    cfg = {
+        "architectures": [ARCHITECTURES[architecture]],
+        "model_type": architecture,
+        "vocab_size": int(vocab_size),
+        "hidden_size": m.hidden_size,
+        "intermediate_size": ffn_size(m),
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": num_kv_heads(m),
+        "head_dim": head_dim(m),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(m.max_position_embeddings or m.seq_length),
+        "rms_norm_eps": float(m.norm_epsilon),
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "attention_dropout": 0.0,
+        "initializer_range": float(m.init_method_std),
+        "use_cache": True,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+    }
+    if architecture == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:
+        cfg["sliding_window"] = None
+    return cfg

@@ -1,0 +1,131 @@
+"""Hugging Face <-> meshtron conversion: the same logits as transformers, identical tensors after a round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ckpt_helpers import build_chunks, tiny_config  # noqa: E402
+from meshtron.checkpoint import load_checkpoint, load_for_inference, save_checkpoint  # noqa: E402
+from meshtron.checkpoint.convert import convert_main  # noqa: E402
+from meshtron.parallel.context import ParallelContext  # noqa: E402
+from meshtron.training.state import TrainingState  # noqa: E402
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+              max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+def llama3():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+
+
+def mistral_tied():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        **COMMON, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=10000.0, sliding_window=None))
+
+
+def random_hf_model(make, seed: int = 0):
+    torch.manual_seed(seed)
+    model = make().eval()
+    with torch.no_grad():  # norms away from 1, so that a misplaced norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def write_tokenizer(directory) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "unk_token": "<unk>"}))
+
+
+def logits(model, tokens):
+    with torch.no_grad():
+        out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.parametrize("make,arch", [(llama3, "llama"), (mistral_tied, "mistral")], ids=["llama3", "mistral"])
+def test_hf_round_trip(tmp_path, make, arch):
+    reference = random_hf_model(make)
+    hf_in, ckpt, hf_out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "hf_out"
+    reference.save_pretrained(hf_in, max_shard_size="60KB")  # sharded input with an index
+    assert (hf_in / "model.safetensors.index.json").is_file()
+    write_tokenizer(hf_in)
+
+    assert convert_main(["--from", "hf", "--input", str(hf_in), "--output", str(ckpt)]) == 0
+    model, tokenizer = load_for_inference(ckpt, "cpu")
+    tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    ref_logits = logits(reference, tokens)
+    torch.testing.assert_close(logits(model, tokens), ref_logits, rtol=0, atol=1e-5)
+    assert tokenizer.encode("w5 w7") == [5, 7] and tokenizer.eod == 2
+
+    assert convert_main(["--to", "hf", "--input", str(ckpt), "--output", str(hf_out), "--hf-architecture", arch,
+                         "--max-shard-size", "80KB"]) == 0
+    config = json.loads((hf_out / "config.json").read_text())
+    assert config["architectures"] == [type(reference).__name__]
+    assert (config["eos_token_id"], config["bos_token_id"]) == (2, 1)
+    again = type(reference).from_pretrained(hf_out).eval()
+    ref_state, state = reference.state_dict(), again.state_dict()
+    assert ref_state.keys() == state.keys()
+    for name in ref_state:
+        assert torch.equal(ref_state[name], state[name]), name
+    torch.testing.assert_close(logits(again, tokens), ref_logits, rtol=0, atol=0)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(hf_out)
+    assert hf_tok("w5 w7", add_special_tokens=False)["input_ids"] == [5, 7]
+
+
+def test_converted_checkpoint_resumes_training(tmp_path):
+    """A converted checkpoint has no optimizer state: loading it for training starts fresh moments."""
+    hf_in, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    random_hf_model(llama3).save_pretrained(hf_in)
+    assert convert_main(["--from", "hf", "--input", str(hf_in), "--output", str(ckpt)]) == 0
+    from meshtron.checkpoint.metadata import read_config
+    from ckpt_helpers import make_optimizer
+
+    cfg = read_config(ckpt / "iter_0000000")
+    cfg.set("mock_data", True)
+    cfg.set("device", "cpu")
+    cfg.validate(1)
+    ctx = ParallelContext()
+    from meshtron.model import GPTModel
+    from meshtron.parallel.sharding import initialize_parameters
+
+    model = GPTModel(cfg.model, ctx, VOCAB)
+    initialize_parameters(model, 0, torch.device("cpu"), torch.float32)
+    optimizer, _ = make_optimizer(cfg, [model])
+    state = load_checkpoint(str(ckpt), [model], optimizer, ctx, cfg)
+    assert state.iteration == 0 and state.rng is None and optimizer.step_count == 0
+
+
+def test_conversion_errors(tmp_path, capsys):
+    cfg = tiny_config(normalization="LayerNorm", swiglu=False, disable_bias_linear=False,
+                      position_embedding_type="learned_absolute")
+    ctx = ParallelContext()
+    save_checkpoint(str(tmp_path / "gpt"), TrainingState(iteration=1), build_chunks(cfg, ctx), None, ctx, cfg)
+    assert convert_main(["--to", "hf", "--input", str(tmp_path / "gpt"), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be written as a Hugging Face Llama/Mistral model" in err
+    assert "--normalization LayerNorm" in err and "no --swiglu" in err and "linear biases" in err
+
+    assert convert_main(["--from", "hf", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "x")]) == 2
+    assert "config.json not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        convert_main(["--from", "hf", "--to", "hf", "--input", "a", "--output", "b"])
+    assert convert_main(["--to", "hf", "--input", str(tmp_path / "gpt"), "--output", str(tmp_path / "gpt")]) == 2
+    assert "is not an empty directory" in capsys.readouterr().err
