@@ -21,34 +21,78 @@ import torch.distributed as dist
 
 from meshtron.parallel.comm import Group, _size
 
-# Chunk so that one chunk's fp32 logits stay near this many elements (1 GiB).
-_CHUNK_ELEMENTS = 1 << 28
+# Chunk so that one chunk's logits stay near this many elements (2^30: 2 GiB of bf16 logits).
+_CHUNK_ELEMENTS = 1 << 30
+CHUNK_ELEMENTS = _CHUNK_ELEMENTS
 
 
-def _chunk_loss(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, valid_cols: int,
-                group: Group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token loss of one chunk; returns (loss, softmax, local target, target-outside-mask)."""
-    logits = logits.float()
+# The element-wise work of a chunk is split in three pure functions around the two TP reductions,
+# each reading the logits once; on CUDA they are compiled into single fused kernels.
+def _row_max(logits: torch.Tensor, valid_cols: int) -> torch.Tensor:
+    x = logits.float()
+    if valid_cols < x.shape[-1]:  # vocabulary padding: no probability mass
+        x = x.masked_fill(torch.arange(x.shape[-1], device=x.device) >= valid_cols, float("-inf"))
+    return x.amax(dim=-1)
+
+
+def _sum_exp_and_target(logits: torch.Tensor, row_max: torch.Tensor, local_t: torch.Tensor, outside: torch.Tensor,
+                        valid_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.float() - row_max.unsqueeze(-1)
+    if valid_cols < x.shape[-1]:
+        x = x.masked_fill(torch.arange(x.shape[-1], device=x.device) >= valid_cols, float("-inf"))
+    sum_exp = x.exp().sum(dim=-1)
+    target = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    return sum_exp, target
+
+
+def _loss_and_grad(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor,
+                   local_t: torch.Tensor, outside: torch.Tensor, weight: torch.Tensor,
+                   valid_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and d(sum w * loss)/d logits = w * (softmax - onehot(target)) in the logits' dtype."""
+    x = logits.float() - row_max.unsqueeze(-1)
+    cols = torch.arange(x.shape[-1], device=x.device)
+    if valid_cols < x.shape[-1]:
+        x = x.masked_fill(cols >= valid_cols, float("-inf"))
+    loss = sum_exp.log() - target_logit
+    softmax = x.exp() / sum_exp.unsqueeze(-1)
+    onehot = (cols == local_t.unsqueeze(-1)) & ~outside.unsqueeze(-1)
+    grad = (softmax - onehot.float()) * weight.unsqueeze(-1)
+    return loss, grad.to(logits.dtype)
+
+
+def _compiled(fn):
+    """torch.compile'd ``fn`` where it pays (CUDA); the plain function elsewhere."""
+    cache = {}
+
+    def call(*args):
+        if not args[0].is_cuda:
+            return fn(*args)
+        if "fn" not in cache:
+            cache["fn"] = torch.compile(fn, dynamic=True)
+        return cache["fn"](*args)
+
+    return call
+
+
+_row_max_fast = _compiled(_row_max)
+_sum_exp_and_target_fast = _compiled(_sum_exp_and_target)
+_loss_and_grad_fast = _compiled(_loss_and_grad)
+
+
+def _chunk_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, valid_cols: int, group: Group):
+    """Row max, sum of exponentials and target logit of a chunk, reduced over TP."""
     cols = logits.shape[-1]
-    if valid_cols < cols:  # vocabulary padding on this rank: no probability mass
-        logits[..., valid_cols:] = float("-inf")
-    tp = _size(group)
-    row_max = logits.max(dim=-1).values
-    if tp > 1:
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    logits.sub_(row_max.unsqueeze(-1))
-    exp = logits.exp()
-    sum_exp = exp.sum(dim=-1)
     outside = (target < vocab_start) | (target >= vocab_start + cols)
     local_t = (target - vocab_start).masked_fill(outside, 0)
-    target_logit = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-    if tp > 1:
+    row_max = _row_max_fast(logits, valid_cols)
+    if _size(group) > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    sum_exp, target_logit = _sum_exp_and_target_fast(logits, row_max, local_t, outside, valid_cols)
+    if _size(group) > 1:
         both = torch.stack([sum_exp, target_logit])
         dist.all_reduce(both, group=group)
         sum_exp, target_logit = both[0], both[1]
-    loss = sum_exp.log() - target_logit
-    softmax = exp.div_(sum_exp.unsqueeze(-1))
-    return loss, softmax, local_t, outside
+    return row_max, sum_exp, target_logit, local_t, outside
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -61,20 +105,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
         for start in range(0, n, chunk):
             h = hidden[start:start + chunk]
-            loss, softmax, local_t, outside = _chunk_loss(h @ weight.t(), target[start:start + chunk],
-                                                          vocab_start, valid_cols, group)
-            losses[start:start + chunk] = loss
+            logits = h @ weight.t()
+            row_max, sum_exp, target_logit, local_t, outside = _chunk_stats(
+                logits, target[start:start + chunk], vocab_start, valid_cols, group)
             if need_grad:
-                # d(sum w_i * loss_i)/d logits = w_i * (softmax - onehot(target))
-                grad_logits = softmax
-                grad_logits.scatter_add_(-1, local_t.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
-                grad_logits.mul_(loss_weight[start:start + chunk].unsqueeze(-1))
-                grad_logits = grad_logits.to(hidden.dtype)
+                loss, grad_logits = _loss_and_grad_fast(logits, row_max, sum_exp, target_logit, local_t, outside,
+                                                        loss_weight[start:start + chunk], valid_cols)
+                del logits
                 grad_hidden[start:start + chunk] = grad_logits @ weight
                 if h.dtype == torch.float32:
                     grad_weight.addmm_(grad_logits.t(), h)
                 else:
                     grad_weight.add_(grad_logits.t() @ h)
+            else:
+                loss = sum_exp.log() - target_logit
+            losses[start:start + chunk] = loss
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -109,5 +154,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
 def vocab_parallel_logits_loss(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, valid_cols: int,
                                group: Group = None) -> torch.Tensor:
     """Per-token loss from already computed logits (no gradient; used by evaluation tools and tests)."""
-    loss, _, _, _ = _chunk_loss(logits.detach().clone(), target, vocab_start, valid_cols, group)
-    return loss
+    with torch.no_grad():
+        _, sum_exp, target_logit, _, _ = _chunk_stats(logits, target, vocab_start, valid_cols, group)
+    return sum_exp.log() - target_logit

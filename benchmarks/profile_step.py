@@ -1,0 +1,38 @@
+"""Profile a few training steps of one configuration on one GPU; print the top CUDA kernels.
+
+Usage: python benchmarks/profile_step.py [train flags...]   (e.g. --model llama3-1b --micro-batch-size 8)
+"""
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def main(argv):
+    from meshtron.bench import RandomTokens
+    from meshtron.cli import build_config
+    from meshtron.parallel.context import build_parallel_context
+    from meshtron.training.trainer import Trainer
+
+    cfg = build_config(["--mock-data", "--eval-interval", "0", "--train-iters", "100"] + argv)
+    cfg.validate(1)
+    ctx = build_parallel_context(device="cuda")
+    t = cfg.train
+    data = RandomTokens(cfg.model.vocab_size, cfg.model.seq_length, t.micro_batch_size,
+                        t.global_batch_size // t.micro_batch_size, 0)
+    trainer = Trainer(cfg, ctx, data=data)
+    batches = next(data.train_batches())
+    for i in range(4):
+        trainer.train_step(batches, i + 1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(2):
+            trainer.train_step(batches, 10 + i)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+    print(table)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
