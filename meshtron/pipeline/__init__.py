@@ -1,22 +1,32 @@
-"""Pipeline parallelism: stage partitioning and schedules."""
+"""Pipeline parallelism: stage partitioning, point-to-point exchange, schedules.
+
+The training loop's entry points are :func:`build_model_chunks`, :func:`get_schedule`,
+:func:`is_data_rank`, and the batch helpers of :mod:`meshtron.pipeline.batches`.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
-from meshtron.config import MeshtronConfig
+from meshtron.config import ConfigError, MeshtronConfig
 from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import initialize_parameters
-from meshtron.pipeline.schedules import forward_backward_no_pipelining
+from meshtron.pipeline.p2p import PipelineP2P, activation_shape
+from meshtron.pipeline.partition import PipelineLayout, check_micro_batches, layout_from_config, partition_layers
+from meshtron.pipeline.schedules import ScheduleStats, forward_backward_no_pipelining, forward_backward_pipelining
+
+__all__ = ["PipelineLayout", "ScheduleStats", "build_model_chunks", "check_micro_batches", "get_schedule",
+           "is_data_rank", "layout_from_config", "partition_layers"]
 
 
 def recompute_layer_ids(cfg: MeshtronConfig, layer_ids: list[int]) -> list[int]:
-    """Layers run under full activation recomputation on this stage."""
+    """Layers run under full activation recomputation in one model chunk (``block``: its first N)."""
     t = cfg.train
     if t.recompute_granularity != "full":
         return []
@@ -25,27 +35,63 @@ def recompute_layer_ids(cfg: MeshtronConfig, layer_ids: list[int]) -> list[int]:
     return list(layer_ids)
 
 
+def _check_stages(layout: PipelineLayout, ctx: ParallelContext) -> None:
+    if layout.stages != ctx.pp:
+        raise ConfigError(f"--pipeline-model-parallel-size is {layout.stages} but the process groups were built "
+                          f"with {ctx.pp} pipeline stages")
+
+
 def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int, tracker: RNGTracker,
-                       dtype: torch.dtype) -> list[nn.Module]:
-    """This rank's model chunks (one per virtual pipeline stage), initialised and ready to train."""
-    layer_ids = list(range(cfg.model.num_layers))
-    model = GPTModel(cfg.model, ctx, vocab_size, layer_ids=layer_ids,
-                     sequence_parallel=cfg.parallel.sequence_parallel,
-                     recompute_layers=recompute_layer_ids(cfg, layer_ids))
-    initialize_parameters(model, cfg.train.seed, ctx.device, dtype)
-    model.set_rng_tracker(tracker)
-    if cfg.train.compile:
-        for layer in model.layers.values():
-            layer.compile()
-    return [model]
+                       dtype: torch.dtype, make_mlp: Optional[Callable] = None) -> list[nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), initialised and ready to train.
+
+    Chunk ``v`` of pipeline rank ``p`` holds the layers of :func:`layout_from_config`; the embedding
+    is on chunk 0 of stage 0, the output layer and loss on the last chunk of the last stage.
+    """
+    layout = layout_from_config(cfg)
+    _check_stages(layout, ctx)
+    chunks: list[nn.Module] = []
+    for v in range(layout.virtual_stages):
+        layer_ids = layout.layers(ctx.pp_rank, v)
+        model = GPTModel(cfg.model, ctx, vocab_size, layer_ids=layer_ids,
+                         pre_process=layout.has_embedding(ctx.pp_rank, v),
+                         post_process=layout.has_loss(ctx.pp_rank, v),
+                         sequence_parallel=cfg.parallel.sequence_parallel,
+                         recompute_layers=recompute_layer_ids(cfg, layer_ids), make_mlp=make_mlp)
+        initialize_parameters(model, cfg.train.seed, ctx.device, dtype)
+        model.set_rng_tracker(tracker)
+        if cfg.train.compile:
+            for layer in model.layers.values():
+                layer.compile()
+        chunks.append(model)
+    return chunks
 
 
 def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext) -> Callable:
     """The forward/backward schedule: ``schedule(model_chunks, micro_batches, forward_only=False,
-    before_last_backward=None) -> summed weighted loss`` (a tensor; zero on stages without the loss)."""
-    return forward_backward_no_pipelining
+    before_last_backward=None) -> summed weighted loss`` (a tensor; zero on stages without the loss).
+
+    One stage: no pipelining. Several: 1F1B, or interleaved 1F1B with virtual stages; the
+    returned callable carries this rank's point-to-point communicator.
+    """
+    if ctx.pp == 1:
+        return forward_backward_no_pipelining
+    layout = layout_from_config(cfg)
+    _check_stages(layout, ctx)
+    t = cfg.train
+    if t.global_batch_size is not None:
+        check_micro_batches(t.global_batch_size // (t.micro_batch_size * ctx.dp), ctx.pp, layout.virtual_stages)
+    dtype = torch.bfloat16 if t.bf16 else torch.float32
+    p2p = PipelineP2P(ctx, activation_shape(cfg, ctx), dtype, ctx.device)
+    return functools.partial(forward_backward_pipelining, p2p=p2p)
 
 
-def is_data_rank(ctx: ParallelContext) -> bool:
-    """Ranks that read training data: the first stage (tokens) and the last (labels and loss mask)."""
+def is_data_rank(ctx: ParallelContext, cfg: Optional[MeshtronConfig] = None) -> bool:
+    """Ranks that read training data: the first stage (tokens) and the last (labels and loss mask).
+
+    With --reset-position-ids or --reset-attention-mask every stage needs the per-token
+    positions and document ids, so every rank reads data.
+    """
+    if cfg is not None and (cfg.data.reset_position_ids or cfg.data.reset_attention_mask):
+        return True
     return ctx.is_first_stage or ctx.is_last_stage

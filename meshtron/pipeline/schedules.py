@@ -1,17 +1,45 @@
 """Forward/backward schedules over the micro-batches of one iteration.
 
-With one pipeline stage there is nothing to schedule: each micro-batch runs
-forward then backward, and gradients accumulate in the gradient buffers.
+No pipelining (one stage): each micro-batch runs forward then backward, and
+gradients accumulate in the gradient buffers.
+
+Pipelining: each rank runs its model chunks' forward (F) and backward (B) passes
+in the order of one of Megatron-LM's schedules:
+
+* 1F1B: rank ``r`` of ``PP`` runs ``min(PP - r - 1, M)`` warm-up forwards, then
+  alternates one forward and one backward, then the remaining backwards. It holds
+  at most ``PP - r`` micro-batches of activations. Bubble: ``(PP - 1) / M`` of the
+  ideal time.
+* interleaved 1F1B (``V`` virtual stages, ``M`` a multiple of ``PP``): forwards
+  go through the chunks in groups of ``PP`` micro-batches (chunk 0 of micro-batches
+  0..PP-1, chunk 1 of the same, ... then the next group), backwards in the mirrored
+  chunk order; ``2 (PP - r - 1) + (V - 1) PP`` warm-up forwards. Rank ``r`` holds at
+  most that plus one chunk-forwards of activations (each ``1/V`` of its layers).
+  Bubble: ``(PP - 1) / (V M)``.
+
+Where the point-to-point exchanges go is derived from those orders by a lock-step
+simulation (:func:`build_plans`): at each tick every rank runs its next pass if its
+input has arrived, and a message sent at tick t is received by the matching
+exchange of the receiver at the same tick. Every exchange therefore has its
+counterparts at the same tick on the neighbours, and by induction over ticks the
+batched exchanges can never wait on each other in a cycle (no deadlock, for NCCL's
+blocking groups as for gloo).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
+from meshtron.pipeline.p2p import PipelineP2P, free_output
+from meshtron.pipeline.partition import check_micro_batches
+
 MicroBatch = dict
+Unit = tuple[int, int]  # (model chunk on this rank, micro-batch)
 
 
 def run_stage(model: nn.Module, mb: MicroBatch, hidden: Optional[torch.Tensor] = None):
@@ -40,3 +68,242 @@ def forward_backward_no_pipelining(model_chunks: Sequence[nn.Module], micro_batc
             loss_sum.backward()
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
     return total
+
+
+# ------------------------------------------------------------------------------------------- plans
+@dataclass(frozen=True)
+class Compute:
+    """A forward or backward pass of one micro-batch through one of this rank's chunks."""
+
+    backward: bool
+    chunk: int
+    micro_batch: int
+
+    @property
+    def unit(self) -> Unit:
+        return (self.chunk, self.micro_batch)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One batched exchange: each field names the (chunk, micro-batch) whose tensor travels.
+
+    send_next: that forward's output goes to the next stage. recv_prev: that forward's input
+    comes from the previous stage. send_prev: that backward's input gradient goes to the
+    previous stage. recv_next: the gradient of that forward's output comes from the next stage.
+    """
+
+    send_next: Optional[Unit] = None
+    recv_prev: Optional[Unit] = None
+    send_prev: Optional[Unit] = None
+    recv_next: Optional[Unit] = None
+
+
+Step = Union[Compute, Exchange]
+
+
+def one_f_one_b_order(stages: int, stage: int, num_micro_batches: int, forward_only: bool = False) -> list[Compute]:
+    """The passes of one rank under 1F1B, in order."""
+    m = num_micro_batches
+    forwards = [Compute(False, 0, i) for i in range(m)]
+    if forward_only:
+        return forwards
+    backwards = [Compute(True, 0, i) for i in range(m)]
+    warmup = min(stages - stage - 1, m)
+    order = forwards[:warmup]
+    for i in range(m - warmup):
+        order += [forwards[warmup + i], backwards[i]]
+    return order + backwards[m - warmup:]
+
+
+def interleaved_unit(k: int, stages: int, virtual: int, backward: bool) -> Unit:
+    """The (chunk, micro-batch) of a rank's k-th forward (or backward) pass under interleaving."""
+    group, in_group = divmod(k, stages * virtual)
+    chunk = in_group // stages
+    if backward:
+        chunk = virtual - 1 - chunk
+    return chunk, group * stages + in_group % stages
+
+
+def interleaved_warmup(stages: int, stage: int, virtual: int) -> int:
+    """Warm-up forwards of a rank under interleaved 1F1B (before capping by the number of passes)."""
+    return 2 * (stages - stage - 1) + (virtual - 1) * stages
+
+
+def interleaved_order(stages: int, stage: int, virtual: int, num_micro_batches: int,
+                      forward_only: bool = False) -> list[Compute]:
+    """The passes of one rank under interleaved 1F1B, in order (``num_micro_batches`` % ``stages`` == 0)."""
+    total = num_micro_batches * virtual
+    forwards = [Compute(False, *interleaved_unit(k, stages, virtual, False)) for k in range(total)]
+    if forward_only:
+        return forwards
+    backwards = [Compute(True, *interleaved_unit(k, stages, virtual, True)) for k in range(total)]
+    warmup = min(interleaved_warmup(stages, stage, virtual), total)
+    order = forwards[:warmup]
+    for i in range(total - warmup):
+        order += [forwards[warmup + i], backwards[i]]
+    return order + backwards[total - warmup:]
+
+
+def _message(stage: int, c: Compute, stages: int, virtual: int) -> Optional[tuple[int, Compute]]:
+    """(receiving stage, the pass that consumes it) of the tensor ``c`` produces, if it leaves the rank."""
+    if not c.backward:
+        if stage == stages - 1 and c.chunk == virtual - 1:
+            return None  # the loss
+        if stage == stages - 1:
+            return 0, Compute(False, c.chunk + 1, c.micro_batch)
+        return stage + 1, c
+    if stage == 0 and c.chunk == 0:
+        return None  # the embedding: nothing before it
+    if stage == 0:
+        return stages - 1, Compute(True, c.chunk - 1, c.micro_batch)
+    return stage - 1, c
+
+
+def _needs_message(stage: int, c: Compute, stages: int, virtual: int) -> bool:
+    """Whether pass ``c`` consumes a tensor from another stage (input activation or output gradient)."""
+    if c.backward:
+        return not (stage == stages - 1 and c.chunk == virtual - 1)
+    return not (stage == 0 and c.chunk == 0)
+
+
+def build_plans(orders: Sequence[Sequence[Compute]], virtual: int) -> list[list[Step]]:
+    """Interleave every rank's passes with the exchanges that carry their tensors (lock-step simulation)."""
+    stages = len(orders)
+    position = [0] * stages
+    arrived: dict[tuple[int, Compute], int] = {}  # (stage, consuming pass) -> tick its tensor was sent
+    plans: list[list[Step]] = [[] for _ in range(stages)]
+    tick = 0
+    while any(position[s] < len(orders[s]) for s in range(stages)):
+        exchanges: list[dict] = [{} for _ in range(stages)]
+        progressed = False
+        for s in range(stages):
+            if position[s] == len(orders[s]):
+                continue
+            c = orders[s][position[s]]
+            if _needs_message(s, c, stages, virtual) and arrived.get((s, c), tick) >= tick:
+                continue  # its input has not arrived yet: idle this tick
+            plans[s].append(c)
+            position[s] += 1
+            progressed = True
+            message = _message(s, c, stages, virtual)
+            if message is not None:
+                dest, consumer = message
+                exchanges[s]["send_prev" if c.backward else "send_next"] = c.unit
+                exchanges[dest]["recv_next" if c.backward else "recv_prev"] = consumer.unit
+                arrived[(dest, consumer)] = tick
+        if not progressed:
+            stuck = {s: orders[s][position[s]] for s in range(stages) if position[s] < len(orders[s])}
+            raise RuntimeError(f"pipeline schedule deadlocks: every rank waits ({stuck})")
+        for s in range(stages):
+            if exchanges[s]:
+                plans[s].append(Exchange(**exchanges[s]))
+        tick += 1
+    return plans
+
+
+@functools.lru_cache(maxsize=64)
+def pipeline_plans(stages: int, virtual: int, num_micro_batches: int, forward_only: bool) -> tuple[tuple[Step, ...], ...]:
+    """Every rank's plan (passes and exchanges, in order) for one iteration."""
+    if virtual > 1:
+        check_micro_batches(num_micro_batches, stages, virtual)
+        orders = [interleaved_order(stages, s, virtual, num_micro_batches, forward_only) for s in range(stages)]
+    else:
+        orders = [one_f_one_b_order(stages, s, num_micro_batches, forward_only) for s in range(stages)]
+    return tuple(tuple(plan) for plan in build_plans(orders, virtual))
+
+
+def max_in_flight(plan: Sequence[Step]) -> int:
+    """Most (chunk, micro-batch) forwards whose backward has not run yet, over a plan."""
+    held = peak = 0
+    for step in plan:
+        if isinstance(step, Compute):
+            held += -1 if step.backward else 1
+            peak = max(peak, held)
+    return peak
+
+
+# ------------------------------------------------------------------------------------------- execution
+@dataclass
+class ScheduleStats:
+    """What a pipelined iteration did on this rank (for tests and diagnostics)."""
+
+    max_in_flight: int = 0  # most micro-batch chunks holding activations at once
+    forwards: int = 0
+    backwards: int = 0
+    exchanges: int = 0
+
+
+def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
+             p2p: PipelineP2P, forward_only: bool = False,
+             before_last_backward: Optional[Callable[[], None]] = None,
+             stats: Optional[ScheduleStats] = None) -> torch.Tensor:
+    """Execute one rank's plan; return its summed weighted loss (zero on ranks without the loss)."""
+    stages, stage, virtual = p2p.stages, p2p.stage, len(model_chunks)
+    inputs: dict[Unit, torch.Tensor] = {}  # received stage inputs, kept for their gradient
+    outputs: dict[Unit, torch.Tensor] = {}  # stage outputs (or loss sums) awaiting their backward
+    output_grads: dict[Unit, torch.Tensor] = {}
+    input_grads: dict[Unit, torch.Tensor] = {}
+    total: Optional[torch.Tensor] = None
+    last_backward = max((i for i, s in enumerate(plan) if isinstance(s, Compute) and s.backward), default=-1)
+    stats = stats if stats is not None else ScheduleStats()
+    for index, step in enumerate(plan):
+        if isinstance(step, Exchange):
+            send_next = outputs[step.send_next] if step.send_next is not None else None
+            send_prev = input_grads.pop(step.send_prev) if step.send_prev is not None else None
+            from_prev, from_next = p2p.exchange(send_next, send_prev, step.recv_prev is not None,
+                                                step.recv_next is not None)
+            stats.exchanges += 1
+            if step.send_next is not None:
+                if forward_only:
+                    del outputs[step.send_next]
+                else:
+                    free_output(outputs[step.send_next])
+            if from_prev is not None:
+                inputs[step.recv_prev] = from_prev.requires_grad_(not forward_only)
+            if from_next is not None:
+                output_grads[step.recv_next] = from_next
+            continue
+        unit, model = step.unit, model_chunks[step.chunk]
+        if not step.backward:
+            with torch.set_grad_enabled(not forward_only):
+                out = run_stage(model, micro_batches[step.micro_batch], hidden=inputs.get(unit))
+            stats.forwards += 1
+            is_loss = stage == stages - 1 and step.chunk == virtual - 1
+            if is_loss:
+                out = out[0]  # (weighted loss sum, per-token losses)
+                total = out.detach() if total is None else total + out.detach()
+            if forward_only:
+                inputs.pop(unit, None)
+                if not is_loss:
+                    outputs[unit] = out  # until it is sent
+                continue
+            outputs[unit] = out
+            stats.max_in_flight = max(stats.max_in_flight, len(outputs))
+        else:
+            if index == last_backward and before_last_backward is not None:
+                before_last_backward()
+            out = outputs.pop(unit)
+            torch.autograd.backward(out, grad_tensors=output_grads.pop(unit, None))
+            x = inputs.pop(unit, None)
+            if x is not None:  # a stage whose output ignores its input still owes the previous one a gradient
+                input_grads[unit] = x.grad if x.grad is not None else torch.zeros_like(x)
+            stats.backwards += 1
+    if total is None:
+        device = next(model_chunks[0].parameters()).device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+    return total
+
+
+def forward_backward_pipelining(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
+                                forward_only: bool = False,
+                                before_last_backward: Optional[Callable[[], None]] = None, *,
+                                p2p: PipelineP2P, stats: Optional[ScheduleStats] = None) -> torch.Tensor:
+    """1F1B (one model chunk per rank) or interleaved 1F1B (several) over ``micro_batches``.
+
+    Returns the summed weighted loss on the last stage, zero elsewhere. ``before_last_backward``
+    runs right before this rank's last backward pass: with interleaving that is chunk 0's
+    backward of the last micro-batch, after which every gradient of the rank is final.
+    """
+    plan = pipeline_plans(p2p.stages, len(model_chunks), len(micro_batches), forward_only)[p2p.stage]
+    return run_plan(plan, model_chunks, micro_batches, p2p, forward_only, before_last_backward, stats)

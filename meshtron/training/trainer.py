@@ -31,6 +31,7 @@ from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context import ParallelContext, build_parallel_context
 from meshtron.parallel.random import RNGTracker
 from meshtron.pipeline import build_model_chunks, get_schedule, is_data_rank
+from meshtron.pipeline.batches import broadcast_from_last_stage, eval_batches, train_batches
 from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
 
 
@@ -77,8 +78,9 @@ class Trainer:
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         self.logger = TrainingLogger(cfg.log, ctx.is_logging_rank, t.train_iters)
+        self.reads_data = is_data_rank(ctx, cfg)  # middle pipeline stages read no data
         self.data = data if data is not None else build_data(cfg, ctx.dp_rank, ctx.dp,
-                                                             is_data_rank=is_data_rank(ctx))
+                                                             is_data_rank=self.reads_data)
         self.vocab_size = self.data.vocab_size
         self.tracker = RNGTracker(t.seed, ctx.tp_rank, ctx.pp_rank, self.device)
         self.tracker.seed_default()
@@ -99,6 +101,8 @@ class Trainer:
     def _prepare(self, micro_batches: list[dict]) -> list[dict]:
         """Move micro-batches to the device and attach each token's loss weight (mask / global count)."""
         mbs = [_to_device(mb, self.device) for mb in micro_batches]
+        if not mbs or "loss_mask" not in mbs[0]:  # a middle pipeline stage: no data, only the count
+            return mbs
         local = sum(mb["loss_mask"].sum() for mb in mbs)
         count = local.float().reshape(1)
         if self.ctx.dp_cp_group is not None:
@@ -109,11 +113,12 @@ class Trainer:
         return mbs
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """Global-batch mean loss from this rank's weighted sum (summed over DP x CP)."""
+        """Global-batch mean loss from this rank's weighted sum (summed over DP x CP), as the last
+        pipeline stage computed it, on every rank."""
         loss = loss_sum.float().clone().reshape(1)
         if self.ctx.dp_cp_group is not None:
             dist.all_reduce(loss, group=self.ctx.dp_cp_group)
-        return loss
+        return broadcast_from_last_stage(loss, self.ctx)
 
     def train_step(self, micro_batches: list[dict], iteration: int) -> tuple[torch.Tensor, float, bool]:
         """One iteration; returns (this rank's loss sum, grad norm, whether the step was applied)."""
@@ -134,7 +139,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
-        batches = self.data.valid_batches()
+        batches = eval_batches(self.data, self.ctx, self.reads_data, self.num_micro_batches)
         if batches is None:
             return None
         for chunk in self.model_chunks:
@@ -204,7 +209,8 @@ class Trainer:
         if t.exit_signal_handler and ckpt is not None and hasattr(ckpt, "install_signal_handler"):
             signal_handler = ckpt.install_signal_handler()
         start_time = time.monotonic()
-        batches: Iterator[list[dict]] = self.data.train_batches(self.state.iteration)
+        batches: Iterator[list[dict]] = train_batches(self.data, self.ctx, self.reads_data, self.state.iteration,
+                                                      self.num_micro_batches)
         interval_losses: list[torch.Tensor] = []
         interval_start = time.perf_counter()
         interval_steps = 0
