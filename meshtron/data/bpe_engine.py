@@ -25,7 +25,8 @@ GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p
 
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters, in which byte-level vocabularies are written."""
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    printable = set(range(ord("!"), ord("~") + 1))
+    printable |= set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
     mapping, shifted = {}, 0
     for b in range(256):
         if b in printable:

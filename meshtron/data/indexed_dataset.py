@@ -245,7 +245,8 @@ class IndexedDatasetWriter:
     def _write_tokens(self, tokens: np.ndarray) -> None:
         arr = np.asarray(tokens)
         if arr.dtype != self.dtype:
-            if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(self.dtype).max):
+            if self.dtype.kind in "iu" and arr.size and (arr.min() < np.iinfo(self.dtype).min
+                                                          or arr.max() > np.iinfo(self.dtype).max):
                 raise ValueError(f"token ids out of range for the dataset dtype {self.dtype}")
             arr = arr.astype(self.dtype)
         self._bin.write(np.ascontiguousarray(arr).astype(self.dtype.newbyteorder("<"), copy=False).tobytes())

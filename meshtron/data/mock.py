@@ -37,7 +37,8 @@ class MockDataset:
     def samples(self, start: int, count: int) -> np.ndarray:
         """Samples ``start .. start + count - 1``, shape (count, seq_length + 1)."""
         if start < 0 or start + count > self.num_samples:
-            raise IndexError(f"samples [{start}, {start + count}) out of range: the mock {self.split} set has {self.num_samples}")
+            raise IndexError(f"samples [{start}, {start + count}) out of range: "
+                             f"the mock {self.split} set has {self.num_samples}")
         out = np.empty((count, self.seq_length + 1), dtype=np.int64)
         for j in range(count):
             out[j] = self.sample(start + j)

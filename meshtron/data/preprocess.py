@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -250,7 +249,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="Instead of tokenizing, concatenate these datasets into OUTPUT_PREFIX.bin/.idx.")
     tk = p.add_argument_group("tokenizer")
     tk.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="Tokenizer kind (inferred from the files if omitted).")
-    tk.add_argument("--tokenizer-model", help="tokenizer.json / pretrained directory / SentencePiece .model / tiktoken file.")
+    tk.add_argument("--tokenizer-model",
+                    help="tokenizer.json / pretrained directory / SentencePiece .model / tiktoken file.")
     tk.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
     tk.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")
     tk.add_argument("--vocab-size", type=int, help="Vocabulary size for --tokenizer-type NullTokenizer.")

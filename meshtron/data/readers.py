@@ -29,7 +29,10 @@ def _split_suffix(path: Path) -> tuple[str, Optional[str]]:
     """(format suffix, compression suffix or None) of a file name."""
     suffixes = [s.lower() for s in path.suffixes]
     compression = suffixes[-1] if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES else None
-    base = suffixes[-2] if compression and len(suffixes) >= 2 else (suffixes[-1] if suffixes and not compression else "")
+    if compression:
+        base = suffixes[-2] if len(suffixes) >= 2 else ""
+    else:
+        base = suffixes[-1] if suffixes else ""
     return base, compression
 
 
@@ -57,7 +60,8 @@ def expand_inputs(patterns: Sequence[str], flag: str = "--input") -> list[Path]:
         elif p.is_file():
             matches = [p]
         else:
-            matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(pattern), recursive=True) if Path(m).is_file())
+            hits = glob.glob(os.path.expanduser(pattern), recursive=True)
+            matches = sorted(Path(m) for m in hits if Path(m).is_file())
             if not matches:
                 raise DataError(f"{flag} {pattern}: no such file")
         for m in matches:
@@ -178,15 +182,13 @@ def _text_chunks(path: Path, txt_unit: str, chunk_bytes: int) -> Iterator[RawChu
         raise DataError(f"cannot read {path}: {exc}") from None
     text = data.decode("utf-8", errors="replace")
     if txt_unit == "file":
-        docs = [text]
-    elif txt_unit == "line":
-        docs = text.splitlines()
-    else:  # paragraphs: separated by blank lines
-        docs = [p for p in text.replace("\r\n", "\n").split("\n\n")]
+        yield RawChunk(str(path), 1, "texts", lines=[text], num_bytes=len(data))
+        return
+    docs = text.splitlines() if txt_unit == "line" else text.replace("\r\n", "\n").split("\n\n")
     chunk = RawChunk(str(path), 1, "texts")
     for i, doc in enumerate(docs):
         chunk.lines.append(doc)
-        chunk.num_bytes += len(doc.encode("utf-8")) if txt_unit != "file" else len(data)
+        chunk.num_bytes += len(doc.encode("utf-8")) + 1
         if chunk.num_bytes >= chunk_bytes:
             yield chunk
             chunk = RawChunk(str(path), i + 2, "texts")

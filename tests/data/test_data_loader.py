@@ -41,7 +41,8 @@ def test_resuming_gives_the_same_batches():
     resumed = list(iterate(sampler, 6, 10))
     assert len(full) == 10 and len(resumed) == 4
     for a, b in zip(full[6:], resumed):
-        assert all(torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["labels"], y["labels"]) for x, y in zip(a, b))
+        for x, y in zip(a, b):
+            assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["labels"], y["labels"])
 
 
 def test_worker_processes_give_the_same_batches_as_the_thread():
@@ -130,11 +131,13 @@ def test_build_data_separate_paths_and_errors(tmp_path):
     bundle = build_data(cfg, 0, 1)
     assert bundle.train.indexed.prefix == a and bundle.valid.indexed.prefix == b and bundle.test is None
     with pytest.raises(DataError, match="not both"):
-        build_data(small_config(data_path=[a], train_data_path=[b], tokenizer_type="NullTokenizer", vocab_size=50), 0, 1)
+        build_data(small_config(data_path=[a], train_data_path=[b], tokenizer_type="NullTokenizer",
+                                vocab_size=50), 0, 1)
     with pytest.raises(DataError, match="pairs"):
         build_data(small_config(data_path=["0.5", a, "0.5"], tokenizer_type="NullTokenizer", vocab_size=50), 0, 1)
     with pytest.raises(DataError, match="not found"):
-        build_data(small_config(data_path=[str(tmp_path / "nope")], tokenizer_type="NullTokenizer", vocab_size=50), 0, 1)
+        build_data(small_config(data_path=[str(tmp_path / "nope")], tokenizer_type="NullTokenizer",
+                                vocab_size=50), 0, 1)
     # Data made with ids up to 50, read with a 10-token vocabulary: refused on the first batch.
     wrong = build_data(small_config(data_path=[a], tokenizer_type="NullTokenizer", vocab_size=10), 0, 1)
     with pytest.raises(DataError, match="another tokenizer"):

@@ -120,3 +120,16 @@ def test_cli_bad_input_exits_2(tmp_path, capsys, argv, message):
     assert preprocess_main(argv) == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.glob("o*"))  # nothing half-written
+
+
+@pytest.mark.parametrize("unit, expected", [
+    ("file", ["first line\nsecond\n\nnew paragraph\n"]),
+    ("line", ["first line", "second", "new paragraph"]),
+    ("paragraph", ["first line\nsecond", "new paragraph\n"]),
+])
+def test_plain_text_units(tmp_path, unit, expected):
+    (tmp_path / "t.txt").write_text("first line\nsecond\n\nnew paragraph\n", encoding="utf-8")
+    summary = preprocess([str(tmp_path / "t.txt")], str(tmp_path / "o"), TokenizerArgs("ByteTokenizer"),
+                         txt_unit=unit, progress=False)
+    assert _read_all(tmp_path / "o_text_document") == [list(e.encode()) for e in expected]
+    assert summary.skips.empty == (1 if unit == "line" else 0)  # the blank line

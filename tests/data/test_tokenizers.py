@@ -9,29 +9,17 @@ import json
 import pytest
 
 from _data_helpers import MULTIBYTE_TEXT, stdlib_texts
+from meshtron.data.bpe_engine import byte_to_unicode
 from meshtron.data.errors import DataError
 from meshtron.data.tokenizer_train import tokenizer_main, train_tokenizer
 from meshtron.data.tokenizers import (ByteTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer,
                                       SentencePieceTokenizer, TikTokenizer, Tokenizer, build_tokenizer, load_tokenizer)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (needed to read byte-level BPE vocabularies)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 @pytest.fixture(scope="module")
 def tiktoken_file(bpe_dir, tmp_path_factory):
     """A tiktoken BPE file holding the same merges as the session BPE (ranks = merge order)."""
-    char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    char_to_byte = {c: b for b, c in byte_to_unicode().items()}
     ranks = {bytes([b]): b for b in range(256)}
     for line in (bpe_dir / "merges.txt").read_text(encoding="utf-8").splitlines():
         if line.startswith("#version") or not line.strip():
@@ -158,7 +146,7 @@ def test_train_tokenizer_from_jsonl_is_deterministic(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     a = train_tokenizer([str(data)], 400, tmp_path / "a")
-    b = train_tokenizer([str(data)], 400, tmp_path / "b")
+    train_tokenizer([str(data)], 400, tmp_path / "b")
     assert a.vocab_size == 400
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
     assert a.decode(a.encode(MULTIBYTE_TEXT)) == MULTIBYTE_TEXT
@@ -183,7 +171,8 @@ def test_tokenizer_cli(tmp_path, capsys):
 def test_gpt2_fast_engine_matches_the_reference(tokenizers, bpe_dir, monkeypatch):
     gpt2 = tokenizers["gpt2"]
     assert gpt2.engine == "tiktoken"
-    texts = [MULTIBYTE_TEXT, "<|endoftext|> is plain text here", "  lots   of\n\n\n spaces\t\t", ""] + stdlib_texts(200_000)
+    texts = [MULTIBYTE_TEXT, "<|endoftext|> is plain text here", "  lots   of\n\n\n spaces\t\t", ""]
+    texts += stdlib_texts(200_000)
     assert gpt2.encode_batch(texts) == [gpt2.reference_encode(t) for t in texts]
     monkeypatch.setenv("MESHTRON_BPE_ENGINE", "tokenizers")
     reference = GPT2BPETokenizer(bpe_dir / "vocab.json", bpe_dir / "merges.txt")
