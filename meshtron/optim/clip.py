@@ -1,4 +1,22 @@
-"""Global gradient norm over every parallel group, and clipping."""
+"""Global gradient norm over every parallel group, and clipping.
+
+Every element of the model's gradient must be counted exactly once, whichever
+ranks hold copies of it. Copies come from:
+
+* tensor parallelism: parameters replicated over TP (norms, row-parallel biases,
+  position embeddings; ``ShardSpec.tp_replicated``) count on TP rank 0 only; GQA
+  key/value projections replicated over a TP subgroup count on that subgroup's first rank;
+* pipeline parallelism: the last stage's copy of a tied word embedding
+  (``extra["tied_copy"]``) is not counted (the first stage's is);
+* data parallelism: after the reduction every DP x CP rank holds the same dense
+  gradients, so they count on DP x CP rank 0; expert gradients are the same over the
+  expert-data-parallel group and count on its rank 0. With the distributed optimizer
+  only the owned shards are summed, which partition the elements: every rank counts its shards.
+
+What remains distinct (TP shards, pipeline stages, expert-parallel ranks, shards) is
+summed by one all-reduce of the squared norm over all ranks. The result is the norm
+one process computes for the whole model.
+"""
 
 from __future__ import annotations
 
@@ -12,30 +30,49 @@ from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import spec_of
 
 
-def grad_norm_squared(params: Sequence[nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
-    """This rank's contribution to the squared global norm of the main gradients.
+def model_copy_counted(param: nn.Parameter, ctx: ParallelContext, kv_replica: dict[int, bool]) -> bool:
+    """Whether this rank's copy of ``param`` is the one counted among its TP / pipeline copies.
 
-    Parameters replicated over TP are counted on TP rank 0 only; the caller sums
-    the contributions over the groups that hold different parameters.
+    ``kv_replica`` maps id(param) -> whether this rank is the first of its key/value replica group.
     """
-    grads = [p.main_grad for p in params if not (spec_of(p).tp_replicated and ctx.tp_rank != 0)]
-    if not grads:
-        device = params[0].main_grad.device if params else ctx.device
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-    return torch.stack(norms).square().sum()
+    spec = spec_of(param)
+    if spec.tp_replicated and ctx.tp_rank != 0:
+        return False
+    if not kv_replica.get(id(param), True):
+        return False
+    return not spec.extra.get("tied_copy", False)
 
 
-def global_grad_norm(params: Sequence[nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
-    """The L2 norm of all gradients of the model (a 0-d tensor, no host sync).
+def data_copy_counted(param: nn.Parameter, ctx: ParallelContext) -> bool:
+    """Whether this rank's fully reduced gradient of ``param`` is the counted one among DP replicas."""
+    if spec_of(param).expert:
+        return ctx.expert_dp_rank == 0
+    return ctx.dp_rank == 0 and ctx.cp_rank == 0
 
-    After the data-parallel reduction every DP/CP replica holds the same gradients,
-    so the sum runs over the ranks that hold different parameters: TP x PP.
+
+class GradNorm:
+    """The L2 norm of the whole model's gradient from the tensors this rank counts (0-d tensor, no host sync).
+
+    ``tensors``: the gradient views to count on this rank (already filtered with the
+    rules above); every rank of the world calls it (one all-reduce over all ranks).
     """
-    sq = grad_norm_squared(params, ctx)
-    if ctx.model_parallel_group is not None:
-        dist.all_reduce(sq, group=ctx.model_parallel_group)
-    return sq.sqrt()
+
+    def __init__(self, tensors: Sequence[torch.Tensor], ctx: ParallelContext, device: torch.device):
+        self.tensors = [t for t in tensors if t.numel() > 0]
+        self.ctx = ctx
+        self.device = device
+
+    def squared_local(self) -> torch.Tensor:
+        if not self.tensors:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in self.tensors])
+        return torch.stack(norms).square().sum()
+
+    def __call__(self) -> torch.Tensor:
+        sq = self.squared_local()
+        if self.ctx.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sq)
+        return sq.sqrt()
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

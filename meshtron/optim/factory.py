@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from meshtron.config import MeshtronConfig
-from meshtron.optim.clip import global_grad_norm
+from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.optim.accounting import BytesPerParameter, bytes_per_parameter
+from meshtron.optim.buckets import BufferLayout, build_layout, default_bucket_size
+from meshtron.optim.clip import GradNorm, data_copy_counted, model_copy_counted
+from meshtron.optim.distributed_optimizer import DistributedOptimizer
 from meshtron.optim.grad_buffer import GradBuffer
-from meshtron.optim.grads import GradientSync
+from meshtron.optim.grads import GradientSync, kv_replica_params, tied_embedding_params
 from meshtron.optim.optimizer import MixedPrecisionAdamW
+from meshtron.optim.param_buffer import ParamBuffer, ParamGather
 from meshtron.parallel.context import ParallelContext
 
 
@@ -23,19 +28,74 @@ class Optimization:
     grad_buffer: zero() before an iteration; .data is scaled by the clip coefficient.
     grad_sync: start_overlap() before the last backward, finish() after it.
     grad_norm: () -> 0-d tensor, the global gradient norm (after finish()).
-    optimizer: step(lr), plus the checkpoint interface (state_tensors, load_state_tensors, ...).
+    optimizer: step(lr), plus the checkpoint interface (params, state_tensors, load_state_tensors,
+        ensure_state, step_count, set_step_count). A DistributedOptimizer also has
+        finish_param_gather(), to call before reading the weights outside a forward pass.
+    layout: where every parameter sits in the flat buffers, and the buckets.
+    bytes_per_param: the memory accounting of this configuration (per parameter of this rank).
     """
 
     grad_buffer: GradBuffer
     grad_sync: GradientSync
     grad_norm: Callable[[], torch.Tensor]
-    optimizer: MixedPrecisionAdamW
+    optimizer: Union[MixedPrecisionAdamW, DistributedOptimizer]
+    layout: Optional[BufferLayout] = None
+    bytes_per_param: Optional[BytesPerParameter] = None
+
+
+def _isolate_tied_embedding(model_chunks: Sequence[nn.Module], params: list[nn.Parameter], ctx: ParallelContext):
+    tied = {id(p) for p in tied_embedding_params(model_chunks, params, ctx)}
+    return lambda p: id(p) in tied
+
+
+def _kv_first(model_chunks: Sequence[nn.Module]) -> dict[int, bool]:
+    """id(param) -> whether this rank is the first of the parameter's key/value replica group."""
+    out: dict[int, bool] = {}
+    for group, ps in kv_replica_params(model_chunks).items():
+        first = dist.get_rank(group) == 0
+        for p in ps:
+            out[id(p)] = first
+    return out
 
 
 def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: Sequence[nn.Module]) -> Optimization:
-    params = [p for chunk in model_chunks for p in chunk.parameters()]
-    grad_dtype = torch.bfloat16 if cfg.parallel.grad_reduce_in_bf16 else torch.float32
-    buffer = GradBuffer(params, dtype=grad_dtype, device=ctx.device)
-    sync = GradientSync(model_chunks, params, ctx, buffer)
-    optimizer = MixedPrecisionAdamW(params, cfg.optim)
-    return Optimization(buffer, sync, lambda: global_grad_norm(params, ctx), optimizer)
+    """Gradient buffers (bucketed), their reduction, the norm and the optimizer for ``model_chunks``."""
+    par, opt = cfg.parallel, cfg.optim
+    chunk_params = [list(chunk.parameters()) for chunk in model_chunks]
+    params = [p for ps in chunk_params for p in ps]
+    if par.overlap_param_gather and not par.use_distributed_optimizer:
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer (only the distributed "
+                          "optimizer all-gathers weights)")
+    offload = opt.optimizer_offload_fraction if opt.optimizer_cpu_offload else 0.0
+    if opt.optimizer_cpu_offload and not 0.0 <= offload <= 1.0:
+        raise ConfigError(f"--optimizer-offload-fraction must be between 0 and 1 (got {offload})")
+    bucket_size = par.ddp_bucket_size or default_bucket_size(ctx.dp * ctx.cp)
+    if bucket_size <= 0:
+        raise ConfigError(f"--ddp-bucket-size must be a positive number of elements (got {bucket_size})")
+    layout = build_layout(chunk_params, ctx, bucket_size, isolate=_isolate_tied_embedding(model_chunks, params, ctx))
+    grad_dtype = torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32
+    buffer = GradBuffer(params, dtype=grad_dtype, device=ctx.device, layout=layout)
+    shard = par.use_distributed_optimizer
+    sync = GradientSync(model_chunks, params, ctx, buffer, overlap=par.overlap_grad_reduce, reduce_scatter=shard)
+
+    kv_first = _kv_first(model_chunks)
+    counted = [model_copy_counted(p, ctx, kv_first) for p in params]
+    optimizer: Union[MixedPrecisionAdamW, DistributedOptimizer]
+    if shard or offload > 0.0:
+        param_buffer = ParamBuffer(layout, ctx.device)
+        gather = ParamGather(layout, param_buffer, model_chunks, overlap=shard and par.overlap_param_gather)
+        optimizer = DistributedOptimizer(layout, buffer, param_buffer, gather, opt, shard=shard,
+                                         offload_fraction=offload)
+    else:
+        optimizer = MixedPrecisionAdamW(params, opt)
+    if shard:  # owned shards partition the elements: each rank counts its own
+        views = [buffer.data[s.buffer_offset:s.buffer_offset + s.length]
+                 for s in optimizer.segments if counted[s.param_index]]
+    else:
+        views = [buffer.view_of(i) for i, p in enumerate(params) if counted[i] and data_copy_counted(p, ctx)]
+    norm = GradNorm(views, ctx, ctx.device)
+
+    weight_bytes = params[0].element_size() if params else 2
+    shards = ctx.dp * ctx.cp if shard else 1
+    accounting = bytes_per_parameter(weight_bytes, torch.tensor([], dtype=grad_dtype).element_size(), shards, offload)
+    return Optimization(buffer, sync, norm, optimizer, layout, accounting)

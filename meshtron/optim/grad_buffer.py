@@ -13,28 +13,41 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from meshtron.optim.buckets import BufferLayout
+
 
 class GradBuffer:
-    """One flat gradient tensor for ``params`` (in the given order), with per-parameter views.
+    """One flat gradient tensor for ``params``, with per-parameter views ``param.main_grad``.
 
+    Without ``layout`` the parameters are packed in the given order (padded at the end
+    to a multiple of ``pad_to``); with a :class:`~meshtron.optim.buckets.BufferLayout`
+    they sit at the layout's offsets (reverse order, buckets, shard padding).
     ``on_grad_ready`` (optional) is called with the parameter after its gradient has
     been added, which is where overlapped data-parallel reduction hooks in.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None, pad_to: int = 1,
-                 on_grad_ready: Optional[Callable[[nn.Parameter], None]] = None):
+                 on_grad_ready: Optional[Callable[[nn.Parameter], None]] = None,
+                 layout: Optional[BufferLayout] = None):
         self.params = list(params)
         self.dtype = dtype
+        self.layout = layout
         device = device or self.params[0].device
-        self.offsets: list[tuple[int, int]] = []
-        offset = 0
-        for p in self.params:
-            self.offsets.append((offset, p.numel()))
-            offset += p.numel()
-        self.numel = offset
-        padded = -(-offset // pad_to) * pad_to
-        self.data = torch.zeros(padded, dtype=dtype, device=device)
+        if layout is not None:
+            if [id(p) for p in layout.params] != [id(p) for p in self.params]:
+                raise ValueError("GradBuffer: the layout describes other parameters than the ones given")
+            self.offsets = list(layout.offsets)
+            total = layout.numel
+        else:
+            self.offsets = []
+            offset = 0
+            for p in self.params:
+                self.offsets.append((offset, p.numel()))
+                offset += p.numel()
+            total = -(-offset // pad_to) * pad_to
+        self.numel = sum(n for _, n in self.offsets)
+        self.data = torch.zeros(total, dtype=dtype, device=device)
         self.on_grad_ready = on_grad_ready
         self._hooks = []
         for p, (start, n) in zip(self.params, self.offsets):

@@ -1,13 +1,28 @@
-"""Gradient reduction after the backward pass.
+"""Gradient reduction after (or overlapped with) the backward pass.
 
 Three kinds of sums make every rank's gradients those of the whole model:
 
 * over TP for parameters replicated across TP ranks whose inputs were sequence
   shards (sequence parallelism), and over the key/value replica group for GQA
   projections replicated when TP exceeds the query groups;
-* over the embedding group (first and last pipeline stage) for tied embeddings;
-* over data-parallel x context-parallel ranks for everything (the loss is already
-  normalised by the global token count, so this is a sum, not a mean).
+* over data-parallel x context-parallel ranks for everything (expert parameters:
+  over the expert-data-parallel group). The loss is already normalised by the
+  global token count, so this is a sum, not a mean: the result equals one process;
+* over the embedding group (first and last pipeline stage) for tied embeddings.
+
+The three are sums over different sets of ranks, so they commute; the order is
+chosen for the layouts they need. TP/KV sums run first, bucket by bucket, just
+before the bucket's data-parallel collective: they need nothing of the buffer
+layout. The embedding sum runs last, after the data-parallel collective: the
+embedding has a bucket of its own (see buckets.py), laid out identically on both
+stages, so even after a reduce-scatter each rank's shard covers the same elements
+there, and only that shard needs summing.
+
+The data-parallel collectives run per bucket. With ``overlap`` they start during the
+last micro-batch's backward (after :meth:`GradientSync.start_overlap`), as soon as a
+bucket's last gradient has been accumulated; :meth:`GradientSync.finish` launches any
+bucket not started yet (parameters without a gradient this step, or chunks whose last
+backward ran earlier) and waits for all of them.
 """
 
 from __future__ import annotations
@@ -18,9 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from meshtron.optim.buckets import Bucket, BufferLayout, single_bucket_layout
+from meshtron.optim.collectives import reduce_scatter_single
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import spec_of
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _all_reduce_coalesced(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
@@ -36,34 +55,142 @@ def _all_reduce_coalesced(tensors: list[torch.Tensor], group: Optional[dist.Proc
         offset += n
 
 
+def kv_replica_params(model_chunks: Sequence[nn.Module]) -> dict:
+    """{key/value replica group: [parameters]} for GQA projections replicated over a TP subgroup."""
+    groups: dict = {}
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            group = getattr(module, "kv_group", None)
+            if group is not None:
+                kv = module.kv
+                for p in (kv.weight, kv.bias):
+                    if p is not None:
+                        groups.setdefault(group, []).append(p)
+    return groups
+
+
+def embeddings_tied(model_chunks: Sequence[nn.Module]) -> bool:
+    """Whether the model ties its input embedding and output layer (read from the chunks' model config)."""
+    for chunk in model_chunks:
+        cfg = getattr(chunk, "cfg", None)
+        if cfg is not None:
+            return not cfg.untie_embeddings_and_output_weights
+    return False
+
+
+def tied_embedding_params(model_chunks: Sequence[nn.Module], params: Sequence[nn.Parameter],
+                          ctx: ParallelContext) -> list[nn.Parameter]:
+    """The word-embedding copies summed over the embedding group (first/last stage, tied, PP > 1)."""
+    if ctx.embedding_group is None or not embeddings_tied(model_chunks):
+        return []
+    return [p for p in params if spec_of(p).pieces[0].name == WORD_EMBEDDING]
+
+
 class GradientSync:
-    """Performs the reductions above on the main gradients of ``params``."""
+    """Performs the reductions above on the main gradients held in ``grad_buffer``.
+
+    ``reduce_scatter`` (distributed optimizer): each bucket is reduce-scattered, so that
+    afterwards only this rank's shard of every bucket holds the summed gradient.
+    ``buckets_started_in_backward`` counts the buckets of the last step whose
+    collective started inside the backward pass (the overlapped ones).
+    """
 
     def __init__(self, model_chunks: Sequence[nn.Module], params: Sequence[nn.Parameter], ctx: ParallelContext,
-                 grad_buffer: GradBuffer):
+                 grad_buffer: GradBuffer, overlap: bool = False, reduce_scatter: bool = False):
         self.ctx = ctx
         self.buffer = grad_buffer
-        self.tp_params = [p for p in params if spec_of(p).grad_sync == "tp"]
-        self.kv_groups: dict = {}
-        for chunk in model_chunks:
-            for module in chunk.modules():
-                group = getattr(module, "kv_group", None)
-                if group is not None:
-                    kv = module.kv
-                    for p in (kv.weight, kv.bias):
-                        if p is not None:
-                            self.kv_groups.setdefault(group, []).append(p)
-        self.embedding_params = [p for p in params if spec_of(p).pieces[0].name == "embedding.word_embeddings.weight"]
+        self.layout: BufferLayout = grad_buffer.layout or single_bucket_layout(params, ctx)
+        if reduce_scatter and grad_buffer.layout is None:
+            raise ValueError("reduce-scatter needs a bucketed, padded layout (meshtron.optim.buckets.build_layout)")
+        self.overlap = overlap
+        self.reduce_scatter = reduce_scatter
+        index_of = {id(p): i for i, p in enumerate(self.layout.params)}
+        self._bucket_of = {id(p): self.layout.bucket_of_param[i] for i, p in enumerate(self.layout.params)}
 
+        # Sums that must precede each bucket's data-parallel collective: [(group, [main grads])].
+        pre: list[dict] = [{} for _ in self.layout.buckets]
+        tp_params = [p for p in params if spec_of(p).grad_sync == "tp"]
+        if ctx.tp_group is not None:
+            for p in tp_params:
+                pre[self._bucket_of[id(p)]].setdefault(ctx.tp_group, []).append(p)
+        for group, ps in kv_replica_params(model_chunks).items():
+            for p in ps:
+                pre[self._bucket_of[id(p)]].setdefault(group, []).append(p)
+        self._pre_sync = [[(g, ps) for g, ps in d.items()] for d in pre]
+
+        self._embedding = [(self.layout.buckets[self._bucket_of[id(p)]], index_of[id(p)])
+                           for p in tied_embedding_params(model_chunks, params, ctx)]
+        if reduce_scatter:
+            for bucket, _ in self._embedding:
+                if not bucket.isolated:
+                    raise ValueError("a tied embedding shared across pipeline stages needs a bucket of its own "
+                                     "with the distributed optimizer (build_layout(isolate=...))")
+
+        self._active = False
+        self._pending: list[int] = []
+        self._started: list[bool] = [False] * len(self.layout.buckets)
+        self._handles: list = []
+        self.buckets_started_in_backward = 0
+        if overlap:
+            if grad_buffer.on_grad_ready is not None:
+                raise ValueError("the gradient buffer already reports ready gradients to another consumer")
+            grad_buffer.on_grad_ready = self._grad_ready
+
+    # --------------------------------------------------------------------------------- overlap
     def start_overlap(self) -> None:
-        """Called before the last micro-batch's backward; reductions here run after it (no overlap yet)."""
+        """Called right before the last micro-batch's backward: from now on a bucket whose
+        gradients are all accumulated starts its reduction at once (with ``overlap``)."""
+        if not self.overlap:
+            return
+        self._active = True
+        self._pending = [len(b.param_indices) for b in self.layout.buckets]
+        self._started = [False] * len(self.layout.buckets)
+        self.buckets_started_in_backward = 0
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self._active:
+            return
+        b = self._bucket_of[id(param)]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            self._start(self.layout.buckets[b])
+            self.buckets_started_in_backward += 1
+
+    # --------------------------------------------------------------------------------- reductions
+    def _start(self, bucket: Bucket) -> None:
+        """Pre-sums of the bucket's parameters, then its data-parallel collective (asynchronous)."""
+        self._started[bucket.index] = True
+        for group, ps in self._pre_sync[bucket.index]:
+            _all_reduce_coalesced([p.main_grad for p in ps], group)
+        group = bucket.reduce.group
+        if group is None:
+            return
+        region = self.buffer.data[bucket.start:bucket.end]
+        if self.reduce_scatter:
+            s, e = bucket.shard_range()
+            work = reduce_scatter_single(self.buffer.data[s:e], region, group, async_op=True)
+        else:
+            work = dist.all_reduce(region, group=group, async_op=True)
+        self._handles.append(work)
 
     def finish(self) -> None:
-        """All reductions, in order: TP/KV replicas, tied embeddings, then data parallel."""
-        _all_reduce_coalesced([p.main_grad for p in self.tp_params], self.ctx.tp_group)
-        for group, ps in self.kv_groups.items():
-            _all_reduce_coalesced([p.main_grad for p in ps], group)
-        if self.ctx.embedding_group is not None and len(self.embedding_params) > 0:
-            _all_reduce_coalesced([p.main_grad for p in self.embedding_params], self.ctx.embedding_group)
-        if self.ctx.dp_cp_group is not None:
-            dist.all_reduce(self.buffer.data, group=self.ctx.dp_cp_group)
+        """Start every bucket not started yet, wait for all, then sum the tied embeddings over stages."""
+        for bucket in self.layout.buckets:
+            if not self._started[bucket.index]:
+                self._start(bucket)
+        for work in self._handles:
+            work.wait()
+        self._handles.clear()
+        self._active = False
+        self._started = [False] * len(self.layout.buckets)
+        self._sync_embeddings()
+
+    def _sync_embeddings(self) -> None:
+        for bucket, index in self._embedding:
+            if self.reduce_scatter:
+                s, e = bucket.shard_range()
+                region = self.buffer.data[s:e]
+            else:
+                start, n = self.layout.offsets[index]
+                region = self.buffer.data[start:start + n]
+            dist.all_reduce(region, group=self.ctx.embedding_group)
