@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
 INDEX_FORMAT_VERSION = 1
+SAMPLE_BLOCK = 1 << 24  # samples per block when building the sample index
 
 
 def parse_split(split: str, flag: str = "--split") -> list[float]:
@@ -178,12 +179,18 @@ class GPTDataset:
         doc_lengths = lengths[document_index].astype(np.int64)
         stream_offsets = np.zeros(doc_lengths.size + 1, dtype=np.int64)
         np.cumsum(doc_lengths, out=stream_offsets[1:])
-        starts = np.arange(num_samples, dtype=np.int64) * S
-        # searchsorted 'right' skips empty documents: a sample starts inside a non-empty one.
-        doc_pos = np.searchsorted(stream_offsets, starts, side="right") - 1
-        sample_index = np.stack([doc_pos, starts - stream_offsets[doc_pos]], axis=1)
-        # Shuffle the samples that start in each epoch among themselves, epoch after epoch.
-        epoch_bounds = np.searchsorted(starts, np.arange(epochs + 1, dtype=np.int64) * tokens_per_epoch, side="left")
+        # Offsets inside a document fit in int32 (lengths are int32); positions do below 2**31 documents.
+        sample_dtype = np.int32 if document_index.size < 2**31 else np.int64
+        sample_index = np.empty((num_samples, 2), dtype=sample_dtype)
+        for lo in range(0, num_samples, SAMPLE_BLOCK):  # in blocks, to bound temporary memory
+            starts = np.arange(lo, min(lo + SAMPLE_BLOCK, num_samples), dtype=np.int64) * S
+            # searchsorted 'right' skips empty documents: a sample starts inside a non-empty one.
+            doc_pos = np.searchsorted(stream_offsets, starts, side="right") - 1
+            sample_index[lo:lo + starts.size, 0] = doc_pos
+            sample_index[lo:lo + starts.size, 1] = starts - stream_offsets[doc_pos]
+        # Shuffle the samples that start in each epoch among themselves, epoch after epoch:
+        # the first sample starting at or after token e * tokens_per_epoch opens epoch e.
+        epoch_bounds = np.minimum(-(-(np.arange(epochs + 1, dtype=np.int64) * tokens_per_epoch) // S), num_samples)
         epoch_bounds[-1] = num_samples
         order_dtype = np.int32 if num_samples < 2**31 else np.int64
         shuffle_index = np.concatenate([

@@ -145,3 +145,13 @@ def test_out_of_vocabulary_tokens_are_reported():
 def test_flags_needing_an_end_of_document_token():
     with pytest.raises(DataError, match="--eod-mask-loss"):
         BatchOptions(eod=None, eod_mask_loss=True).check()
+
+
+def test_building_in_blocks_gives_the_same_indices(indexed, monkeypatch):
+    import meshtron.data.gpt_dataset as gd
+
+    whole = GPTDataset(indexed, (0, 30), 123, S, seed=9)
+    monkeypatch.setattr(gd, "SAMPLE_BLOCK", 7)
+    blocked = GPTDataset(indexed, (0, 30), 123, S, seed=9)
+    assert np.array_equal(whole.sample_index, blocked.sample_index)
+    assert whole.sample_index.dtype == np.int32
