@@ -156,3 +156,24 @@ def test_corrupt_files_give_clear_errors(tmp_path, case, message):
     with pytest.raises(DataError, match=message) as err:
         IndexedDataset(tmp_path / "d")
     assert str(tmp_path / "d.") in str(err.value)  # the message names the file
+
+
+def test_interoperates_with_megatron_core(tmp_path):
+    """Runs where megatron-core is installed (not a dependency): each side reads the other's files."""
+    mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    torch = pytest.importorskip("torch")
+    builder = mcore.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np.int32)
+    builder.add_document(torch.tensor([1, 2, 3]), [3])
+    builder.add_document(torch.tensor([4, 5, 6, 100000]), [2, 2])
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    with IndexedDatasetWriter(tmp_path / "ours", np.int32) as w:
+        w.add_document([1, 2, 3])
+        w.add_sequence([4, 5])
+        w.add_sequence([6, 100000])
+        w.end_document()
+        w.finalize()
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"theirs{ext}").read_bytes()
+    theirs = mcore.IndexedDataset(str(tmp_path / "ours"))
+    assert [theirs[i].tolist() for i in range(3)] == [[1, 2, 3], [4, 5], [6, 100000]]
+    assert IndexedDataset(tmp_path / "theirs").document_indices.tolist() == [0, 1, 3]
