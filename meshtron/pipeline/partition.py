@@ -78,11 +78,12 @@ def stage_layer_counts(num_layers: int, stages: int, first: Optional[int] = None
                               f"{_FIRST} / {_LAST} for an uneven split")
         return [num_layers // stages] * stages
     given = " and ".join(f"{flag} {v}" for flag, v in ((_FIRST, first), (_LAST, last)) if v is not None)
-    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages > 0 and (rest == 0 or rest % middle_stages)):
-        what = (f"exactly --num-layers ({num_layers})" if middle_stages == 0 else
-                f"a positive multiple of the {middle_stages} other stages")
-        raise ConfigError(f"--num-layers ({num_layers}) minus {given} leaves {rest} layers; with {_PP} {stages} "
-                          f"that must be {what}")
+    if middle_stages == 0 and rest != 0:
+        raise ConfigError(f"{given} must add up to --num-layers ({num_layers}) with {_PP} {stages}")
+    if middle_stages > 0 and (rest <= 0 or rest % middle_stages):
+        raise ConfigError(f"--num-layers ({num_layers}) minus {given} leaves {rest} layers for the other "
+                          f"{middle_stages} of {_PP} {stages} stages: it must be a positive multiple of "
+                          f"{middle_stages}")
     middle = [rest // middle_stages] * middle_stages if middle_stages else []
     return ([first] if first is not None else []) + middle + ([last] if last is not None else [])
 

@@ -169,6 +169,12 @@ def _needs_message(stage: int, c: Compute, stages: int, virtual: int) -> bool:
 
 def build_plans(orders: Sequence[Sequence[Compute]], virtual: int) -> list[list[Step]]:
     """Interleave every rank's passes with the exchanges that carry their tensors (lock-step simulation)."""
+    return _simulate(orders, virtual)[0]
+
+
+def _simulate(orders: Sequence[Sequence[Compute]], virtual: int) -> tuple[list[list[Step]], int]:
+    """Run every rank's passes in lock-step ticks (one pass per rank per tick); return the plans and
+    the number of ticks."""
     stages = len(orders)
     position = [0] * stages
     arrived: dict[tuple[int, Compute], int] = {}  # (stage, consuming pass) -> tick its tensor was sent
@@ -199,18 +205,29 @@ def build_plans(orders: Sequence[Sequence[Compute]], virtual: int) -> list[list[
             if exchanges[s]:
                 plans[s].append(Exchange(**exchanges[s]))
         tick += 1
-    return plans
+    return plans, tick
+
+
+def _orders(stages: int, virtual: int, num_micro_batches: int, forward_only: bool) -> list[list[Compute]]:
+    if virtual > 1:
+        check_micro_batches(num_micro_batches, stages, virtual)
+        return [interleaved_order(stages, s, virtual, num_micro_batches, forward_only) for s in range(stages)]
+    return [one_f_one_b_order(stages, s, num_micro_batches, forward_only) for s in range(stages)]
 
 
 @functools.lru_cache(maxsize=64)
 def pipeline_plans(stages: int, virtual: int, num_micro_batches: int, forward_only: bool) -> tuple[tuple[Step, ...], ...]:
     """Every rank's plan (passes and exchanges, in order) for one iteration."""
-    if virtual > 1:
-        check_micro_batches(num_micro_batches, stages, virtual)
-        orders = [interleaved_order(stages, s, virtual, num_micro_batches, forward_only) for s in range(stages)]
-    else:
-        orders = [one_f_one_b_order(stages, s, num_micro_batches, forward_only) for s in range(stages)]
-    return tuple(tuple(plan) for plan in build_plans(orders, virtual))
+    plans = build_plans(_orders(stages, virtual, num_micro_batches, forward_only), virtual)
+    return tuple(tuple(plan) for plan in plans)
+
+
+def simulated_bubble(stages: int, virtual: int, num_micro_batches: int) -> float:
+    """Idle time over busy time of the schedule when every chunk's forward and backward take the
+    same time and communication is free: ``(PP - 1) / (V * M)`` for both schedules."""
+    _, ticks = _simulate(_orders(stages, virtual, num_micro_batches, False), virtual)
+    busy = 2 * virtual * num_micro_batches
+    return (ticks - busy) / busy
 
 
 def max_in_flight(plan: Sequence[Step]) -> int:

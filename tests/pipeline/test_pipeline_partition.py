@@ -1,0 +1,105 @@
+"""Which layers each stage and virtual chunk holds, and clear errors for impossible splits."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.parallel.context import ParallelContext
+from meshtron.pipeline import get_schedule
+from meshtron.pipeline.partition import check_micro_batches, layout_from_config, partition_layers
+
+
+def test_even_split_keeps_layers_in_order():
+    layout = partition_layers(8, 4)
+    assert [layout.layers(p) for p in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.virtual_stages == 1
+    assert layout.has_embedding(0) and not layout.has_embedding(1)
+    assert layout.has_loss(3) and not layout.has_loss(2)
+
+
+def test_one_stage_holds_everything():
+    layout = partition_layers(5, 1)
+    assert layout.layers(0) == [0, 1, 2, 3, 4]
+    assert layout.has_embedding(0) and layout.has_loss(0)
+
+
+@pytest.mark.parametrize("first,last,expected", [
+    (1, None, [[0], [1, 2, 3, 4], [5, 6, 7, 8]]),
+    (None, 2, [[0, 1, 2], [3, 4, 5], [6, 7]]),
+    (3, 1, [[0, 1, 2], [3, 4], [5, 6], [7]]),
+])
+def test_uneven_first_and_last_stages(first, last, expected):
+    layers = sum(len(x) for x in expected)
+    layout = partition_layers(layers, len(expected), first=first, last=last)
+    assert [layout.layers(p) for p in range(len(expected))] == expected
+
+
+def test_virtual_chunks_are_round_robin_like_megatron():
+    """Chunk v of stage p is model chunk v * PP + p."""
+    layout = partition_layers(8, 2, virtual_size=2)
+    assert layout.stage_layers(0) == [[0, 1], [4, 5]]
+    assert layout.stage_layers(1) == [[2, 3], [6, 7]]
+    assert layout.has_embedding(0, 0) and not layout.has_embedding(0, 1)
+    assert layout.has_loss(1, 1) and not layout.has_loss(1, 0) and not layout.has_loss(0, 1)
+    same = partition_layers(8, 2, layers_per_virtual=2)
+    assert same == layout
+
+
+def test_virtual_chunks_with_uneven_stages():
+    # 10 layers, first stage 2, last stage 4, middle 4: chunks of 1, 2, 2 layers per virtual stage.
+    layout = partition_layers(10, 3, first=2, last=4, virtual_size=2)
+    assert layout.stage_layers(0) == [[0], [5]]
+    assert layout.stage_layers(1) == [[1, 2], [6, 7]]
+    assert layout.stage_layers(2) == [[3, 4], [8, 9]]
+    all_layers = sorted(i for p in range(3) for chunk in layout.stage_layers(p) for i in chunk)
+    assert all_layers == list(range(10))
+
+
+def test_layout_from_config_reads_the_flags():
+    cfg = MeshtronConfig()
+    cfg.model.num_layers = 12
+    cfg.parallel.pipeline_model_parallel_size = 3
+    cfg.parallel.num_layers_per_virtual_pipeline_stage = 2
+    layout = layout_from_config(cfg)
+    assert layout.virtual_stages == 2
+    assert layout.stage_layers(2) == [[4, 5], [10, 11]]
+
+
+@pytest.mark.parametrize("kwargs,flags", [
+    (dict(num_layers=7, stages=2), ["--num-layers (7)", "--pipeline-model-parallel-size (2)"]),
+    (dict(num_layers=8, stages=3, first=3), ["--decoder-first-pipeline-num-layers 3", "5 layers"]),
+    (dict(num_layers=8, stages=2, first=3, last=4), ["--decoder-last-pipeline-num-layers 4 must add up to"]),
+    (dict(num_layers=8, stages=2, first=8), ["leaves 0 layers"]),
+    (dict(num_layers=8, stages=1, first=2), ["--decoder-first-pipeline-num-layers needs"]),
+    (dict(num_layers=8, stages=2, first=0), ["--decoder-first-pipeline-num-layers must be >= 1"]),
+    (dict(num_layers=8, stages=2, virtual_size=3), ["not divisible by 3 virtual stages"]),
+    (dict(num_layers=12, stages=2, layers_per_virtual=4), ["--num-layers-per-virtual-pipeline-stage (4)"]),
+    (dict(num_layers=8, stages=2, layers_per_virtual=2, virtual_size=4), ["contradicts"]),
+    (dict(num_layers=8, stages=2, first=2, layers_per_virtual=1), ["cannot be combined"]),
+    (dict(num_layers=8, stages=1, virtual_size=2), ["--virtual-pipeline-model-parallel-size needs"]),
+    (dict(num_layers=6, stages=2, first=3, virtual_size=2), ["pipeline stage 0 has 3 layers", "not divisible"]),
+], ids=lambda x: None)
+def test_impossible_splits_name_the_flags(kwargs, flags):
+    kwargs = dict(kwargs)
+    with pytest.raises(ConfigError) as err:
+        partition_layers(kwargs.pop("num_layers"), kwargs.pop("stages"), **kwargs)
+    for text in flags:
+        assert text in str(err.value), str(err.value)
+
+
+def test_interleaving_needs_micro_batches_in_groups_of_stages():
+    check_micro_batches(8, 4, 2)
+    check_micro_batches(3, 4, 1)  # 1F1B takes any number
+    with pytest.raises(ConfigError, match=r"= 6\) to be a multiple of --pipeline-model-parallel-size \(4\)"):
+        check_micro_batches(6, 4, 2)
+
+
+def test_get_schedule_rejects_a_micro_batch_count_interleaving_cannot_run():
+    cfg = MeshtronConfig()
+    cfg.model.num_layers = 4
+    cfg.parallel.pipeline_model_parallel_size = 2
+    cfg.parallel.virtual_pipeline_model_parallel_size = 2
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 3
+    with pytest.raises(ConfigError, match="--global-batch-size"):
+        get_schedule(cfg, ParallelContext(pp=2))
