@@ -22,7 +22,8 @@ import numpy as np
 
 from meshtron.data.errors import DataError
 from meshtron.data.indexed_dataset import IndexedDatasetWriter, merge_datasets, token_dtype_for_vocab
-from meshtron.data.readers import TXT_UNITS, RawChunk, SkipCounts, chunk_documents, expand_inputs, iter_chunks
+from meshtron.data.readers import (TXT_UNITS, RawChunk, SkipCounts, chunk_documents, expand_inputs, file_format,
+                                   iter_chunks)
 from meshtron.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 
@@ -205,7 +206,9 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_args: Tokeni
         results: Iterator[ChunkResult] = map(_tokenize_chunk, chunks)
     else:
         results = _ordered_parallel(_tokenize_chunk, chunks, workers, _init_worker, initargs, window=4 * workers)
-    total = sum(p.stat().st_size for p in paths) if all(p.suffix not in (".gz", ".zst") for p in paths) else None
+    # A total for the bar only when file sizes are text sizes (no compression, no Parquet).
+    plain = all(p.suffix not in (".gz", ".zst") and file_format(p) != "parquet" for p in paths)
+    total = sum(p.stat().st_size for p in paths) if plain else None
     bar = _Progress(total, progress, log_interval, log)
     start = time.perf_counter()
     try:

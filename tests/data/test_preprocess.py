@@ -133,3 +133,12 @@ def test_plain_text_units(tmp_path, unit, expected):
                          txt_unit=unit, progress=False)
     assert _read_all(tmp_path / "o_text_document") == [list(e.encode()) for e in expected]
     assert summary.skips.empty == (1 if unit == "line" else 0)  # the blank line
+
+
+def test_progress_lines_when_not_on_a_terminal(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in DOCS * 20])
+    lines: list[str] = []
+    preprocess([str(src)], str(tmp_path / "o"), TokenizerArgs("ByteTokenizer"), progress=True, log_interval=0,
+               chunk_bytes=500, log=lines.append)
+    assert len(lines) > 3
+    assert "documents" in lines[-1] and "docs/s" in lines[-1] and "MB/s" in lines[-1]
