@@ -62,6 +62,8 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
     rank = coordination.rank()
     meta = build_meta(state, model_chunks, optimizer, ctx, cfg, tokenizer is not None)
     rng = state.rng if state.rng is not None else capture_rng_state()
+    if hasattr(optimizer, "finish_param_gather"):
+        optimizer.finish_param_gather()  # weights still being all-gathered must land before they are read
     chunks = model_chunk_list(model_chunks)
     if optimizer is not None:
         optimizer.ensure_state()  # zero moments before the first step: the same as fresh AdamW state

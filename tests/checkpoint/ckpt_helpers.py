@@ -62,7 +62,18 @@ def build_chunks(cfg: MeshtronConfig, ctx: ParallelContext, seed: int = 1, virtu
     return chunks
 
 
-def make_optimizer(cfg: MeshtronConfig, chunks: Sequence[torch.nn.Module]):
+def make_optimizer(cfg: MeshtronConfig, chunks: Sequence[torch.nn.Module], ctx: Optional[ParallelContext] = None,
+                   distributed: bool = False):
+    """(optimizer, gradient buffer): MixedPrecisionAdamW, or the distributed optimizer sharded over DP."""
+    if distributed:
+        from meshtron.optim.factory import build_optimization
+
+        cfg.parallel.use_distributed_optimizer = True
+        try:
+            opt = build_optimization(cfg, ctx, chunks)
+        finally:
+            cfg.parallel.use_distributed_optimizer = False
+        return opt.optimizer, opt.grad_buffer
     params = [p for c in chunks for p in c.parameters()]
     buffer = GradBuffer(params)
     return MixedPrecisionAdamW(params, cfg.optim), buffer
@@ -79,6 +90,8 @@ def elementwise_steps(optimizer, buffer: GradBuffer, steps: int, lr: float = 1e-
         for p in optimizer.params:
             p.main_grad.copy_(torch.sin(7.0 * p.detach().float()) + 0.1)
         optimizer.step(lr)
+        if hasattr(optimizer, "finish_param_gather"):
+            optimizer.finish_param_gather()
 
 
 def batch(seed: int = 0):

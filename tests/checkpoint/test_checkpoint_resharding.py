@@ -27,31 +27,38 @@ GPT = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="lea
            disable_bias_linear=False, group_query_attention=False, num_query_groups=None,
            untie_embeddings_and_output_weights=False)
 
-# name, save layout, load layout, config overrides; a layout is (TP, PP, virtual stages, sequence parallel)
+# name, save layout, load layout, config overrides; a layout is
+# (TP, PP, virtual stages, sequence parallel, distributed optimizer), DP = world / (TP x PP)
 SCENARIOS = [
-    ("tp2pp2_to_dp4", (2, 2, 1, False), (1, 1, 1, False), {}),
-    ("dp4_to_tp2pp2_tied", (1, 1, 1, False), (2, 2, 1, False), {"untie_embeddings_and_output_weights": False}),
-    ("tp4_kv_replicated_padding_to_tp2dp2", (4, 1, 1, False), (2, 1, 1, False), {"make_vocab_size_divisible_by": 64}),
-    ("pp2_virtual2_to_pp4", (1, 2, 2, False), (1, 4, 1, False), {}),
-    ("gpt_tp2_sp_to_tp4", (2, 1, 1, True), (4, 1, 1, False), GPT),
+    ("tp2pp2_to_dp4", (2, 2, 1, False, False), (1, 1, 1, False, False), {}),
+    ("dp4_to_tp2pp2_tied", (1, 1, 1, False, False), (2, 2, 1, False, False),
+     {"untie_embeddings_and_output_weights": False}),
+    ("tp4_kv_replicated_padding_to_tp2dp2", (4, 1, 1, False, False), (2, 1, 1, False, False),
+     {"make_vocab_size_divisible_by": 64}),
+    ("pp2_virtual2_to_pp4", (1, 2, 2, False, False), (1, 4, 1, False, False), {}),
+    ("gpt_tp2_sp_to_tp4", (2, 1, 1, True, False), (4, 1, 1, False, False), GPT),
+    ("tp2dp2_distopt_to_dp4_distopt", (2, 1, 1, False, True), (1, 1, 1, False, True), {}),
+    ("pp2dp2_distopt_to_tp2pp2", (1, 2, 1, False, True), (2, 2, 1, False, False), {}),
+]
+# Eight processes: TP=2 x PP=2 x DP=2 with the distributed optimizer <-> TP=1 x PP=1 x DP=8, and virtual stages.
+SCENARIOS_8 = [
+    ("tp2pp2dp2_distopt_to_dp8_distopt", (2, 2, 1, False, True), (1, 1, 1, False, True), {}),
+    ("dp8_to_tp2pp2dp2_distopt", (1, 1, 1, False, False), (2, 2, 1, False, True), {}),
+    ("pp2_virtual2_dp4_to_pp4_dp2", (1, 2, 2, False, True), (1, 4, 1, False, False), {}),
 ]
 
 
-def _context(layout) -> ParallelContext:
-    tp, pp, _, _ = layout
-    return build_groups(tp, 1, pp, 1, torch.device("cpu"))
-
-
 def _build(cfg, layout, seed):
-    ctx = _context(layout)
-    chunks = build_chunks(cfg, ctx, seed=seed, virtual=layout[2], sequence_parallel=layout[3])
-    optimizer, buffer = make_optimizer(cfg, chunks)
+    tp, pp, virtual, sp, distributed = layout
+    ctx = build_groups(tp, 1, pp, 1, torch.device("cpu"))
+    chunks = build_chunks(cfg, ctx, seed=seed, virtual=virtual, sequence_parallel=sp)
+    optimizer, buffer = make_optimizer(cfg, chunks, ctx, distributed)
     return ctx, chunks, optimizer, buffer
 
 
-def _reshard_worker(rank: int, world: int, root: str) -> dict:
+def _reshard_worker(rank: int, world: int, root: str, scenarios: list) -> dict:
     out = {}
-    for name, save_layout, load_layout, overrides in SCENARIOS:
+    for name, save_layout, load_layout, overrides in scenarios:
         cfg = tiny_config(**overrides)
         path = os.path.join(root, name)
         ctx, chunks, optimizer, buffer = _build(cfg, save_layout, seed=1)
@@ -77,7 +84,7 @@ def _reshard_worker(rank: int, world: int, root: str) -> dict:
 
 
 def test_resharding_between_layouts(tmp_path):
-    results = run_ranks(_reshard_worker, 4, str(tmp_path), timeout=300)
+    results = run_ranks(_reshard_worker, 4, str(tmp_path), SCENARIOS, timeout=300)
     for name, *_ in SCENARIOS:
         r = results[0][name]
         if r["loss_saved"] is not None and r["loss_loaded"] is not None:
@@ -109,3 +116,9 @@ def test_resharding_between_layouts(tmp_path):
     got = {k: v for k, v in canonical_state(chunks).items()}
     assert_same_state(got, results[0][name]["ref"])
     assert abs(forward_loss(chunks[0]) - results[0][name]["loss_loaded"]) < 1e-5
+
+
+def test_resharding_eight_processes(tmp_path):
+    results = run_ranks(_reshard_worker, 8, str(tmp_path), SCENARIOS_8, timeout=400)
+    r = results[0]["dp8_to_tp2pp2dp2_distopt"]
+    assert abs(r["loss_saved"] - results[0]["tp2pp2dp2_distopt_to_dp8_distopt"]["loss_loaded"]) < 1e-5
