@@ -1,0 +1,157 @@
+"""Checkpoint timing on GPUs: synchronous and asynchronous save, load, bandwidth, and training paused.
+
+Run with one process per GPU, e.g. Llama 3.1 8B over two GPUs with tensor parallelism::
+
+    torchrun --nproc-per-node 2 -m meshtron.checkpoint.bench --model llama3-8b --tp 2 --dir /scratch/ckpt
+
+It builds the model (bf16 weights, fp32 masters and Adam moments), takes a few
+training steps, then measures: a synchronous save; an asynchronous save (the time
+training is paused, the step times while the write runs, the time until the
+checkpoint is published); a load. Each checkpoint is deleted after it is measured,
+so the disk needs room for one. Rank 0 prints one JSON object per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtron.checkpoint import finalize_async_saves, last_save_timings, load_checkpoint, save_checkpoint
+from meshtron.config import MeshtronConfig
+from meshtron.model import GPTModel
+from meshtron.optim.factory import build_optimization
+from meshtron.parallel.context import build_parallel_context
+from meshtron.parallel.sharding import initialize_parameters
+from meshtron.presets import apply_preset
+from meshtron.training.state import TrainingState
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sum(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m meshtron.checkpoint.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dir", required=True, help="checkpoint directory (on the file system to measure)")
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=4, help="training steps timed with and without a save in flight")
+    p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--async-repeats", type=int, default=2, help="asynchronous saves (the first allocates buffers)")
+    args = p.parse_args(argv)
+
+    cfg = MeshtronConfig()
+    apply_preset(cfg.model, args.model)
+    for key, value in dict(seq_length=args.seq_length, bf16=True, device="cuda", mock_data=True,
+                           tensor_model_parallel_size=args.tp, micro_batch_size=1,
+                           use_distributed_optimizer=args.distributed_optimizer).items():
+        cfg.set(key, value)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world)
+    ctx = build_parallel_context(tp=args.tp, device="cuda")
+    lead = ctx.rank == 0
+    model = GPTModel(cfg.model, ctx, cfg.model.vocab_size)
+    initialize_parameters(model, cfg.train.seed, ctx.device, torch.bfloat16)
+    optim = build_optimization(cfg, ctx, [model])
+    optimizer = optim.optimizer
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, args.seq_length), device=ctx.device, generator=gen)
+    weight = torch.full((1, args.seq_length), 1.0 / args.seq_length, device=ctx.device)
+
+    def train_steps(n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            optim.grad_buffer.zero()
+            total, _ = model(tokens, labels=tokens, loss_weight=weight)
+            total.backward()
+            optim.grad_sync.finish()
+            optimizer.step(1e-5)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return times
+
+    def report(record: dict) -> None:
+        if lead:
+            print(json.dumps(record), flush=True)
+
+    train_steps(2)  # warm-up: kernels, allocator, optimizer state
+    baseline = train_steps(args.steps)
+    state = TrainingState(iteration=10, consumed_samples=10)
+    save_dir = Path(args.dir)
+    env = {"model": args.model, "tp": args.tp, "world": world, "distributed_optimizer": args.distributed_optimizer,
+           "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    report({"event": "setup", **env, "step_time_s": sum(baseline) / len(baseline)})
+
+    def published_bytes() -> float:
+        size = _dir_bytes(save_dir / "iter_0000010") if lead else 0
+        return _sum(size)
+
+    def clean() -> None:
+        _barrier()
+        if lead and save_dir.exists():
+            shutil.rmtree(save_dir)
+        _barrier()
+
+    clean()
+    _barrier()
+    start = time.perf_counter()
+    save_checkpoint(str(save_dir), state, [model], optimizer, ctx, cfg)
+    _barrier()
+    elapsed = time.perf_counter() - start
+    size = published_bytes()
+    report({"event": "save_sync", "seconds": elapsed, "bytes": size, "gb_per_s": size / elapsed / 1e9})
+
+    for repeat in range(args.async_repeats):
+        clean()
+        start = time.perf_counter()
+        save_checkpoint(str(save_dir), state, [model], optimizer, ctx, cfg, async_save=True)
+        paused = time.perf_counter() - start
+        during = train_steps(args.steps)
+        finalize_async_saves()
+        _barrier()
+        elapsed = time.perf_counter() - start
+        timings = last_save_timings()
+        size = published_bytes()
+        report({"event": "save_async", "repeat": repeat, "training_paused_s": paused, "seconds_to_publish": elapsed,
+                "write_s": timings.get("total_s"), "bytes": size, "gb_per_s": size / timings.get("total_s", elapsed) / 1e9,
+                "step_time_during_write_s": sum(during) / len(during),
+                "step_time_baseline_s": sum(baseline) / len(baseline)})
+
+    _barrier()
+    start = time.perf_counter()
+    loaded = load_checkpoint(str(save_dir), [model], optimizer, ctx, cfg)
+    torch.cuda.synchronize()
+    _barrier()
+    elapsed = time.perf_counter() - start
+    size = published_bytes()
+    report({"event": "load", "seconds": elapsed, "bytes": size, "gb_per_s": size / elapsed / 1e9,
+            "iteration": loaded.iteration})
+    clean()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
