@@ -45,12 +45,17 @@ class ParamBuffer:
         return self.data[start:start + n]
 
 
+_CONTAINERS = (nn.ParameterList, nn.ParameterDict, nn.ModuleList, nn.ModuleDict)
+
+
 def _owner_modules(chunk: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """(module whose forward pre-hook waits, parameters it needs) for every parameter of ``chunk``.
 
-    A parameter is waited for before the forward of the module that owns it; inside a
-    module compiled with ``nn.Module.compile`` the hook moves up to the outermost
-    compiled ancestor, so that the wait never lands inside a compiled graph.
+    A parameter is waited for before the forward of the module that owns it. Containers
+    (``nn.ParameterList`` and the like) have no forward of their own: their parameters
+    are waited for by the nearest ancestor that is called. Inside a module compiled with
+    ``nn.Module.compile`` the hook moves up to the outermost compiled ancestor, so that
+    the wait never lands inside a compiled graph.
     """
     parent: dict[int, Optional[nn.Module]] = {id(chunk): None}
     for module in chunk.modules():
@@ -61,7 +66,10 @@ def _owner_modules(chunk: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]
         own = list(module.parameters(recurse=False))
         if not own:
             continue
-        target, node = module, module
+        target = module
+        while isinstance(target, _CONTAINERS) and parent.get(id(target)) is not None:
+            target = parent[id(target)]
+        node = target
         while node is not None:
             if getattr(node, "_compiled_call_impl", None) is not None:
                 target = node

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.model import GPTModel
@@ -19,7 +20,7 @@ from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.distributed_optimizer import DistributedOptimizer
 from meshtron.optim.factory import build_optimization
 from meshtron.parallel.context import ParallelContext, build_groups
-from meshtron.parallel.sharding import gather_canonical, initialize_parameters
+from meshtron.parallel.sharding import ShardSpec, gather_canonical, initialize_parameters, new_param, spec_of, whole
 from tests.distributed.launch import run_distributed
 
 VOCAB = 100
@@ -58,36 +59,84 @@ def global_batches():
         yield tokens, labels, mask
 
 
-def train(cfg: MeshtronConfig, ctx: ParallelContext, micro_batches: int = 2) -> dict:
-    """STEPS training iterations; returns losses, norms, canonical weights and optimizer facts."""
-    model = GPTModel(cfg.model, ctx, VOCAB, sequence_parallel=cfg.parallel.sequence_parallel)
-    initialize_parameters(model, 7, torch.device("cpu"), torch.float32)
-    optim = build_optimization(cfg, ctx, [model])
+def single_stage(cfg: MeshtronConfig, ctx: ParallelContext) -> GPTModel:
+    return GPTModel(cfg.model, ctx, VOCAB, sequence_parallel=cfg.parallel.sequence_parallel)
+
+
+def run_micro_batch(model, ctx, tokens, labels, weight, before_backward) -> torch.Tensor:
+    """Forward and backward of one micro-batch on a one-stage model; returns its weighted loss sum."""
+    loss, _ = model(tokens, labels=labels, loss_weight=weight)
+    before_backward()
+    loss.backward()
+    return loss.detach()
+
+
+def train_step(model, optim, cfg: MeshtronConfig, ctx: ParallelContext, batch, micro_batches: int,
+               run_micro) -> tuple[float, float]:
+    """One iteration as the trainer runs it; returns (global-batch loss, gradient norm)."""
+    tokens, labels, mask = batch
+    weight = mask / mask.sum()
     per_rank = GLOBAL_BATCH // ctx.dp
     mb = per_rank // micro_batches
+    rows = slice(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)
+    tokens, labels, weight = tokens[rows], labels[rows], weight[rows]
+    optim.grad_buffer.zero()
+    total = torch.zeros(())
+    for j in range(micro_batches):
+        part = slice(j * mb, (j + 1) * mb)
+        last = j == micro_batches - 1
+        total += run_micro(model, ctx, tokens[part], labels[part], weight[part],
+                           optim.grad_sync.start_overlap if last else (lambda: None))
+    optim.grad_sync.finish()
+    norm = optim.grad_norm()
+    optim.grad_buffer.data.mul_(clip_coefficient(norm, cfg.optim.clip_grad))
+    optim.optimizer.step(LR)
+    if ctx.dp_cp_group is not None:
+        dist.all_reduce(total, group=ctx.dp_cp_group)
+    return total.item(), norm.item()
+
+
+def all_states(opt) -> list[dict]:
+    return [{k: v.clone() for k, v in opt.state_tensors(i).items()} for i in range(len(opt.params))]
+
+
+def resume_difference(model, optim, cfg: MeshtronConfig, ctx: ParallelContext, build, run_micro) -> float:
+    """Copy weights and optimizer state (through the checkpoint interface) into a fresh model and
+    optimizer, run one more step on both: the largest difference of any weight or state afterwards."""
+    states = all_states(optim.optimizer)
+    other = build(cfg, ctx)
+    initialize_parameters(other, 8, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters()):
+            q.copy_(p)
+    other_optim = build_optimization(cfg, ctx, [other])
+    other_optim.optimizer.ensure_state()
+    for i, tensors in enumerate(states):
+        other_optim.optimizer.load_state_tensors(i, tensors)
+    other_optim.optimizer.set_step_count(optim.optimizer.step_count)
+    batch = next(iter(global_batches()))
+    for m, o in ((model, optim), (other, other_optim)):
+        train_step(m, o, cfg, ctx, batch, 2, run_micro)
+        if isinstance(o.optimizer, DistributedOptimizer):
+            o.optimizer.finish_param_gather()
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), other.parameters()))
+    for a, b in zip(all_states(optim.optimizer), all_states(other_optim.optimizer)):
+        diff = max([diff] + [(a[k] - b[k]).abs().max().item() for k in a])
+    return diff
+
+
+def train(cfg: MeshtronConfig, ctx: ParallelContext, micro_batches: int = 2, build=single_stage,
+          run_micro=run_micro_batch, resume: bool = False) -> dict:
+    """STEPS training iterations; returns losses, norms, canonical weights and optimizer facts."""
+    model = build(cfg, ctx)
+    initialize_parameters(model, 7, torch.device("cpu"), torch.float32)
+    optim = build_optimization(cfg, ctx, [model])
     out = {"losses": [], "norms": [], "started_in_backward": []}
-    for tokens, labels, mask in global_batches():
-        weight = mask / mask.sum()
-        rows = slice(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)
-        tokens, labels, weight = tokens[rows], labels[rows], weight[rows]
-        optim.grad_buffer.zero()
-        total = torch.zeros(())
-        for j in range(micro_batches):
-            part = slice(j * mb, (j + 1) * mb)
-            loss, _ = model(tokens[part], labels=labels[part], loss_weight=weight[part])
-            if j == micro_batches - 1:
-                optim.grad_sync.start_overlap()
-            loss.backward()
-            total += loss.detach()
-        optim.grad_sync.finish()
+    for batch in global_batches():
+        loss, norm = train_step(model, optim, cfg, ctx, batch, micro_batches, run_micro)
         out["started_in_backward"].append(optim.grad_sync.buckets_started_in_backward)
-        norm = optim.grad_norm()
-        optim.grad_buffer.data.mul_(clip_coefficient(norm, cfg.optim.clip_grad))
-        optim.optimizer.step(LR)
-        if ctx.dp_cp_group is not None:
-            dist.all_reduce(total, group=ctx.dp_cp_group)
-        out["losses"].append(total.item())
-        out["norms"].append(norm.item())
+        out["losses"].append(loss)
+        out["norms"].append(norm)
     opt = optim.optimizer
     if isinstance(opt, DistributedOptimizer):
         opt.finish_param_gather()
@@ -96,9 +145,12 @@ def train(cfg: MeshtronConfig, ctx: ParallelContext, micro_batches: int = 2) -> 
         out["pending_gathers_after_step"] = opt.param_gather.pending
     out["total_numel"] = sum(p.numel() for p in model.parameters())
     out["buckets"] = len(optim.layout.buckets)
+    out["local_weights"] = {name: p.detach().clone() for name, p in model.named_parameters()}
     out["weights"] = gather_canonical([model])
-    if ctx.tp == 1:  # full optimizer state per parameter (a collective with the distributed optimizer)
-        out["state"] = [{k: v.clone() for k, v in opt.state_tensors(i).items()} for i in range(len(opt.params))]
+    if ctx.tp == 1 and ctx.pp == 1:  # full optimizer state per parameter (collective with the distributed optimizer)
+        out["state"] = all_states(opt)
+    if resume:
+        out["resume_difference"] = resume_difference(model, optim, cfg, ctx, build, run_micro)
     return out
 
 
@@ -137,12 +189,15 @@ VARIANTS = {
 }
 
 
+RESUME = ("distopt-offload", "offload-only", "plain")  # checkpoint interface round trip
+
+
 def _dp_worker(rank, world, names, tp, query_groups, sp):
     ctx = build_groups(tp, 1, 1, 1, torch.device("cpu"))
     results = {}
     for name in names:
         extra = dict(sequence_parallel=True) if sp else {}
-        results[name] = train(run_cfg(query_groups, **VARIANTS[name], **extra), ctx)
+        results[name] = train(run_cfg(query_groups, **VARIANTS[name], **extra), ctx, resume=name in RESUME)
     return results
 
 
@@ -163,6 +218,8 @@ def check_variants(results: list[dict], ref: dict, dp: int, names) -> None:
                                            atol=1e-2)
                 continue
             assert_same_training(got, ref)
+            if name in RESUME:
+                assert got["resume_difference"] < 1e-7, name
             if "overlap" in name:  # every bucket's reduction started inside the last backward
                 assert got["started_in_backward"] == [got["buckets"]] * STEPS, name
                 assert got["buckets"] > 3
@@ -201,3 +258,148 @@ def test_tp2_dp2_matches_single_process():
     for rank_result in results:
         for name in names:
             assert_same_training(rank_result[name], ref, state=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two pipeline stages with a tied embedding: the embedding copies are summed over the stages after
+# the data-parallel reduction (a bucket of their own, so a reduce-scatter leaves aligned shards).
+
+def two_stages(cfg: MeshtronConfig, ctx: ParallelContext) -> GPTModel:
+    first = ctx.pp_rank == 0
+    return GPTModel(cfg.model, ctx, VOCAB, layer_ids=[0] if first else [1], pre_process=first, post_process=not first)
+
+
+def run_pipeline_micro_batch(model, ctx, tokens, labels, weight, before_backward) -> torch.Tensor:
+    """One micro-batch through two stages, forward then backward (no interleaving needed here)."""
+    hidden_shape = (tokens.shape[1], tokens.shape[0], model.cfg.hidden_size)
+    if ctx.pp_rank == 0:
+        hidden = model(tokens)
+        dist.send(hidden.detach(), ctx.pp_ranks[1])
+        grad = torch.empty(hidden_shape)
+        dist.recv(grad, ctx.pp_ranks[1])
+        before_backward()
+        hidden.backward(grad)
+        return torch.zeros(())
+    hidden = torch.empty(hidden_shape)
+    dist.recv(hidden, ctx.pp_ranks[0])
+    hidden.requires_grad_()
+    loss, _ = model(hidden=hidden, labels=labels, loss_weight=weight)
+    before_backward()
+    loss.backward()
+    dist.send(hidden.grad, ctx.pp_ranks[0])
+    return loss.detach()
+
+
+def tied_cfg(**parallel) -> MeshtronConfig:
+    cfg = run_cfg(**parallel)
+    cfg.model.untie_embeddings_and_output_weights = False
+    return cfg
+
+
+PP_VARIANTS = ["plain-overlap", "distopt-overlap"]
+
+
+def _pp_worker(rank, world):
+    ctx = build_groups(1, 1, 2, 1, torch.device("cpu"))
+    return ctx.pp_rank, {name: train(tied_cfg(**VARIANTS[name]), ctx, build=two_stages,
+                                     run_micro=run_pipeline_micro_batch) for name in PP_VARIANTS}
+
+
+def test_pp2_dp2_tied_embedding_matches_single_process():
+    ref = train(tied_cfg(), ParallelContext(), micro_batches=4)
+    results = run_distributed(_pp_worker, 4, timeout=180)
+    embedding = ref["weights"]["embedding.word_embeddings.weight"]
+    for stage, per_variant in results:
+        for name, got in per_variant.items():
+            torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=1e-6)
+            if stage == 1:
+                torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5,
+                                           atol=1e-6)
+            for key, w in ref["weights"].items():
+                torch.testing.assert_close(got["weights"][key], w, rtol=1e-5, atol=WEIGHT_ATOL,
+                                           msg=lambda m: f"{name} {key}: {m}")
+            # Each stage's own copy of the tied embedding (first: the input embedding, last: the output layer).
+            local = got["local_weights"]["embedding.weight" if stage == 0 else "output_weight"]
+            torch.testing.assert_close(local[:VOCAB], embedding, rtol=1e-5, atol=WEIGHT_ATOL,
+                                       msg=lambda m: f"{name} stage {stage}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Expert parameters (ShardSpec.expert) are reduced and sharded over the expert-data-parallel group
+# and counted once per expert in the norm. A toy layer stands in for a mixture of experts: DP x CP
+# index d runs its tokens through expert d % EP (its expert-parallel rank), which only the ranks of
+# that expert-parallel rank hold.
+
+HIDDEN = 16
+
+
+class ToyExperts(nn.Module):
+    """A dense projection shared by every rank, then one of ``experts`` expert matrices."""
+
+    def __init__(self, experts: list[int]):
+        super().__init__()
+        with torch.device("meta"):
+            self.dense = new_param(ShardSpec((whole("dense.weight", (HIDDEN, HIDDEN), std=0.3),)))
+            self.bias = new_param(ShardSpec((whole("dense.bias", (HIDDEN,), "zeros"),)))
+            self.experts = nn.ParameterList([
+                new_param(ShardSpec((whole(f"experts.{e}.weight", (HIDDEN, HIDDEN), std=0.3),), expert=True))
+                for e in experts])
+
+    def forward(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        return torch.tanh(x @ self.dense.t() + self.bias) @ self.experts[slot].t()
+
+
+def toy_data(parts: int):
+    g = torch.Generator().manual_seed(99)
+    for _ in range(STEPS):
+        x = torch.randn(parts, 6, HIDDEN, generator=g)
+        target = torch.randn(parts, 6, HIDDEN, generator=g)
+        yield x, target
+
+
+def train_toy(cfg: MeshtronConfig, ctx: ParallelContext, ep: int, dp: int) -> dict:
+    """dp data parts; part d uses expert d % ep. Without ctx.dp > 1, one process does every part."""
+    experts = list(range(ep)) if ctx.dp == 1 else [ctx.ep_rank]
+    model = ToyExperts(experts)
+    initialize_parameters(model, 3, torch.device("cpu"), torch.float32)
+    optim = build_optimization(cfg, ctx, [model])
+    parts = range(dp) if ctx.dp == 1 else [ctx.dp_rank]
+    out = {"norms": []}
+    for x, target in toy_data(dp):
+        optim.grad_buffer.zero()
+        for j, d in enumerate(parts):
+            slot = d % ep if ctx.dp == 1 else 0
+            loss = ((model(x[d], slot) - target[d]) ** 2).sum() / x.numel()
+            if j == len(parts) - 1:
+                optim.grad_sync.start_overlap()
+            loss.backward()
+        optim.grad_sync.finish()
+        norm = optim.grad_norm()
+        optim.grad_buffer.data.mul_(clip_coefficient(norm, cfg.optim.clip_grad))
+        optim.optimizer.step(LR)
+        out["norms"].append(norm.item())
+    if isinstance(optim.optimizer, DistributedOptimizer):
+        optim.optimizer.finish_param_gather()
+    out["weights"] = {spec_of(p).pieces[0].name: p.detach().clone() for p in model.parameters()}
+    return out
+
+
+TOY_VARIANTS = ["plain-overlap", "distopt-overlap", "distopt-offload"]
+
+
+def _expert_worker(rank, world, ep):
+    ctx = build_groups(1, 1, 1, ep, torch.device("cpu"))
+    return {name: train_toy(run_cfg(**dict(VARIANTS[name], ddp_bucket_size=300)), ctx, ep, world)
+            for name in TOY_VARIANTS}
+
+
+def test_expert_parameters_reduce_and_shard_over_expert_data_parallel_group():
+    ep, dp = 2, 4
+    ref = train_toy(run_cfg(), ParallelContext(), ep, dp)
+    results = run_distributed(_expert_worker, dp, ep)
+    for per_variant in results:
+        for name, got in per_variant.items():
+            torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=1e-6)
+            for key, w in got["weights"].items():
+                torch.testing.assert_close(w, ref["weights"][key], rtol=1e-5, atol=WEIGHT_ATOL,
+                                           msg=lambda m: f"{name} {key}: {m}")
