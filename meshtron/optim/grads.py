@@ -126,10 +126,13 @@ class GradientSync:
                     raise ValueError("a tied embedding shared across pipeline stages needs a bucket of its own "
                                      "with the distributed optimizer (build_layout(isolate=...))")
 
-        self._active = False
-        self._pending: list[int] = []
-        self._started: list[bool] = [False] * len(self.layout.buckets)
+        n = len(self.layout.buckets)
+        self._armed: list[bool] = [False] * n  # overlapped launch enabled for this bucket
+        self._pending: list[int] = [0] * n
+        self._ready: list[set] = [set() for _ in range(n)]
+        self._started: list[bool] = [False] * n
         self._handles: list = []
+        self._new_iteration = True
         self.buckets_started_in_backward = 0
         if overlap:
             if grad_buffer.on_grad_ready is not None:
@@ -137,20 +140,38 @@ class GradientSync:
             grad_buffer.on_grad_ready = self._grad_ready
 
     # --------------------------------------------------------------------------------- overlap
-    def start_overlap(self) -> None:
-        """Called right before the last micro-batch's backward: from now on a bucket whose
-        gradients are all accumulated starts its reduction at once (with ``overlap``)."""
+    def start_overlap(self, chunk: Optional[int] = None) -> None:
+        """Called right before the last micro-batch's backward (of model chunk ``chunk``, or of all
+        chunks): from then on a bucket of that chunk whose gradients are all accumulated starts its
+        reduction at once (with ``overlap``).
+
+        With interleaved pipeline schedules each chunk's last backward comes at a different time,
+        and a chunk may still run earlier micro-batches' backward after another chunk's last one:
+        call it per chunk, before that chunk's last backward.
+        """
         if not self.overlap:
             return
-        self._active = True
-        self._pending = [len(b.param_indices) for b in self.layout.buckets]
-        self._started = [False] * len(self.layout.buckets)
-        self.buckets_started_in_backward = 0
+        if self._new_iteration:
+            self._new_iteration = False
+            self.buckets_started_in_backward = 0
+        for bucket in self.layout.buckets:
+            if chunk is None or bucket.chunk == chunk:
+                self._pending[bucket.index] = len(bucket.param_indices)
+                self._ready[bucket.index] = set()
+                self._armed[bucket.index] = True
 
     def _grad_ready(self, param: nn.Parameter) -> None:
-        if not self._active:
-            return
         b = self._bucket_of[id(param)]
+        if not self._armed[b]:
+            return
+        if self._started[b]:
+            raise RuntimeError(
+                "a parameter's gradient was accumulated again after its bucket's data-parallel reduction had "
+                "started (a parameter used in two backward passes of the last micro-batch?); train without "
+                "--overlap-grad-reduce, or call start_overlap() only before the last backward")
+        if id(param) in self._ready[b]:
+            return
+        self._ready[b].add(id(param))
         self._pending[b] -= 1
         if self._pending[b] == 0:
             self._start(self.layout.buckets[b])
@@ -181,8 +202,9 @@ class GradientSync:
         for work in self._handles:
             work.wait()
         self._handles.clear()
-        self._active = False
-        self._started = [False] * len(self.layout.buckets)
+        n = len(self.layout.buckets)
+        self._armed, self._started = [False] * n, [False] * n
+        self._new_iteration = True
         self._sync_embeddings()
 
     def _sync_embeddings(self) -> None:

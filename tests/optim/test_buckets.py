@@ -129,3 +129,46 @@ def test_param_gather_hooks_land_on_called_modules():
     assert id(model.first.norm) in targets
     assert id(model.second) in targets and len(targets[id(model.second)]) == 4
     assert id(model.second.norm) not in targets
+
+
+class _Chunk(nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.a = spec_param(f"{name}.a", 4)
+        self.b = spec_param(f"{name}.b", 4)
+
+    def forward(self, x):
+        return (x * self.a).sum() + (x * self.b).sum()
+
+
+def _overlap_sync(chunks):
+    from meshtron.optim.grad_buffer import GradBuffer
+    from meshtron.optim.grads import GradientSync
+
+    params = [p for c in chunks for p in c.parameters()]
+    layout = build_layout([list(c.parameters()) for c in chunks], ParallelContext(), bucket_size=4)
+    buffer = GradBuffer(params, layout=layout)
+    return GradientSync(chunks, params, ParallelContext(), buffer, overlap=True), layout
+
+
+def test_overlap_starts_only_armed_chunks_buckets_in_backward():
+    chunks = [_Chunk("c0"), _Chunk("c1")]
+    sync, layout = _overlap_sync(chunks)
+    x = torch.ones(4)
+    chunks[0](x).backward()  # an earlier micro-batch: nothing starts
+    sync.start_overlap(chunk=1)
+    chunks[1](x).backward()
+    chunks[0](x).backward()  # chunk 0 not armed: its buckets wait for finish()
+    assert sync.buckets_started_in_backward == sum(b.chunk == 1 for b in layout.buckets) == 2
+    sync.finish()
+    torch.testing.assert_close(chunks[0].a.main_grad, 2 * x)
+    torch.testing.assert_close(chunks[1].b.main_grad, x)
+
+
+def test_overlap_refuses_gradients_after_their_bucket_started():
+    chunks = [_Chunk("c0")]
+    sync, _ = _overlap_sync(chunks)
+    sync.start_overlap()
+    chunks[0](torch.ones(4)).backward()
+    with pytest.raises(RuntimeError, match="--overlap-grad-reduce"):
+        chunks[0](torch.ones(4)).backward()

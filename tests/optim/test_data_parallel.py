@@ -9,6 +9,12 @@ Several configurations share one process group to keep the number of spawns low.
 
 from __future__ import annotations
 
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,14 +80,14 @@ def run_micro_batch(model, ctx, tokens, labels, weight, before_backward) -> torc
 def train_step(model, optim, cfg: MeshtronConfig, ctx: ParallelContext, batch, micro_batches: int,
                run_micro) -> tuple[float, float]:
     """One iteration as the trainer runs it; returns (global-batch loss, gradient norm)."""
-    tokens, labels, mask = batch
+    tokens, labels, mask = (t.to(ctx.device) for t in batch)
     weight = mask / mask.sum()
     per_rank = GLOBAL_BATCH // ctx.dp
     mb = per_rank // micro_batches
     rows = slice(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)
     tokens, labels, weight = tokens[rows], labels[rows], weight[rows]
     optim.grad_buffer.zero()
-    total = torch.zeros(())
+    total = torch.zeros((), device=ctx.device)
     for j in range(micro_batches):
         part = slice(j * mb, (j + 1) * mb)
         last = j == micro_batches - 1
@@ -105,7 +111,7 @@ def resume_difference(model, optim, cfg: MeshtronConfig, ctx: ParallelContext, b
     optimizer, run one more step on both: the largest difference of any weight or state afterwards."""
     states = all_states(optim.optimizer)
     other = build(cfg, ctx)
-    initialize_parameters(other, 8, torch.device("cpu"), torch.float32)
+    initialize_parameters(other, 8, ctx.device, torch.float32)
     with torch.no_grad():
         for p, q in zip(model.parameters(), other.parameters()):
             q.copy_(p)
@@ -129,7 +135,7 @@ def train(cfg: MeshtronConfig, ctx: ParallelContext, micro_batches: int = 2, bui
           run_micro=run_micro_batch, resume: bool = False) -> dict:
     """STEPS training iterations; returns losses, norms, canonical weights and optimizer facts."""
     model = build(cfg, ctx)
-    initialize_parameters(model, 7, torch.device("cpu"), torch.float32)
+    initialize_parameters(model, 7, ctx.device, torch.float32)
     optim = build_optimization(cfg, ctx, [model])
     out = {"losses": [], "norms": [], "started_in_backward": []}
     for batch in global_batches():
@@ -145,10 +151,10 @@ def train(cfg: MeshtronConfig, ctx: ParallelContext, micro_batches: int = 2, bui
         out["pending_gathers_after_step"] = opt.param_gather.pending
     out["total_numel"] = sum(p.numel() for p in model.parameters())
     out["buckets"] = len(optim.layout.buckets)
-    out["local_weights"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    out["local_weights"] = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
     out["weights"] = gather_canonical([model])
     if ctx.tp == 1 and ctx.pp == 1:  # full optimizer state per parameter (collective with the distributed optimizer)
-        out["state"] = all_states(opt)
+        out["state"] = [{k: v.cpu() for k, v in d.items()} for d in all_states(opt)]
     if resume:
         out["resume_difference"] = resume_difference(model, optim, cfg, ctx, build, run_micro)
     return out
@@ -403,3 +409,43 @@ def test_expert_parameters_reduce_and_shard_over_expert_data_parallel_group():
             for key, w in got["weights"].items():
                 torch.testing.assert_close(w, ref["weights"][key], rtol=1e-5, atol=WEIGHT_ATOL,
                                            msg=lambda m: f"{name} {key}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The CUDA paths (NCCL in-place reduce-scatter / all-gather, fused CUDA AdamW on segments, pinned
+# host staging and side-stream copies of the offload) against one GPU.
+
+def _nccl_worker(rank: int, world: int, port: int, out_dir: str, names: list) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    try:
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        ctx = build_groups(1, 1, 1, 1, device, backend="nccl")
+        result = ("ok", {name: train(run_cfg(**VARIANTS[name]), ctx, resume=name in RESUME) for name in names})
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_dp2_nccl_matches_single_gpu():
+    names = ["plain", "plain-overlap", "distopt-overlap", "distopt-offload", "offload-only", "distopt-bf16-grads"]
+    ref = train(run_cfg(), ParallelContext(device=torch.device("cuda", 0)), micro_batches=4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        torch.multiprocessing.spawn(_nccl_worker, args=(2, port, out_dir, names), nprocs=2, join=True)
+        results = []
+        for rank in range(2):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            assert status == "ok", value
+            results.append(value)
+    check_variants(results, ref, 2, names)
