@@ -37,9 +37,12 @@ def model_config(tied: bool = True, gpt: bool = False, layers: int = 4) -> Model
 
 def run_config(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
                first: Optional[int] = None, last: Optional[int] = None, sp: bool = False,
-               micro_batch: int = 1, global_batch: int = 8) -> MeshtronConfig:
+               micro_batch: int = 1, global_batch: int = 8, **parallel) -> MeshtronConfig:
+    """A run on the given layout; ``parallel`` sets further ParallelConfig fields (e.g. the distributed optimizer)."""
     cfg = MeshtronConfig(model=model)
     p = cfg.parallel
+    for key, value in parallel.items():
+        setattr(p, key, value)
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.sequence_parallel = tp, pp, sp
     p.virtual_pipeline_model_parallel_size = vpp
     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = first, last
@@ -107,19 +110,22 @@ def train_and_collect(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int
         loss = schedule(chunks, mbs, before_last_backward=optim.grad_sync.start_overlap,
                         **(extra if it == 0 else {}))
         optim.grad_sync.finish()
-        if it == 0:
+        if it == 0 and not cfg.parallel.use_distributed_optimizer:  # (which keeps only its shard of them)
             out["grads"] = gather_canonical(chunks, "grad")
         norm = optim.grad_norm()
         optim.grad_buffer.data.mul_(clip_coefficient(norm, cfg.optim.clip_grad))
         optim.optimizer.step(cfg.optim.lr)
         out["losses"].append(_reduce(loss, ctx))
         out["norms"].append(float(norm))
+    if hasattr(optim.optimizer, "finish_param_gather"):  # the distributed optimizer gathers weights lazily
+        optim.optimizer.finish_param_gather()
     out["params"] = gather_canonical(chunks, "param")
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
         out["eval_loss"] = _reduce(schedule(chunks, rank_micro_batches(cfg, ctx, iterations), forward_only=True), ctx)
     out["max_in_flight"] = stats.max_in_flight
+    out["buckets_in_backward"] = getattr(optim.grad_sync, "buckets_started_in_backward", 0)
     out["stage"] = ctx.pp_rank
     out["tied"] = tied_copies(chunks)
     return out
