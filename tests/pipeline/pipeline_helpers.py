@@ -37,7 +37,8 @@ def model_config(tied: bool = True, gpt: bool = False, layers: int = 4) -> Model
 
 def run_config(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
                first: Optional[int] = None, last: Optional[int] = None, sp: bool = False,
-               micro_batch: int = 1, global_batch: int = 8, **parallel) -> MeshtronConfig:
+               micro_batch: int = 1, global_batch: int = 8, device: str = "cpu", compile: bool = False,
+               **parallel) -> MeshtronConfig:
     """A run on the given layout; ``parallel`` sets further ParallelConfig fields (e.g. the distributed optimizer)."""
     cfg = MeshtronConfig(model=model)
     p = cfg.parallel
@@ -47,7 +48,7 @@ def run_config(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: Optional[int] 
     p.virtual_pipeline_model_parallel_size = vpp
     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = first, last
     t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.seed, t.device, t.compile = micro_batch, global_batch, 11, "cpu", False
+    t.micro_batch_size, t.global_batch_size, t.seed, t.device, t.compile = micro_batch, global_batch, 11, device, compile
     cfg.optim.lr, cfg.optim.clip_grad, cfg.optim.weight_decay = 1e-2, 1.0, 0.1
     # Adam divides by sqrt(v) + eps: gradients that are zero in exact arithmetic (the key bias) but
     # rounding noise in practice would otherwise take lr-sized steps in different directions.
@@ -75,13 +76,14 @@ def rank_micro_batches(cfg: MeshtronConfig, ctx: ParallelContext, iteration: int
         return empty_micro_batches(per_rank // mbs)
     start = ctx.dp_rank * per_rank
     inv = 1.0 / mask.sum()
-    return [{"tokens": tokens[i:i + mbs], "labels": labels[i:i + mbs], "loss_weight": mask[i:i + mbs] * inv}
-            for i in range(start, start + per_rank, mbs)]
+    dev = ctx.device
+    return [{"tokens": tokens[i:i + mbs].to(dev), "labels": labels[i:i + mbs].to(dev),
+             "loss_weight": (mask[i:i + mbs] * inv).to(dev)} for i in range(start, start + per_rank, mbs)]
 
 
 def tied_copies(chunks) -> list[torch.Tensor]:
     """This rank's pieces of the tied embedding (the embedding on the first stage, its copy on the last)."""
-    return [part.detach().clone() for chunk in chunks for piece, part, _ in iter_pieces(chunk, "param")
+    return [part.detach().cpu().clone() for chunk in chunks for piece, part, _ in iter_pieces(chunk, "param")
             if piece.name == TIED_NAME]
 
 
@@ -139,11 +141,12 @@ def _reduce(loss: torch.Tensor, ctx: ParallelContext) -> float:
     return float(broadcast_from_last_stage(loss, ctx))
 
 
-def layout_worker(rank: int, world: int, cases: list) -> list[dict]:
+def layout_worker(rank: int, world: int, cases: list, device: str = "cpu") -> list[dict]:
     """Run every (config) case on this rank (all ranks build the same groups in the same order)."""
     results = []
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     for cfg in cases:
         p = cfg.parallel
-        ctx = build_groups(p.tensor_model_parallel_size, 1, p.pipeline_model_parallel_size, 1, torch.device("cpu"))
+        ctx = build_groups(p.tensor_model_parallel_size, 1, p.pipeline_model_parallel_size, 1, dev)
         results.append(train_and_collect(cfg, ctx))
     return results
