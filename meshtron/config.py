@@ -73,6 +73,8 @@ class ModelConfig:
     moe_expert_capacity_factor: Optional[float] = opt(None, "Capacity factor; tokens over capacity are dropped.")
     moe_shared_expert_intermediate_size: Optional[int] = opt(None, "Inner size of the shared expert(s).")
     moe_layer_freq: int = opt(1, "Every n-th layer is MoE.")
+    moe_first_dense_layers: int = opt(0, "The first N layers keep a dense MLP (DeepSeek-MoE's first_k_dense_replace); "
+                                         "the later layers follow --moe-layer-freq.")
     moe_grouped_gemm: bool = opt(False, "Accepted for Megatron compatibility; meshtron uses grouped GEMM on GPU where available.")
 
 
@@ -299,6 +301,12 @@ def ffn_size(m: ModelConfig) -> int:
     if m.swiglu:
         return int((4 * m.hidden_size * 2 / 3) / 64) * 64 or 4 * m.hidden_size
     return 4 * m.hidden_size
+
+
+def is_moe_layer(m: ModelConfig, layer: int) -> bool:
+    """Whether layer ``layer`` (0-based, global) has a mixture-of-experts MLP: every
+    --moe-layer-freq-th layer counting from layer 0, except the first --moe-first-dense-layers."""
+    return bool(m.num_experts) and layer >= m.moe_first_dense_layers and layer % max(1, m.moe_layer_freq) == 0
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
