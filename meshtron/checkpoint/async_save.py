@@ -1,7 +1,8 @@
 """Asynchronous saves: training continues while a background thread writes a CPU copy.
 
 The foreground part copies this rank's chunks into host buffers (pinned, and
-reused from one save to the next, on CUDA); the thread then runs the whole
+reused from one save to the next, on CUDA; a distributed optimizer's gathered
+state one parameter at a time, so that device memory stays bounded); the thread then runs the whole
 write-verify-publish sequence of :mod:`meshtron.checkpoint.writer`, whose
 collectives use the checkpoint's own gloo group, never the training groups. At
 most one save is in flight: a new save, a load and :func:`finalize_async_saves`
@@ -48,28 +49,35 @@ class AsyncCheckpointer:
                 raise err
             raise CheckpointError(f"the background checkpoint save failed: {type(err).__name__}: {err}") from err
 
-    def stage(self, chunks: list[LocalChunk]) -> list[LocalChunk]:
-        """Host copies of ``chunks`` (the previous save must be finished: its buffers are reused)."""
+    def begin_staging(self) -> None:
+        """Start taking host copies (the previous save must be finished: its buffers are reused)."""
         if self.in_flight:
             raise CheckpointError("internal error: staging while a save is in flight")
-        staged, on_cuda = [], False
-        for chunk in chunks:
-            src = chunk.data
-            key = (chunk.key, chunk.offsets)
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                pin = src.is_cuda and torch.cuda.is_available()
-                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-                self._buffers[key] = buf
-            on_cuda = on_cuda or src.is_cuda
-            buf.copy_(src, non_blocking=src.is_cuda)
-            staged.append(LocalChunk(chunk.key, chunk.global_shape, chunk.offsets, buf))
-        if on_cuda:
-            torch.cuda.current_stream().synchronize()  # the copies must land before the thread reads them
-        live = {(c.key, c.offsets) for c in chunks}
-        for key in [k for k in self._buffers if k not in live]:  # a layout change: drop stale buffers
+        self._used: set = set()
+        self._pending_cuda = False
+
+    def stage(self, chunk: LocalChunk, blocking: bool = False) -> LocalChunk:
+        """A host copy of ``chunk`` in a reused buffer (``blocking``: done when this returns, so that a
+        temporary source may be freed)."""
+        src = chunk.data
+        key = (chunk.key, chunk.offsets)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            pin = src.is_cuda and torch.cuda.is_available()
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        non_blocking = src.is_cuda and not blocking
+        buf.copy_(src, non_blocking=non_blocking)
+        self._pending_cuda = self._pending_cuda or non_blocking
+        self._used.add(key)
+        return LocalChunk(chunk.key, chunk.global_shape, chunk.offsets, buf)
+
+    def finish_staging(self) -> None:
+        """Wait for the copies to land; drop buffers this save did not use (the layout changed)."""
+        if self._pending_cuda:
+            torch.cuda.current_stream().synchronize()
+        for key in [k for k in self._buffers if k not in self._used]:
             del self._buffers[key]
-        return staged
 
     def submit(self, job: SaveJob) -> None:
         """Start writing ``job`` in the background (after the previous save finished)."""

@@ -20,9 +20,9 @@ from meshtron.checkpoint.metadata import (
     training_state_from_dict,
 )
 from meshtron.checkpoint.pieces import (
-    MODEL_PREFIX, OPTIM_PREFIX, OPTIM_STATES, canonical_name, model_chunks as model_chunk_list, optimizer_chunks,
-    to_state_dict,
+    MODEL_PREFIX, OPTIM_PREFIX, OPTIM_STATES, canonical_name, state_chunks, state_tensors_are_views, to_state_dict,
 )
+from meshtron.checkpoint.pieces import model_chunks as model_chunk_list
 from meshtron.checkpoint.save import model_vocab_size
 from meshtron.checkpoint.writer import quiet_single_process_notice
 from meshtron.config import MeshtronConfig
@@ -96,8 +96,8 @@ def check_compatibility(ckpt_dir: Path, meta: dict, saved: dict[str, tuple], mod
 
 
 def _dcp_load(state_dict: dict, ckpt_dir: Path, group, no_dist: bool) -> None:
-    if not state_dict:
-        return
+    if not state_dict and no_dist:
+        return  # with a group, even an empty load takes part in DCP's collectives
     try:
         dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(ckpt_dir)), process_group=group,
                  no_dist=no_dist)
@@ -112,27 +112,43 @@ def load_model_tensors(models: Sequence[nn.Module], ckpt_dir: Path, group=None, 
         _dcp_load(to_state_dict(model_chunk_list(models)), ckpt_dir, group, no_dist)
 
 
+#: Bytes of gathered optimizer state (fp32 master and moments) read per DCP load call when the
+#: optimizer's state_tensors are temporary copies (the distributed optimizer): bounds device memory.
+LOAD_BATCH_BYTES = 2 * 2**30
+
+
+def _param_batches(optimizer) -> list[list[int]]:
+    """Parameter indices grouped so that each group's gathered state stays under LOAD_BATCH_BYTES."""
+    n = len(optimizer.params)
+    if state_tensors_are_views(optimizer):
+        return [list(range(n))] if n else []
+    batches: list[list[int]] = []
+    size = 0
+    for i, p in enumerate(optimizer.params):
+        nbytes = p.numel() * 4 * len(OPTIM_STATES)
+        if not batches or (batches[-1] and size + nbytes > LOAD_BATCH_BYTES):
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += nbytes
+    return batches
+
+
 def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int) -> None:
     """Fill the optimizer's masters and moments from the checkpoint (collective over DP for a distributed one)."""
     optimizer.ensure_state()
-    per_param = [optimizer.state_tensors(i) for i in range(len(optimizer.params))]
-    holder = _StateTensors(optimizer, per_param)
+    batches = _param_batches(optimizer)
+    # Every rank makes the same number of DCP loads (collectives), whatever its pipeline stage holds.
+    rounds = max(coordination.all_gather_object(len(batches), group))
+    batches += [[] for _ in range(rounds - len(batches))]
     with torch.no_grad():
-        _dcp_load(to_state_dict(optimizer_chunks(holder)), ckpt_dir, group, group is None)
-        for i, tensors in enumerate(per_param):
-            optimizer.load_state_tensors(i, {k: tensors[k] for k in OPTIM_STATES})
+        for batch in batches:
+            tensors = {i: optimizer.state_tensors(i) for i in batch}
+            chunks = [c for i in batch for c in state_chunks(optimizer.params[i], i, tensors[i])]
+            _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None)
+            for i in batch:
+                optimizer.load_state_tensors(i, {k: tensors[i][k] for k in OPTIM_STATES})
     optimizer.set_step_count(step_count)
-
-
-class _StateTensors:
-    """The optimizer's state tensors, fetched once, seen through the optimizer's interface."""
-
-    def __init__(self, optimizer, per_param: list[dict]):
-        self.params = optimizer.params
-        self._per_param = per_param
-
-    def state_tensors(self, index: int) -> dict:
-        return self._per_param[index]
 
 
 def _masters_from_weights(optimizer) -> None:

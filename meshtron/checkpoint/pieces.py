@@ -18,7 +18,6 @@ pipeline stage) offer identical (name, offset) entries, which DCP writes once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -96,26 +95,43 @@ def model_chunks(models: Sequence[nn.Module]) -> list[LocalChunk]:
     return out
 
 
-def optimizer_chunks(optimizer, states: Iterable[str] = OPTIM_STATES) -> list[LocalChunk]:
-    """This rank's chunks of the optimizer state, in the order of ``optimizer.params``.
+def state_chunks(param: torch.Tensor, index: int, tensors: dict[str, torch.Tensor],
+                 states: Iterable[str] = OPTIM_STATES) -> list[LocalChunk]:
+    """The chunks of one parameter's optimizer state (``tensors`` as ``state_tensors(index)`` returns them)."""
+    spec = _spec(param, f"optimizer parameter {index}")
+    states = tuple(states)
+    missing = [s for s in states if s not in tensors]
+    if missing:
+        raise CheckpointError(f"optimizer parameter {index} has no {', '.join(missing)} state "
+                              "(call optimizer.ensure_state() first)")
+    out: list[LocalChunk] = []
+    for state in states:
+        out.extend(_chunks_of(tensors[state], spec, lambda n, s=state: optim_key(s, n)))
+    return out
+
+
+def optimizer_chunks_by_param(optimizer, states: Iterable[str] = OPTIM_STATES) -> Iterator[list[LocalChunk]]:
+    """This rank's chunks of the optimizer state, one list per parameter of ``optimizer.params``, in order.
 
     Calls ``optimizer.state_tensors(i)`` for every index in order: with a distributed
-    optimizer that is a collective over the data-parallel group. The tensors returned
-    are views of (or copies made by) the optimizer; callers that keep them past the
-    next step must copy them.
+    optimizer that is a collective over the data-parallel group, and the tensors are
+    gathered copies, which a caller may move to the host before asking for the next.
     """
-    states = tuple(states)
-    out: list[LocalChunk] = []
     for i, param in enumerate(optimizer.params):
-        spec = _spec(param, f"optimizer parameter {i}")
-        tensors = optimizer.state_tensors(i)
-        missing = [s for s in states if s not in tensors]
-        if missing:
-            raise CheckpointError(f"optimizer parameter {i} has no {', '.join(missing)} state "
-                                  "(call optimizer.ensure_state() first)")
-        for state in states:
-            out.extend(_chunks_of(tensors[state], spec, lambda n, s=state: optim_key(s, n)))
-    return out
+        yield state_chunks(param, i, optimizer.state_tensors(i), states)
+
+
+def optimizer_chunks(optimizer, states: Iterable[str] = OPTIM_STATES) -> list[LocalChunk]:
+    """All of :func:`optimizer_chunks_by_param` in one list."""
+    return [c for chunks in optimizer_chunks_by_param(optimizer, states) for c in chunks]
+
+
+def state_tensors_are_views(optimizer) -> bool:
+    """Whether ``state_tensors`` returns the optimizer's own tensors (MixedPrecisionAdamW) rather than
+    gathered copies (the distributed optimizer), which cost memory until released."""
+    from meshtron.optim.optimizer import MixedPrecisionAdamW
+
+    return isinstance(optimizer, MixedPrecisionAdamW)
 
 
 def group_chunks(chunks: Iterable[LocalChunk]) -> dict[str, list[LocalChunk]]:
@@ -186,12 +202,3 @@ def to_state_dict(chunks: Iterable[LocalChunk]) -> dict[str, ChunkedTensor]:
     """A flat DCP state dict {key: ChunkedTensor} of this rank's chunks."""
     return {key: ChunkedTensor(entries[0].global_shape, [(e.offsets, e.data) for e in entries])
             for key, entries in group_chunks(chunks).items()}
-
-
-def shapes_of(chunks: Iterable[LocalChunk]) -> dict[str, tuple]:
-    """{key: full shape} of the given chunks."""
-    return {c.key: c.global_shape for c in chunks}
-
-
-def all_chunks(*groups: Iterable[LocalChunk]) -> list[LocalChunk]:
-    return list(chain.from_iterable(groups))

@@ -12,8 +12,8 @@ from meshtron.checkpoint import coordination
 from meshtron.checkpoint.async_save import process_writer
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.checkpoint.metadata import checkpoint_meta, config_yaml, layout_dict, model_signature, rng_bytes
+from meshtron.checkpoint.pieces import LocalChunk, optimizer_chunks_by_param, state_tensors_are_views, to_state_dict
 from meshtron.checkpoint.pieces import model_chunks as model_chunk_list
-from meshtron.checkpoint.pieces import optimizer_chunks, to_state_dict
 from meshtron.checkpoint.writer import SaveJob, quiet_single_process_notice, write_and_publish
 from meshtron.config import MeshtronConfig
 from meshtron.parallel.context import ParallelContext
@@ -64,22 +64,43 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
     rng = state.rng if state.rng is not None else capture_rng_state()
     if hasattr(optimizer, "finish_param_gather"):
         optimizer.finish_param_gather()  # weights still being all-gathered must land before they are read
-    chunks = model_chunk_list(model_chunks)
-    if optimizer is not None:
-        optimizer.ensure_state()  # zero moments before the first step: the same as fresh AdamW state
-        chunks += optimizer_chunks(optimizer)
     job = SaveJob(save_dir=Path(save_dir), iteration=int(state.iteration), rank=rank, state_dict={}, meta=meta,
                   config_text=config_yaml(cfg), rng=rng_bytes(rng), group=group,
                   tokenizer=tokenizer if rank == 0 else None, retain=retain)
+    chunks = _collect_chunks(model_chunks, optimizer, writer if async_save else None)
+    job.state_dict = to_state_dict(chunks)
     if async_save:
-        job.state_dict = to_state_dict(writer.stage(chunks))
         job.timings["blocking_s"] = time.perf_counter() - start
         writer.submit(job)
     else:
-        job.state_dict = to_state_dict(chunks)
         write_and_publish(job)
         job.timings["blocking_s"] = time.perf_counter() - start
         writer.last_timings = job.timings
+
+
+def _collect_chunks(model_chunks: Sequence[nn.Module], optimizer, stager) -> list[LocalChunk]:
+    """This rank's chunks of model and optimizer state; host copies when ``stager`` is given (async).
+
+    A distributed optimizer gathers each parameter's state into a temporary copy: those are
+    moved to the host one parameter at a time, so that device memory stays bounded.
+    """
+    if stager is not None:
+        stager.begin_staging()
+    chunks = model_chunk_list(model_chunks)
+    if stager is not None:
+        chunks = [stager.stage(c) for c in chunks]
+    if optimizer is not None:
+        optimizer.ensure_state()  # zero moments before the first step: the same as fresh AdamW state
+        copies = not state_tensors_are_views(optimizer)
+        for param_chunks in optimizer_chunks_by_param(optimizer):
+            if stager is not None:
+                param_chunks = [stager.stage(c, blocking=copies) for c in param_chunks]
+            elif copies:
+                param_chunks = [LocalChunk(c.key, c.global_shape, c.offsets, c.data.cpu()) for c in param_chunks]
+            chunks += param_chunks
+    if stager is not None:
+        stager.finish_staging()
+    return chunks
 
 
 def last_save_timings() -> dict:
