@@ -28,6 +28,7 @@ from meshtron.checkpoint.errors import CheckpointError
 LATEST_FILE = "latest"
 MEGATRON_LATEST_FILE = "latest_checkpointed_iteration.txt"
 TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -119,12 +120,21 @@ def prepare_tmp_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
     return tmp
 
 
+def old_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
+    """Where a re-save of iteration N parks the previous ``iter_N`` for the instant of the swap."""
+    return Path(save_dir) / (iteration_dir_name(iteration) + OLD_SUFFIX)
+
+
 def publish(save_dir: str | os.PathLike, iteration: int) -> Path:
-    """Rename ``iter_N.tmp`` to ``iter_N`` (replacing an older ``iter_N``) and move the pointer to N."""
+    """Rename ``iter_N.tmp`` to ``iter_N`` (replacing an older ``iter_N``) and move the pointer to N.
+
+    Replacing an existing ``iter_N`` takes two renames; a process killed between them leaves
+    ``iter_N.old``, which :func:`meshtron.checkpoint.load.resolve_checkpoint` falls back to.
+    """
     save_dir = Path(save_dir)
     tmp, final = tmp_dir(save_dir, iteration), iteration_dir(save_dir, iteration)
     if final.exists():  # a re-save of the same iteration (after a resume): retire the old copy first
-        old = save_dir / (final.name + ".old")
+        old = old_dir(save_dir, iteration)
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
@@ -145,8 +155,8 @@ def apply_retention(save_dir: str | os.PathLike, keep: Optional[int], current: i
     """
     save_dir = Path(save_dir)
     for entry in save_dir.iterdir() if save_dir.is_dir() else []:
-        if entry.is_dir() and entry.name.startswith("iter_") and entry.name.endswith(TMP_SUFFIX):
-            shutil.rmtree(entry, ignore_errors=True)  # left by a killed save: never complete
+        if entry.is_dir() and entry.name.startswith("iter_") and entry.name.endswith((TMP_SUFFIX, OLD_SUFFIX)):
+            shutil.rmtree(entry, ignore_errors=True)  # left by a killed save: never complete, or superseded
     if keep is None or keep <= 0:
         return []
     iterations = list_iterations(save_dir)

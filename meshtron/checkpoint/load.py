@@ -51,11 +51,11 @@ def resolve_checkpoint(path: str | Path) -> Optional[Path]:
         if not complete:
             return None
         iteration = complete[-1]
-    d = layout.iteration_dir(p, iteration)
-    if not (d / META_FILE).is_file():
-        raise CheckpointError(f"{p / layout.LATEST_FILE} names iteration {iteration}, but {d} is missing or "
-                              "incomplete")
-    return d
+    for d in (layout.iteration_dir(p, iteration), layout.old_dir(p, iteration)):
+        if (d / META_FILE).is_file():  # iter_N.old: a re-save of N was killed in the middle of its swap
+            return d
+    raise CheckpointError(f"{p / layout.LATEST_FILE} names iteration {iteration}, but "
+                          f"{layout.iteration_dir(p, iteration)} is missing or incomplete")
 
 
 def _saved_shapes(ckpt_dir: Path) -> dict[str, tuple]:

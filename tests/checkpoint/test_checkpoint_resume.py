@@ -102,6 +102,10 @@ def test_latest_pointer_and_retention(tmp_path):
     # Saving the same iteration again (a resumed run) replaces that checkpoint.
     save_checkpoint(str(tmp_path), TrainingState(iteration=4, consumed_samples=9), chunks, optimizer, ctx, cfg)
     assert load_checkpoint(str(tmp_path), chunks, optimizer, ctx, cfg).consumed_samples == 9
+    # Killed between the two renames of such a replacement: the parked previous copy still loads.
+    (tmp_path / "iter_0000004").rename(tmp_path / "iter_0000004.old")
+    assert resolve_checkpoint(tmp_path) == tmp_path / "iter_0000004.old"
+    assert load_checkpoint(str(tmp_path), chunks, optimizer, ctx, cfg).consumed_samples == 9
 
 
 def test_contents_config_tokenizer_and_inference_loading(tmp_path):
