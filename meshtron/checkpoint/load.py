@@ -59,7 +59,10 @@ def resolve_checkpoint(path: str | Path) -> Optional[Path]:
 
 
 def _saved_shapes(ckpt_dir: Path) -> dict[str, tuple]:
-    md = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
+    try:
+        md = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
+    except Exception as err:  # missing, truncated or not a DCP index (unpickling errors vary)
+        raise CheckpointError(f"cannot read the tensor index {ckpt_dir / '.metadata'}: {err}") from None
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
