@@ -58,6 +58,15 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory under ``path`` (files written by code that does not sync them)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(root)
+
+
 def write_file_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that readers see the old or the new content, never a mix."""
     path = Path(path)

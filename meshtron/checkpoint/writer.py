@@ -76,11 +76,14 @@ def _write_extras(job: SaveJob, tmp: Path) -> None:
         f = rng_file(tmp, job.rank)
         f.parent.mkdir(parents=True, exist_ok=True)
         layout.write_file_durable(f, job.rng)
+        layout.fsync_dir(f.parent)
     if job.rank == 0:
         layout.write_file_durable(tmp / CONFIG_FILE, job.config_text.encode())
         if job.tokenizer is not None:
             job.tokenizer.save(tmp / TOKENIZER_DIR)
+            layout.fsync_tree(tmp / TOKENIZER_DIR)
         layout.write_file_durable(tmp / META_FILE, meta_json(job.meta))  # written last: marks the extras done
+        layout.fsync_dir(tmp)
 
 
 def verify_tensor_files(ckpt_dir: Path) -> list[str]:
