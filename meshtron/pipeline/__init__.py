@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.layers.moe import moe_mlp_factory
 from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.random import RNGTracker
@@ -47,9 +48,12 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
 
     Chunk ``v`` of pipeline rank ``p`` holds the layers of :func:`layout_from_config`; the embedding
     is on chunk 0 of stage 0, the output layer and loss on the last chunk of the last stage.
+    ``make_mlp`` replaces layers' MLPs (default: mixture-of-experts layers when --num-experts is set).
     """
     layout = layout_from_config(cfg)
     _check_stages(layout, ctx)
+    if make_mlp is None:
+        make_mlp = moe_mlp_factory(cfg)
     chunks: list[nn.Module] = []
     for v in range(layout.virtual_stages):
         layer_ids = layout.layers(ctx.pp_rank, v)

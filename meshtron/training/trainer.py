@@ -25,10 +25,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from meshtron.config import MeshtronConfig
+from meshtron.layers.moe import MoETrainingHooks
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization
 from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context import ParallelContext, build_parallel_context
+from meshtron.parallel.cp_split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
 from meshtron.pipeline import build_model_chunks, get_schedule, is_data_rank
 from meshtron.pipeline.batches import broadcast_from_last_stage, eval_batches, train_batches
@@ -85,11 +87,16 @@ class Trainer:
         self.tracker = RNGTracker(t.seed, ctx.tp_rank, ctx.pp_rank, self.device)
         self.tracker.seed_default()
         self.model_chunks = build_model_chunks(cfg, ctx, self.vocab_size, self.tracker, self.dtype)
+        for chunk in self.model_chunks:
+            chunk.set_cp_comm_type(cfg.parallel.cp_comm_type)
         self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
         self.optim = build_optimization(cfg, ctx, self.model_chunks)
         self.grad_buffer, self.grad_sync, self.optimizer = (self.optim.grad_buffer, self.optim.grad_sync,
                                                             self.optim.optimizer)
         self.schedule = get_schedule(cfg, ctx)
+        # Router-loss weighting, expert-bias updates and MoE metrics (None for dense models).
+        self.moe = (MoETrainingHooks(self.model_chunks, ctx, self.num_micro_batches, cfg.model)
+                    if cfg.model.num_experts else None)
         self.state = TrainingState()
         self.result = TrainingResult()
         from meshtron.training.metrics import flops_per_token, peak_tflops
@@ -99,8 +106,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- steps
     def _prepare(self, micro_batches: list[dict]) -> list[dict]:
-        """Move micro-batches to the device and attach each token's loss weight (mask / global count)."""
-        mbs = [_to_device(mb, self.device) for mb in micro_batches]
+        """Move micro-batches to the device, keep this CP rank's part of the sequence, and attach each
+        token's loss weight (mask / loss tokens of the whole global batch, over DP x CP)."""
+        mbs = [split_micro_batch(_to_device(mb, self.device), self.ctx.cp, self.ctx.cp_rank) for mb in micro_batches]
         if not mbs or "loss_mask" not in mbs[0]:  # a middle pipeline stage: no data, only the count
             return mbs
         local = sum(mb["loss_mask"].sum() for mb in mbs)
@@ -130,12 +138,14 @@ class Trainer:
         self.grad_sync.finish()
         norm = self.optim.grad_norm()
         norm_value = norm.item()  # the one host sync of a step: decides whether to skip it
-        if not math.isfinite(norm_value):
-            return loss_sum, norm_value, False
-        coef = clip_coefficient(norm, self.cfg.optim.clip_grad)
-        self.grad_buffer.data.mul_(coef)
-        self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters))
-        return loss_sum, norm_value, True
+        applied = math.isfinite(norm_value)
+        if applied:
+            coef = clip_coefficient(norm, self.cfg.optim.clip_grad)
+            self.grad_buffer.data.mul_(coef)
+            self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters))
+        if self.moe is not None:
+            self.moe.after_step(applied)
+        return loss_sum, norm_value, applied
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
@@ -242,7 +252,10 @@ class Trainer:
                 self.result.train_losses[iteration] = mean_loss
                 self.result.step_times[iteration] = step_time
                 lr = learning_rate(cfg.optim, iteration, t.train_iters)
-                self.logger.log_train(self._log_record(iteration, mean_loss, norm, lr, step_time))
+                record = self._log_record(iteration, mean_loss, norm, lr, step_time)
+                if self.moe is not None:  # every rank: the MoE metrics are reduced over ranks
+                    record.update(self.moe.metrics())
+                self.logger.log_train(record)
                 interval_losses, interval_steps = [], 0
                 interval_start = time.perf_counter()
             if t.eval_interval and iteration % t.eval_interval == 0:

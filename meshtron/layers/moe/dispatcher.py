@@ -1,0 +1,151 @@
+"""Token permutation to expert order, expert-parallel all-to-all dispatch, and the combine back.
+
+Each of the T tokens has k assignments (token t, choice j) -> expert ``indices[t, j]``.
+Assignments are sorted by expert with one stable argsort (dropped ones sort last and
+are cut off), so that every expert's tokens are contiguous. Without expert parallelism
+that is the experts' input. With EP, rank r holds experts ``[r*El, (r+1)*El)``, so the
+sorted assignments are already grouped by destination rank:
+
+1. the per-expert counts are exchanged with one ``all_to_all_single`` (every rank learns
+   how many rows it receives from each rank for each of its local experts);
+2. the rows travel with ``all_to_all_single`` and those split sizes (an autograd
+   function whose backward is the reverse all-to-all);
+3. received rows, ordered [source rank][local expert], are regrouped by local expert
+   with a second stable argsort.
+
+The combine runs the same steps backwards, then each assignment's output is weighted
+by its combine weight and summed per token (a dropped assignment adds zero). Only
+the split sizes of the all-to-all cross to the host (one device-to-host copy per layer
+and micro-batch, as in Megatron-LM); without EP and without capacity dropping no
+host synchronisation happens on the grouped-GEMM path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Group) -> torch.Tensor:
+    """Rows of ``x`` split by ``input_splits`` go to the ranks of ``group``; returns the received rows."""
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all with split sizes; backward sends the gradients back with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        return all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def differentiable_all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                              group: Group) -> torch.Tensor:
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+@dataclass
+class DispatchState:
+    """What the combine needs to undo a dispatch.
+
+    ``order``: the kept assignments (flat index t*k + j) in expert order; ``complete``: whether
+    every assignment was kept (then ``order`` is a permutation). With EP: the split sizes and
+    the regrouping permutation of the received rows (None when there is one local expert).
+    """
+
+    num_tokens: int
+    order: torch.Tensor
+    complete: bool
+    send_splits: Optional[list[int]] = None
+    recv_splits: Optional[list[int]] = None
+    regroup: Optional[torch.Tensor] = None
+
+
+class TokenDispatcher:
+    """Moves token rows to the (local or remote) experts they are routed to and back.
+
+    ``num_experts`` in total, ``num_local`` on this rank, ``ep_group`` the expert-parallel
+    group (None without EP); rank r of it holds experts ``[r*num_local, (r+1)*num_local)``.
+    """
+
+    def __init__(self, num_experts: int, num_local: int, ep_group: Group):
+        self.num_experts = num_experts
+        self.num_local = num_local
+        self.ep_group = ep_group
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        assert num_experts == num_local * self.ep, (num_experts, num_local, self.ep)
+
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, keep: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[list[int]], DispatchState]:
+        """Returns (rows grouped by local expert, rows per local expert [El] on the device,
+        the same as a host list when it had to be known on the host (else None), state)."""
+        T, k = indices.shape
+        flat_e = indices.reshape(-1)
+        if keep is not None:
+            flat_e = torch.where(keep.reshape(-1), flat_e, torch.full_like(flat_e, self.num_experts))
+        order = torch.argsort(flat_e, stable=True)
+        counts = torch.bincount(flat_e, minlength=self.num_experts + 1)[: self.num_experts]
+
+        if self.ep == 1:
+            host = None
+            if keep is not None:  # the kept rows' count decides the shape: one host copy
+                host = counts.tolist()
+                order = order[: sum(host)]
+            rows = x.index_select(0, order // k)
+            return rows, counts, host, DispatchState(T, order, keep is None)
+
+        El, ep = self.num_local, self.ep
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)  # El counts to and from each rank
+        host_counts = torch.stack([counts, recv_counts]).cpu()  # the one device-to-host copy
+        send_splits = host_counts[0].view(ep, El).sum(1).tolist()
+        recv_splits = host_counts[1].view(ep, El).sum(1).tolist()
+        kept = sum(send_splits)
+        complete = keep is None
+        if not complete:
+            order = order[:kept]
+        rows = differentiable_all_to_all(x.index_select(0, order // k), recv_splits, send_splits, self.ep_group)
+        per_local = recv_counts.view(ep, El).sum(0)
+        host_per_local = host_counts[1].view(ep, El).sum(0).tolist()
+        regroup = None
+        if El > 1:  # received as [source rank][local expert]: regroup by local expert
+            expert_of_row = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(ep), recv_counts,
+                                                    output_size=sum(recv_splits))
+            regroup = torch.argsort(expert_of_row, stable=True)
+            rows = rows.index_select(0, regroup)
+        state = DispatchState(T, order, complete, send_splits, recv_splits, regroup)
+        return rows, per_local, host_per_local, state
+
+    def combine(self, y: torch.Tensor, probs: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """Expert outputs ``y`` (rows as dispatched) back to tokens: ``sum_j probs[t, j] * y[t, j]`` -> [T, H]."""
+        if self.ep > 1:
+            if state.regroup is not None:
+                y = y.index_select(0, inverse_permutation(state.regroup))
+            y = differentiable_all_to_all(y, state.send_splits, state.recv_splits, self.ep_group)
+        T, k = probs.shape
+        if state.complete:
+            per_assignment = y.index_select(0, inverse_permutation(state.order))
+        else:  # dropped assignments stay zero
+            per_assignment = y.new_zeros((T * k, y.shape[-1])).index_copy(0, state.order, y)
+        weighted = per_assignment.view(T, k, -1) * probs.to(y.dtype).unsqueeze(-1)
+        return weighted.sum(1)

@@ -1,0 +1,119 @@
+"""This rank's experts: one MLP per local expert, computed together.
+
+Weights of the El local experts live in two parameters so that a grouped GEMM can
+read them as [El, out, in] views without copies:
+
+* ``fc1_weight`` [El * n * F/TP, H]: for each local expert e, its gate (SwiGLU) and up
+  rows of this TP rank (canonical ``<prefix>.<e>.gate.weight`` / ``.up.weight``, [F, H]);
+* ``fc2_weight`` [El * H, F/TP]: each local expert's down projection columns of this TP
+  rank (canonical ``<prefix>.<e>.down.weight``, [H, F]).
+
+With tensor parallelism (expert tensor parallel size = TP) each expert is split like
+the dense MLP, column- then row-parallel; the output rows are partial sums over TP,
+reduced by the MoE layer after the combine. All expert parameters carry
+``ShardSpec.expert=True``: their gradients are reduced over the expert-data-parallel group.
+
+On CUDA with bf16, ``torch._grouped_mm`` multiplies all experts' row groups in one
+kernel per projection; elsewhere (CPU, fp32) a loop over the local experts does the
+same products one expert at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtron.config import ModelConfig
+from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.sharding import ShardSpec, new_param, scaled_std, shard, whole
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+class GroupedExperts(nn.Module):
+    """Local experts ``first, ..., first + num_local - 1`` of ``prefix`` (e.g. ``layers.3.mlp.experts``).
+
+    ``grouped``: use ``torch._grouped_mm`` (None: on CUDA with bf16 inputs when the shapes allow).
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, prefix: str, first: int, num_local: int,
+                 ffn_hidden: int, grouped: Optional[bool] = None):
+        super().__init__()
+        tp, r = ctx.tp, ctx.tp_rank
+        H, Fe = cfg.hidden_size, ffn_hidden
+        self.num_local, self.hidden = num_local, H
+        self.swiglu = cfg.swiglu
+        self._bias_share = 1.0 if r == 0 else 0.0
+        self.grouped = grouped
+        std, out_std = cfg.init_method_std, scaled_std(cfg.init_method_std, cfg.num_layers)
+        names = ["gate", "up"] if cfg.swiglu else ["up"]
+        experts = range(first, first + num_local)
+        self.fc1_weight = new_param(ShardSpec(tuple(
+            shard(f"{prefix}.{e}.{n}.weight", (Fe, H), 0, r, tp, std=std) for e in experts for n in names), 0,
+            expert=True))
+        self.fc2_weight = new_param(ShardSpec(tuple(
+            shard(f"{prefix}.{e}.down.weight", (H, Fe), 1, r, tp, std=out_std) for e in experts), 0, expert=True))
+        if cfg.disable_bias_linear:
+            self.fc1_bias = self.fc2_bias = None
+        else:
+            self.fc1_bias = new_param(ShardSpec(tuple(
+                shard(f"{prefix}.{e}.{n}.bias", (Fe,), 0, r, tp, "zeros") for e in experts for n in names), 0,
+                expert=True))
+            # Only TP rank 0 adds the output bias to its partial sum (the others add it times 0, so that
+            # every copy gets a gradient); the gradients' TP sum keeps the copies equal.
+            self.fc2_bias = new_param(ShardSpec(tuple(
+                whole(f"{prefix}.{e}.down.bias", (H,), "zeros") for e in experts), 0, tp_replicated=True,
+                grad_sync="tp", expert=True))
+        self._grouped_shapes_ok = H % 8 == 0 and (Fe // tp) % 8 == 0  # 16-byte strides for bf16 kernels
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        if self.grouped is not None:
+            return self.grouped
+        return (x.is_cuda and x.dtype == torch.bfloat16 and self._grouped_shapes_ok and grouped_mm_available())
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                host_counts: Optional[list[int]] = None) -> torch.Tensor:
+        """``x`` [M, H] rows grouped by local expert, ``tokens_per_expert`` [El] (device) -> [M, H].
+
+        ``host_counts``: the same counts as a list when the caller already has them on the host.
+        """
+        El, H = self.num_local, self.hidden
+        w1 = self.fc1_weight.view(El, -1, H)
+        w2 = self.fc2_weight.view(El, H, -1)
+        if self._use_grouped(x):
+            return self._grouped_forward(x, w1, w2, tokens_per_expert)
+        sizes = host_counts if host_counts is not None else tokens_per_expert.tolist()
+        outs = []
+        for e, rows in enumerate(torch.split(x, sizes)):
+            h = F.linear(rows, w1[e], self.fc1_bias.view(El, -1)[e] if self.fc1_bias is not None else None)
+            y = F.linear(self._activation(h), w2[e])
+            if self.fc2_bias is not None:
+                y = y + self.fc2_bias.view(El, H)[e] * self._bias_share
+            outs.append(y)
+        return torch.cat(outs) if outs else x.new_zeros((0, H))
+
+    def _grouped_forward(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+        expert_of_row = None
+        if self.fc1_bias is not None or self.fc2_bias is not None:
+            expert_of_row = torch.repeat_interleave(torch.arange(self.num_local, device=x.device),
+                                                    tokens_per_expert, output_size=x.shape[0])
+        if self.fc1_bias is not None:
+            h = h + self.fc1_bias.view(self.num_local, -1).index_select(0, expert_of_row)
+        y = torch._grouped_mm(self._activation(h), w2.transpose(1, 2), offs=offs)
+        if self.fc2_bias is not None:
+            y = y + self.fc2_bias.view(self.num_local, -1).index_select(0, expert_of_row) * self._bias_share
+        return y
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
