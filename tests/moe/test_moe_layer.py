@@ -1,0 +1,165 @@
+"""The MoE layer (one process) equals a per-token computation from its own weights: outputs and gradients;
+grouped GEMM equals the expert loop; buffers survive materialisation; which layers are MoE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtron.config import ModelConfig, is_moe_layer
+from meshtron.layers.moe import MoELayer
+from meshtron.layers.moe.router import select_experts
+from meshtron.model import GPTModel
+from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.sharding import initialize_parameters, spec_of
+
+H = 32
+
+
+def moe_cfg(**kw) -> ModelConfig:
+    cfg = ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
+                      normalization="RMSNorm", swiglu=True, disable_bias_linear=True, hidden_dropout=0.0,
+                      attention_dropout=0.0, num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build(cfg: ModelConfig, seed: int = 11, **kw) -> MoELayer:
+    with torch.device("meta"):
+        layer = MoELayer(cfg, ParallelContext(), 0, False, **kw)
+    initialize_parameters(layer, seed, torch.device("cpu"), torch.float32)
+    return layer
+
+
+def _mlp(x, w1, b1, w2, b2, swiglu):
+    h = F.linear(x, w1, b1)
+    if swiglu:
+        g, u = h.chunk(2, -1)
+        h = F.silu(g) * u
+    else:
+        h = F.gelu(h, approximate="tanh")
+    return F.linear(h, w2, b2)
+
+
+def reference(layer: MoELayer, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: sum over the chosen experts of weight x expert(token), plus the shared expert."""
+    s, b, h = x.shape
+    tokens = x.reshape(-1, h)
+    logits = F.linear(tokens, layer.router.weight)
+    probs, idx = select_experts(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
+                                cfg.moe_router_pre_softmax, layer.router.expert_bias)
+    ex = layer.experts
+    E = cfg.num_experts
+    w1, w2 = ex.fc1_weight.view(E, -1, h), ex.fc2_weight.view(E, h, -1)
+    b1 = ex.fc1_bias.view(E, -1) if ex.fc1_bias is not None else [None] * E
+    b2 = ex.fc2_bias.view(E, -1) if ex.fc2_bias is not None else [None] * E
+    keep = layer.router(tokens, b).keep
+    rows = []
+    for t in range(tokens.shape[0]):
+        acc = torch.zeros(h)
+        for j in range(cfg.moe_router_topk):
+            if keep is not None and not keep[t, j]:
+                continue
+            e = int(idx[t, j])
+            acc = acc + probs[t, j] * _mlp(tokens[t], w1[e], b1[e], w2[e], b2[e], cfg.swiglu)
+        rows.append(acc)
+    out = torch.stack(rows)
+    if layer.shared_experts is not None:
+        sh = layer.shared_experts
+        out = out + _mlp(tokens, sh.fc1.weight, sh.fc1.bias, sh.fc2.weight, sh.fc2.bias, cfg.swiglu)
+    return out.view(s, b, h)
+
+
+CASES = {
+    "swiglu-top2": {},
+    "gelu-bias-shared": dict(swiglu=False, disable_bias_linear=False, moe_shared_expert_intermediate_size=16),
+    "sigmoid-top3-bias": dict(moe_router_score_function="sigmoid", moe_router_topk=3,
+                              moe_router_enable_expert_bias=True),
+    "pre-softmax-capacity": dict(moe_router_pre_softmax=True, moe_expert_capacity_factor=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_equals_per_token_reference(name):
+    cfg = moe_cfg(**CASES[name])
+    layer = build(cfg)
+    if layer.router.expert_bias is not None:
+        layer.router.expert_bias.copy_(torch.tensor([0.0, 0.3, -0.2, 0.1]))
+    x = torch.randn(6, 3, H, generator=torch.Generator().manual_seed(5))
+    r = torch.randn(6, 3, H, generator=torch.Generator().manual_seed(6))
+    layer.eval()  # no router losses: compare the token path alone
+    params = [p for p in layer.parameters()]
+    got = layer(x)
+    grads = torch.autograd.grad((got * r).sum(), params)
+    want = reference(layer, cfg, x)
+    want_grads = torch.autograd.grad((want * r).sum(), params, allow_unused=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (n, _), g, w in zip(layer.named_parameters(), grads, want_grads):
+        torch.testing.assert_close(g, w if w is not None else torch.zeros_like(g), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{n}: {m}")
+
+
+def _grouped_mm_runs_here() -> bool:
+    try:
+        torch._grouped_mm(torch.ones(4, 8), torch.ones(2, 8, 8), offs=torch.tensor([1, 4], dtype=torch.int32))
+        return True
+    except Exception:  # noqa: BLE001 - CPU kernels exist only in some torch versions
+        return False
+
+
+@pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch._grouped_mm has no kernel for fp32 on this device")
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_gemm_equals_expert_loop(bias):
+    cfg = moe_cfg(disable_bias_linear=not bias, moe_ffn_hidden_size=16)
+    loop, grouped = build(cfg, grouped_gemm=False), build(cfg, grouped_gemm=True)
+    x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(7))
+    outs = []
+    for layer in (loop, grouped):
+        layer.train()
+        y = layer(x)
+        (y.square().sum()).backward()
+        outs.append((y.detach(), [p.grad for p in layer.parameters()]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(outs[1][1], outs[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_buffers_stay_fp32_zero_and_keep_their_spec_in_bf16():
+    cfg = moe_cfg(moe_router_enable_expert_bias=True)
+    with torch.device("meta"):
+        layer = MoELayer(cfg, ParallelContext(), 3, False)
+    initialize_parameters(layer, 1, torch.device("cpu"), torch.bfloat16)
+    assert layer.router.weight.dtype == torch.bfloat16
+    for name, buf in layer.named_buffers():
+        assert buf.dtype == torch.float32 and not buf.any(), name
+    assert spec_of(layer.router.expert_bias).pieces[0].name == "layers.3.mlp.router.expert_bias"
+    layer.router.expert_bias.fill_(1e-3 / 3)
+    value = layer.router.expert_bias.clone()
+    layer.to(torch.bfloat16)
+    assert torch.equal(layer.router.expert_bias, value)  # not rounded through bf16
+
+
+def test_expert_parameters_are_marked_and_named():
+    layer = build(moe_cfg(moe_shared_expert_intermediate_size=16))
+    expert = {n for n, p in layer.named_parameters() if spec_of(p).expert}
+    assert expert == {"experts.fc1_weight", "experts.fc2_weight"}
+    names = [piece.name for piece in spec_of(layer.experts.fc1_weight).pieces]
+    assert names[:3] == ["layers.0.mlp.experts.0.gate.weight", "layers.0.mlp.experts.0.up.weight",
+                         "layers.0.mlp.experts.1.gate.weight"]
+    assert spec_of(layer.router.weight).tp_replicated
+
+
+def test_which_layers_are_moe():
+    cfg = moe_cfg(num_layers=6, moe_layer_freq=2)
+    assert [is_moe_layer(cfg, i) for i in range(6)] == [True, False, True, False, True, False]
+    cfg.moe_first_dense_layers = 1
+    assert [is_moe_layer(cfg, i) for i in range(6)] == [False, False, True, False, True, False]
+    cfg.moe_layer_freq = 1
+    assert [is_moe_layer(cfg, i) for i in range(6)] == [False, True, True, True, True, True]
+    from meshtron.layers.moe import make_moe_mlp
+
+    model = GPTModel(cfg, ParallelContext(), 64, make_mlp=make_moe_mlp)
+    assert [isinstance(layer.mlp, MoELayer) for layer in model.layers.values()] == [False] + [True] * 5
+    assert not is_moe_layer(moe_cfg(num_experts=None), 0)
