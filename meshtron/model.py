@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig, head_dim, padded_vocab_size
 from meshtron.layers.attention import KVCache, SelfAttention, attention_mask_from_documents
+from meshtron.layers.context_parallel import check_comm_type, context_parallel_inputs
 from meshtron.layers.cross_entropy import linear_cross_entropy
 from meshtron.layers.embedding import VocabParallelEmbedding
 from meshtron.layers.mlp import MLP
@@ -25,6 +26,7 @@ from meshtron.layers.norm import Norm
 from meshtron.layers.rotary import inverse_frequencies, rope_tables
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.cp_split import local_token_indices
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import ShardSpec, new_param, shard
 
@@ -69,10 +71,11 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, vocab_size: int,
                  layer_ids: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True,
                  sequence_parallel: bool = False, recompute_layers: Sequence[int] = (),
-                 make_mlp=None):
+                 make_mlp=None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.cfg = cfg
         self.ctx = ctx
+        self.set_cp_comm_type(cp_comm_type)
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, ctx.tp)
         self.pre_process, self.post_process = pre_process, post_process
@@ -100,6 +103,11 @@ class GPTModel(nn.Module):
         self.use_rope = cfg.position_embedding_type == "rope"
         self.rope_dim = head_dim(cfg)
 
+    def set_cp_comm_type(self, comm_type: str) -> None:
+        """How context-parallel attention exchanges keys and values (--cp-comm-type: p2p or allgather)."""
+        check_comm_type(comm_type)
+        self.cp_comm_type = comm_type
+
     def set_rng_tracker(self, tracker: RNGTracker) -> None:
         for module in self.modules():
             if hasattr(module, "tracker"):
@@ -126,11 +134,21 @@ class GPTModel(nn.Module):
         """Run this stage.
 
         First stage: ``tokens`` [batch, seq]; other stages: ``hidden`` from the previous stage.
+        With context parallelism every per-token input is this CP rank's part of the sequence
+        (:func:`meshtron.parallel.cp_split.split_micro_batch`); positions default to those tokens'.
         Last stage with ``labels``: returns (sum of loss_weight * token loss, token losses [batch, seq]).
         Last stage without labels: logits [batch, seq, vocab]. Other stages: hidden [seq, batch, hidden].
         """
+        cp = self.ctx.cp
+        if cp > 1 and position_ids is None:  # the global positions of this CP rank's two chunks
+            seq = tokens.shape[1] if self.pre_process else hidden.shape[0] * (
+                self.ctx.tp if self.sequence_parallel else 1)
+            device = tokens.device if self.pre_process else hidden.device
+            position_ids = local_token_indices(seq, cp, self.ctx.cp_rank, device)
         if self.pre_process:
             pos_for_embedding = position_ids
+            if pos_for_embedding is not None and pos_for_embedding.dim() == 1:
+                pos_for_embedding = pos_for_embedding[None].expand(tokens.shape[0], -1)
             if pos_for_embedding is None and position_offset:
                 pos_for_embedding = torch.arange(position_offset, position_offset + tokens.shape[1],
                                                  device=tokens.device)[None].expand(tokens.shape[0], -1)
@@ -140,7 +158,10 @@ class GPTModel(nn.Module):
             x = hidden
             seq = x.shape[0] * (self.ctx.tp if self.sequence_parallel else 1)
         rope = self._rope(seq, position_ids, x.device, x.dtype, position_offset)
-        mask = attention_mask_from_documents(document_ids) if document_ids is not None else None
+        if cp > 1:
+            mask = context_parallel_inputs(self.ctx, self.cp_comm_type, document_ids)
+        else:
+            mask = attention_mask_from_documents(document_ids) if document_ids is not None else None
         for key, layer in self.layers.items():
             cache = caches.setdefault(key, KVCache()) if caches is not None else None
             if int(key) in self.recompute_layers and self.training and torch.is_grad_enabled():

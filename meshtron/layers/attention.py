@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshtron.config import ModelConfig, head_dim, num_kv_heads
+from meshtron.layers.context_parallel import context_parallel_attention
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.layers.rotary import apply_rope
 from meshtron.parallel.context import ParallelContext, tp_subgroup
@@ -116,6 +117,8 @@ class SelfAttention(nn.Module):
             Piece(f"{prefix}.o.bias", (H,), 0, 0, H, "zeros") if bias else None, sequence_parallel)
         self.dropout = cfg.attention_dropout
         self.tracker: Optional[RNGTracker] = None
+        # With context parallelism ``mask`` is the model's ContextParallelInputs (keys of every CP rank).
+        self.attend = context_parallel_attention if ctx.cp > 1 else core_attention
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 mask: Optional[torch.Tensor], cache: Optional["KVCache"] = None) -> torch.Tensor:
@@ -142,8 +145,8 @@ class SelfAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if p > 0 and self.tracker is not None:
             with self.tracker.fork():
-                out = core_attention(q, k, v, mask, p)
+                out = self.attend(q, k, v, mask, p)
         else:
-            out = core_attention(q, k, v, mask, p)
+            out = self.attend(q, k, v, mask, p)
         out = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
         return self.o(out)
