@@ -6,7 +6,7 @@ config; flags given by the user are applied afterwards and win.
 
 from __future__ import annotations
 
-from meshtron.config import ModelConfig, ffn_size, head_dim, num_kv_heads
+from meshtron.config import ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads
 
 _GPT2 = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
              vocab_size=50257, seq_length=1024, max_position_embeddings=1024, norm_epsilon=1e-5,
@@ -62,6 +62,15 @@ PRESETS: dict[str, tuple[dict, int | None, str]] = {
                            num_attention_heads=48, num_query_groups=8, ffn_hidden_size=16384, num_experts=8,
                            moe_router_topk=2, moe_aux_loss_coeff=0.001),
                       140_630_071_296, "Mixtral 8x22B"),
+    # Fine-grained experts (64 routed of 1408, top-6, unnormalised softmax weights) plus two shared experts
+    # (2 x 1408); layer 0 keeps a dense MLP. Shapes: deepseek-ai/deepseek-moe-16b-base config.json.
+    "deepseek-moe-16b": (dict(_LLAMA, vocab_size=102400, seq_length=4096, max_position_embeddings=4096,
+                              rotary_base=10000.0, norm_epsilon=1e-6, num_layers=28, hidden_size=2048,
+                              num_attention_heads=16, num_query_groups=16, ffn_hidden_size=10944, num_experts=64,
+                              moe_ffn_hidden_size=1408, moe_router_topk=6, moe_router_pre_softmax=True,
+                              moe_shared_expert_intermediate_size=2816, moe_first_dense_layers=1,
+                              moe_aux_loss_coeff=0.001),
+                         16_375_728_128, "DeepSeekMoE 16B (16.4B in the paper, 2.8B activated)"),
 }
 
 
@@ -97,7 +106,7 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
     for layer in range(L):
         total += attn_w + attn_b + 2 * norm_params
         matmul += attn_w
-        if m.num_experts and layer % max(1, m.moe_layer_freq) == 0:
+        if is_moe_layer(m, layer):
             Fe = m.moe_ffn_hidden_size or F
             expert_w = H * (2 * Fe if m.swiglu else Fe) + Fe * H
             expert_b = ((2 * Fe if m.swiglu else Fe) + H) if bias else 0
