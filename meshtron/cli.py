@@ -347,6 +347,10 @@ def parse_train_args(argv: Sequence[str]) -> TrainArgs:
     from_yaml = load_yaml_config(config_file) if config_file else {}
 
     given = {**from_yaml, **flags}
+    if not argv:  # the quick-start job (README): tiny model, built-in corpus, checkpoint, sample
+        from meshtron.presets import QUICKSTART
+
+        given = dict(QUICKSTART)
     cfg = MeshtronConfig()
     preset = given.get("model")
     if preset is None and not any(name in given for name in SHAPE_FIELDS):

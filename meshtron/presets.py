@@ -128,3 +128,25 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
         total += V * H
     matmul += V * H  # the output layer, tied or not
     return {"total": total, "matmul": matmul, "embedding": embedding}
+
+
+#: What `meshtron train` does with no arguments: the tiny preset on the built-in corpus, a few minutes on
+#: two CPU cores (or seconds on a GPU), then a checkpoint and a generated sample.
+QUICKSTART: dict = {
+    "model": "tiny",
+    "seq_length": 128,
+    "micro_batch_size": 16,
+    "global_batch_size": 16,
+    "train_iters": 300,
+    "lr": 3.0e-3,
+    "min_lr": 3.0e-4,
+    "lr_decay_style": "cosine",
+    "lr_warmup_iters": 20,
+    "weight_decay": 0.1,
+    "clip_grad": 1.0,
+    "eval_interval": 50,
+    "eval_iters": 4,
+    "log_interval": 10,
+    "save": "runs/quickstart",
+    "metrics_file": "runs/quickstart/metrics.jsonl",
+}

@@ -13,12 +13,57 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import Piece, ShardSpec, new_param
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """x -> (all-gather over sequence shards) -> x W^T + b, with the backward communication overlapped.
+
+    Backward computes the input gradient first and starts its all-reduce (or, with sequence
+    parallelism, reduce-scatter) asynchronously, then computes the weight gradient while the
+    collective runs. With sequence parallelism only the local shard of the input is saved and
+    re-gathered in backward (overlapped with the input-gradient matmul), as Megatron does.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        total = comm.all_gather_dim0(x, group) if sequence_parallel else x
+        ctx.save_for_backward(x, weight)
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group, sp = ctx.group, ctx.sequence_parallel
+        world = dist.get_world_size(group)
+        gather = None
+        if sp:
+            total = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
+            gather = dist.all_gather_into_tensor(total, x.contiguous(), group=group, async_op=True)
+        else:
+            total = x
+        grad_out = grad_out.contiguous()
+        grad_input = grad_out @ weight
+        if gather is not None:
+            gather.wait()
+        if sp:
+            reduced = grad_input.new_empty((grad_input.shape[0] // world,) + tuple(grad_input.shape[1:]))
+            handle = dist.reduce_scatter_tensor(reduced, grad_input, group=group, async_op=True)
+        else:
+            reduced = grad_input
+            handle = dist.all_reduce(reduced, group=group, async_op=True)
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = flat_grad.t() @ total.reshape(-1, total.shape[-1])
+        grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
+        handle.wait()
+        return reduced, grad_weight, grad_bias, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -48,6 +93,8 @@ class ColumnParallelLinear(nn.Module):
         return comm.copy_to_tp(x, self.group)
 
     def forward(self, x: torch.Tensor, prepared: bool = False) -> torch.Tensor:
+        if not prepared and self.gather_input and comm._size(self.group) > 1:
+            return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if not prepared:
             x = self.prepare_input(x)
         return F.linear(x, self.weight, self.bias)

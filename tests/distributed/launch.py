@@ -52,8 +52,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args)) for r in range(world_size)]
         for p in procs:
             p.start()
+        import time
+
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [i for i, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
