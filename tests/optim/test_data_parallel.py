@@ -313,7 +313,7 @@ def _pp_worker(rank, world):
 
 def test_pp2_dp2_tied_embedding_matches_single_process():
     ref = train(tied_cfg(), ParallelContext(), micro_batches=4)
-    results = run_distributed(_pp_worker, 4, timeout=180)
+    results = run_distributed(_pp_worker, 4)
     embedding = ref["weights"]["embedding.word_embeddings.weight"]
     for stage, per_variant in results:
         for name, got in per_variant.items():
