@@ -51,16 +51,16 @@ LAYOUTS = [
 ]
 
 
-def data(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data(dp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and output weights of ``dp`` micro-batches, [dp, S, B, H] each."""
     g = torch.Generator().manual_seed(3)
-    return torch.randn(dp, S, B, H, generator=g), torch.randn(dp, S, B, H, generator=g)
+    return torch.randn(dp, S, B, H, generator=g).to(device), torch.randn(dp, S, B, H, generator=g).to(device)
 
 
 def build_layer(cfg: ModelConfig, ctx: ParallelContext, sp: bool) -> MoELayer:
     with torch.device("meta"):
         layer = MoELayer(cfg, ctx, 0, sp)
-    initialize_parameters(layer, SEED, torch.device("cpu"), torch.float32)
+    initialize_parameters(layer, SEED, ctx.device, torch.float32)
     return layer
 
 
@@ -77,7 +77,7 @@ def run_layout(cfg: ModelConfig, ctx: ParallelContext, sp: bool):
     layer.train()
     optim = build_optimization(optim_config(ctx.tp, ctx.cp, ctx.ep), ctx, [layer])
     hooks = MoETrainingHooks([layer], ctx, 1, cfg)
-    xs, rs = data(ctx.dp)
+    xs, rs = data(ctx.dp, ctx.device)
     x, r = xs[ctx.dp_rank], rs[ctx.dp_rank]
     chunk = S // ctx.cp  # this context-parallel rank's positions
     x, r = x[ctx.cp_rank * chunk:(ctx.cp_rank + 1) * chunk], r[ctx.cp_rank * chunk:(ctx.cp_rank + 1) * chunk]
@@ -92,14 +92,15 @@ def run_layout(cfg: ModelConfig, ctx: ParallelContext, sp: bool):
     metrics = hooks.metrics()
     hooks.after_step(True)
     bias = layer.router.expert_bias.clone() if layer.router.expert_bias is not None else None
-    return y.detach(), grads, metrics, bias
+    return y.detach().cpu(), grads, metrics, bias.cpu() if bias is not None else None
 
 
-def reference(cfg: ModelConfig, dp: int):
-    layer = build_layer(cfg, ParallelContext(), False)
+def reference(cfg: ModelConfig, dp: int, device: torch.device = torch.device("cpu")):
+    ctx = ParallelContext(device=device)
+    layer = build_layer(cfg, ctx, False)
     layer.train()
-    hooks = MoETrainingHooks([layer], ParallelContext(), dp, cfg)
-    xs, rs = data(dp)
+    hooks = MoETrainingHooks([layer], ctx, dp, cfg)
+    xs, rs = data(dp, device)
     ys = []
     for x, r in zip(xs, rs):
         y = layer(x)
@@ -108,25 +109,25 @@ def reference(cfg: ModelConfig, dp: int):
     grads = gather_canonical([layer], "grad")
     metrics = hooks.metrics()
     hooks.after_step(True)
-    bias = layer.router.expert_bias.clone() if layer.router.expert_bias is not None else None
-    return torch.stack(ys), grads, metrics, bias
+    bias = layer.router.expert_bias.cpu() if layer.router.expert_bias is not None else None
+    return torch.stack(ys).cpu(), grads, metrics, bias
 
 
-def _worker(rank: int, world: int, layouts):
+def layouts_worker(rank: int, world: int, layouts, device: torch.device = torch.device("cpu")):
     out = []
     for _, make_cfg, tp, cp, ep, sp in layouts:
-        ctx = build_groups(tp, cp, 1, ep, torch.device("cpu"))
+        ctx = build_groups(tp, cp, 1, ep, device)
         y, grads, metrics, bias = run_layout(make_cfg(), ctx, sp)
         coords = (ctx.dp_rank, ctx.cp_rank, ctx.tp_rank, ctx.ep_rank, ctx.expert_dp_rank)
         out.append((coords, y, grads if rank == 0 else None, metrics, bias))
     return out
 
 
-def test_expert_parallel_layouts_equal_one_process():
-    results = run_distributed(_worker, 4, LAYOUTS, timeout=300)
-    for i, (name, make_cfg, tp, cp, ep, sp) in enumerate(LAYOUTS):
-        dp = 4 // (tp * cp)
-        ref_y, ref_grads, ref_metrics, ref_bias = reference(make_cfg(), dp)
+def check_layouts(results: list, layouts: list, world: int, device: torch.device = torch.device("cpu")) -> None:
+    """Every rank's results of :func:`layouts_worker` equal the one-process reference."""
+    for i, (name, make_cfg, tp, cp, ep, sp) in enumerate(layouts):
+        dp = world // (tp * cp)
+        ref_y, ref_grads, ref_metrics, ref_bias = reference(make_cfg(), dp, device)
         seen_expert_dp = set()
         for rank, per_layout in enumerate(results):
             (dp_rank, cp_rank, tp_rank, ep_rank, edp_rank), y, grads, metrics, bias = per_layout[i]
@@ -149,4 +150,8 @@ def test_expert_parallel_layouts_equal_one_process():
                     torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=1e-6,
                                                msg=lambda m: f"{name} {key}: {m}")
         assert len(seen_expert_dp) == dp * cp // ep, name
-    assert ref_metrics["aux_loss"] > 0
+        assert ref_metrics["aux_loss"] > 0
+
+
+def test_expert_parallel_layouts_equal_one_process():
+    check_layouts(run_distributed(layouts_worker, 4, LAYOUTS, timeout=300), LAYOUTS, 4)

@@ -126,6 +126,31 @@ def test_grouped_gemm_equals_expert_loop(bias):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch._grouped_mm has no kernel for fp32 on this device")
+def test_grouped_gemm_with_empty_and_unaligned_groups():
+    from meshtron.layers.moe.experts import GroupedExperts
+
+    cfg = moe_cfg(disable_bias_linear=False)
+    modules = []
+    for grouped in (False, True):
+        with torch.device("meta"):
+            m = GroupedExperts(cfg, ParallelContext(), "layers.0.mlp.experts", 0, 5, 16, grouped=grouped)
+        initialize_parameters(m, 3, torch.device("cpu"), torch.float32)
+        modules.append(m)
+    counts = torch.tensor([0, 9, 1, 0, 13])
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(int(counts.sum()), H, generator=g)
+    grad = torch.randn(x.shape, generator=g)
+    results = []
+    for m in modules:
+        xi = x.clone().requires_grad_()
+        y = m(xi, counts)
+        y.backward(grad)
+        results.append([y, xi.grad] + [p.grad for p in m.parameters()])
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_buffers_stay_fp32_zero_and_keep_their_spec_in_bf16():
     cfg = moe_cfg(moe_router_enable_expert_bias=True)
     with torch.device("meta"):

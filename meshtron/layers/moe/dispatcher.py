@@ -95,6 +95,7 @@ class TokenDispatcher:
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         assert num_experts == num_local * self.ep, (num_experts, num_local, self.ep)
 
+    @torch.compiler.disable  # data-dependent sizes and collectives: runs eagerly inside a compiled layer
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, keep: Optional[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[list[int]], DispatchState]:
         """Returns (rows grouped by local expert, rows per local expert [El] on the device,
@@ -136,6 +137,7 @@ class TokenDispatcher:
         state = DispatchState(T, order, complete, send_splits, recv_splits, regroup)
         return rows, per_local, host_per_local, state
 
+    @torch.compiler.disable
     def combine(self, y: torch.Tensor, probs: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert outputs ``y`` (rows as dispatched) back to tokens: ``sum_j probs[t, j] * y[t, j]`` -> [T, H]."""
         if self.ep > 1:

@@ -14,7 +14,8 @@ reduced by the MoE layer after the combine. All expert parameters carry
 ``ShardSpec.expert=True``: their gradients are reduced over the expert-data-parallel group.
 
 On CUDA with bf16, ``torch._grouped_mm`` multiplies all experts' row groups in one
-kernel per projection; elsewhere (CPU, fp32) a loop over the local experts does the
+kernel per projection (groups padded to 8-row boundaries, as its kernels need 16-byte
+aligned group starts); elsewhere (CPU, fp32) a loop over the local experts does the
 same products one expert at a time.
 """
 
@@ -76,6 +77,7 @@ class GroupedExperts(nn.Module):
             return self.grouped
         return (x.is_cuda and x.dtype == torch.bfloat16 and self._grouped_shapes_ok and grouped_mm_available())
 
+    @torch.compiler.disable  # row counts change every step: no recompilation for each new shape
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
                 host_counts: Optional[list[int]] = None) -> torch.Tensor:
         """``x`` [M, H] rows grouped by local expert, ``tokens_per_expert`` [El] (device) -> [M, H].
@@ -99,21 +101,44 @@ class GroupedExperts(nn.Module):
 
     def _grouped_forward(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
-        expert_of_row = None
-        if self.fc1_bias is not None or self.fc2_bias is not None:
-            expert_of_row = torch.repeat_interleave(torch.arange(self.num_local, device=x.device),
-                                                    tokens_per_expert, output_size=x.shape[0])
+        padded, offs, dest, expert_of_row = _aligned_groups(x, tokens_per_expert)
+        h = torch._grouped_mm(padded, w1.transpose(1, 2), offs=offs)
         if self.fc1_bias is not None:
             h = h + self.fc1_bias.view(self.num_local, -1).index_select(0, expert_of_row)
         y = torch._grouped_mm(self._activation(h), w2.transpose(1, 2), offs=offs)
         if self.fc2_bias is not None:
             y = y + self.fc2_bias.view(self.num_local, -1).index_select(0, expert_of_row) * self._bias_share
-        return y
+        return y.index_select(0, dest)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh")
+
+
+#: Rows per group boundary for the grouped GEMM: every group starts on a 16-byte boundary of the
+#: row dimension in bf16 (the weight-gradient GEMM contracts over rows, read by TMA).
+GROUP_ALIGN = 8
+
+
+def _aligned_groups(x: torch.Tensor, counts: torch.Tensor):
+    """Copy the row groups of ``x`` into a zero buffer where each group starts at a multiple of
+    GROUP_ALIGN rows, without a host synchronisation.
+
+    Returns (padded rows, int32 group end offsets, destination of each row of ``x``, local expert of
+    each padded row). The buffer has a static size (rows + (GROUP_ALIGN - 1) x groups, rounded up);
+    the last group absorbs the slack: zero rows whose outputs are never read.
+    """
+    rows, num_groups = x.shape[0], counts.numel()
+    padded_counts = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    shift = (torch.cumsum(padded_counts, 0) - padded_counts) - (torch.cumsum(counts, 0) - counts)
+    groups = torch.arange(num_groups, device=x.device)
+    dest = torch.arange(rows, device=x.device) + shift[torch.repeat_interleave(groups, counts, output_size=rows)]
+    total = -(-(rows + (GROUP_ALIGN - 1) * num_groups) // GROUP_ALIGN) * GROUP_ALIGN
+    offs = torch.cumsum(padded_counts, 0).to(torch.int32)
+    offs[-1] = total
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    expert_of_row = torch.repeat_interleave(groups, sizes, output_size=total)
+    padded = x.new_zeros((total, x.shape[1])).index_copy(0, dest, x)
+    return padded, offs, dest, expert_of_row
