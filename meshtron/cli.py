@@ -456,7 +456,8 @@ def train_main(argv: Sequence[str]) -> int:
         # Raised during the run, possibly on some ranks only: each rank reports its own.
         where = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 else ""
         print(f"{PROG} train: error: {where}{err}", file=sys.stderr)
-        return 2 if isinstance(err, ConfigError) else 1
+        # Bad input (config, data, a checkpoint that does not match) exits 2; a failed run exits 1.
+        return 2 if isinstance(err, ConfigError) or type(err).__name__ == "CheckpointError" else 1
     return result if isinstance(result, int) else 0
 
 

@@ -177,7 +177,7 @@ class Trainer:
         if not ck.load:
             return
         ckpt = self._checkpointing()
-        state = ckpt.load_checkpoint(ck.load, self.model_chunks, None if ck.no_load_optim else self.optimizer,
+        state = ckpt.load_checkpoint(ck.load, self.model_chunks, self.optimizer,
                                      self.ctx, self.cfg, load_optim=not ck.no_load_optim,
                                      load_rng=not ck.no_load_rng)
         if state is None:
@@ -188,6 +188,7 @@ class Trainer:
         elif state.rng is not None and not ck.no_load_rng:
             restore_rng_state(state.rng, self.tracker)
         self.state = state
+        self.logger.resume_at(state.iteration)
         self.logger.info(f"resumed from {ck.load} at iteration {state.iteration}")
 
     def save(self) -> None:
@@ -196,6 +197,8 @@ class Trainer:
             return
         ckpt = self._checkpointing()
         self.state.rng = capture_rng_state(self.tracker)
+        # With --overlap-param-gather the last step's weights may still be in flight.
+        getattr(self.optimizer, "finish_param_gather", lambda: None)()
         ckpt.save_checkpoint(ck.save, self.state, self.model_chunks, self.optimizer, self.ctx, self.cfg,
                              tokenizer=self.data.tokenizer, async_save=ck.async_save, retain=ck.save_retain)
         self.logger.info(f"saved checkpoint at iteration {self.state.iteration} to {ck.save}")
@@ -230,6 +233,7 @@ class Trainer:
             self.state.iteration = iteration
             self.state.consumed_samples += t.global_batch_size
             interval_steps += 1
+            self.logger.advance(iteration)
             interval_losses.append(loss_sum)
             if applied:
                 self.state.nonfinite_in_a_row = 0
