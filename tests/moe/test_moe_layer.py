@@ -188,3 +188,30 @@ def test_which_layers_are_moe():
     model = GPTModel(cfg, ParallelContext(), 64, make_mlp=make_moe_mlp)
     assert [isinstance(layer.mlp, MoELayer) for layer in model.layers.values()] == [False] + [True] * 5
     assert not is_moe_layer(moe_cfg(num_experts=None), 0)
+
+
+def test_recomputed_layers_give_the_same_gradients_and_metrics():
+    from meshtron.layers.moe import MoETrainingHooks, make_moe_mlp
+    from meshtron.parallel.sharding import gather_canonical
+
+    cfg = moe_cfg(position_embedding_type="rope", make_vocab_size_divisible_by=8, moe_aux_loss_coeff=0.1,
+                  moe_z_loss_coeff=0.01, moe_router_enable_expert_bias=True)
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(9))
+    results = []
+    for recompute in ((), (0, 1)):
+        model = GPTModel(cfg, ParallelContext(), 50, recompute_layers=recompute, make_mlp=make_moe_mlp)
+        initialize_parameters(model, 4, torch.device("cpu"), torch.float32)
+        model.train()
+        hooks = MoETrainingHooks([model], ParallelContext(), 1, cfg)
+        total, _ = model(tokens, labels=tokens, loss_weight=torch.full((2, 8), 1 / 16))
+        total.backward()
+        metrics = hooks.metrics()
+        hooks.after_step(True)
+        biases = [m.router.expert_bias.clone() for m in hooks.layers]
+        results.append((gather_canonical([model], "grad"), metrics, biases))
+    (g0, m0, b0), (g1, m1, b1) = results
+    assert g0.keys() == g1.keys()
+    for key in g0:
+        torch.testing.assert_close(g1[key], g0[key], rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+    assert m1 == pytest.approx(m0, rel=1e-6) and m0["aux_loss"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(b0, b1)) and sum(float(a.abs().sum()) for a in b0) > 0
