@@ -1,5 +1,5 @@
-"""Through the trainer: MoE models under expert parallelism (with the distributed optimizer, TP x SP, and
-pipeline stages) log the one-process losses, router losses and expert load, iteration by iteration."""
+"""Through the trainer: MoE models under expert parallelism (with the distributed optimizer, TP x SP,
+pipeline stages, context parallelism) log the one-process losses, router losses and expert load, iteration by iteration."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.distributed.launch import run_distributed
 MOE_KEYS = ("aux_loss", "z_loss", "expert_load_min", "expert_load_max")
 
 
-def _config(metrics_file: str, tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False,
+def _config(metrics_file: str, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False,
             dist_opt: bool = False) -> MeshtronConfig:
     cfg = MeshtronConfig()
     m = cfg.model
@@ -26,7 +26,7 @@ def _config(metrics_file: str, tp: int = 1, pp: int = 1, ep: int = 1, sp: bool =
     m.moe_router_enable_expert_bias, m.moe_router_bias_update_rate = True, 0.05
     p = cfg.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size = tp, pp, ep
-    p.sequence_parallel, p.use_distributed_optimizer = sp, dist_opt
+    p.context_parallel_size, p.sequence_parallel, p.use_distributed_optimizer = cp, sp, dist_opt
     t = cfg.train
     t.micro_batch_size, t.global_batch_size, t.train_iters, t.seed, t.device = 1, 4, 3, 5, "cpu"
     t.eval_interval, t.compile, t.generate_sample = 0, False, False
@@ -52,6 +52,7 @@ LAYOUTS = {
     "ep2-dp4-distopt": dict(ep=2, dist_opt=True),
     "ep2-tp2-sp-distopt": dict(tp=2, ep=2, sp=True, dist_opt=True),
     "ep2-pp2": dict(pp=2, ep=2),
+    "ep2-cp2": dict(cp=2, ep=2),
 }
 
 
