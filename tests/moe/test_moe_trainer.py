@@ -75,5 +75,5 @@ def test_trainer_moe_layouts_log_the_single_process_values(tmp_path):
             assert per_run[i] == pytest.approx(ref.train_losses, rel=1e-5), f"{name} rank {rank}"
         records = _records(runs[i][0])
         for it, want in ref_records.items():
-            for key in ("loss",) + MOE_KEYS:
+            for key in ("loss", "grad_norm") + MOE_KEYS:
                 assert records[it][key] == pytest.approx(want[key], rel=1e-5), f"{name} iteration {it} {key}"

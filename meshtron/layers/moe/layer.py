@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtron.config import ConfigError, MeshtronConfig, ModelConfig, is_moe_layer
+from meshtron.config import ConfigError, MeshtronConfig, ModelConfig, ffn_size, is_moe_layer
 from meshtron.layers.mlp import MLP
 from meshtron.layers.moe.aux_losses import attach_aux_loss
 from meshtron.layers.moe.buffers import Fp32BufferModule
@@ -60,7 +60,7 @@ class MoELayer(Fp32BufferModule):
         E = cfg.num_experts
         if E % ctx.ep:
             raise ConfigError(f"--num-experts ({E}) must be divisible by --expert-model-parallel-size ({ctx.ep})")
-        Fe = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+        Fe = cfg.moe_ffn_hidden_size or ffn_size(cfg)
         if Fe % ctx.tp:
             raise ConfigError(f"--moe-ffn-hidden-size ({Fe}) must be divisible by --tensor-model-parallel-size "
                               f"({ctx.tp})")
