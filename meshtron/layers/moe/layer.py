@@ -83,7 +83,7 @@ class MoELayer(Fp32BufferModule):
             self.register_buffer(name, torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s_in, b, h = x.shape
+        _, b, h = x.shape
         if self.sequence_parallel:  # each rank's router gradient is complete: backward keeps its own shard
             x = comm.gather_from_sequence(x, self.tp_group, grad_is_partial=False)
         tokens = x.reshape(-1, h)

@@ -29,7 +29,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtron.config import ModelConfig
