@@ -162,7 +162,7 @@ def bench_row(argv: list[str], warmup: int, steps: int) -> dict:
     tokens = t.global_batch_size * cfg.model.seq_length
     tok_s_gpu = tokens / step / ctx.world_size
     tflops = tok_s_gpu * trainer.flops_per_token / 1e12
-    est = estimate_memory(cfg, vocab)
+    est = estimate_memory(cfg, vocab, world_size=ctx.world_size)
     row = {
         "model": cfg.model.model or "custom", "layout": ctx.describe(), "micro_batch": t.micro_batch_size,
         "global_batch": t.global_batch_size, "seq": cfg.model.seq_length,
