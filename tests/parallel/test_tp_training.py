@@ -1,0 +1,58 @@
+"""Tensor parallelism through the trainer, and the dropout RNG tracker."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshtron.cli import build_config
+from meshtron.parallel.random import RNGTracker
+from meshtron.training.trainer import run_training
+from tests.distributed.launch import run_distributed
+
+ARGS = ["--mock-data", "--vocab-size", "200", "--model", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--device", "cpu", "--train-iters", "20", "--log-interval", "1",
+        "--eval-interval", "0", "--make-vocab-size-divisible-by", "64", "--no-generate-sample"]
+
+
+def _train(rank, world, extra):
+    return run_training(build_config(ARGS + extra)).train_losses
+
+
+def test_tp2_sp_trains_like_one_process():
+    """20 iterations with TP=2 and sequence parallelism print the losses of the one-process run."""
+    reference = run_training(build_config(ARGS)).train_losses
+    results = run_distributed(_train, 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    assert sorted(reference) == list(range(1, 21))
+    for losses in results:
+        for it, ref in reference.items():
+            assert abs(losses[it] - ref) <= 1e-5 * abs(ref), (it, losses[it], ref)
+
+
+def _dropout_masks(rank, world):
+    out = []
+    for _ in range(2):  # the same seed twice gives the same masks
+        tracker = RNGTracker(seed=11, tp_rank=rank, pp_rank=0, device=torch.device("cpu"))
+        tracker.seed_default()
+        x = torch.ones(256)
+        outside = F.dropout(x, 0.5, True)
+        with tracker.fork():
+            inside = F.dropout(x, 0.5, True)
+        after = F.dropout(x, 0.5, True)  # the default stream continues as if fork never happened
+        out.append((outside, inside, after))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out[0])
+    return out, gathered
+
+
+def test_rng_tracker_dropout_streams():
+    results = run_distributed(_dropout_masks, 2)
+    (runs0, gathered), (runs1, _) = results
+    for runs in (runs0, runs1):
+        for a, b in zip(runs[0], runs[1]):
+            assert torch.equal(a, b)  # reproducible from the seed
+    (out0, in0, after0), (out1, in1, after1) = gathered
+    assert torch.equal(out0, out1) and torch.equal(after0, after1)  # outside TP regions: identical
+    assert not torch.equal(in0, in1)  # inside TP regions: different per TP rank
+    assert not torch.equal(out0, after0)
