@@ -329,10 +329,17 @@ def _fill_precision_and_recompute(cfg: MeshtronConfig) -> None:
         t.fp8_format = "hybrid"
     if t.fp8_format and t.device != "cuda":
         raise ConfigError(f"--fp8-format {t.fp8_format} needs --device cuda (FP8 matmuls run on recent GPUs only)")
+    if t.fp8_format:
+        # Refuse rather than silently train in bf16.
+        raise ConfigError(f"--fp8-format {t.fp8_format}: FP8 training is not implemented in this version of "
+                          "meshtron; train with --bf16")
     if t.compile is None:
         t.compile = t.device == "cuda"
     if t.recompute_method and t.recompute_granularity != "full":
         raise ConfigError(f"--recompute-method {t.recompute_method} needs --recompute-granularity full")
+    if t.recompute_granularity == "selective":
+        raise ConfigError("--recompute-granularity selective is not implemented in this version of meshtron; "
+                          "use --recompute-granularity full (with --recompute-method uniform|block)")
     if t.recompute_granularity == "full" and t.recompute_method is None:
         t.recompute_method = "uniform"
     if t.recompute_num_layers < 1 or t.recompute_num_layers > cfg.model.num_layers:
