@@ -1,4 +1,4 @@
-"""``meshtron convert``: Hugging Face Llama/Mistral <-> meshtron checkpoints.
+"""``meshtron convert``: Hugging Face Llama/Mistral/Mixtral <-> meshtron checkpoints.
 
 ``meshtron convert --from hf --input HF_DIR --output CKPT`` reads ``config.json``,
 the safetensors weights (one file or an index of shards) and the tokenizer
@@ -145,13 +145,14 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
     cfg = hf.config_from_hf(json.loads(config_file.read_text(encoding="utf-8")), notices)
     chunks = []
     for hf_name, tensor in read_hf_tensors(src).items():
-        name = hf.hf_to_meshtron_name(hf_name)
-        if name is None:
-            continue
-        if not cfg.model.untie_embeddings_and_output_weights and name == "output.weight":
-            continue  # tied: the output layer is the embedding
-        t = tensor.to(dtype) if dtype is not None else tensor
-        chunks.append(LocalChunk(model_key(name), tuple(t.shape), (0,) * t.dim(), t))
+        for name, part in hf.hf_to_meshtron_tensors(hf_name, tensor):
+            if not cfg.model.untie_embeddings_and_output_weights and name == "output.weight":
+                continue  # tied: the output layer is the embedding
+            # contiguous copies: a slice of a fused expert tensor must not carry the whole storage along
+            t = (part.to(dtype) if dtype is not None else part).contiguous()
+            if t.data_ptr() == tensor.data_ptr() and t.numel() != tensor.numel():
+                t = t.clone()
+            chunks.append(LocalChunk(model_key(name), tuple(t.shape), (0,) * t.dim(), t))
     _check_complete(cfg, {c.key[len(MODEL_PREFIX):]: c.global_shape for c in chunks})
     tokenizer = _hf_tokenizer(src, notices)
     meta = checkpoint_meta(TrainingState(), model_signature(cfg.model, cfg.model.vocab_size),
@@ -165,7 +166,10 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
 
 def _check_complete(cfg, shapes: dict[str, tuple]) -> None:
     """Every tensor the model needs is present with the configured shape."""
-    model = GPTModel(cfg.model, ParallelContext(), cfg.model.vocab_size)  # on the meta device: no memory
+    from meshtron.layers.moe import moe_mlp_factory
+
+    # on the meta device: no memory
+    model = GPTModel(cfg.model, ParallelContext(), cfg.model.vocab_size, make_mlp=moe_mlp_factory(cfg))
     required = {piece.name: tuple(piece.full_shape) for _, p in model.named_parameters() for piece in spec_of(p).pieces}
     diffs = compare_tensors(shapes, required)
     if diffs:
@@ -224,10 +228,11 @@ def _export_tokenizer(ckpt_dir: Path, out: Path, notices: list[str]) -> tuple[Op
     return tokenizer.eod, bos
 
 
-def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture: str = "llama",
+def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture: Optional[str] = None,
                    dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 * 10**9,
                    notices: Optional[list[str]] = None) -> Path:
-    """Write a meshtron checkpoint as a Hugging Face ``LlamaForCausalLM``/``MistralForCausalLM`` directory."""
+    """Write a meshtron checkpoint as a Hugging Face ``LlamaForCausalLM``/``MistralForCausalLM``/
+    ``MixtralForCausalLM`` directory (``architecture`` None: mixtral for MoE checkpoints, else llama)."""
     notices = notices if notices is not None else []
     out = Path(output_dir)
     _require_empty(out)
@@ -236,7 +241,8 @@ def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture:
         raise CheckpointError(f"--input {input_path}: no meshtron checkpoint found")
     meta = read_meta(ckpt_dir)
     cfg = read_config(ckpt_dir)
-    hf.check_exportable(cfg.model)
+    architecture = architecture or hf.default_architecture(cfg.model)
+    hf.check_exportable(cfg.model, architecture)
     tensors = read_model_tensors(ckpt_dir, dtype)
     vocab = int(tensors["embedding.word_embeddings.weight"].shape[0])
     if meta.get("model", {}).get("vocab_size") not in (None, vocab):
@@ -270,7 +276,7 @@ def _size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshtron convert",
-        description="Convert between Hugging Face Llama/Mistral models and meshtron checkpoints. meshtron "
+        description="Convert between Hugging Face Llama/Mistral/Mixtral models and meshtron checkpoints. meshtron "
                     "checkpoints load into any parallel layout as they are: no resharding step is needed.")
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from", dest="source", choices=("hf",),
@@ -282,8 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="destination directory (must not exist or be empty)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="convert the weights to this type "
                                                                         "(default: keep the stored type)")
-    p.add_argument("--hf-architecture", choices=sorted(hf.ARCHITECTURES), default="llama",
-                   help="with --to hf: the Hugging Face model class to write (default llama)")
+    p.add_argument("--hf-architecture", choices=sorted(hf.ARCHITECTURES), default=None,
+                   help="with --to hf: the Hugging Face model class to write (default: mixtral for a "
+                        "mixture-of-experts checkpoint, llama otherwise)")
     p.add_argument("--max-shard-size", type=_size, default=5 * 10**9,
                    help="with --to hf: largest safetensors file, e.g. 5GB (default)")
     return p

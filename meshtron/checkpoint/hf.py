@@ -1,9 +1,23 @@
 """Hugging Face Llama-family <-> meshtron: tensor names and configurations.
 
 Covers ``LlamaForCausalLM`` (Llama 2, Llama 3/3.1/3.2 with their RoPE frequency
-scaling) and ``MistralForCausalLM``. Both use RoPE's rotate-half convention, as
-meshtron does, so query/key weights map without any permutation; grouped-query
-attention maps to ``--group-query-attention --num-query-groups``.
+scaling), ``MistralForCausalLM`` and ``MixtralForCausalLM``. All use RoPE's
+rotate-half convention, as meshtron does, so query/key weights map without any
+permutation; grouped-query attention maps to ``--group-query-attention
+--num-query-groups``.
+
+Mixtral's sparse MoE block maps onto meshtron's MoE layer: the gate is the router
+(``layers.N.mlp.router.weight``) and expert E's ``w1``/``w3``/``w2`` are its
+gate/up/down projections (``layers.N.mlp.experts.E.{gate,up,down}.weight``). Files
+written by ``save_pretrained`` use those per-expert names under ``block_sparse_moe``;
+transformers 5's fused in-memory layout (``mlp.experts.gate_up_proj`` [E, 2F, H],
+``mlp.experts.down_proj`` [E, H, F], ``mlp.gate.weight``) is read as well. Exports use
+the per-expert names, which transformers 4 and 5 both load.
+
+Routing: Mixtral takes the softmax over all experts, keeps the top k and renormalises
+them; this equals meshtron's default softmax router (top k of the logits, softmax over
+those k), since softmax preserves the order and the renormalised probabilities are
+``exp(l_i) / sum_topk exp(l_j)``. Both are dropless (no capacity factor).
 """
 
 from __future__ import annotations
@@ -11,10 +25,12 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+import torch
+
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 _LAYER_MAP = {
     "input_layernorm.weight": "input_norm.weight",
@@ -32,7 +48,16 @@ _GLOBAL_MAP = {
     "model.norm.weight": "final_norm.weight",
     "lm_head.weight": "output.weight",
 }
+_EXPERT_MAP = {"w1": "gate", "w3": "up", "w2": "down"}
+_EXPERT_MAP_BACK = {v: k for k, v in _EXPERT_MAP.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Mixtral as saved on the hub (and by save_pretrained in transformers 4 and 5).
+_HF_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])\.weight$")
+_HF_ROUTER = re.compile(r"^(?:block_sparse_moe|mlp)\.gate\.weight$")
+# transformers 5's fused in-memory expert tensors, [E, 2F, H] (gate rows, then up rows) and [E, H, F].
+_HF_FUSED_GATE_UP = "mlp.experts.gate_up_proj"
+_HF_FUSED_DOWN = "mlp.experts.down_proj"
+_MESHTRON_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)\.weight$")
 _MESHTRON_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LAYER_MAP_BACK = {v: k for k, v in _LAYER_MAP.items()}
 _GLOBAL_MAP_BACK = {v: k for k, v in _GLOBAL_MAP.items()}
@@ -47,10 +72,42 @@ def hf_to_meshtron_name(name: str) -> Optional[str]:
     if name in _GLOBAL_MAP:
         return _GLOBAL_MAP[name]
     m = _HF_LAYER.match(name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
-    raise CheckpointError(f"unexpected tensor {name!r} in the Hugging Face checkpoint (supported: Llama and "
-                          "Mistral without biases)")
+    if m:
+        layer, rest = m.group(1), m.group(2)
+        if rest in _LAYER_MAP:
+            return f"layers.{layer}.{_LAYER_MAP[rest]}"
+        if _HF_ROUTER.match(rest):
+            return f"layers.{layer}.mlp.router.weight"
+        expert = _HF_EXPERT.match(rest)
+        if expert:
+            return f"layers.{layer}.mlp.experts.{expert.group(1)}.{_EXPERT_MAP[expert.group(2)]}.weight"
+    raise CheckpointError(f"unexpected tensor {name!r} in the Hugging Face checkpoint (supported: Llama, "
+                          "Mistral and Mixtral without biases)")
+
+
+def hf_to_meshtron_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Canonical meshtron (name, tensor) pairs of one Hugging Face tensor.
+
+    One pair for most tensors, none for derived buffers, and one per expert projection for
+    transformers 5's fused Mixtral expert tensors.
+    """
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in (_HF_FUSED_GATE_UP, _HF_FUSED_DOWN):
+        prefix = f"layers.{m.group(1)}.mlp.experts"
+        if tensor.dim() != 3:
+            raise CheckpointError(f"{name}: expected a 3-d [experts, out, in] tensor, got shape "
+                                  f"{tuple(tensor.shape)}")
+        if m.group(2) == _HF_FUSED_DOWN:
+            return [(f"{prefix}.{e}.down.weight", tensor[e]) for e in range(tensor.shape[0])]
+        if tensor.shape[1] % 2:
+            raise CheckpointError(f"{name}: the gate/up dimension {tensor.shape[1]} is odd")
+        out = []
+        for e in range(tensor.shape[0]):
+            gate, up = tensor[e].chunk(2, dim=0)
+            out += [(f"{prefix}.{e}.gate.weight", gate), (f"{prefix}.{e}.up.weight", up)]
+        return out
+    canonical = hf_to_meshtron_name(name)
+    return [] if canonical is None else [(canonical, tensor)]
 
 
 def meshtron_to_hf_name(name: str) -> str:
@@ -58,9 +115,17 @@ def meshtron_to_hf_name(name: str) -> str:
     if name in _GLOBAL_MAP_BACK:
         return _GLOBAL_MAP_BACK[name]
     m = _MESHTRON_LAYER.match(name)
-    if m and m.group(2) in _LAYER_MAP_BACK:
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP_BACK[m.group(2)]}"
-    raise CheckpointError(f"tensor {name!r} has no Hugging Face Llama equivalent")
+    if m:
+        layer, rest = m.group(1), m.group(2)
+        if rest in _LAYER_MAP_BACK:
+            return f"model.layers.{layer}.{_LAYER_MAP_BACK[rest]}"
+        if rest == "mlp.router.weight":
+            return f"model.layers.{layer}.block_sparse_moe.gate.weight"
+        expert = _MESHTRON_EXPERT.match(rest)
+        if expert:
+            return (f"model.layers.{layer}.block_sparse_moe.experts.{expert.group(1)}."
+                    f"{_EXPERT_MAP_BACK[expert.group(2)]}.weight")
+    raise CheckpointError(f"tensor {name!r} has no Hugging Face Llama/Mistral/Mixtral equivalent")
 
 
 def _rope_settings(hf: dict) -> tuple[float, Optional[dict]]:
@@ -114,14 +179,56 @@ def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
     if scaling is not None:
         values["rope_scaling_factor"] = float(scaling["factor"])
         values["rope_original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    if kind == "mixtral":
+        values.update(_mixtral_settings(hf, notices))
     cfg = MeshtronConfig()
     for key, value in values.items():
         cfg.set(key, value)
     return cfg
 
 
-def check_exportable(m: ModelConfig) -> None:
-    """Raise CheckpointError listing what a Hugging Face Llama/Mistral cannot represent."""
+def _mixtral_settings(hf: dict, notices: list[str]) -> dict[str, Any]:
+    """meshtron MoE flags for a Mixtral ``config.json``: every layer MoE, dropless softmax top-k routing."""
+    experts, topk = int(hf.get("num_local_experts", 8)), int(hf.get("num_experts_per_tok", 2))
+    if not 1 <= topk <= experts:
+        raise CheckpointError(f"config.json: num_experts_per_tok {topk} must be between 1 and num_local_experts "
+                              f"{experts}")
+    if float(hf.get("router_jitter_noise", 0.0) or 0.0) > 0:
+        notices.append(f"config.json: router_jitter_noise {hf['router_jitter_noise']}: meshtron's router adds "
+                       "no jitter noise while training (inference is unaffected)")
+    return dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=int(hf["intermediate_size"]),
+                moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0) or 0.0))
+
+
+def _moe_problems(m: ModelConfig) -> list[str]:
+    """What a Hugging Face Mixtral cannot represent of a meshtron MoE model."""
+    problems = []
+    if m.moe_shared_expert_intermediate_size:
+        problems.append("--moe-shared-expert-intermediate-size (Mixtral has no shared experts)")
+    if m.moe_first_dense_layers or m.moe_layer_freq != 1:
+        problems.append("dense layers between MoE layers (--moe-first-dense-layers/--moe-layer-freq: every "
+                        "Mixtral layer is MoE)")
+    if m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax:
+        problems.append(f"--moe-router-score-function {m.moe_router_score_function}"
+                        f"{' with --moe-router-pre-softmax' if m.moe_router_pre_softmax else ''} (Mixtral "
+                        "renormalises the softmax over the top-k experts: softmax without --moe-router-pre-softmax)")
+    if m.moe_router_enable_expert_bias:
+        problems.append("--moe-router-enable-expert-bias (Mixtral's router has no expert bias)")
+    if m.moe_expert_capacity_factor is not None:
+        problems.append(f"--moe-expert-capacity-factor {m.moe_expert_capacity_factor} (Mixtral never drops "
+                        "tokens)")
+    return problems
+
+
+def default_architecture(m: ModelConfig) -> str:
+    """The Hugging Face architecture to export to when none is named: mixtral for MoE, else llama."""
+    return "mixtral" if m.num_experts else "llama"
+
+
+def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
+    """Raise CheckpointError listing what the Hugging Face ``architecture`` cannot represent."""
     problems = []
     if m.normalization != "RMSNorm":
         problems.append(f"--normalization {m.normalization} (Llama uses RMSNorm)")
@@ -131,15 +238,23 @@ def check_exportable(m: ModelConfig) -> None:
         problems.append(f"--position-embedding-type {m.position_embedding_type} (Llama uses rope)")
     if not m.disable_bias_linear or m.add_qkv_bias:
         problems.append("linear biases (Llama has none: --disable-bias-linear)")
-    if m.num_experts:
-        problems.append("mixture of experts (--num-experts)")
+    if architecture == "mixtral":
+        if not m.num_experts:
+            problems.append("no --num-experts (Mixtral is a mixture of experts: export a dense model as llama or "
+                            "mistral)")
+        else:
+            problems += _moe_problems(m)
+    elif m.num_experts:
+        problems.append("mixture of experts (--num-experts: export it with --hf-architecture mixtral)")
     if problems:
-        raise CheckpointError("this checkpoint cannot be written as a Hugging Face Llama/Mistral model", problems)
+        name = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral"}.get(architecture, architecture)
+        raise CheckpointError(f"this checkpoint cannot be written as a Hugging Face {name} model", problems)
 
 
 def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: str,
               eos_id: Optional[int], bos_id: Optional[int]) -> dict:
-    """A ``config.json`` for ``LlamaForCausalLM`` or ``MistralForCausalLM`` (read by transformers 4 and 5)."""
+    """A ``config.json`` for ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``MixtralForCausalLM`` (read by
+    transformers 4 and 5)."""
     theta = float(m.rotary_base)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     rope_scaling = None
@@ -153,7 +268,7 @@ def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: st
         "model_type": architecture,
         "vocab_size": int(vocab_size),
         "hidden_size": m.hidden_size,
-        "intermediate_size": ffn_size(m),
+        "intermediate_size": (m.moe_ffn_hidden_size or ffn_size(m)) if architecture == "mixtral" else ffn_size(m),
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": num_kv_heads(m),
@@ -177,4 +292,8 @@ def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: st
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     else:
         cfg["sliding_window"] = None
+    if architecture == "mixtral":
+        cfg.update(num_local_experts=int(m.num_experts), num_experts_per_tok=int(m.moe_router_topk),
+                   router_aux_loss_coef=float(m.moe_aux_loss_coeff or 0.0), router_jitter_noise=0.0,
+                   output_router_logits=False)
     return cfg

@@ -32,6 +32,12 @@ def mistral_tied():
         **COMMON, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=10000.0, sliding_window=None))
 
 
+def mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **COMMON, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None,
+        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02))
+
+
 def random_hf_model(make, seed: int = 0):
     torch.manual_seed(seed)
     model = make().eval()
@@ -120,7 +126,7 @@ def test_conversion_errors(tmp_path, capsys):
     save_checkpoint(str(tmp_path / "gpt"), TrainingState(iteration=1), build_chunks(cfg, ctx), None, ctx, cfg)
     assert convert_main(["--to", "hf", "--input", str(tmp_path / "gpt"), "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "cannot be written as a Hugging Face Llama/Mistral model" in err
+    assert "cannot be written as a Hugging Face Llama model" in err
     assert "--normalization LayerNorm" in err and "no --swiglu" in err and "linear biases" in err
 
     assert convert_main(["--from", "hf", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "x")]) == 2
@@ -129,3 +135,99 @@ def test_conversion_errors(tmp_path, capsys):
         convert_main(["--from", "hf", "--to", "hf", "--input", "a", "--output", "b"])
     assert convert_main(["--to", "hf", "--input", str(tmp_path / "gpt"), "--output", str(tmp_path / "gpt")]) == 2
     assert "is not an empty directory" in capsys.readouterr().err
+
+
+def moe_model_from_checkpoint(ckpt):
+    """The converted MoE checkpoint as a whole fp32 CPU model (MoE layers built from its configuration)."""
+    from meshtron.checkpoint.load import load_model_tensors, resolve_checkpoint
+    from meshtron.checkpoint.metadata import read_config
+    from meshtron.layers.moe import moe_mlp_factory
+    from meshtron.model import GPTModel
+    from meshtron.parallel.sharding import initialize_parameters
+
+    ckpt_dir = resolve_checkpoint(ckpt)
+    cfg = read_config(ckpt_dir)
+    model = GPTModel(cfg.model, ParallelContext(), VOCAB, make_mlp=moe_mlp_factory(cfg))
+    initialize_parameters(model, 0, torch.device("cpu"), torch.float32)
+    load_model_tensors([model], ckpt_dir, None, no_dist=True)
+    return model.eval(), cfg
+
+
+def test_hf_mixtral_round_trip(tmp_path):
+    """Mixtral: router and experts map onto meshtron's MoE layer; same logits, identical tensors back."""
+    reference = random_hf_model(mixtral)
+    hf_in, ckpt, hf_out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "hf_out"
+    reference.save_pretrained(hf_in)
+    assert convert_main(["--from", "hf", "--input", str(hf_in), "--output", str(ckpt)]) == 0
+    model, cfg = moe_model_from_checkpoint(ckpt)
+    m = cfg.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (4, 2, 96)
+    assert (m.moe_router_score_function, m.moe_router_pre_softmax, m.moe_expert_capacity_factor) == (
+        "softmax", False, None)
+    assert m.moe_aux_loss_coeff == pytest.approx(0.02)
+    tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    ref_logits = logits(reference, tokens)
+    torch.testing.assert_close(logits(model, tokens), ref_logits, rtol=0, atol=1e-5)
+
+    # no --hf-architecture: an MoE checkpoint is exported as Mixtral
+    assert convert_main(["--to", "hf", "--input", str(ckpt), "--output", str(hf_out)]) == 0
+    config = json.loads((hf_out / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 96)
+    again = transformers.MixtralForCausalLM.from_pretrained(hf_out).eval()
+    ref_state, state = reference.state_dict(), again.state_dict()
+    assert ref_state.keys() == state.keys()
+    for name in ref_state:
+        assert torch.equal(ref_state[name], state[name]), name
+    torch.testing.assert_close(logits(again, tokens), ref_logits, rtol=0, atol=0)
+
+
+def test_hf_mixtral_fused_expert_tensors(tmp_path):
+    """transformers 5's fused expert tensors (gate_up_proj, down_proj) split into the same canonical tensors."""
+    from safetensors.torch import save_file
+    from meshtron.checkpoint.convert import read_hf_tensors
+
+    reference = random_hf_model(mixtral)
+    legacy, fused, ckpt_a, ckpt_b = (tmp_path / n for n in ("legacy", "fused", "a", "b"))
+    reference.save_pretrained(legacy)
+    fused.mkdir()
+    (fused / "config.json").write_text((legacy / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(fused / "model.safetensors"))
+    assert any(k.endswith("experts.gate_up_proj") for k in read_hf_tensors(fused))
+    for src, dst in ((legacy, ckpt_a), (fused, ckpt_b)):
+        assert convert_main(["--from", "hf", "--input", str(src), "--output", str(dst)]) == 0
+    model_a, _ = moe_model_from_checkpoint(ckpt_a)
+    model_b, _ = moe_model_from_checkpoint(ckpt_b)
+    state_a, state_b = model_a.state_dict(), model_b.state_dict()
+    for name in state_a:
+        assert torch.equal(state_a[name], state_b[name]), name
+
+
+def test_mixtral_export_errors(tmp_path, capsys):
+    """MoE features Mixtral cannot express are listed; a dense model is not Mixtral, nor an MoE model Llama."""
+    from meshtron.layers.moe import moe_mlp_factory
+    from meshtron.model import GPTModel
+    from meshtron.parallel.sharding import initialize_parameters
+
+    ctx = ParallelContext()
+    cfg = tiny_config(num_experts=4, moe_router_topk=2, moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0,
+                      moe_shared_expert_intermediate_size=32)
+    model = GPTModel(cfg.model, ctx, 100, make_mlp=moe_mlp_factory(cfg))
+    initialize_parameters(model, 1, torch.device("cpu"), torch.float32)
+    moe = str(tmp_path / "moe")
+    save_checkpoint(moe, TrainingState(iteration=1), [model], None, ctx, cfg)
+    assert convert_main(["--to", "hf", "--input", moe, "--output", str(tmp_path / "o1")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be written as a Hugging Face Mixtral model" in err
+    assert "--moe-router-pre-softmax" in err and "--moe-expert-capacity-factor 1.0" in err
+    assert "shared experts" in err
+    assert convert_main(["--to", "hf", "--input", moe, "--output", str(tmp_path / "o2"), "--hf-architecture",
+                         "llama"]) == 2
+    assert "--hf-architecture mixtral" in capsys.readouterr().err
+
+    dense_cfg = tiny_config()
+    dense = str(tmp_path / "dense")
+    save_checkpoint(dense, TrainingState(iteration=1), build_chunks(dense_cfg, ctx), None, ctx, dense_cfg)
+    assert convert_main(["--to", "hf", "--input", dense, "--output", str(tmp_path / "o3"), "--hf-architecture",
+                         "mixtral"]) == 2
+    assert "no --num-experts" in capsys.readouterr().err
