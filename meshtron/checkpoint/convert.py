@@ -150,7 +150,7 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
                 continue  # tied: the output layer is the embedding
             # contiguous copies: a slice of a fused expert tensor must not carry the whole storage along
             t = (part.to(dtype) if dtype is not None else part).contiguous()
-            if t.data_ptr() == tensor.data_ptr() and t.numel() != tensor.numel():
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
                 t = t.clone()
             chunks.append(LocalChunk(model_key(name), tuple(t.shape), (0,) * t.dim(), t))
     _check_complete(cfg, {c.key[len(MODEL_PREFIX):]: c.global_shape for c in chunks})
