@@ -27,7 +27,7 @@ from meshtron.checkpoint.save import model_vocab_size
 from meshtron.checkpoint.writer import quiet_single_process_notice
 from meshtron.config import MeshtronConfig
 from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.sharding import SPEC_ATTR, spec_of
+from meshtron.parallel.sharding import SPEC_ATTR, initialize_parameters, spec_buffers, spec_of
 from meshtron.training.state import TrainingState
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,13 @@ def _saved_shapes(ckpt_dir: Path) -> dict[str, tuple]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def _required_model_shapes(models: Sequence[nn.Module]) -> dict[str, tuple]:
-    """{canonical name: full shape} of every tensor this rank's model chunks need."""
+def _required_model_shapes(models: Sequence[nn.Module], buffers: bool = True) -> dict[str, tuple]:
+    """{canonical name: full shape} of every tensor this rank's model chunks need (parameters, and
+    the buffers that are model state unless ``buffers`` is False: those have no optimizer state)."""
     out: dict[str, tuple] = {}
     for model in models:
-        for _, param in model.named_parameters():
+        state_buffers = [b for _, b in spec_buffers(model)] if buffers else []
+        for param in [p for _, p in model.named_parameters()] + state_buffers:
             if getattr(param, SPEC_ATTR, None) is None:
                 continue  # reported by model_chunks()
             for piece in spec_of(param).pieces:
@@ -88,9 +90,12 @@ def check_compatibility(ckpt_dir: Path, meta: dict, saved: dict[str, tuple], mod
     saved_model = {canonical_name(k): s for k, s in saved.items() if k.startswith(MODEL_PREFIX)}
     tensor_diffs = compare_tensors(saved_model, required)
     if need_optimizer:
+        with_state: dict[str, tuple] = {}
+        for part in coordination.all_gather_object(_required_model_shapes(models, buffers=False), group):
+            with_state.update(part)
         for state in OPTIM_STATES:
             saved_state = {canonical_name(k): s for k, s in saved.items() if k.startswith(f"{OPTIM_PREFIX}{state}.")}
-            present = {n: s for n, s in required.items() if n in saved_model}  # model-level gaps are listed once
+            present = {n: s for n, s in with_state.items() if n in saved_model}  # model-level gaps are listed once
             tensor_diffs += [d for d in compare_tensors(saved_state, present, f"optimizer {state}")
                              if "missing" in d]
     diffs = field_diffs + tensor_diffs
@@ -230,16 +235,13 @@ def latest_checkpoint_config(load_dir: str | Path) -> Optional[MeshtronConfig]:
 
 def build_empty_model(cfg: MeshtronConfig, vocab_size: int, device: torch.device, dtype: torch.dtype,
                       ctx: Optional[ParallelContext] = None) -> nn.Module:
-    """A whole (one-stage, one-device) GPTModel with zeroed parameters, ready to receive a checkpoint."""
+    """A whole (one-stage, one-device) GPTModel, ready to receive a checkpoint."""
+    from meshtron.layers.moe import moe_mlp_factory
     from meshtron.model import GPTModel
 
     ctx = ctx or ParallelContext(device=device)
-    model = GPTModel(cfg.model, ctx, vocab_size)
-    specs = {name: spec_of(p) for name, p in model.named_parameters()}
-    model.to_empty(device=device)  # new Parameter objects: re-attach the sharding descriptions
-    for name, param in model.named_parameters():
-        param.data = torch.zeros(param.shape, dtype=dtype, device=device)
-        setattr(param, SPEC_ATTR, specs[name])
+    model = GPTModel(cfg.model, ctx, vocab_size, make_mlp=moe_mlp_factory(cfg))
+    initialize_parameters(model, 0, device, dtype)  # every value is then overwritten by the checkpoint
     return model
 
 

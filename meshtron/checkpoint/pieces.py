@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from meshtron.checkpoint.errors import CheckpointError
-from meshtron.parallel.sharding import SPEC_ATTR, Piece, ShardSpec, split_local
+from meshtron.parallel.sharding import SPEC_ATTR, Piece, ShardSpec, spec_buffers, split_local
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -92,6 +92,8 @@ def model_chunks(models: Sequence[nn.Module]) -> list[LocalChunk]:
         for name, param in model.named_parameters():
             spec = _spec(param, f"model chunk {index} parameter {name!r}")
             out.extend(_chunks_of(param.detach(), spec, model_key))
+        for name, buf in spec_buffers(model):  # e.g. the MoE router's expert bias
+            out.extend(_chunks_of(buf, _spec(buf, f"model chunk {index} buffer {name!r}"), model_key))
     return out
 
 

@@ -146,15 +146,35 @@ def split_local(tensor: torch.Tensor, spec: ShardSpec) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def initialize_parameters(model: nn.Module, seed: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Materialise every parameter of a meta-device model on ``device`` from its canonical pieces."""
+    """Materialise every parameter of a meta-device model on ``device`` from its canonical pieces.
+
+    Parameters become ``dtype``; buffers keep their own dtype (e.g. the fp32 expert bias of a
+    router) and, when they carry a ShardSpec, are filled from it like parameters (others are zeroed).
+    """
     specs = {name: spec_of(p) for name, p in model.named_parameters()}
-    model.to(dtype=dtype)
-    model.to_empty(device=device)  # creates new Parameter objects: re-attach the specs
+    buffers = {name: (getattr(b, SPEC_ATTR, None), b.dtype) for name, b in model.named_buffers()}
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    model.to_empty(device=device)  # creates new Parameter and buffer objects: re-attach the specs
     for name, param in model.named_parameters():
         spec = specs[name]
         setattr(param, SPEC_ATTR, spec)
-        parts = [cut(generate_canonical(p, seed, device), p) for p in spec.pieces]
-        param.data.copy_(torch.cat(parts, dim=spec.cat_dim).to(dtype))
+        param.data.copy_(_materialise(spec, seed, device).to(dtype))
+    for name, buf in model.named_buffers():
+        spec, buf_dtype = buffers[name]
+        buf.data = (_materialise(spec, seed, device) if spec is not None
+                    else torch.zeros(buf.shape, device=device)).to(buf_dtype)
+        if spec is not None:
+            setattr(buf, SPEC_ATTR, spec)
+
+
+def _materialise(spec: ShardSpec, seed: int, device: torch.device) -> torch.Tensor:
+    return torch.cat([cut(generate_canonical(p, seed, device), p) for p in spec.pieces], dim=spec.cat_dim)
+
+
+def spec_buffers(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """Buffers that are part of the model's state (they carry a ShardSpec): saved in checkpoints."""
+    return ((name, b) for name, b in model.named_buffers() if getattr(b, SPEC_ATTR, None) is not None)
 
 
 def iter_pieces(model: nn.Module, which: str = "param") -> Iterable[tuple[Piece, torch.Tensor, ShardSpec]]:
