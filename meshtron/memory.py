@@ -104,7 +104,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads, padded_vocab_size
-from meshtron.layers.cross_entropy import _CHUNK_ELEMENTS  # the fused loss's chunk rule, kept in sync
+from meshtron.layers.cross_entropy import CHUNK_ELEMENTS  # the fused loss's chunk rule, kept in sync
 
 GIB = 2**30
 #: What ``--recompute-granularity selective`` recomputes (see the module docstring).
@@ -405,10 +405,14 @@ def loss_bytes(hidden: int, vocab_local: int, tokens: int, act_bytes: int, fused
     """Bytes the loss holds on the last stage for one micro-batch (see the module docstring)."""
     if not fused:
         return tokens * vocab_local * 4.0
-    chunk = min(tokens, max(256, _CHUNK_ELEMENTS // max(1, vocab_local)))
-    # fp32 logits + their exponentials (which become the gradient in place), and the gradient
-    # cast to the activation dtype (no extra copy in fp32).
-    per_element = 8 + (act_bytes if act_bytes < 4 else 0)
+    chunk = min(tokens, max(256, CHUNK_ELEMENTS // max(1, vocab_local)))
+    if act_bytes < 4:
+        # bf16 on GPU: the chunk's logits and its logits-gradient, both bf16 (the element-wise
+        # passes are compiled into fused kernels that keep no fp32 copy).
+        per_element = 2 * act_bytes
+    else:
+        # fp32 (CPU, eager): logits, their fp32 copy, exponentials, softmax and the gradient.
+        per_element = 5 * act_bytes
     return 4.0 * hidden * vocab_local + chunk * vocab_local * per_element
 
 

@@ -39,7 +39,7 @@ from meshtron.data.tokenizers import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 CORPUS_VERSION = 1
-DEFAULT_VOCAB_SIZE = 4096
+DEFAULT_VOCAB_SIZE = 2048
 DEFAULT_MAX_BYTES = 4_000_000
 MAX_FILE_BYTES = 200_000  # skips a few huge generated tables, which teach little
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})

@@ -221,6 +221,8 @@ class Trainer:
         ckpt = self._checkpointing()
         if t.exit_signal_handler and ckpt is not None and hasattr(ckpt, "install_signal_handler"):
             signal_handler = ckpt.install_signal_handler()
+        if t.eval_interval and self.state.iteration == 0:
+            self._evaluate_and_log(0)  # the starting point, so the log shows how far validation falls
         start_time = time.monotonic()
         batches: Iterator[list[dict]] = train_batches(self.data, self.ctx, self.reads_data, self.state.iteration,
                                                       self.num_micro_batches)

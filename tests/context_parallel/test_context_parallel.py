@@ -67,7 +67,7 @@ def test_trainer_logs_the_single_process_losses(worlds, world, index):
 
     os.environ.pop("WORLD_SIZE", None)
     ref = run_training(cases.trainer_config())
-    assert len(ref.train_losses) == 3 and len(ref.eval_losses) == 1
+    assert len(ref.train_losses) == 3 and len(ref.eval_losses) == 2  # iteration 0 and the end
     for rank, res in enumerate(_results(worlds, world)):
         train, evals = res[("trainer", index)]
         assert train.keys() == ref.train_losses.keys() and evals.keys() == ref.eval_losses.keys()

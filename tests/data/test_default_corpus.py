@@ -11,7 +11,8 @@ import pytest
 
 from _data_helpers import small_config
 from meshtron.data import build_data
-from meshtron.data.default_corpus import (DATASET_NAME, corpus_key, ensure_default_corpus, select_sources)
+from meshtron.data.default_corpus import (DATASET_NAME, DEFAULT_VOCAB_SIZE, corpus_key, ensure_default_corpus,
+                                         select_sources)
 from meshtron.data.indexed_dataset import IndexedDataset
 
 
@@ -29,7 +30,7 @@ def test_real_corpus_builds_fast_and_is_well_formed(real_corpus):
     info = corpus.manifest()
     assert 3.0e6 < info["bytes"] <= 4.0e6 and info["files"] > 100
     tok = corpus.tokenizer()
-    assert tok.vocab_size == 4096
+    assert tok.vocab_size == DEFAULT_VOCAB_SIZE
     ds = IndexedDataset(corpus.prefix)
     assert ds.dtype == np.uint16 and len(ds) == info["files"] and ds.num_tokens == info["tokens"]
     ends = ds.sequence_pointers // 2 + ds.sequence_lengths - 1
@@ -100,7 +101,7 @@ def test_build_data_uses_the_default_corpus(real_corpus, monkeypatch):
     cfg = small_config()
     cfg.model.seq_length = 64
     bundle = build_data(cfg, 0, 1)
-    assert bundle.vocab_size == 4096 and bundle.eod is not None
+    assert bundle.vocab_size == DEFAULT_VOCAB_SIZE and bundle.eod is not None
     assert "default corpus" in bundle.description
     assert bundle.valid is not None
     text = bundle.tokenizer.decode(next(bundle.train_batches(0))[0]["tokens"][0].tolist())

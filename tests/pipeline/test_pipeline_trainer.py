@@ -58,7 +58,7 @@ def test_trainer_pipeline_logs_the_single_process_losses(tmp_path):
 
     os.environ.pop("WORLD_SIZE", None)
     ref = run_training(_config(1, None, str(tmp_path / "ref.jsonl")))
-    assert len(ref.train_losses) == 4 and len(ref.eval_losses) == 2
+    assert len(ref.train_losses) == 4 and len(ref.eval_losses) == 3  # iteration 0 and every interval
     runs = [(2, None, str(tmp_path / "pp2.jsonl")), (2, 2, str(tmp_path / "pp2v2.jsonl"))]
     results = run_distributed(_train, 2, runs, timeout=240)
     for (pp, vpp, metrics), i in zip(runs, range(len(runs))):
