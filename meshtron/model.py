@@ -14,7 +14,6 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig, head_dim, padded_vocab_size
 from meshtron.layers.attention import KVCache, SelfAttention, attention_mask_from_documents
@@ -23,6 +22,7 @@ from meshtron.layers.cross_entropy import linear_cross_entropy
 from meshtron.layers.embedding import VocabParallelEmbedding
 from meshtron.layers.mlp import MLP
 from meshtron.layers.norm import Norm
+from meshtron.layers.recompute import run_with_recompute
 from meshtron.layers.rotary import inverse_frequencies, rope_tables
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
@@ -47,6 +47,7 @@ class TransformerLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, ctx, f"{prefix}.mlp", sequence_parallel)
         self.hidden_dropout = cfg.hidden_dropout
         self.tracker: Optional[RNGTracker] = None
+        self.recompute: Optional[str] = None  # "full" or "selective" (set by GPTModel)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0:
@@ -57,6 +58,12 @@ class TransformerLayer(nn.Module):
         return F.dropout(x, self.hidden_dropout, True)
 
     def forward(self, x: torch.Tensor, rope, mask, cache: Optional[KVCache] = None) -> torch.Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled() and cache is None:
+            # Inside forward (not around the module) so that a compiled layer traces the checkpoint.
+            return run_with_recompute(self._forward, self.recompute, x, rope, mask)
+        return self._forward(x, rope, mask, cache)
+
+    def _forward(self, x: torch.Tensor, rope, mask, cache: Optional[KVCache] = None) -> torch.Tensor:
         x = x + self._dropout(self.attention(self.input_norm(x), rope, mask, cache))
         return x + self._dropout(self.mlp(self.post_attention_norm(x)))
 
@@ -71,6 +78,7 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, vocab_size: int,
                  layer_ids: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True,
                  sequence_parallel: bool = False, recompute_layers: Sequence[int] = (),
+                 selective_recompute: bool = False,
                  make_mlp=None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.cfg = cfg
@@ -92,6 +100,9 @@ class GPTModel(nn.Module):
             self.layers = nn.ModuleDict({
                 str(i): TransformerLayer(cfg, ctx, i, sp, make_mlp(cfg, ctx, i, sp) if make_mlp else None)
                 for i in layer_ids})
+            for key, layer in self.layers.items():
+                layer.recompute = ("full" if int(key) in self.recompute_layers
+                                   else "selective" if selective_recompute else None)
             if post_process:
                 self.final_norm = Norm("final_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sp)
                 tied = not cfg.untie_embeddings_and_output_weights
@@ -164,10 +175,7 @@ class GPTModel(nn.Module):
             mask = attention_mask_from_documents(document_ids) if document_ids is not None else None
         for key, layer in self.layers.items():
             cache = caches.setdefault(key, KVCache()) if caches is not None else None
-            if int(key) in self.recompute_layers and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, mask, use_reentrant=False)
-            else:
-                x = layer(x, rope, mask, cache)
+            x = layer(x, rope, mask, cache)
         if not self.post_process:
             return x
         return self.output(x, labels, loss_weight)

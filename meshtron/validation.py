@@ -337,9 +337,12 @@ def _fill_precision_and_recompute(cfg: MeshtronConfig) -> None:
         t.compile = t.device == "cuda"
     if t.recompute_method and t.recompute_granularity != "full":
         raise ConfigError(f"--recompute-method {t.recompute_method} needs --recompute-granularity full")
-    if t.recompute_granularity == "selective":
-        raise ConfigError("--recompute-granularity selective is not implemented in this version of meshtron; "
-                          "use --recompute-granularity full (with --recompute-method uniform|block)")
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    if t.recompute_granularity and tp > 1 and (m.attention_dropout > 0 or
+                                                (m.hidden_dropout > 0 and cfg.parallel.sequence_parallel)):
+        # The recomputed forward would draw other dropout masks from the tensor-parallel RNG stream.
+        raise ConfigError(f"--recompute-granularity {t.recompute_granularity} with --tensor-model-parallel-size "
+                          f"{tp} needs --attention-dropout 0 (and --hidden-dropout 0 with --sequence-parallel)")
     if t.recompute_granularity == "full" and t.recompute_method is None:
         t.recompute_method = "uniform"
     if t.recompute_num_layers < 1 or t.recompute_num_layers > cfg.model.num_layers:

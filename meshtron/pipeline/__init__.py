@@ -61,7 +61,8 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
                          pre_process=layout.has_embedding(ctx.pp_rank, v),
                          post_process=layout.has_loss(ctx.pp_rank, v),
                          sequence_parallel=cfg.parallel.sequence_parallel,
-                         recompute_layers=recompute_layer_ids(cfg, layer_ids), make_mlp=make_mlp)
+                         recompute_layers=recompute_layer_ids(cfg, layer_ids),
+                         selective_recompute=cfg.train.recompute_granularity == "selective", make_mlp=make_mlp)
         initialize_parameters(model, cfg.train.seed, ctx.device, dtype)
         model.set_rng_tracker(tracker)
         if cfg.train.compile:

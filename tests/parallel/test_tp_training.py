@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,10 +21,12 @@ def _train(rank, world, extra):
     return run_training(build_config(ARGS + extra)).train_losses
 
 
-def test_tp2_sp_trains_like_one_process():
-    """20 iterations with TP=2 and sequence parallelism print the losses of the one-process run."""
+@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "selective"]], ids=["plain", "selective"])
+def test_tp2_sp_trains_like_one_process(recompute):
+    """20 iterations with TP=2 and sequence parallelism print the losses of the one-process run
+    (also with selective recomputation, whose backward must not re-run the TP collectives wrongly)."""
     reference = run_training(build_config(ARGS)).train_losses
-    results = run_distributed(_train, 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    results = run_distributed(_train, 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + recompute)
     assert sorted(reference) == list(range(1, 21))
     for losses in results:
         for it, ref in reference.items():
