@@ -103,7 +103,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads, padded_vocab_size
+from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads,
+                             padded_vocab_size)
 from meshtron.layers.cross_entropy import CHUNK_ELEMENTS  # the fused loss's chunk rule, kept in sync
 
 GIB = 2**30
@@ -151,7 +152,7 @@ class MemoryEstimate:
 # ---------------------------------------------------------------------------------------------
 
 def _is_moe_layer(m: ModelConfig, layer: int) -> bool:
-    return bool(m.num_experts) and layer % max(1, m.moe_layer_freq) == 0
+    return is_moe_layer(m, layer)
 
 
 def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,

@@ -297,6 +297,11 @@ def _fill_and_check_batch(cfg: MeshtronConfig, dp: int) -> None:
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
                           f"({t.micro_batch_size}) x data-parallel size ({dp}) = {t.micro_batch_size * dp}")
+    from meshtron.pipeline.partition import check_micro_batches
+
+    p = cfg.parallel
+    check_micro_batches(t.global_batch_size // (t.micro_batch_size * dp), p.pipeline_model_parallel_size,
+                        p.virtual_pipeline_model_parallel_size or 1)
 
 
 def _check_batch_sizes(cfg: MeshtronConfig) -> None:

@@ -212,8 +212,11 @@ def test_uneven_and_virtual_pipeline(no_cuda: None) -> None:
                              "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"], 4)
     assert cfg.parallel.pipeline_model_parallel_size == 4
     cfg = validated(SHAPE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
-                             "--num-layers-per-virtual-pipeline-stage", "2"], 2)
+                             "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "2"], 2)
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="multiple of --pipeline-model-parallel-size"):
+        validated(SHAPE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                           "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "3"], 2)
 
 
 def test_context_and_expert_parallel_layouts_are_accepted(no_cuda: None) -> None:
