@@ -3,16 +3,10 @@ canonical views of model and optimizer state, and a gloo multi-process runner.""
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import tempfile
-import traceback
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from meshtron.config import MeshtronConfig
 from meshtron.model import GPTModel
@@ -20,6 +14,7 @@ from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.optimizer import MixedPrecisionAdamW
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import initialize_parameters, spec_of, split_local
+from tests.distributed.launch import run_distributed
 
 VOCAB = 100
 SEQ = 16
@@ -148,60 +143,5 @@ def assert_same_state(got: dict, ref: dict, atol: float = 0.0) -> None:
             torch.testing.assert_close(got[name], ref[name], rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Multi-process runner (gloo on free ports; a hang fails the test after ``timeout`` seconds).
-# ---------------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result: tuple = ("ok", fn(rank, world, *args))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0) -> list:
-    """``fn(rank, world, *args)`` in ``world`` spawned processes joined by gloo; results by rank."""
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        spawn = mp.get_context("spawn")
-        procs = [spawn.Process(target=_entry, args=(r, world, port, out_dir, fn, args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results: list[Optional[Any]] = []
-        errors = []
-        for r in range(world):
-            path = os.path.join(out_dir, f"{r}.pkl")
-            if not os.path.exists(path):
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
-                results.append(None)
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(f"rank {r}:\n{value}")
-            results.append(value)
-        if hung:
-            raise TimeoutError(f"ranks {hung} did not finish within {timeout}s")
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return results
+# Multi-process runner: the shared gloo launcher (a hang fails the test after ``timeout`` seconds).
+run_ranks = run_distributed
