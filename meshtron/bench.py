@@ -173,10 +173,6 @@ def bench_row(argv: list[str], warmup: int, steps: int) -> dict:
         "est_mem_gib": est.total / 2**30, "forward_s": fwd, "backward_s": max(0.0, fwdbwd - fwd),
         "optimizer_s": max(0.0, step - fwdbwd - comm), "exposed_comm_s": comm, "argv": " ".join(argv),
     }
-    del trainer, mbs, batches
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
     if dist.is_initialized():
         dist.barrier()
     return row
@@ -229,6 +225,10 @@ def bench_main(argv: Sequence[str]) -> int:
         except torch.OutOfMemoryError as err:
             row = {"argv": " ".join(row_argv), "error": "out of memory: " + str(err).split(".")[0][:120]}
             gc.collect()
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()  # compiled code holds references to the previous row's modules
+        gc.collect()  # the row's trainer is gone: release its memory before the next row
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
         results.append(row)
         if rank0:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import ConfigError
-from meshtron.layers.cp_kernels import BlockKernel, select_kernel
+from meshtron.layers.cp_kernels import select_kernel
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.cp_split import chunk_owner, local_token_indices
 

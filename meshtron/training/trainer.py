@@ -22,7 +22,6 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks

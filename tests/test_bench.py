@@ -1,0 +1,31 @@
+"""`meshtron bench` runs a matrix of rows in one process and reports each."""
+
+from __future__ import annotations
+
+import json
+
+from meshtron.bench import bench_main, expand_rows, format_table
+
+
+def test_comma_values_expand_into_rows():
+    rows = expand_rows(["--model", "tiny", "--micro-batch-size", "2,4", "--seq-length", "16,32"])
+    assert len(rows) == 4
+    assert ["--model", "tiny", "--micro-batch-size", "4", "--seq-length", "16"] in rows
+
+
+def test_bench_rows_on_cpu(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text("base: {model: tiny, vocab_size: 300, device: cpu, seq_length: 32}\n"
+                      "rows:\n  - {micro_batch_size: 2, global_batch_size: 4}\n"
+                      "  - {micro_batch_size: 4, global_batch_size: 4, recompute_granularity: selective}\n")
+    assert bench_main(["--matrix", str(matrix), "--warmup", "1", "--steps", "2", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["micro_batch"] for r in rows] == [2, 4]
+    assert rows[1]["recompute"] == "selective"
+    for r in rows:
+        assert r["tokens_per_sec_per_gpu"] > 0 and r["step_s"] > 0 and r["mfu"] is None  # no peak on CPU
+        assert r["est_mem_gib"] > 0
+    table = format_table(rows)
+    assert table.count("\n") == 3 and "tiny" in table
+    assert "| tiny |" in capsys.readouterr().out
