@@ -263,6 +263,13 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
     input_grads: dict[Unit, torch.Tensor] = {}
     total: Optional[torch.Tensor] = None
     last_backward = max((i for i, s in enumerate(plan) if isinstance(s, Compute) and s.backward), default=-1)
+    # With several model chunks, each chunk's gradients are final after its own last backward: the data-parallel
+    # reduction of that chunk can start then (``before_last_backward(chunk)``), not only at the very end.
+    chunk_last_backward = {}
+    for i, s in enumerate(plan):
+        if isinstance(s, Compute) and s.backward:
+            chunk_last_backward[s.chunk] = i
+    per_chunk = virtual > 1
     stats = stats if stats is not None else ScheduleStats()
     for index, step in enumerate(plan):
         if isinstance(step, Exchange):
@@ -298,8 +305,11 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
             outputs[unit] = out
             stats.max_in_flight = max(stats.max_in_flight, len(outputs))
         else:
-            if index == last_backward and before_last_backward is not None:
-                before_last_backward()
+            if before_last_backward is not None:
+                if per_chunk and index == chunk_last_backward.get(step.chunk):
+                    before_last_backward(step.chunk)
+                elif not per_chunk and index == last_backward:
+                    before_last_backward()
             out = outputs.pop(unit)
             torch.autograd.backward(out, grad_tensors=output_grads.pop(unit, None))
             x = inputs.pop(unit, None)
@@ -319,8 +329,9 @@ def forward_backward_pipelining(model_chunks: Sequence[nn.Module], micro_batches
     """1F1B (one model chunk per rank) or interleaved 1F1B (several) over ``micro_batches``.
 
     Returns the summed weighted loss on the last stage, zero elsewhere. ``before_last_backward``
-    runs right before this rank's last backward pass: with interleaving that is chunk 0's
-    backward of the last micro-batch, after which every gradient of the rank is final.
+    runs right before this rank's last backward pass; with interleaving it runs once per model
+    chunk, as ``before_last_backward(chunk)``, right before that chunk's last backward, after
+    which that chunk's gradients are final (GradientSync.start_overlap takes that argument).
     """
     plan = pipeline_plans(p2p.stages, len(model_chunks), len(micro_batches), forward_only)[p2p.stage]
     return run_plan(plan, model_chunks, micro_batches, p2p, forward_only, before_last_backward, stats)
