@@ -107,18 +107,14 @@ def bench_row(argv: list[str], warmup: int, steps: int) -> dict:
     """Build the configuration, train ``warmup + steps`` iterations, and measure."""
     from meshtron.cli import build_config
     from meshtron.memory import estimate_memory
-    from meshtron.parallel.context import build_parallel_context
+    from meshtron.parallel.context import context_from_config
     from meshtron.training.trainer import Trainer
 
     cfg: MeshtronConfig = build_config(["--mock-data", "--eval-interval", "0", "--train-iters",
                                         str(warmup + steps), "--log-interval", str(10**9)] + argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world)
-    p = cfg.parallel
-    ctx = build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
-                                 p.pipeline_model_parallel_size, p.expert_model_parallel_size,
-                                 device=cfg.train.device, backend=p.distributed_backend,
-                                 timeout_minutes=p.distributed_timeout_minutes)
+    ctx = context_from_config(cfg)
     dev = ctx.device
     if dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -217,3 +217,12 @@ def tp_subgroup(ctx: ParallelContext, size: int) -> Optional[dist.ProcessGroup]:
         groups = [g[i:i + size] for g in _groups_varying(grid, (3,)) for i in range(0, ctx.tp, size)]
         cache[size] = _new_groups(groups, ctx.rank, None, datetime.timedelta(minutes=10))
     return cache[size]
+
+
+def context_from_config(cfg) -> ParallelContext:
+    """The process groups a validated :class:`~meshtron.config.MeshtronConfig` asks for."""
+    p = cfg.parallel
+    return build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
+                                  p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                                  device=cfg.train.device, backend=p.distributed_backend,
+                                  timeout_minutes=p.distributed_timeout_minutes)

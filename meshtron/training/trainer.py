@@ -28,7 +28,7 @@ from meshtron.layers.moe import MoETrainingHooks
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization
 from meshtron.optim.lr_schedule import learning_rate
-from meshtron.parallel.context import ParallelContext, build_parallel_context
+from meshtron.parallel.context import ParallelContext, context_from_config
 from meshtron.parallel.cp_split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
 from meshtron.pipeline import build_model_chunks, get_schedule, is_data_rank
@@ -327,11 +327,7 @@ def run_training(cfg: MeshtronConfig) -> TrainingResult:
     """Entry point of `meshtron train`: validate, set up the process groups, train, clean up."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world)
-    p = cfg.parallel
-    ctx = build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
-                                 p.pipeline_model_parallel_size, p.expert_model_parallel_size,
-                                 device=cfg.train.device, backend=p.distributed_backend,
-                                 timeout_minutes=p.distributed_timeout_minutes)
+    ctx = context_from_config(cfg)
     trainer = Trainer(cfg, ctx)
     trainer.logger.info(f"meshtron: {ctx.describe()} on {ctx.device.type}, "
                         f"{sum(p.numel() for p in trainer.params):,} parameters on this rank, "
