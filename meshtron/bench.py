@@ -108,6 +108,7 @@ def bench_row(argv: list[str], warmup: int, steps: int) -> dict:
     from meshtron.cli import build_config
     from meshtron.memory import estimate_memory
     from meshtron.parallel.context import context_from_config
+    from meshtron.training.metrics import compute_throughput
     from meshtron.training.trainer import Trainer
 
     cfg: MeshtronConfig = build_config(["--mock-data", "--eval-interval", "0", "--train-iters",
@@ -156,16 +157,16 @@ def bench_row(argv: list[str], warmup: int, steps: int) -> dict:
     fwdbwd = timed(fwd_bwd)
     comm = timed(trainer.grad_sync.finish) if ctx.dp * ctx.cp > 1 else 0.0
     tokens = t.global_batch_size * cfg.model.seq_length
-    tok_s_gpu = tokens / step / ctx.world_size
-    tflops = tok_s_gpu * trainer.flops_per_token / 1e12
+    speed = compute_throughput(tokens, ctx.world_size, step, trainer.flops_per_token, trainer.peak_tflops)
     est = estimate_memory(cfg, vocab, world_size=ctx.world_size)
     row = {
         "model": cfg.model.model or "custom", "layout": ctx.describe(), "micro_batch": t.micro_batch_size,
         "global_batch": t.global_batch_size, "seq": cfg.model.seq_length,
         "recompute": t.recompute_granularity or "none", "precision": (f"fp8-{t.fp8_format}" if t.fp8_format
                                                                       else ("bf16" if t.bf16 else "fp32")),
-        "compile": bool(t.compile), "step_s": step, "tokens_per_sec_per_gpu": tok_s_gpu, "tflops_per_gpu": tflops,
-        "mfu": tflops / trainer.peak_tflops if trainer.peak_tflops else None, "peak_mem_gib": peak,
+        "compile": bool(t.compile), "step_s": step, "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu,
+        "tflops_per_gpu": speed.tflops_per_gpu,
+        "mfu": speed.mfu, "peak_mem_gib": peak,
         "est_mem_gib": est.total / 2**30, "forward_s": fwd, "backward_s": max(0.0, fwdbwd - fwd),
         "optimizer_s": max(0.0, step - fwdbwd - comm), "exposed_comm_s": comm, "argv": " ".join(argv),
     }

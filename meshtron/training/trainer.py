@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -33,6 +32,7 @@ from meshtron.parallel.cp_split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
 from meshtron.pipeline import build_model_chunks, get_schedule, is_data_rank
 from meshtron.pipeline.batches import broadcast_from_last_stage, eval_batches, train_batches
+from meshtron.training.metrics import compute_throughput, flops_per_token, peak_memory_stats, peak_tflops
 from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
 
 
@@ -58,12 +58,6 @@ def compute_dtype(cfg: MeshtronConfig) -> torch.dtype:
 
 def _to_device(mb: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-
-
-def _peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB -> GiB (process RSS)
 
 
 class Trainer:
@@ -98,8 +92,6 @@ class Trainer:
                     if cfg.model.num_experts else None)
         self.state = TrainingState()
         self.result = TrainingResult()
-        from meshtron.training.metrics import flops_per_token, peak_tflops
-
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
         self.peak_tflops = peak_tflops(self.device, cfg.log.peak_tflops)
 
@@ -203,15 +195,12 @@ class Trainer:
         self.logger.info(f"saved checkpoint at iteration {self.state.iteration} to {ck.save}")
 
     def _log_record(self, iteration: int, loss: float, norm: float, lr: float, step_time: float) -> dict:
-        t = self.cfg.train
-        tokens = t.global_batch_size * self.cfg.model.seq_length
-        tok_per_gpu = tokens / step_time / self.ctx.world_size
-        tflops = tok_per_gpu * self.flops_per_token / 1e12
+        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        speed = compute_throughput(tokens, self.ctx.world_size, step_time, self.flops_per_token, self.peak_tflops)
         return {"type": "train", "iteration": iteration, "consumed_samples": self.state.consumed_samples,
                 "loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
-                "tokens_per_sec_per_gpu": tok_per_gpu, "tflops_per_gpu": tflops,
-                "mfu": (tflops / self.peak_tflops) if self.peak_tflops else None,
-                "peak_mem_gib": _peak_memory_gib(self.device)}
+                "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu, "tflops_per_gpu": speed.tflops_per_gpu,
+                "mfu": speed.mfu, **peak_memory_stats(self.device)}
 
     def train(self) -> TrainingResult:
         cfg, t = self.cfg, self.cfg.train
