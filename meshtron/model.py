@@ -133,10 +133,8 @@ class GPTModel(nn.Module):
             return None
         inv = inverse_frequencies(self.rope_dim, self.cfg.rotary_base, device, self.cfg)
         pos = position_ids if position_ids is not None else torch.arange(offset, offset + seq, device=device)
-        cos, sin = rope_tables(pos, inv, dtype)
-        if self.sequence_parallel:  # each TP rank holds a sequence shard... of the activations only;
-            pass  # attention sees the full (gathered) sequence, so the tables stay whole.
-        return cos, sin
+        # Whole-sequence tables even with sequence parallelism: attention sees the gathered sequence.
+        return rope_tables(pos, inv, dtype)
 
     def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_weight: Optional[torch.Tensor] = None,
