@@ -332,12 +332,11 @@ def _fill_precision_and_recompute(cfg: MeshtronConfig) -> None:
         if t.fp8_format not in (None, "hybrid"):
             raise ConfigError(f"--fp8-hybrid contradicts --fp8-format {t.fp8_format}")
         t.fp8_format = "hybrid"
-    if t.fp8_format and t.device != "cuda":
-        raise ConfigError(f"--fp8-format {t.fp8_format} needs --device cuda (FP8 matmuls run on recent GPUs only)")
-    if t.fp8_format:
-        # Refuse rather than silently train in bf16.
-        raise ConfigError(f"--fp8-format {t.fp8_format}: FP8 training is not implemented in this version of "
-                          "meshtron; train with --bf16")
+    if t.fp8_format and not t.bf16:
+        raise ConfigError(f"--fp8-format {t.fp8_format} needs --bf16 (FP8 matmuls take and give bf16 activations)")
+    if t.fp8_format and t.fp8_recipe != "tensorwise":
+        raise ConfigError(f"--fp8-recipe {t.fp8_recipe} is not implemented; use --fp8-recipe tensorwise "
+                          "(current scaling, one scale per tensor)")
     if t.compile is None:
         t.compile = t.device == "cuda"
     if t.recompute_method and t.recompute_granularity != "full":

@@ -17,9 +17,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshtron.layers.fp8 import fp8_linear
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import Piece, ShardSpec, new_param
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            fp8_format: Optional[str]) -> torch.Tensor:
+    if fp8_format is None:
+        return F.linear(x, weight, bias)
+    return fp8_linear(x, weight, bias, fp8_format)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -80,6 +88,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = ctx.tp_group if group is None else group
         self.sequence_parallel = sequence_parallel
         self.gather_input = gather_input
+        self.fp8_format: Optional[str] = None  # set by meshtron.layers.fp8.enable_fp8
         self.weight = new_param(ShardSpec(tuple(weight_pieces), 0, tp_replicated=tp_replicated, grad_sync=grad_sync))
         self.bias = (new_param(ShardSpec(tuple(bias_pieces), 0, tp_replicated=tp_replicated, grad_sync=grad_sync))
                      if bias_pieces else None)
@@ -93,11 +102,11 @@ class ColumnParallelLinear(nn.Module):
         return comm.copy_to_tp(x, self.group)
 
     def forward(self, x: torch.Tensor, prepared: bool = False) -> torch.Tensor:
-        if not prepared and self.gather_input and comm._size(self.group) > 1:
+        if self.fp8_format is None and not prepared and self.gather_input and comm._size(self.group) > 1:
             return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if not prepared:
             x = self.prepare_input(x)
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias, self.fp8_format)
 
 
 class RowParallelLinear(nn.Module):
@@ -107,6 +116,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group = ctx.tp_group
         self.sequence_parallel = sequence_parallel
+        self.fp8_format: Optional[str] = None  # set by meshtron.layers.fp8.enable_fp8
         self.weight = new_param(ShardSpec((weight_piece,), 0))
         # The bias is added after the reduction, so every TP rank holds all of it.
         self.bias = (new_param(ShardSpec((bias_piece,), 0, tp_replicated=True,
@@ -114,7 +124,7 @@ class RowParallelLinear(nn.Module):
                      if bias_piece is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = _linear(x, self.weight, None, self.fp8_format)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence(y, self.group)
         else:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.layers.fp8 import enable_fp8
 from meshtron.layers.moe import moe_mlp_factory
 from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
@@ -65,6 +66,8 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
                          selective_recompute=cfg.train.recompute_granularity == "selective", make_mlp=make_mlp)
         initialize_parameters(model, cfg.train.seed, ctx.device, dtype)
         model.set_rng_tracker(tracker)
+        if cfg.train.fp8_format:
+            enable_fp8(model, cfg.train.fp8_format)
         if cfg.train.compile:
             for layer in model.layers.values():
                 layer.compile()

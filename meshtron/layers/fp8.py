@@ -1,0 +1,89 @@
+"""FP8 linear layers with tensorwise current scaling, through ``torch._scaled_mm``.
+
+Forward: the input and the weight are cast to float8 e4m3, each with one scale computed from its
+current absolute maximum (448 / amax), and multiplied by the scaled-matmul kernel into bf16.
+Backward: the output gradient is cast to e5m2 (``--fp8-format hybrid``: more range for gradients)
+or e4m3 (``e4m3``), and both gradient matmuls run in FP8 with the saved FP8 input and weight.
+Master weights, gradients and the optimizer stay in higher precision: only the matmul operands are
+FP8. The saved activations are the FP8 copies (half the bytes of bf16).
+
+Operand layouts follow the kernel's requirement on Hopper GPUs: the first operand row-major, the
+second column-major. Matrix dimensions must be multiples of 16.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_EPS = 1e-12
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x * scale cast to ``dtype``, 1/scale) with one scale for the whole tensor."""
+    fmax = torch.finfo(dtype).max
+    amax = x.detach().abs().amax().float().clamp(min=_EPS)
+    scale = fmax / amax
+    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column-major (what _scaled_mm wants for its second operand)."""
+    return t.t().contiguous().t()
+
+
+def _mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
+        out_dtype: torch.dtype) -> torch.Tensor:
+    return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, grad_dtype):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        xq, x_inv = quantize(x2, E4M3)
+        wq, w_inv = quantize(weight, E4M3)
+        y = _mm(xq, x_inv, wq.t(), w_inv, out_dtype)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        ctx.shape, ctx.grad_dtype, ctx.has_bias = shape, grad_dtype, bias is not None
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        return y.view(*shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gq, g_inv = quantize(g2, ctx.grad_dtype)
+        out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+        grad_x = _mm(gq, g_inv, wq, w_inv, out_dtype).view(ctx.shape)              # [N, M] @ [M, K]
+        grad_w = _mm(gq.t(), g_inv, xq, x_inv, torch.float32).to(ctx.w_dtype)     # [M, N] @ [N, K]
+        grad_b = g2.sum(dim=0).to(ctx.w_dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str) -> torch.Tensor:
+    """``F.linear`` with FP8 operands (``fmt``: "e4m3" or "hybrid", see the module docstring)."""
+    return _FP8Linear.apply(x, weight, bias, E5M2 if fmt == "hybrid" else E4M3)
+
+
+def enable_fp8(model: torch.nn.Module, fmt: str) -> int:
+    """Switch every tensor-parallel linear of the transformer layers to FP8; returns how many.
+
+    The output layer (fused with the loss) and the MoE router and experts stay in bf16.
+    """
+    from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.fp8_format = fmt
+            count += 1
+    return count

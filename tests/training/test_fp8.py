@@ -1,0 +1,78 @@
+"""FP8 linear layers (tensorwise current scaling through torch._scaled_mm, which also runs on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.cli import build_config
+from meshtron.config import ConfigError
+from meshtron.layers.fp8 import E4M3, E5M2, fp8_linear, quantize
+from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
+from meshtron.training.trainer import run_training
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_quantize_scales_to_the_format_range():
+    x = torch.randn(64, 32) * 7
+    for dtype in (E4M3, E5M2):
+        q, inv = quantize(x, dtype)
+        assert q.dtype == dtype
+        assert q.float().abs().max().item() == torch.finfo(dtype).max  # the amax lands on the format's max
+        assert rel(q.float() * inv, x) < (0.04 if dtype == E4M3 else 0.08)
+
+
+@pytest.mark.parametrize("fmt,bound", [("e4m3", 0.05), ("hybrid", 0.08)])
+def test_fp8_linear_matches_the_fp32_product(fmt, bound):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(96, 128, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(96, generator=g).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(64, 96, generator=g)
+    y = fp8_linear(x, w, b, fmt)
+    y.backward(grad.to(torch.bfloat16))
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    (xr @ wr.t() + br).backward(grad)
+    assert y.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    assert rel(y, xr @ wr.t() + br) < 0.05  # forward operands are e4m3 in both formats
+    assert rel(x.grad, xr.grad) < bound and rel(w.grad, wr.grad) < bound
+    assert rel(b.grad, br.grad) < 0.01  # the bias gradient is not quantised
+    assert rel(x.grad, xr.grad) > 1e-3  # it really ran in FP8
+
+
+ARGS = ["--model", "tiny", "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "4",
+        "--train-iters", "30", "--lr", "3e-3", "--lr-warmup-iters", "5", "--eval-interval", "30", "--eval-iters", "2",
+        "--log-interval", "10", "--no-generate-sample", "--bf16", "--device", "cpu"]
+
+
+def test_fp8_training_follows_bf16():
+    bf16 = run_training(build_config(ARGS))
+    fp8 = run_training(build_config(ARGS + ["--fp8-format", "hybrid"]))
+    assert fp8.train_losses[30] < fp8.train_losses[10] - 0.5  # it learns
+    assert fp8.train_losses[30] == pytest.approx(bf16.train_losses[30], rel=0.03)
+    assert fp8.train_losses[30] != bf16.train_losses[30]  # and it is not the bf16 run
+
+
+def test_fp8_switches_the_layer_linears():
+    from meshtron.config import ModelConfig
+    from meshtron.layers.fp8 import enable_fp8
+    from meshtron.model import GPTModel
+    from meshtron.parallel.context import ParallelContext
+    from meshtron.presets import apply_preset
+
+    m = ModelConfig()
+    apply_preset(m, "tiny")
+    model = GPTModel(m, ParallelContext(), 300)
+    n = enable_fp8(model, "e4m3")
+    linears = [mod for mod in model.modules() if isinstance(mod, (ColumnParallelLinear, RowParallelLinear))]
+    assert n == len(linears) == 4 * m.num_layers and all(mod.fp8_format == "e4m3" for mod in linears)
+
+
+def test_fp8_flags_are_checked():
+    with pytest.raises(ConfigError, match="--fp8-format hybrid needs --bf16"):
+        build_config(["--fp8-hybrid", "--device", "cpu"]).validate(1)
+    with pytest.raises(ConfigError, match="--fp8-recipe rowwise is not implemented"):
+        build_config(["--fp8-format", "e4m3", "--fp8-recipe", "rowwise", "--bf16", "--device", "cpu"]).validate(1)
