@@ -29,3 +29,20 @@ def test_bench_rows_on_cpu(tmp_path, capsys):
     table = format_table(rows)
     assert table.count("\n") == 3 and "tiny" in table
     assert "| tiny |" in capsys.readouterr().out
+
+
+def test_every_benchmark_matrix_in_the_repository_validates():
+    """The matrices that GPU runs use stay valid as flags change (world size from their launch command)."""
+    from pathlib import Path
+
+    from meshtron.bench import yaml_rows
+    from meshtron.cli import build_config
+
+    matrices = sorted(Path(__file__).resolve().parents[1].glob("benchmarks/*.yaml"))
+    assert matrices
+    for path in matrices:
+        world = 2 if "nproc-per-node 2" in path.read_text() or "two" in path.name or "context" in path.name else 1
+        base, rows = yaml_rows(str(path))
+        for row in rows:
+            for argv in expand_rows(base + row):
+                build_config(["--mock-data", "--device", "cpu"] + argv).validate(world)
