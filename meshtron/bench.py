@@ -103,7 +103,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_row(argv: list[str], warmup: int, steps: int) -> dict:
+def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True) -> dict:
     """Build the configuration, train ``warmup + steps`` iterations, and measure."""
     from meshtron.cli import build_config
     from meshtron.memory import estimate_memory
@@ -147,15 +147,17 @@ def bench_row(argv: list[str], warmup: int, steps: int) -> dict:
             vals.append(time.perf_counter() - s)
         return statistics.median(vals)
 
-    mbs = trainer._prepare(batches)
-    fwd = timed(lambda: trainer.schedule(trainer.model_chunks, [dict(m) for m in mbs], forward_only=True))
+    fwd = fwdbwd = comm = None
+    if split:
+        mbs = trainer._prepare(batches)
+        fwd = timed(lambda: trainer.schedule(trainer.model_chunks, [dict(m) for m in mbs], forward_only=True))
 
-    def fwd_bwd():
-        trainer.grad_buffer.zero()
-        trainer.schedule(trainer.model_chunks, [dict(m) for m in mbs])
+        def fwd_bwd():
+            trainer.grad_buffer.zero()
+            trainer.schedule(trainer.model_chunks, [dict(m) for m in mbs])
 
-    fwdbwd = timed(fwd_bwd)
-    comm = timed(trainer.grad_sync.finish) if ctx.dp * ctx.cp > 1 else 0.0
+        fwdbwd = timed(fwd_bwd)
+        comm = timed(trainer.grad_sync.finish) if ctx.dp * ctx.cp > 1 else 0.0
     tokens = t.global_batch_size * cfg.model.seq_length
     speed = compute_throughput(tokens, ctx.world_size, step, trainer.flops_per_token, trainer.peak_tflops)
     est = estimate_memory(cfg, vocab, world_size=ctx.world_size)
@@ -167,8 +169,10 @@ def bench_row(argv: list[str], warmup: int, steps: int) -> dict:
         "compile": bool(t.compile), "step_s": step, "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu,
         "tflops_per_gpu": speed.tflops_per_gpu,
         "mfu": speed.mfu, "peak_mem_gib": peak,
-        "est_mem_gib": est.total / 2**30, "forward_s": fwd, "backward_s": max(0.0, fwdbwd - fwd),
-        "optimizer_s": max(0.0, step - fwdbwd - comm), "exposed_comm_s": comm, "argv": " ".join(argv),
+        "est_mem_gib": est.total / 2**30, "forward_s": fwd,
+        "backward_s": None if fwd is None else max(0.0, fwdbwd - fwd),
+        "optimizer_s": None if fwd is None else max(0.0, step - fwdbwd - comm), "exposed_comm_s": comm,
+        "argv": " ".join(argv),
     }
     if dist.is_initialized():
         dist.barrier()
@@ -206,6 +210,8 @@ def bench_main(argv: Sequence[str]) -> int:
     parser.add_argument("--matrix", help="YAML file with base: {flags} and rows: [{flags}, ...]")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per row")
     parser.add_argument("--steps", type=int, default=10, help="timed iterations per row (median reported)")
+    parser.add_argument("--no-split", dest="split", action="store_false",
+                        help="skip the step-time split passes (for rows whose steps take many seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     parser.add_argument("--out", help="also append the rows as JSON lines to this file")
     args, rest = parser.parse_known_args(list(argv))
@@ -218,7 +224,7 @@ def bench_main(argv: Sequence[str]) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     for row_argv in argvs:
         try:
-            row = bench_row(row_argv, args.warmup, args.steps)
+            row = bench_row(row_argv, args.warmup, args.steps, args.split)
         except torch.OutOfMemoryError as err:
             row = {"argv": " ".join(row_argv), "error": "out of memory: " + str(err).split(".")[0][:120]}
             gc.collect()

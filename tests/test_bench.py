@@ -46,3 +46,13 @@ def test_every_benchmark_matrix_in_the_repository_validates():
         for row in rows:
             for argv in expand_rows(base + row):
                 build_config(["--mock-data", "--device", "cpu"] + argv).validate(world)
+
+
+def test_no_split_skips_the_step_time_split(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    assert bench_main(["--model", "tiny", "--vocab-size", "300", "--device", "cpu", "--seq-length", "16",
+                       "--micro-batch-size", "2", "--global-batch-size", "2", "--warmup", "1", "--steps", "1",
+                       "--no-split", "--out", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["step_s"] > 0 and row["forward_s"] is None and row["exposed_comm_s"] is None
+    assert "| - |" in format_table([row])

@@ -89,6 +89,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.gather_input = gather_input
         self.fp8_format: Optional[str] = None  # set by meshtron.layers.fp8.enable_fp8
+        self.overlap_backward_comm = True  # set by set_tp_comm_overlap (--no-tp-comm-overlap)
         self.weight = new_param(ShardSpec(tuple(weight_pieces), 0, tp_replicated=tp_replicated, grad_sync=grad_sync))
         self.bias = (new_param(ShardSpec(tuple(bias_pieces), 0, tp_replicated=tp_replicated, grad_sync=grad_sync))
                      if bias_pieces else None)
@@ -102,7 +103,8 @@ class ColumnParallelLinear(nn.Module):
         return comm.copy_to_tp(x, self.group)
 
     def forward(self, x: torch.Tensor, prepared: bool = False) -> torch.Tensor:
-        if self.fp8_format is None and not prepared and self.gather_input and comm._size(self.group) > 1:
+        if (self.overlap_backward_comm and self.fp8_format is None and not prepared and self.gather_input
+                and comm._size(self.group) > 1):
             return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if not prepared:
             x = self.prepare_input(x)
@@ -132,3 +134,11 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def set_tp_comm_overlap(model: nn.Module, enabled: bool) -> None:
+    """Choose, for every column-parallel layer of ``model``, whether its backward collective overlaps
+    the weight-gradient matmul (on) or runs through the plain communication functions (off)."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear):
+            module.overlap_backward_comm = enabled

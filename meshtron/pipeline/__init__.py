@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from meshtron.config import ConfigError, MeshtronConfig
 from meshtron.layers.fp8 import enable_fp8
+from meshtron.layers.linear import set_tp_comm_overlap
 from meshtron.layers.moe import moe_mlp_factory
 from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
@@ -68,6 +69,7 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
         model.set_rng_tracker(tracker)
         if cfg.train.fp8_format:
             enable_fp8(model, cfg.train.fp8_format)
+        set_tp_comm_overlap(model, cfg.parallel.tp_comm_overlap)
         if cfg.train.compile:
             for layer in model.layers.values():
                 layer.compile()

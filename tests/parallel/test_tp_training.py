@@ -21,10 +21,12 @@ def _train(rank, world, extra):
     return run_training(build_config(ARGS + extra)).train_losses
 
 
-@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "selective"]], ids=["plain", "selective"])
+@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "selective"], ["--no-tp-comm-overlap"]],
+                         ids=["plain", "selective", "no-overlap"])
 def test_tp2_sp_trains_like_one_process(recompute):
     """20 iterations with TP=2 and sequence parallelism print the losses of the one-process run
-    (also with selective recomputation, whose backward must not re-run the TP collectives wrongly)."""
+    (also with selective recomputation, whose backward must not re-run the TP collectives wrongly,
+    and with the backward communication overlap switched off)."""
     reference = run_training(build_config(ARGS)).train_losses
     results = run_distributed(_train, 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + recompute)
     assert sorted(reference) == list(range(1, 21))

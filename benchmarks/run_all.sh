@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The whole GPU benchmark matrix of meshtron in three calls on a two-H200 machine (nvidia-h200-x2),
+# each well inside 10 minutes. Rows go to $OUT/rows.jsonl (two-GPU launches) and $OUT/rows_gpuN.jsonl
+# (one-GPU launches, run side by side on the two GPUs); the console shows one line per row.
+#   bash benchmarks/run_all.sh parallel   # llama3-8b on two GPUs (TP=2, DP=2), TP=2 on llama3-3b
+#   bash benchmarks/run_all.sh single     # FP8 and recomputation on one GPU each, then pipeline rows
+#   bash benchmarks/run_all.sh long       # GPU tests, Mixtral-shaped EP=2, context parallelism 32K-128K
+# Every launch has its own time limit, so that a hung or failed row cannot take the whole call.
+set -u
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  git rev-parse --short HEAD 2>/dev/null; } 2>&1 | tee -a "$OUT/env.txt"
+
+two_gpus() {  # two_gpus SECONDS MATRIX [bench flags...]
+  local limit=$1 matrix=$2; shift 2
+  echo "=== two GPUs: $matrix $*  (limit ${limit}s, $(date +%T))"
+  timeout "$limit" torchrun --nproc-per-node 2 -m meshtron bench --matrix "benchmarks/$matrix" --json \
+    --out "$OUT/rows.jsonl" "$@" --distributed-timeout-minutes 2 2>&1 | tee -a "$OUT/log.txt" \
+    | grep -E '^\{|Error|error' | cut -c1-400
+}
+one_gpu() {  # one_gpu GPU SECONDS MATRIX [bench flags...]
+  local gpu=$1 limit=$2 matrix=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" python3 -m meshtron bench --matrix "benchmarks/$matrix" --json \
+    --out "$OUT/rows_gpu$gpu.jsonl" "$@" > "$OUT/gpu$gpu.log" 2>&1
+}
+
+case "${1:-}" in
+  parallel)
+    two_gpus 330 llama3_8b_two_gpu.yaml --warmup 2 --steps 3
+    two_gpus 220 tensor_parallel.yaml --warmup 2 --steps 4 ;;
+  single)
+    echo "=== one GPU each: single_gpu_fp8.yaml | single_gpu_recompute.yaml ($(date +%T))"
+    one_gpu 0 290 single_gpu_fp8.yaml --warmup 3 --steps 5 &
+    one_gpu 1 290 single_gpu_recompute.yaml --warmup 3 --steps 5 &
+    wait
+    grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400
+    two_gpus 260 pipeline.yaml --warmup 1 --steps 3 --no-split ;;
+  long)
+    echo "=== GPU tests ($(date +%T))"
+    timeout 120 python3 -m pytest -q -x tests/moe/test_moe_gpu.py tests/pipeline/test_pipeline_gpu.py \
+      tests/context_parallel/test_cp_gpu.py 2>&1 | tail -15
+    two_gpus 150 moe_two_gpu.yaml --warmup 2 --steps 4
+    two_gpus 330 context_parallel.yaml --warmup 1 --steps 2 --no-split ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|long" >&2; exit 2 ;;
+esac
+echo "=== done $(date +%T)"
