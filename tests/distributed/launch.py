@@ -25,13 +25,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
         result = ("ok", fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         result = ("error", traceback.format_exc())
@@ -44,12 +49,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
             pass
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (or NCCL ranks, one GPU each, with
+    ``backend="nccl"``); return results by rank."""
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args)) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, backend))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         import time
