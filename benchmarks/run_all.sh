@@ -3,8 +3,10 @@
 # each well inside 10 minutes. Rows go to $OUT/rows.jsonl (two-GPU launches) and $OUT/rows_gpuN.jsonl
 # (one-GPU launches, run side by side on the two GPUs); the console shows one line per row.
 #   bash benchmarks/run_all.sh parallel   # llama3-8b on two GPUs (TP=2, DP=2), TP=2 on llama3-3b
-#   bash benchmarks/run_all.sh single     # FP8 and recomputation on one GPU each, then pipeline rows
+#   bash benchmarks/run_all.sh single     # FP8 and recomputation, one GPU each, side by side
+#   bash benchmarks/run_all.sh pipeline   # PP=2: 1F1B and interleaved, 8 and 32 micro-batches
 #   bash benchmarks/run_all.sh long       # GPU tests, Mixtral-shaped EP=2, context parallelism 32K-128K
+# Several phases may be named in one call (bash benchmarks/run_all.sh single pipeline).
 # Every launch has its own time limit, so that a hung or failed row cannot take the whole call.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -28,7 +30,9 @@ one_gpu() {  # one_gpu GPU SECONDS MATRIX [bench flags...]
     --out "$OUT/rows_gpu$gpu.jsonl" "$@" > "$OUT/gpu$gpu.log" 2>&1
 }
 
-case "${1:-}" in
+[ $# -gt 0 ] || set -- usage
+for phase in "$@"; do
+case "$phase" in
   parallel)
     two_gpus 330 llama3_8b_two_gpu.yaml --warmup 2 --steps 3
     two_gpus 220 tensor_parallel.yaml --warmup 2 --steps 4 ;;
@@ -37,7 +41,8 @@ case "${1:-}" in
     one_gpu 0 290 single_gpu_fp8.yaml --warmup 3 --steps 5 &
     one_gpu 1 290 single_gpu_recompute.yaml --warmup 3 --steps 5 &
     wait
-    grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400
+    grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400 ;;
+  pipeline)
     two_gpus 260 pipeline.yaml --warmup 1 --steps 3 --no-split ;;
   long)
     echo "=== GPU tests ($(date +%T))"
@@ -45,6 +50,7 @@ case "${1:-}" in
       tests/context_parallel/test_cp_gpu.py 2>&1 | tail -15
     two_gpus 150 moe_two_gpu.yaml --warmup 2 --steps 4
     two_gpus 330 context_parallel.yaml --warmup 1 --steps 2 --no-split ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|long" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|long ..." >&2; exit 2 ;;
 esac
+done
 echo "=== done $(date +%T)"
