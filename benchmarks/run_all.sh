@@ -5,7 +5,9 @@
 #   bash benchmarks/run_all.sh parallel   # llama3-8b on two GPUs (TP=2, DP=2), TP=2 on llama3-3b
 #   bash benchmarks/run_all.sh single     # FP8 and recomputation, one GPU each, side by side
 #   bash benchmarks/run_all.sh pipeline   # PP=2: 1F1B and interleaved, 8 and 32 micro-batches
-#   bash benchmarks/run_all.sh long       # GPU tests, Mixtral-shaped EP=2, context parallelism 32K-128K
+#   bash benchmarks/run_all.sh tests      # the GPU tests (NCCL, compiled layers, grouped GEMM)
+#   bash benchmarks/run_all.sh moe        # Mixtral-shaped, EP=2
+#   bash benchmarks/run_all.sh cp         # context parallelism 32K-128K, CP=2 against CP=1
 # Several phases may be named in one call (bash benchmarks/run_all.sh single pipeline).
 # Every launch has its own time limit, so that a hung or failed row cannot take the whole call.
 set -u
@@ -44,13 +46,15 @@ case "$phase" in
     grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400 ;;
   pipeline)
     two_gpus 260 pipeline.yaml --warmup 1 --steps 3 --no-split ;;
-  long)
+  tests)
     echo "=== GPU tests ($(date +%T))"
-    timeout 120 python3 -m pytest -q -x tests/moe/test_moe_gpu.py tests/pipeline/test_pipeline_gpu.py \
-      tests/context_parallel/test_cp_gpu.py 2>&1 | tail -15
-    two_gpus 150 moe_two_gpu.yaml --warmup 2 --steps 4
+    timeout 240 python3 -m pytest -q -p no:logging --tb=short -m gpu tests ${GPU_TESTS:-} 2>&1 | tee -a "$OUT/tests.txt" \
+      | grep -E "rank|Error|error|FAILED|passed|failed" | cut -c1-300 | head -60 ;;
+  moe)
+    two_gpus 150 moe_two_gpu.yaml --warmup 2 --steps 4 ;;
+  cp)
     two_gpus 330 context_parallel.yaml --warmup 1 --steps 2 --no-split ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|long ..." >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|tests|moe|cp ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -50,28 +49,17 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         group, sp = ctx.group, ctx.sequence_parallel
-        world = dist.get_world_size(group)
-        gather = None
-        if sp:
-            total = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
-            gather = dist.all_gather_into_tensor(total, x.contiguous(), group=group, async_op=True)
-        else:
-            total = x
+        # Functional collectives: issued here, waited for where their results are used.
+        total = comm.all_gather_dim0_async(x, group) if sp else x
         grad_out = grad_out.contiguous()
         grad_input = grad_out @ weight
-        if gather is not None:
-            gather.wait()
-        if sp:
-            reduced = grad_input.new_empty((grad_input.shape[0] // world,) + tuple(grad_input.shape[1:]))
-            handle = dist.reduce_scatter_tensor(reduced, grad_input, group=group, async_op=True)
-        else:
-            reduced = grad_input
-            handle = dist.all_reduce(reduced, group=group, async_op=True)
+        total = comm.wait(total)
+        reduced = (comm.reduce_scatter_dim0_async(grad_input, group) if sp
+                   else comm.all_reduce_async(grad_input, group))
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = flat_grad.t() @ total.reshape(-1, total.shape[-1])
         grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
-        handle.wait()
-        return reduced, grad_weight, grad_bias, None, None
+        return comm.wait(reduced), grad_weight, grad_bias, None, None
 
 
 class ColumnParallelLinear(nn.Module):

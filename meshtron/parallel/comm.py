@@ -3,6 +3,14 @@
 Activations are laid out [sequence, batch, hidden], so the sequence-parallel
 split is along dimension 0 and every gather/scatter works on contiguous memory.
 Each function is the identity when ``group`` is None (a group of one).
+
+The collectives are torch's functional collectives (they return new tensors instead
+of writing into a given one): these are what torch.compile traces faithfully inside
+a compiled layer. In-place ``dist.*`` collectives inside the autograd functions of a
+compiled layer silently cut the layer's parameters off from their gradients on
+torch 2.11 (tests/parallel/test_tp_gpu.py). In eager mode a functional collective
+returns at once and is waited for where its result is first used, so a caller can
+overlap it with independent work.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 Group = Optional[dist.ProcessGroup]
 
@@ -23,31 +32,41 @@ def _rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """The result of a functional collective, once the collective has finished (eager mode);
+    a traced collective's result is returned as it is (the compiler places the wait)."""
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+def all_reduce_async(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum of ``x`` over ``group`` (a new tensor), not yet waited for: pass it through :func:`wait`."""
+    return x if _size(group) == 1 else funcol.all_reduce(x.contiguous(), "sum", group)
+
+
+def all_gather_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """The ranks' ``x`` concatenated along dimension 0, not yet waited for."""
+    return x if _size(group) == 1 else funcol.all_gather_tensor(x.contiguous(), 0, group)
+
+
+def reduce_scatter_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's chunk (along dimension 0) of the sum of ``x`` over ``group``, not yet waited for."""
+    world = _size(group)
+    if world == 1:
+        return x
+    assert x.shape[0] % world == 0, f"dimension 0 ({x.shape[0]}) not divisible by group size {world}"
+    return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group)
+
+
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if _size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
+    return wait(all_reduce_async(x, group))
 
 
 def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
-    world = _size(group)
-    if world == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out
+    return wait(all_gather_dim0_async(x, group))
 
 
 def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
-    world = _size(group)
-    if world == 1:
-        return x
-    x = x.contiguous()
-    assert x.shape[0] % world == 0, f"dimension 0 ({x.shape[0]}) not divisible by group size {world}"
-    out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out
+    return wait(reduce_scatter_dim0_async(x, group))
 
 
 def split_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -62,9 +81,7 @@ def all_gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     world = _size(group)
     if world == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    return wait(funcol.all_gather_tensor(x.contiguous(), x.dim() - 1, group))
 
 
 def split_last(x: torch.Tensor, group: Group) -> torch.Tensor:

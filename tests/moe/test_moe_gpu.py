@@ -28,24 +28,32 @@ def test_grouped_gemm_bf16_matches_expert_loop(bias):
     cfg.hidden_size, cfg.disable_bias_linear = 256, not bias
     dev = torch.device("cuda")
     modules = []
-    for grouped in (False, True):
+    for grouped, dtype in ((False, torch.float32), (False, torch.bfloat16), (True, torch.bfloat16)):
         with torch.device("meta"):
             m = GroupedExperts(cfg, ParallelContext(device=dev), "layers.0.mlp.experts", 0, 8, 512, grouped=grouped)
-        initialize_parameters(m, 3, dev, torch.bfloat16)
+        initialize_parameters(m, 3, dev, dtype)
         modules.append(m)
+    with torch.no_grad():  # the fp32 reference computes with the bf16-rounded weights
+        for ref, low in zip(modules[0].parameters(), modules[1].parameters()):
+            ref.copy_(low.float())
     counts = torch.tensor([0, 17, 1, 64, 0, 33, 5, 200], device=dev)  # empty and unaligned groups
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(int(counts.sum()), 256, device=dev, generator=g, dtype=torch.bfloat16)
     grad = torch.randn(x.shape, device=dev, generator=g, dtype=torch.bfloat16)
     outs = []
     for m in modules:
-        xi = x.clone().requires_grad_()
+        dtype = next(m.parameters()).dtype
+        xi = x.to(dtype).requires_grad_()
         y = m(xi, counts)
-        y.backward(grad)
+        y.backward(grad.to(dtype))
         outs.append([y.float(), xi.grad.float()] + [p.grad.float() for p in m.parameters()])
-    for loop, grouped in zip(*outs):
-        scale = loop.abs().max().clamp(min=1e-6)
-        assert ((grouped - loop).abs().max() / scale).item() < 2e-2
+    # bf16 rounding differs between one GEMM per expert and the grouped kernel: the grouped result must
+    # be as close to the fp32 result as the per-expert loop's is (within a factor), not equal to it.
+    for ref, loop, grouped in zip(*outs):
+        scale = ref.abs().max().clamp(min=1e-6)
+        loop_err = ((loop - ref).abs().max() / scale).item()
+        grouped_err = ((grouped - ref).abs().max() / scale).item()
+        assert grouped_err < max(2 * loop_err, 1e-2), (grouped_err, loop_err)
 
 
 def _nccl_worker(rank: int, world: int, port: int, out_dir: str, layouts: list) -> None:
