@@ -53,7 +53,7 @@ case "$phase" in
   moe)
     two_gpus 150 moe_two_gpu.yaml --warmup 2 --steps 4 ;;
   cp)
-    two_gpus 330 context_parallel.yaml --warmup 1 --steps 2 --no-split ;;
+    two_gpus 300 context_parallel.yaml --warmup 1 --steps 2 --no-split ;;
   *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|tests|moe|cp ..." >&2; exit 2 ;;
 esac
 done

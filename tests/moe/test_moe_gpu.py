@@ -43,7 +43,7 @@ def test_grouped_gemm_bf16_matches_expert_loop(bias):
     outs = []
     for m in modules:
         dtype = next(m.parameters()).dtype
-        xi = x.to(dtype).requires_grad_()
+        xi = x.to(dtype, copy=True).requires_grad_()  # a fresh leaf per module (no shared .grad)
         y = m(xi, counts)
         y.backward(grad.to(dtype))
         outs.append([y.float(), xi.grad.float()] + [p.grad.float() for p in m.parameters()])
