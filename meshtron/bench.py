@@ -226,7 +226,7 @@ def bench_main(argv: Sequence[str]) -> int:
         try:
             row = bench_row(row_argv, args.warmup, args.steps, args.split)
         except torch.OutOfMemoryError as err:
-            row = {"argv": " ".join(row_argv), "error": "out of memory: " + str(err).split(".")[0][:120]}
+            row = {"argv": " ".join(row_argv), "error": "out of memory: " + " ".join(str(err).split())[:260]}
             gc.collect()
             torch.cuda.empty_cache()
         torch._dynamo.reset()  # compiled code holds references to the previous row's modules
