@@ -30,15 +30,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from meshtron.parallel import comm
+
 Group = Optional[dist.ProcessGroup]
 
 
 def _sum_over(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce (sum) a tensor that carries no gradient (token counts)."""
-    if group is not None and dist.get_world_size(group) > 1:
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-    return x
+    return comm.all_reduce(x, group)  # a functional collective: traced faithfully inside compiled layers
 
 
 def _group_size(group: Group) -> int:

@@ -104,10 +104,10 @@ class GroupedExperts(nn.Module):
         padded, offs, dest, expert_of_row = _aligned_groups(x, tokens_per_expert)
         h = torch._grouped_mm(padded, w1.transpose(1, 2), offs=offs)
         if self.fc1_bias is not None:
-            h = h + self.fc1_bias.view(self.num_local, -1).index_select(0, expert_of_row)
+            h = add_expert_bias(h, self.fc1_bias.view(self.num_local, -1), expert_of_row)
         y = torch._grouped_mm(self._activation(h), w2.transpose(1, 2), offs=offs)
         if self.fc2_bias is not None:
-            y = y + self.fc2_bias.view(self.num_local, -1).index_select(0, expert_of_row) * self._bias_share
+            y = add_expert_bias(y, self.fc2_bias.view(self.num_local, -1), expert_of_row, self._bias_share)
         return y.index_select(0, dest)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
@@ -115,6 +115,32 @@ class GroupedExperts(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh")
+
+
+class _AddExpertBias(torch.autograd.Function):
+    """rows + scale * bias[expert of row], whose bias gradient is summed in fp32.
+
+    The autograd of ``index_select`` would sum thousands of bf16 row gradients into each
+    expert's bias with bf16 atomics; the per-expert GEMM (F.linear) reduces in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, bias, expert_of_row, scale):
+        ctx.save_for_backward(expert_of_row)
+        ctx.scale, ctx.bias_shape, ctx.bias_dtype = scale, bias.shape, bias.dtype
+        return rows + bias.index_select(0, expert_of_row) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (expert_of_row,) = ctx.saved_tensors
+        grad_bias = grad.new_zeros(ctx.bias_shape, dtype=torch.float32).index_add_(0, expert_of_row, grad.float())
+        return grad, (grad_bias * ctx.scale).to(ctx.bias_dtype), None, None
+
+
+def add_expert_bias(rows: torch.Tensor, bias: torch.Tensor, expert_of_row: torch.Tensor,
+                    scale: float = 1.0) -> torch.Tensor:
+    """``rows`` [M, N] plus ``scale`` x the bias row [El, N] of each row's expert (fp32 bias gradient)."""
+    return _AddExpertBias.apply(rows, bias, expert_of_row, scale)
 
 
 #: Rows per group boundary for the grouped GEMM: every group starts on a 16-byte boundary of the
