@@ -2,7 +2,7 @@
 # The whole GPU benchmark matrix of meshtron in three calls on a two-H200 machine (nvidia-h200-x2),
 # each well inside 10 minutes. Rows go to $OUT/rows.jsonl (two-GPU launches) and $OUT/rows_gpuN.jsonl
 # (one-GPU launches, run side by side on the two GPUs); the console shows one line per row.
-#   bash benchmarks/run_all.sh parallel   # llama3-8b on two GPUs (TP=2, DP=2), TP=2 on llama3-3b
+#   bash benchmarks/run_all.sh parallel   # llama3-8b on two GPUs (TP=2, DP=2), TP=2 and DP=2 on llama3-3b
 #   bash benchmarks/run_all.sh single     # FP8 and recomputation, one GPU each, side by side
 #   bash benchmarks/run_all.sh pipeline   # PP=2: 1F1B and interleaved, 8 and 32 micro-batches
 #   bash benchmarks/run_all.sh tests      # the GPU tests (NCCL, compiled layers, grouped GEMM)
@@ -37,7 +37,8 @@ for phase in "$@"; do
 case "$phase" in
   parallel)
     two_gpus 330 llama3_8b_two_gpu.yaml --warmup 2 --steps 3
-    two_gpus 220 tensor_parallel.yaml --warmup 2 --steps 4 ;;
+    two_gpus 150 tensor_parallel.yaml --warmup 2 --steps 3
+    two_gpus 150 data_parallel.yaml --warmup 2 --steps 3 ;;
   single)
     echo "=== one GPU each: single_gpu_fp8.yaml | single_gpu_recompute.yaml ($(date +%T))"
     one_gpu 0 290 single_gpu_fp8.yaml --warmup 3 --steps 5 &

@@ -117,9 +117,13 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True) -> d
     cfg.validate(world)
     ctx = context_from_config(cfg)
     dev = ctx.device
+    leftover = None
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
+        # Memory still held from earlier rows of this launch (after an out-of-memory row, say): it
+        # inflates this row's peak, so it is reported beside it.
+        leftover = torch.cuda.memory_allocated(dev) / 2**30
     t = cfg.train
     n_micro = t.global_batch_size // (t.micro_batch_size * ctx.dp)
     vocab = cfg.model.vocab_size or 32000
@@ -169,7 +173,7 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True) -> d
         "compile": bool(t.compile), "step_s": step, "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu,
         "tflops_per_gpu": speed.tflops_per_gpu,
         "mfu": speed.mfu, "peak_mem_gib": peak,
-        "est_mem_gib": est.total / 2**30, "forward_s": fwd,
+        "est_mem_gib": est.total / 2**30, "leftover_mem_gib": leftover, "forward_s": fwd,
         "backward_s": None if fwd is None else max(0.0, fwdbwd - fwd),
         "optimizer_s": None if fwd is None else max(0.0, step - fwdbwd - comm), "exposed_comm_s": comm,
         "argv": " ".join(argv),
@@ -233,6 +237,8 @@ def bench_main(argv: Sequence[str]) -> int:
         gc.collect()  # the row's trainer is gone: release its memory before the next row
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if "error" in row and torch.cuda.is_available():
+            row["leftover_mem_gib"] = torch.cuda.memory_allocated() / 2**30  # what the failed row left behind
         results.append(row)
         if rank0:
             print(json.dumps(row) if args.json else f"done: {row.get('argv')}", flush=True)
