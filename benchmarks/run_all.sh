@@ -8,6 +8,8 @@
 #   bash benchmarks/run_all.sh tests      # the GPU tests (NCCL, compiled layers, grouped GEMM)
 #   bash benchmarks/run_all.sh moe        # Mixtral-shaped, EP=2
 #   bash benchmarks/run_all.sh cp         # context parallelism 32K-128K, CP=2 against CP=1
+#   bash benchmarks/run_all.sh four       # on nvidia-h200-x4: 3-D llama3-8b, DP=4 scaling
+#   bash benchmarks/run_all.sh eight      # on nvidia-h200-x8: 3-D llama3-8b, 70B shape, EP=8, CP=8 at 128K
 # Several phases may be named in one call (bash benchmarks/run_all.sh single pipeline).
 # Every launch has its own time limit, so that a hung or failed row cannot take the whole call.
 set -u
@@ -19,13 +21,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   git rev-parse --short HEAD 2>/dev/null; } 2>&1 | tee -a "$OUT/env.txt"
 
-two_gpus() {  # two_gpus SECONDS MATRIX [bench flags...]
-  local limit=$1 matrix=$2; shift 2
-  echo "=== two GPUs: $matrix $*  (limit ${limit}s, $(date +%T))"
-  timeout "$limit" torchrun --nproc-per-node 2 -m meshtron bench --matrix "benchmarks/$matrix" --json \
+gpus() {  # gpus N SECONDS MATRIX [bench flags...]
+  local n=$1 limit=$2 matrix=$3; shift 3
+  echo "=== $n GPUs: $matrix $*  (limit ${limit}s, $(date +%T))"
+  timeout "$limit" torchrun --nproc-per-node "$n" -m meshtron bench --matrix "benchmarks/$matrix" --json \
     --out "$OUT/rows.jsonl" "$@" --distributed-timeout-minutes 2 2>&1 | tee -a "$OUT/log.txt" \
     | grep -E '^\{|Error|error' | cut -c1-400
 }
+two_gpus() { gpus 2 "$@"; }
 one_gpu() {  # one_gpu GPU SECONDS MATRIX [bench flags...]
   local gpu=$1 limit=$2 matrix=$3; shift 3
   CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" python3 -m meshtron bench --matrix "benchmarks/$matrix" --json \
@@ -55,7 +58,11 @@ case "$phase" in
     two_gpus 150 moe_two_gpu.yaml --warmup 2 --steps 4 ;;
   cp)
     two_gpus 300 context_parallel.yaml --warmup 1 --steps 2 --no-split ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|tests|moe|cp ..." >&2; exit 2 ;;
+  four)
+    gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 ;;
+  eight)
+    gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"

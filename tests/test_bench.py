@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from meshtron.bench import bench_main, expand_rows, format_table
 
@@ -41,7 +42,8 @@ def test_every_benchmark_matrix_in_the_repository_validates():
     matrices = sorted(Path(__file__).resolve().parents[1].glob("benchmarks/*.yaml"))
     assert matrices
     for path in matrices:
-        world = 2 if "nproc-per-node 2" in path.read_text() or "two" in path.name or "context" in path.name else 1
+        launch = re.search(r"nproc-per-node (\d+)", path.read_text())
+        world = int(launch.group(1)) if launch else (2 if "two" in path.name else 1)
         base, rows = yaml_rows(str(path))
         for row in rows:
             for argv in expand_rows(base + row):
