@@ -55,13 +55,13 @@ case "$phase" in
     timeout 240 python3 -m pytest -q -p no:logging --tb=short -m gpu tests ${GPU_TESTS:-} 2>&1 | tee -a "$OUT/tests.txt" \
       | grep -E "rank|Error|error|FAILED|passed|failed" | cut -c1-300 | head -60 ;;
   moe)
-    two_gpus 150 moe_two_gpu.yaml --warmup 2 --steps 4 ;;
+    two_gpus 170 moe_two_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   cp)
     two_gpus 300 context_parallel.yaml --warmup 1 --steps 2 --no-split ;;
   four)
-    gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 ;;
+    gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   eight)
-    gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 ;;
+    gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 --profile-comm ;;
   *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done

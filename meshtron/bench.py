@@ -103,7 +103,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True) -> dict:
+def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, profile_comm: bool = False) -> dict:
     """Build the configuration, train ``warmup + steps`` iterations, and measure."""
     from meshtron.cli import build_config
     from meshtron.memory import estimate_memory
@@ -162,6 +162,11 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True) -> d
 
         fwdbwd = timed(fwd_bwd)
         comm = timed(trainer.grad_sync.finish) if ctx.dp * ctx.cp > 1 else 0.0
+    kernels = None
+    if profile_comm:  # one more step under the profiler: communication kernels and what compute hides
+        from meshtron.profiling import profile_communication
+
+        kernels = profile_communication(lambda: trainer.train_step(batches, warmup + steps), dev)
     tokens = t.global_batch_size * cfg.model.seq_length
     speed = compute_throughput(tokens, ctx.world_size, step, trainer.flops_per_token, trainer.peak_tflops)
     est = estimate_memory(cfg, vocab, world_size=ctx.world_size)
@@ -178,6 +183,9 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True) -> d
         "optimizer_s": None if fwd is None else max(0.0, step - fwdbwd - comm), "exposed_comm_s": comm,
         "argv": " ".join(argv),
     }
+    if kernels is not None:
+        row.update(comm_kernel_s=kernels.comm_s, exposed_comm_kernel_s=kernels.exposed_comm_s,
+                   compute_kernel_s=kernels.compute_s, comm_by_kind_s=kernels.by_kind_s)
     if dist.is_initialized():
         dist.barrier()
     return row
@@ -216,6 +224,9 @@ def bench_main(argv: Sequence[str]) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed iterations per row (median reported)")
     parser.add_argument("--no-split", dest="split", action="store_false",
                         help="skip the step-time split passes (for rows whose steps take many seconds)")
+    parser.add_argument("--profile-comm", action="store_true",
+                        help="profile one more step: NCCL kernel time per collective, and the part of it that no "
+                             "compute kernel overlaps (exposed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     parser.add_argument("--out", help="also append the rows as JSON lines to this file")
     args, rest = parser.parse_known_args(list(argv))
@@ -228,7 +239,7 @@ def bench_main(argv: Sequence[str]) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     for row_argv in argvs:
         try:
-            row = bench_row(row_argv, args.warmup, args.steps, args.split)
+            row = bench_row(row_argv, args.warmup, args.steps, args.split, args.profile_comm)
         except torch.OutOfMemoryError as err:
             row = {"argv": " ".join(row_argv), "error": "out of memory: " + " ".join(str(err).split())[:260]}
             gc.collect()
