@@ -23,6 +23,11 @@ import torch.distributed._functional_collectives as funcol
 
 Group = Optional[dist.ProcessGroup]
 
+# Newer torch names these ``*_single`` (same arguments) and deprecates the ``*_tensor`` names that
+# older releases (2.11) have alone.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
 
 def _size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -45,7 +50,7 @@ def all_reduce_async(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def all_gather_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
     """The ranks' ``x`` concatenated along dimension 0, not yet waited for."""
-    return x if _size(group) == 1 else funcol.all_gather_tensor(x.contiguous(), 0, group)
+    return x if _size(group) == 1 else _all_gather(x.contiguous(), 0, group)
 
 
 def reduce_scatter_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -54,7 +59,7 @@ def reduce_scatter_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
     if world == 1:
         return x
     assert x.shape[0] % world == 0, f"dimension 0 ({x.shape[0]}) not divisible by group size {world}"
-    return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group)
+    return _reduce_scatter(x.contiguous(), "sum", 0, group)
 
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -81,7 +86,7 @@ def all_gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     world = _size(group)
     if world == 1:
         return x
-    return wait(funcol.all_gather_tensor(x.contiguous(), x.dim() - 1, group))
+    return wait(_all_gather(x.contiguous(), x.dim() - 1, group))
 
 
 def split_last(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -147,6 +147,7 @@ def layout_worker(rank: int, world: int, cases: list, device: str = "cpu") -> li
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     for cfg in cases:
         p = cfg.parallel
-        ctx = build_groups(p.tensor_model_parallel_size, 1, p.pipeline_model_parallel_size, 1, dev)
+        ctx = build_groups(p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size,
+                           p.expert_model_parallel_size, dev)
         results.append(train_and_collect(cfg, ctx))
     return results

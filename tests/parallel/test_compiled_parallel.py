@@ -1,0 +1,63 @@
+"""torch.compile'd layers in parallel layouts: tensor + sequence parallel (backward overlap on and off) and
+mixture of experts with expert or tensor parallelism give the one-process losses and gradients.
+Communication inside compiled layers is where gradients can silently go missing (see
+docs/parallelism-tensor.md). This file runs the cases on CPU (gloo); tests/parallel/test_tp_gpu.py runs
+them on two GPUs (NCCL)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from meshtron.parallel.context import ParallelContext
+from tests.distributed.launch import run_distributed
+from tests.pipeline.pipeline_helpers import layout_worker, model_config, run_config, train_and_collect
+
+
+def _moe_model():
+    return dataclasses.replace(model_config(tied=False), num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
+                               moe_aux_loss_coeff=0.01)
+
+
+#: name -> (model, layout keywords of run_config, compiled layers)
+CASES = {
+    "tp2-sp-eager": (model_config(tied=False), dict(tp=2, sp=True), False),
+    "tp2-sp-overlap": (model_config(tied=False), dict(tp=2, sp=True, tp_comm_overlap=True), True),
+    "tp2-sp-no-overlap": (model_config(tied=False), dict(tp=2, sp=True, tp_comm_overlap=False), True),
+    "moe-ep2": (_moe_model(), dict(expert_model_parallel_size=2), True),
+    "moe-tp2-sp": (_moe_model(), dict(tp=2, sp=True), True),
+}
+
+
+def compiled_layout_failures(device: str, backend: str, rtol: float, atol: float) -> list[str]:
+    """Run every case on two ranks and return what differs from the one-process run on ``device``."""
+    cases = [run_config(model, global_batch=4, device=device, compile=compiled, **kw)
+             for model, kw, compiled in CASES.values()]
+    results = run_distributed(layout_worker, 2, cases, device, backend=backend, timeout=900)
+    ref_ctx = ParallelContext(device=torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
+    refs: dict = {}
+    failures = []
+    for i, (name, (model, _, _)) in enumerate(CASES.items()):
+        if model.num_experts not in refs:
+            refs[model.num_experts] = train_and_collect(run_config(model, global_batch=4, device=device), ref_ctx)
+        ref = refs[model.num_experts]
+        for rank, per_case in enumerate(results):
+            out = per_case[i]
+            if not torch.allclose(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=atol):
+                failures.append(f"{name} rank {rank}: losses {out['losses']} != {ref['losses']}")
+            for key in ref["grads"]:
+                got, want = out["grads"][key], ref["grads"][key]
+                if not torch.allclose(got, want, rtol=10 * rtol, atol=atol):
+                    failures.append(f"{name} rank {rank}: grad {key} off by {(got - want).abs().max():.3g} "
+                                    f"(norm {got.norm():.4g} vs {want.norm():.4g})")
+    return failures
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_layers_in_parallel_layouts_match_one_process():
+    failures = compiled_layout_failures("cpu", "gloo", rtol=1e-5, atol=1e-6)
+    assert not failures, "\n".join(failures)
