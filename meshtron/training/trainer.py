@@ -32,6 +32,7 @@ from meshtron.parallel.cp_split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
 from meshtron.pipeline import build_model_chunks, get_schedule, is_data_rank
 from meshtron.pipeline.batches import broadcast_from_last_stage, eval_batches, train_batches
+from meshtron.pipeline.balance import pipeline_balance_hint
 from meshtron.training.metrics import compute_throughput, flops_per_token, peak_memory_stats, peak_tflops
 from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
 
@@ -321,6 +322,9 @@ def run_training(cfg: MeshtronConfig) -> TrainingResult:
     trainer.logger.info(f"meshtron: {ctx.describe()} on {ctx.device.type}, "
                         f"{sum(p.numel() for p in trainer.params):,} parameters on this rank, "
                         f"{trainer.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per iteration")
+    hint = pipeline_balance_hint(cfg, trainer.vocab_size)
+    if hint is not None:
+        trainer.logger.info(hint)
     try:
         result = trainer.train()
         if cfg.train.generate_sample and not cfg.data.mock_data and not cfg.data.data_path:
