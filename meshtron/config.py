@@ -154,7 +154,8 @@ class TrainConfig:
     fp16: bool = opt(False, "Not supported: use --bf16.")
     fp8_format: Optional[str] = opt(None, "FP8 linear layers.", choices=("e4m3", "hybrid"))
     fp8_hybrid: bool = opt(False, "Alias of --fp8-format hybrid.")
-    fp8_recipe: str = opt("tensorwise", "FP8 scaling recipe.", choices=("tensorwise", "rowwise", "delayed"))
+    fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (one current scale per tensor) or rowwise (one per "
+                          "row, e4m3); delayed is not implemented.", choices=("tensorwise", "rowwise", "delayed"))
     recompute_granularity: Optional[str] = opt(None, "Activation recomputation.", choices=("full", "selective"))
     recompute_method: Optional[str] = opt(None, "Which layers to recompute with --recompute-granularity full.",
                                           choices=("uniform", "block"))

@@ -334,9 +334,12 @@ def _fill_precision_and_recompute(cfg: MeshtronConfig) -> None:
         t.fp8_format = "hybrid"
     if t.fp8_format and not t.bf16:
         raise ConfigError(f"--fp8-format {t.fp8_format} needs --bf16 (FP8 matmuls take and give bf16 activations)")
-    if t.fp8_format and t.fp8_recipe != "tensorwise":
-        raise ConfigError(f"--fp8-recipe {t.fp8_recipe} is not implemented; use --fp8-recipe tensorwise "
-                          "(current scaling, one scale per tensor)")
+    if t.fp8_format and t.fp8_recipe == "delayed":
+        raise ConfigError("--fp8-recipe delayed is not implemented; use --fp8-recipe tensorwise (one current "
+                          "scale per tensor) or rowwise (one per row)")
+    if t.fp8_recipe == "rowwise" and t.fp8_format == "hybrid":
+        raise ConfigError("--fp8-recipe rowwise takes --fp8-format e4m3 (the rowwise scaled matmul has no e5m2 "
+                          "gradient path); use --fp8-recipe tensorwise for hybrid")
     if t.compile is None:
         t.compile = t.device == "cuda"
     if t.recompute_method and t.recompute_granularity != "full":

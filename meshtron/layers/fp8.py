@@ -1,11 +1,16 @@
-"""FP8 linear layers with tensorwise current scaling, through ``torch._scaled_mm``.
+"""FP8 linear layers with current scaling, through ``torch._scaled_mm``.
 
-Forward: the input and the weight are cast to float8 e4m3, each with one scale computed from its
+Recipe ``tensorwise`` (default, the fastest): the input and the weight are cast to float8 e4m3, each with one scale computed from its
 current absolute maximum (448 / amax), and multiplied by the scaled-matmul kernel into bf16.
 Backward: the output gradient is cast to e5m2 (``--fp8-format hybrid``: more range for gradients)
 or e4m3 (``e4m3``), and both gradient matmuls run in FP8 with the saved FP8 input and weight.
 Master weights, gradients and the optimizer stay in higher precision: only the matmul operands are
 FP8. The saved activations are the FP8 copies (half the bytes of bf16).
+
+Recipe ``rowwise`` (more accurate with outliers): one scale per row of each operand along the
+dimension that is not contracted, so an outlier token or channel costs precision only in its own
+row. Each matmul needs its operands scaled along different dimensions, so backward re-quantizes
+the saved bf16 input and the weight (e4m3 throughout; it saves bf16, not FP8, activations).
 
 Operand layouts follow the kernel's requirement on Hopper GPUs: the first operand row-major, the
 second column-major. Matrix dimensions must be multiples of 16.
@@ -31,6 +36,17 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return q, scale.reciprocal()
 
 
+def quantize_rows(x: torch.Tensor, dim: int, dtype: torch.dtype = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x scaled and cast to ``dtype``, 1/scale) with one scale per slice along ``dim`` (the amax is
+    taken over ``dim``: ``dim=1`` gives one scale per row, shape [rows, 1]; ``dim=0`` one per column)."""
+    dtype = E4M3 if dtype is None else dtype
+    fmax = torch.finfo(dtype).max
+    amax = x.detach().abs().amax(dim=dim, keepdim=True).float().clamp(min=_EPS)
+    scale = fmax / amax
+    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()
+
+
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix stored column-major (what _scaled_mm wants for its second operand)."""
     return t.t().contiguous().t()
@@ -38,6 +54,8 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 def _mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
         out_dtype: torch.dtype) -> torch.Tensor:
+    # Row/column scales made from a transposed vector keep its strides; the kernel wants unit strides.
+    a_inv, b_inv = a_inv.flatten().view(a_inv.shape), b_inv.flatten().view(b_inv.shape)
     return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
 
 
@@ -69,12 +87,48 @@ class _FP8Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str) -> torch.Tensor:
-    """``F.linear`` with FP8 operands (``fmt``: "e4m3" or "hybrid", see the module docstring)."""
+class _FP8LinearRowwise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        xq, x_inv = quantize_rows(x2, 1)           # [N, 1]: one scale per token
+        wq, w_inv = quantize_rows(weight, 1)       # [M, 1]: one scale per output feature
+        y = _mm(xq, x_inv, wq.t(), w_inv.t(), out_dtype)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.shape, ctx.has_bias = shape, bias is not None
+        return y.view(*shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        out_dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        # grad_x [N, K] = g [N, M] @ W [M, K]: g per token, W per input feature (over M).
+        gq, g_inv = quantize_rows(g2, 1)
+        wq, w_inv = quantize_rows(weight, 0)
+        grad_x = _mm(gq, g_inv, wq, w_inv, out_dtype).view(ctx.shape)
+        # grad_W [M, K] = g^T [M, N] @ x [N, K]: g per output feature, x per input feature (over N).
+        gtq, gt_inv = quantize_rows(g2, 0)
+        xq, x_inv = quantize_rows(x2, 0)
+        grad_w = _mm(gtq.t(), gt_inv.t(), xq, x_inv, out_dtype).to(weight.dtype)
+        grad_b = g2.float().sum(dim=0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str,
+               recipe: str = "tensorwise") -> torch.Tensor:
+    """``F.linear`` with FP8 operands (``fmt``: "e4m3" or "hybrid"; ``recipe``: "tensorwise" or
+    "rowwise", which takes e4m3 only; see the module docstring)."""
+    if recipe == "rowwise":
+        return _FP8LinearRowwise.apply(x, weight, bias)
     return _FP8Linear.apply(x, weight, bias, E5M2 if fmt == "hybrid" else E4M3)
 
 
-def enable_fp8(model: torch.nn.Module, fmt: str) -> int:
+def enable_fp8(model: torch.nn.Module, fmt: str, recipe: str = "tensorwise") -> int:
     """Switch every tensor-parallel linear of the transformer layers to FP8; returns how many.
 
     The output layer (fused with the loss) and the MoE router and experts stay in bf16.
@@ -84,6 +138,6 @@ def enable_fp8(model: torch.nn.Module, fmt: str) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.fp8_format = fmt
+            module.fp8_format, module.fp8_recipe = fmt, recipe
             count += 1
     return count

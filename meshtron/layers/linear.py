@@ -23,10 +23,10 @@ from meshtron.parallel.sharding import Piece, ShardSpec, new_param
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            fp8_format: Optional[str]) -> torch.Tensor:
+            fp8_format: Optional[str], fp8_recipe: str) -> torch.Tensor:
     if fp8_format is None:
         return F.linear(x, weight, bias)
-    return fp8_linear(x, weight, bias, fp8_format)
+    return fp8_linear(x, weight, bias, fp8_format, fp8_recipe)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -77,6 +77,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.gather_input = gather_input
         self.fp8_format: Optional[str] = None  # set by meshtron.layers.fp8.enable_fp8
+        self.fp8_recipe = "tensorwise"
         self.overlap_backward_comm = True  # set by set_tp_comm_overlap (--no-tp-comm-overlap)
         self.weight = new_param(ShardSpec(tuple(weight_pieces), 0, tp_replicated=tp_replicated, grad_sync=grad_sync))
         self.bias = (new_param(ShardSpec(tuple(bias_pieces), 0, tp_replicated=tp_replicated, grad_sync=grad_sync))
@@ -96,7 +97,7 @@ class ColumnParallelLinear(nn.Module):
             return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if not prepared:
             x = self.prepare_input(x)
-        return _linear(x, self.weight, self.bias, self.fp8_format)
+        return _linear(x, self.weight, self.bias, self.fp8_format, self.fp8_recipe)
 
 
 class RowParallelLinear(nn.Module):
@@ -107,6 +108,7 @@ class RowParallelLinear(nn.Module):
         self.group = ctx.tp_group
         self.sequence_parallel = sequence_parallel
         self.fp8_format: Optional[str] = None  # set by meshtron.layers.fp8.enable_fp8
+        self.fp8_recipe = "tensorwise"
         self.weight = new_param(ShardSpec((weight_piece,), 0))
         # The bias is added after the reduction, so every TP rank holds all of it.
         self.bias = (new_param(ShardSpec((bias_piece,), 0, tp_replicated=True,
@@ -114,7 +116,7 @@ class RowParallelLinear(nn.Module):
                      if bias_piece is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(x, self.weight, None, self.fp8_format)
+        y = _linear(x, self.weight, None, self.fp8_format, self.fp8_recipe)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence(y, self.group)
         else:

@@ -68,7 +68,7 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
         initialize_parameters(model, cfg.train.seed, ctx.device, dtype)
         model.set_rng_tracker(tracker)
         if cfg.train.fp8_format:
-            enable_fp8(model, cfg.train.fp8_format)
+            enable_fp8(model, cfg.train.fp8_format, cfg.train.fp8_recipe)
         set_tp_comm_overlap(model, cfg.parallel.tp_comm_overlap)
         if cfg.train.compile:
             for layer in model.layers.values():

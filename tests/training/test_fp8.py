@@ -74,5 +74,41 @@ def test_fp8_switches_the_layer_linears():
 def test_fp8_flags_are_checked():
     with pytest.raises(ConfigError, match="--fp8-format hybrid needs --bf16"):
         build_config(["--fp8-hybrid", "--device", "cpu"]).validate(1)
-    with pytest.raises(ConfigError, match="--fp8-recipe rowwise is not implemented"):
-        build_config(["--fp8-format", "e4m3", "--fp8-recipe", "rowwise", "--bf16", "--device", "cpu"]).validate(1)
+    with pytest.raises(ConfigError, match="--fp8-recipe delayed is not implemented"):
+        build_config(["--fp8-format", "e4m3", "--fp8-recipe", "delayed", "--bf16", "--device", "cpu"]).validate(1)
+    with pytest.raises(ConfigError, match="--fp8-recipe rowwise takes --fp8-format e4m3"):
+        build_config(["--fp8-format", "hybrid", "--fp8-recipe", "rowwise", "--bf16", "--device", "cpu"]).validate(1)
+
+
+def test_rowwise_fp8_linear_matches_the_fp32_product_and_beats_tensorwise_on_outliers():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=g)
+    x[3] *= 1e5  # one outlier token: with one scale per tensor every other token falls to subnormal e4m3
+    x = x.to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(96, 128, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(96, generator=g).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(64, 96, generator=g)
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    (xr @ wr.t() + br).backward(grad)
+    want = (xr @ wr.t() + br).detach()
+    errors = {}
+    for recipe in ("rowwise", "tensorwise"):
+        xi, wi, bi = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        y = fp8_linear(xi, wi, bi, "e4m3", recipe)
+        y.backward(grad.to(torch.bfloat16))
+        assert y.dtype == torch.bfloat16 and wi.grad.dtype == torch.bfloat16
+        normal = torch.arange(64) != 3
+        errors[recipe] = (rel(y[normal], want[normal]), rel(xi.grad, xr.grad), rel(wi.grad, wr.grad),
+                          rel(bi.grad, br.grad))
+    y_err, gx_err, gw_err, gb_err = errors["rowwise"]
+    assert y_err < 0.05 and gx_err < 0.05 and gw_err < 0.05 and gb_err < 0.01
+    assert gx_err > 1e-3  # it really ran in FP8
+    assert errors["tensorwise"][0] > 3 * y_err  # the other tokens lose precision with one scale per tensor
+
+
+def test_rowwise_fp8_training_follows_bf16():
+    bf16 = run_training(build_config(ARGS))
+    fp8 = run_training(build_config(ARGS + ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]))
+    assert fp8.train_losses[30] < fp8.train_losses[10] - 0.5
+    assert fp8.train_losses[30] == pytest.approx(bf16.train_losses[30], rel=0.03)
+    assert fp8.train_losses[30] != bf16.train_losses[30]
