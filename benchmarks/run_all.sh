@@ -5,6 +5,7 @@
 #   bash benchmarks/run_all.sh parallel   # llama3-8b on two GPUs (TP=2, DP=2), TP=2 and DP=2 on llama3-3b
 #   bash benchmarks/run_all.sh single     # FP8 and recomputation, one GPU each, side by side
 #   bash benchmarks/run_all.sh pipeline   # PP=2: 1F1B and interleaved, 8 and 32 micro-batches
+#   bash benchmarks/run_all.sh memory     # allocation sites at the peak (FP8, full recomputation), one GPU
 #   bash benchmarks/run_all.sh tests      # the GPU tests (NCCL, compiled layers, grouped GEMM)
 #   bash benchmarks/run_all.sh moe        # Mixtral-shaped, EP=2
 #   bash benchmarks/run_all.sh cp         # context parallelism 32K-128K, CP=2 against CP=1
@@ -48,6 +49,9 @@ case "$phase" in
     one_gpu 1 290 single_gpu_recompute.yaml --warmup 3 --steps 5 &
     wait
     grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400 ;;
+  memory)
+    one_gpu 0 300 memory_sites.yaml --warmup 1 --steps 1 --no-split --memory-sites
+    grep -hE '^\{|Error' "$OUT"/gpu0.log | cut -c1-1500 ;;
   pipeline)
     two_gpus 260 pipeline.yaml --warmup 1 --steps 3 --no-split ;;
   tests)
@@ -62,7 +66,7 @@ case "$phase" in
     gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   eight)
     gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 --profile-comm ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"

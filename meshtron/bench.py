@@ -103,7 +103,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, profile_comm: bool = False) -> dict:
+def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, profile_comm: bool = False,
+              memory_sites: bool = False) -> dict:
     """Build the configuration, train ``warmup + steps`` iterations, and measure."""
     from meshtron.cli import build_config
     from meshtron.memory import estimate_memory
@@ -128,6 +129,10 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
     n_micro = t.global_batch_size // (t.micro_batch_size * ctx.dp)
     vocab = cfg.model.vocab_size or 32000
     data = RandomTokens(vocab, cfg.model.seq_length, t.micro_batch_size, n_micro, t.seed)
+    if memory_sites:
+        from meshtron.memory_report import record_memory
+
+        record_memory(dev.type == "cuda")  # from before the model is built, so weights are in the trace
     trainer = Trainer(cfg, ctx, data=data)
     batches = next(data.train_batches())
     times = []
@@ -139,6 +144,12 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
         times.append(time.perf_counter() - start)
     step = statistics.median(times[warmup:])
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    sites = None
+    if memory_sites and dev.type == "cuda":
+        from meshtron.memory_report import memory_report, record_memory
+
+        sites = memory_report(dev)
+        record_memory(False)
 
     # Step-time split, in separate synchronised passes.
     def timed(fn, repeat=3) -> float:
@@ -183,6 +194,8 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
         "optimizer_s": None if fwd is None else max(0.0, step - fwdbwd - comm), "exposed_comm_s": comm,
         "argv": " ".join(argv),
     }
+    if sites is not None:
+        row["memory_sites_gib"] = sites
     if kernels is not None:
         row.update(comm_kernel_s=kernels.comm_s, exposed_comm_kernel_s=kernels.exposed_comm_s,
                    compute_kernel_s=kernels.compute_s, comm_by_kind_s=kernels.by_kind_s)
@@ -227,6 +240,9 @@ def bench_main(argv: Sequence[str]) -> int:
     parser.add_argument("--profile-comm", action="store_true",
                         help="profile one more step: NCCL kernel time per collective, and the part of it that no "
                              "compute kernel overlaps (exposed)")
+    parser.add_argument("--memory-sites", action="store_true",
+                        help="record the CUDA allocator's history and report what holds memory at the peak, "
+                             "grouped by allocation site in meshtron's code (slows the row down)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     parser.add_argument("--out", help="also append the rows as JSON lines to this file")
     args, rest = parser.parse_known_args(list(argv))
@@ -239,7 +255,7 @@ def bench_main(argv: Sequence[str]) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     for row_argv in argvs:
         try:
-            row = bench_row(row_argv, args.warmup, args.steps, args.split, args.profile_comm)
+            row = bench_row(row_argv, args.warmup, args.steps, args.split, args.profile_comm, args.memory_sites)
         except torch.OutOfMemoryError as err:
             row = {"argv": " ".join(row_argv), "error": "out of memory: " + " ".join(str(err).split())[:260]}
             gc.collect()
