@@ -53,10 +53,10 @@ case "$phase" in
     one_gpu 0 300 memory_sites.yaml --warmup 1 --steps 1 --no-split --memory-sites
     grep -hE '^\{|Error' "$OUT"/gpu0.log | cut -c1-1500 ;;
   pipeline)
-    two_gpus 260 pipeline.yaml --warmup 1 --steps 3 --no-split ;;
+    two_gpus 420 pipeline.yaml --warmup 1 --steps 3 --no-split ;;
   tests)
     echo "=== GPU tests ($(date +%T))"
-    timeout 240 python3 -m pytest -q -p no:logging --tb=short -m gpu tests ${GPU_TESTS:-} 2>&1 | tee -a "$OUT/tests.txt" \
+    timeout 300 python3 -m pytest -q -p no:logging --tb=short -m gpu tests 2>&1 | tee -a "$OUT/tests.txt" \
       | grep -E "rank|Error|error|FAILED|passed|failed" | cut -c1-300 | head -60 ;;
   moe)
     two_gpus 170 moe_two_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;

@@ -98,6 +98,9 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
     ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient-reduction bucket (default max(40M, 1M*DP)).")
     grad_reduce_in_bf16: bool = opt(False, "Reduce gradients in bf16 instead of fp32.")
+    overlap_p2p_comm: bool = opt(False, "Pipeline: post point-to-point transfers without waiting and wait for a "
+                                        "received tensor only when it is used (avoids stalls, mostly in the "
+                                        "interleaved schedule).")
     tp_comm_overlap: bool = opt(True, "Overlap the tensor-parallel backward collectives (input-gradient all-reduce or "
                                       "reduce-scatter, sequence all-gather) with the weight-gradient matmul.")
     distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))

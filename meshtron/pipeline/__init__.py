@@ -93,7 +93,7 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext) -> Callable:
         check_micro_batches(t.global_batch_size // (t.micro_batch_size * ctx.dp), ctx.pp, layout.virtual_stages)
     dtype = torch.bfloat16 if t.bf16 else torch.float32
     p2p = PipelineP2P(ctx, activation_shape(cfg, ctx), dtype, ctx.device)
-    return functools.partial(forward_backward_pipelining, p2p=p2p)
+    return functools.partial(forward_backward_pipelining, p2p=p2p, overlap_p2p=cfg.parallel.overlap_p2p_comm)
 
 
 def is_data_rank(ctx: ParallelContext, cfg: Optional[MeshtronConfig] = None) -> bool:

@@ -73,11 +73,13 @@ class PipelineP2P:
         return tensor if tensor.is_contiguous() else tensor.contiguous()
 
     def exchange(self, send_next: Optional[torch.Tensor] = None, send_prev: Optional[torch.Tensor] = None,
-                 recv_prev: bool = False, recv_next: bool = False
-                 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 recv_prev: bool = False, recv_next: bool = False, wait: bool = True):
         """Send an activation to the next stage and/or a gradient to the previous one; receive an
         activation from the previous stage and/or a gradient from the next one. Returns
-        (from previous, from next); blocks until every operation has completed."""
+        (from previous, from next), after every operation has completed; with ``wait=False``
+        returns at once with (from previous, from next, pending work): the received tensors are
+        valid, and sent tensors may be released, only after every work of the list has been
+        waited for (``Work.wait()``; on GPUs that orders the current stream after the transfer)."""
         ops: list[dist.P2POp] = []
         entries: list[tuple] = []
         from_prev = self._empty() if recv_prev else None
@@ -97,11 +99,13 @@ class PipelineP2P:
                 "send")
         if from_next is not None:
             add(dist.irecv, from_next, self.next_rank, _BACKWARD_TAG, "recv")
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+        works = dist.batch_isend_irecv(ops) if ops else []
         if self.log is not None:
             self.log.append(tuple(entries))
+        if not wait:
+            return from_prev, from_next, works
+        for work in works:
+            work.wait()
         return from_prev, from_next
 
 

@@ -18,9 +18,10 @@ in the order of one of Megatron-LM's schedules:
   Bubble: ``(PP - 1) / (V M)``.
 
 Where the point-to-point exchanges go is derived from those orders by a lock-step
-simulation (:func:`build_plans`): at each tick every rank runs its next pass if its
-input has arrived, and a message sent at tick t is received by the matching
-exchange of the receiver at the same tick. Every exchange therefore has its
+simulation (:func:`build_plans`): at each tick every free rank starts its next pass if
+its input has arrived (a forward lasts one tick, a backward one or, for overlapped
+exchanges, two), and a message sent at tick t is received by the matching exchange of
+the receiver at the same tick. Every exchange therefore has its
 counterparts at the same tick on the neighbours, and by induction over ticks the
 batched exchanges can never wait on each other in a cycle (no deadlock, for NCCL's
 blocking groups as for gloo).
@@ -167,45 +168,65 @@ def _needs_message(stage: int, c: Compute, stages: int, virtual: int) -> bool:
     return not (stage == 0 and c.chunk == 0)
 
 
-def build_plans(orders: Sequence[Sequence[Compute]], virtual: int) -> list[list[Step]]:
+def build_plans(orders: Sequence[Sequence[Compute]], virtual: int, backward_ticks: int = 1) -> list[list[Step]]:
     """Interleave every rank's passes with the exchanges that carry their tensors (lock-step simulation)."""
-    return _simulate(orders, virtual)[0]
+    return _simulate(orders, virtual, backward_ticks)[0]
 
 
-def _simulate(orders: Sequence[Sequence[Compute]], virtual: int) -> tuple[list[list[Step]], int]:
-    """Run every rank's passes in lock-step ticks (one pass per rank per tick); return the plans and
-    the number of ticks."""
+#: Lock-step ticks of a backward pass when the exchanges are overlapped (--overlap-p2p-comm): a
+#: backward does two matmuls (input and weight gradients) for every forward matmul, so it takes about
+#: twice as long, and exchanges placed for those durations let every rank post its transfers in the
+#: order the others need them (meshtron/pipeline/timing.py). Blocking exchanges keep the plans of
+#: equal durations that were measured (docs/benchmarks.md).
+OVERLAPPED_BACKWARD_TICKS = 2
+
+
+def _simulate(orders: Sequence[Sequence[Compute]], virtual: int,
+              backward_ticks: int = 1) -> tuple[list[list[Step]], int]:
+    """Run every rank's passes in lock-step ticks (a forward takes one, a backward
+    ``backward_ticks``); return the plans and the number of ticks.
+
+    A pass starts at the first tick at which its rank is free and its input has arrived (was sent
+    at an earlier tick); its output is sent at its last tick. Each rank's plan lists, tick by tick,
+    the passes it starts, then its one batched exchange of that tick. An exchange at tick t only
+    carries tensors of passes that started by tick t, so every rank reaches its tick-t exchange once
+    the exchanges of earlier ticks have completed: no cycle of waiting exchanges.
+    """
     stages = len(orders)
     position = [0] * stages
+    free_at = [0] * stages
     arrived: dict[tuple[int, Compute], int] = {}  # (stage, consuming pass) -> tick its tensor was sent
+    exchanges: dict[int, list[dict]] = {}  # tick -> each stage's exchange fields at that tick
     plans: list[list[Step]] = [[] for _ in range(stages)]
     tick = 0
-    while any(position[s] < len(orders[s]) for s in range(stages)):
-        exchanges: list[dict] = [{} for _ in range(stages)]
-        progressed = False
+    while any(position[s] < len(orders[s]) for s in range(stages)) or any(t > tick for t in exchanges):
+        started = False
         for s in range(stages):
-            if position[s] == len(orders[s]):
+            if position[s] == len(orders[s]) or free_at[s] > tick:
                 continue
             c = orders[s][position[s]]
             if _needs_message(s, c, stages, virtual) and arrived.get((s, c), tick) >= tick:
                 continue  # its input has not arrived yet: idle this tick
             plans[s].append(c)
             position[s] += 1
-            progressed = True
+            started = True
+            end = tick + (backward_ticks if c.backward else 1) - 1
+            free_at[s] = end + 1
             message = _message(s, c, stages, virtual)
             if message is not None:
                 dest, consumer = message
-                exchanges[s]["send_prev" if c.backward else "send_next"] = c.unit
-                exchanges[dest]["recv_next" if c.backward else "recv_prev"] = consumer.unit
-                arrived[(dest, consumer)] = tick
-        if not progressed:
+                at = exchanges.setdefault(end, [{} for _ in range(stages)])
+                at[s]["send_prev" if c.backward else "send_next"] = c.unit
+                at[dest]["recv_next" if c.backward else "recv_prev"] = consumer.unit
+                arrived[(dest, consumer)] = end
+        if not started and all(f <= tick for f in free_at) and tick not in exchanges:
             stuck = {s: orders[s][position[s]] for s in range(stages) if position[s] < len(orders[s])}
             raise RuntimeError(f"pipeline schedule deadlocks: every rank waits ({stuck})")
-        for s in range(stages):
-            if exchanges[s]:
-                plans[s].append(Exchange(**exchanges[s]))
+        for s, fields in enumerate(exchanges.pop(tick, [])):
+            if fields:
+                plans[s].append(Exchange(**fields))
         tick += 1
-    return plans, tick
+    return plans, max([tick] + free_at)
 
 
 def _orders(stages: int, virtual: int, num_micro_batches: int, forward_only: bool) -> list[list[Compute]]:
@@ -216,17 +237,18 @@ def _orders(stages: int, virtual: int, num_micro_batches: int, forward_only: boo
 
 
 @functools.lru_cache(maxsize=64)
-def pipeline_plans(stages: int, virtual: int, num_micro_batches: int, forward_only: bool) -> tuple[tuple[Step, ...], ...]:
+def pipeline_plans(stages: int, virtual: int, num_micro_batches: int, forward_only: bool,
+                   backward_ticks: int = 1) -> tuple[tuple[Step, ...], ...]:
     """Every rank's plan (passes and exchanges, in order) for one iteration."""
-    plans = build_plans(_orders(stages, virtual, num_micro_batches, forward_only), virtual)
+    plans = build_plans(_orders(stages, virtual, num_micro_batches, forward_only), virtual, backward_ticks)
     return tuple(tuple(plan) for plan in plans)
 
 
-def simulated_bubble(stages: int, virtual: int, num_micro_batches: int) -> float:
-    """Idle time over busy time of the schedule when every chunk's forward and backward take the
-    same time and communication is free: ``(PP - 1) / (V * M)`` for both schedules."""
-    _, ticks = _simulate(_orders(stages, virtual, num_micro_batches, False), virtual)
-    busy = 2 * virtual * num_micro_batches
+def simulated_bubble(stages: int, virtual: int, num_micro_batches: int, backward_ticks: int = 1) -> float:
+    """Idle time over busy time of the lock-step simulation (a backward lasting ``backward_ticks``
+    forwards, exchanges completing at once): ``(PP - 1) / (V * M)`` for both schedules."""
+    _, ticks = _simulate(_orders(stages, virtual, num_micro_batches, False), virtual, backward_ticks)
+    busy = (1 + backward_ticks) * virtual * num_micro_batches
     return (ticks - busy) / busy
 
 
@@ -251,11 +273,84 @@ class ScheduleStats:
     exchanges: int = 0
 
 
+class _Transfer:
+    """The works of one posted exchange, waited for at most once (waiting twice on a gloo work
+    waits for a second message that never comes)."""
+
+    def __init__(self, works: list) -> None:
+        self.works, self.done = works, False
+
+    def wait(self) -> None:
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done = True
+
+    def completed(self) -> bool:
+        return self.done or all(work.is_completed() for work in self.works)
+
+
+class _PendingTransfers:
+    """Exchanges posted without waiting (``--overlap-p2p-comm``): a received tensor is waited for
+    right before the pass that consumes it, and a sent output is released once its exchange has
+    completed (on GPUs checked without blocking at every exchange; everything is waited for at the
+    end of the iteration)."""
+
+    def __init__(self, poll: bool) -> None:
+        self.poll = poll
+        self.receives: dict[tuple[str, Unit], _Transfer] = {}  # ("input" | "grad", unit) -> its exchange
+        # (exchange, the sent tensors, kept alive until the transfer is done, and the output to free then)
+        self.sends: list[tuple[_Transfer, tuple, Optional[torch.Tensor]]] = []
+
+    def add(self, works: list, step: "Exchange", sent: tuple, output_to_free: Optional[torch.Tensor]) -> None:
+        transfer = _Transfer(works)
+        if step.recv_prev is not None:
+            self.receives[("input", step.recv_prev)] = transfer
+        if step.recv_next is not None:
+            self.receives[("grad", step.recv_next)] = transfer
+        if sent:
+            self.sends.append((transfer, sent, output_to_free))
+
+    def wait_for(self, kind: str, unit: Unit) -> None:
+        transfer = self.receives.pop((kind, unit), None)
+        if transfer is not None:
+            transfer.wait()
+
+    def release_completed(self) -> None:
+        """Free the outputs whose transfers have finished. Only NCCL's works answer ``is_completed``
+        from the device's own record (a CUDA event); elsewhere the outputs wait for :meth:`finish`."""
+        if not self.poll:
+            return
+        still = []
+        for entry in self.sends:
+            transfer, _, output = entry
+            if transfer.completed():
+                if output is not None:
+                    free_output(output)
+            else:
+                still.append(entry)
+        self.sends = still
+
+    def finish(self) -> None:
+        for transfer, _, output in self.sends:
+            transfer.wait()
+            if output is not None:
+                free_output(output)
+        self.sends = []
+        for transfer in self.receives.values():
+            transfer.wait()
+        self.receives = {}
+
+
 def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
              p2p: PipelineP2P, forward_only: bool = False,
              before_last_backward: Optional[Callable[[], None]] = None,
-             stats: Optional[ScheduleStats] = None) -> torch.Tensor:
-    """Execute one rank's plan; return its summed weighted loss (zero on ranks without the loss)."""
+             stats: Optional[ScheduleStats] = None, overlap_p2p: bool = False) -> torch.Tensor:
+    """Execute one rank's plan; return its summed weighted loss (zero on ranks without the loss).
+
+    ``overlap_p2p``: post each exchange without waiting; wait for a received tensor only right
+    before the pass that consumes it (so a rank never stalls for a transfer that it does not need yet).
+    """
     stages, stage, virtual = p2p.stages, p2p.stage, len(model_chunks)
     inputs: dict[Unit, torch.Tensor] = {}  # received stage inputs, kept for their gradient
     outputs: dict[Unit, torch.Tensor] = {}  # stage outputs (or loss sums) awaiting their backward
@@ -271,17 +366,25 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
             chunk_last_backward[s.chunk] = i
     per_chunk = virtual > 1
     stats = stats if stats is not None else ScheduleStats()
+    pending = _PendingTransfers(poll=p2p.device.type == "cuda") if overlap_p2p else None
     for index, step in enumerate(plan):
         if isinstance(step, Exchange):
             send_next = outputs[step.send_next] if step.send_next is not None else None
             send_prev = input_grads.pop(step.send_prev) if step.send_prev is not None else None
-            from_prev, from_next = p2p.exchange(send_next, send_prev, step.recv_prev is not None,
-                                                step.recv_next is not None)
+            if pending is None:
+                from_prev, from_next = p2p.exchange(send_next, send_prev, step.recv_prev is not None,
+                                                    step.recv_next is not None)
+            else:
+                pending.release_completed()
+                from_prev, from_next, works = p2p.exchange(send_next, send_prev, step.recv_prev is not None,
+                                                           step.recv_next is not None, wait=False)
+                pending.add(works, step, tuple(t for t in (send_next, send_prev) if t is not None),
+                            None if forward_only else send_next)
             stats.exchanges += 1
             if step.send_next is not None:
                 if forward_only:
                     del outputs[step.send_next]
-                else:
+                elif pending is None:
                     free_output(outputs[step.send_next])
             if from_prev is not None:
                 inputs[step.recv_prev] = from_prev.requires_grad_(not forward_only)
@@ -289,6 +392,8 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
                 output_grads[step.recv_next] = from_next
             continue
         unit, model = step.unit, model_chunks[step.chunk]
+        if pending is not None:
+            pending.wait_for("grad" if step.backward else "input", unit)
         if not step.backward:
             with torch.set_grad_enabled(not forward_only):
                 out = run_stage(model, micro_batches[step.micro_batch], hidden=inputs.get(unit))
@@ -316,6 +421,8 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
             if x is not None:  # a stage whose output ignores its input still owes the previous one a gradient
                 input_grads[unit] = x.grad if x.grad is not None else torch.zeros_like(x)
             stats.backwards += 1
+    if pending is not None:
+        pending.finish()
     if total is None:
         device = next(model_chunks[0].parameters()).device
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -325,13 +432,16 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
 def forward_backward_pipelining(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
                                 forward_only: bool = False,
                                 before_last_backward: Optional[Callable[[], None]] = None, *,
-                                p2p: PipelineP2P, stats: Optional[ScheduleStats] = None) -> torch.Tensor:
+                                p2p: PipelineP2P, stats: Optional[ScheduleStats] = None,
+                                overlap_p2p: bool = False) -> torch.Tensor:
     """1F1B (one model chunk per rank) or interleaved 1F1B (several) over ``micro_batches``.
 
     Returns the summed weighted loss on the last stage, zero elsewhere. ``before_last_backward``
     runs right before this rank's last backward pass; with interleaving it runs once per model
     chunk, as ``before_last_backward(chunk)``, right before that chunk's last backward, after
     which that chunk's gradients are final (GradientSync.start_overlap takes that argument).
+    ``overlap_p2p`` (``--overlap-p2p-comm``): see :func:`run_plan`.
     """
-    plan = pipeline_plans(p2p.stages, len(model_chunks), len(micro_batches), forward_only)[p2p.stage]
-    return run_plan(plan, model_chunks, micro_batches, p2p, forward_only, before_last_backward, stats)
+    plan = pipeline_plans(p2p.stages, len(model_chunks), len(micro_batches), forward_only,
+                          OVERLAPPED_BACKWARD_TICKS if overlap_p2p else 1)[p2p.stage]
+    return run_plan(plan, model_chunks, micro_batches, p2p, forward_only, before_last_backward, stats, overlap_p2p)

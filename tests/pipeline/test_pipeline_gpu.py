@@ -68,7 +68,8 @@ def test_pipeline_over_nccl_matches_one_gpu():
     torch.backends.cuda.matmul.allow_tf32 = False
     cases = [run_config(model_config(tied=True), pp=2, device="cuda"),
              run_config(model_config(tied=True), pp=2, vpp=2, device="cuda"),
-             run_config(model_config(tied=False), pp=2, vpp=2, device="cuda", compile=True)]
+             run_config(model_config(tied=False), pp=2, vpp=2, device="cuda", compile=True),
+             run_config(model_config(tied=True), pp=2, vpp=2, device="cuda", overlap_p2p_comm=True)]
     results = _run_nccl(cases)
     for i, cfg in enumerate(cases):
         one = run_config(cfg.model, micro_batch=cfg.train.micro_batch_size, global_batch=cfg.train.global_batch_size,

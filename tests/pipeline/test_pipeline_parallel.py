@@ -31,12 +31,17 @@ WORLD_4 = [
     ("pp2-dp2-uneven-first1-gpt", run_config(GPT_TIED, pp=2, first=1)),
     ("pp2-dp2-uneven-last1-fewer-micro-batches-than-stages", run_config(LLAMA_UNTIED, pp=2, last=1, global_batch=2)),
     ("pp2-dp2-interleaved-v2-overlapped-grad-reduce", run_config(LLAMA_TIED, pp=2, vpp=2, **OVERLAP)),
+    # Point-to-point transfers posted without waiting (--overlap-p2p-comm).
+    ("pp4-interleaved-v2-overlap-p2p", run_config(model_config(layers=8), pp=4, vpp=2, overlap_p2p_comm=True)),
+    ("pp2-dp2-1f1b-overlap-p2p", run_config(LLAMA_UNTIED, pp=2, overlap_p2p_comm=True)),
 ]
 WORLD_8 = [
     ("tp2-pp2-dp2-sp", run_config(LLAMA_TIED, tp=2, pp=2, sp=True)),
     ("tp2-pp2-dp2-sp-interleaved-v2-distributed-optimizer",
      run_config(LLAMA_UNTIED, tp=2, pp=2, vpp=2, sp=True, use_distributed_optimizer=True, overlap_param_gather=True,
                 **OVERLAP)),
+    ("tp2-pp2-dp2-sp-interleaved-v2-overlap-p2p",
+     run_config(LLAMA_TIED, tp=2, pp=2, vpp=2, sp=True, overlap_p2p_comm=True, **OVERLAP)),
 ]
 
 

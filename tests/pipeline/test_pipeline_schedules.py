@@ -99,9 +99,10 @@ def execute_like_nccl(plans, stages: int, virtual: int) -> None:
 
 
 @pytest.mark.parametrize("stages,virtual,m", LAYOUTS, ids=[f"pp{p}-v{v}-m{m}" for p, v, m in LAYOUTS])
-def test_plans_run_every_pass_once_and_never_deadlock(stages, virtual, m):
+@pytest.mark.parametrize("backward_ticks", [1, 2], ids=["blocking-plans", "overlapped-plans"])
+def test_plans_run_every_pass_once_and_never_deadlock(stages, virtual, m, backward_ticks):
     for forward_only in (False, True):
-        plans = pipeline_plans(stages, virtual, m, forward_only)
+        plans = pipeline_plans(stages, virtual, m, forward_only, backward_ticks)
         for s, plan in enumerate(plans):
             passes = [step for step in plan if isinstance(step, Compute)]
             expected = {(b, (c, i)) for b in ((False,) if forward_only else (False, True))
@@ -120,9 +121,10 @@ def test_activations_held_per_stage(stages, virtual, m):
 
 
 @pytest.mark.parametrize("stages,virtual,m", [(2, 1, 8), (4, 1, 8), (4, 1, 32), (4, 2, 8), (4, 2, 32), (8, 4, 16)])
-def test_bubble_is_the_textbook_one(stages, virtual, m):
-    """With equal pass times the idle fraction is (PP - 1) / (V * M): interleaving divides it by V."""
-    assert simulated_bubble(stages, virtual, m) == pytest.approx((stages - 1) / (virtual * m))
+@pytest.mark.parametrize("backward_ticks", [1, 2])
+def test_bubble_is_the_textbook_one(stages, virtual, m, backward_ticks):
+    """In lock-step the idle fraction is (PP - 1) / (V * M): interleaving divides it by V."""
+    assert simulated_bubble(stages, virtual, m, backward_ticks) == pytest.approx((stages - 1) / (virtual * m))
 
 
 def test_interleaving_rejects_micro_batch_counts_not_a_multiple_of_stages():
