@@ -98,6 +98,10 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
     ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient-reduction bucket (default max(40M, 1M*DP)).")
     grad_reduce_in_bf16: bool = opt(False, "Reduce gradients in bf16 instead of fp32.")
+    async_tensor_parallel: bool = opt(False, "Experimental: let torch.compile split each sequence-parallel "
+                                             "all-gather + matmul and matmul + reduce-scatter into overlapping "
+                                             "pieces (micro-pipelined TP over symmetric memory; CUDA, compiled "
+                                             "layers, --sequence-parallel).")
     overlap_p2p_comm: bool = opt(False, "Pipeline: post point-to-point transfers without waiting and wait for a "
                                         "received tensor only when it is used (avoids stalls, mostly in the "
                                         "interleaved schedule).")

@@ -342,6 +342,9 @@ def _fill_precision_and_recompute(cfg: MeshtronConfig) -> None:
                           "gradient path); use --fp8-recipe tensorwise for hybrid")
     if t.compile is None:
         t.compile = t.device == "cuda"
+    if cfg.parallel.async_tensor_parallel and not (t.device == "cuda" and t.compile and cfg.parallel.sequence_parallel):
+        raise ConfigError("--async-tensor-parallel needs --device cuda, compiled layers (not --no-compile) and "
+                          "--sequence-parallel with --tensor-model-parallel-size > 1")
     if t.recompute_method and t.recompute_granularity != "full":
         raise ConfigError(f"--recompute-method {t.recompute_method} needs --recompute-granularity full")
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size

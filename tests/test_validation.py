@@ -269,3 +269,12 @@ def test_example_config_validates(path: Path, tmp_path: Path, monkeypatch: pytes
     monkeypatch.chdir(tmp_path)  # relative --save / --metrics-file paths land here
     cfg = validated(["--config", str(path)], _example_world_size(path))
     assert cfg.model.model is not None
+
+
+def test_async_tensor_parallel_needs_cuda_compile_and_sequence_parallel():
+    from meshtron.cli import build_config
+    from meshtron.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--async-tensor-parallel needs --device cuda"):
+        build_config(["--mock-data", "--vocab-size", "100", "--device", "cpu", "--tensor-model-parallel-size", "2",
+                      "--sequence-parallel", "--async-tensor-parallel"]).validate(2)

@@ -29,6 +29,21 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
+def set_micro_pipelined_tp(enabled: bool, group: Group) -> None:
+    """Let (or stop) torch.compile split the all-gather + matmul and matmul + reduce-scatter pairs of
+    compiled layers into pieces that overlap (``--async-tensor-parallel``). This is a process-wide
+    compiler setting, so every model build sets it for its own run."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = enabled
+    if enabled and group is not None:
+        from torch.distributed import _symmetric_memory
+
+        enable = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)  # needed by older torch only
+        if enable is not None:
+            enable(group.group_name)
+
+
 def _size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -17,6 +17,7 @@ from meshtron.layers.fp8 import enable_fp8
 from meshtron.layers.linear import set_tp_comm_overlap
 from meshtron.layers.moe import moe_mlp_factory
 from meshtron.model import GPTModel
+from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import initialize_parameters
@@ -71,6 +72,7 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
             enable_fp8(model, cfg.train.fp8_format, cfg.train.fp8_recipe)
         set_tp_comm_overlap(model, cfg.parallel.tp_comm_overlap)
         if cfg.train.compile:
+            comm.set_micro_pipelined_tp(cfg.parallel.async_tensor_parallel, ctx.tp_group)
             for layer in model.layers.values():
                 layer.compile()
         chunks.append(model)

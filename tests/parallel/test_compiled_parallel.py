@@ -32,15 +32,16 @@ CASES = {
 }
 
 
-def compiled_layout_failures(device: str, backend: str, rtol: float, atol: float) -> list[str]:
+def compiled_layout_failures(device: str, backend: str, rtol: float, atol: float,
+                             cases_by_name: dict = CASES) -> list[str]:
     """Run every case on two ranks and return what differs from the one-process run on ``device``."""
     cases = [run_config(model, global_batch=4, device=device, compile=compiled, **kw)
-             for model, kw, compiled in CASES.values()]
+             for model, kw, compiled in cases_by_name.values()]
     results = run_distributed(layout_worker, 2, cases, device, backend=backend, timeout=900)
     ref_ctx = ParallelContext(device=torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
     refs: dict = {}
     failures = []
-    for i, (name, (model, _, _)) in enumerate(CASES.items()):
+    for i, (name, (model, _, _)) in enumerate(cases_by_name.items()):
         if model.num_experts not in refs:
             refs[model.num_experts] = train_and_collect(run_config(model, global_batch=4, device=device), ref_ctx)
         ref = refs[model.num_experts]
