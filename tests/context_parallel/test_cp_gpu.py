@@ -3,16 +3,8 @@ output and gradients match full attention on one GPU. Needs two CUDA devices."""
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import tempfile
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from meshtron.layers.attention import attention_mask_from_documents
@@ -20,6 +12,7 @@ from meshtron.layers.context_parallel import context_parallel_attention, context
 from meshtron.layers.cp_kernels import select_kernel
 from meshtron.parallel.context import build_groups
 from meshtron.parallel.cp_split import gather_sequence, split_sequence
+from tests.distributed.launch import run_distributed
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -56,21 +49,10 @@ def _case(ctx, kernel: str, comm: str, documents: bool, batch: int, device):
     return full(out), full(q.grad), full(k.grad), full(v.grad)
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.cuda.set_device(rank)
+def _worker(rank: int, world: int) -> list:
     device = torch.device("cuda", rank)
-    try:
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-        ctx = build_groups(1, world, 1, 1, device)
-        result = ("ok", [_case(ctx, *case, device) for case in CASES])
-    except BaseException:  # noqa: BLE001 - report any failure to the parent
-        result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    ctx = build_groups(1, world, 1, 1, device)
+    return [_case(ctx, *case, device) for case in CASES]
 
 
 def _reference(batch: int, documents: bool):
@@ -85,27 +67,7 @@ def _reference(batch: int, documents: bool):
 
 
 def test_cp_attention_over_nccl_matches_one_gpu():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp_ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [mp_ctx.Process(target=_worker, args=(r, 2, port, out_dir)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(300)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert not hung, f"ranks {hung} hung"
-        results = []
-        for r in range(2):
-            with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-                status, value = pickle.load(f)
-            assert status == "ok", f"rank {r}:\n{value}"
-            results.append(value)
+    results = run_distributed(_worker, 2, backend="nccl", timeout=300)
     for i, (kernel, comm, documents, batch) in enumerate(CASES):
         ref = _reference(batch, documents)
         for rank in range(2):

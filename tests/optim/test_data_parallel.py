@@ -9,12 +9,6 @@ Several configurations share one process group to keep the number of spawns low.
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import tempfile
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -415,21 +409,9 @@ def test_expert_parameters_reduce_and_shard_over_expert_data_parallel_group():
 # The CUDA paths (NCCL in-place reduce-scatter / all-gather, fused CUDA AdamW on segments, pinned
 # host staging and side-stream copies of the offload) against one GPU.
 
-def _nccl_worker(rank: int, world: int, port: int, out_dir: str, names: list) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    try:
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-        ctx = build_groups(1, 1, 1, 1, device, backend="nccl")
-        result = ("ok", {name: train(run_cfg(**VARIANTS[name]), ctx, resume=name in RESUME) for name in names})
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _nccl_worker(rank: int, world: int, names: list) -> dict:
+    ctx = build_groups(1, 1, 1, 1, torch.device("cuda", rank), backend="nccl")
+    return {name: train(run_cfg(**VARIANTS[name]), ctx, resume=name in RESUME) for name in names}
 
 
 @pytest.mark.gpu
@@ -437,15 +419,5 @@ def _nccl_worker(rank: int, world: int, port: int, out_dir: str, names: list) ->
 def test_dp2_nccl_matches_single_gpu():
     names = ["plain", "plain-overlap", "distopt-overlap", "distopt-offload", "offload-only", "distopt-bf16-grads"]
     ref = train(run_cfg(), ParallelContext(device=torch.device("cuda", 0)), micro_batches=4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        torch.multiprocessing.spawn(_nccl_worker, args=(2, port, out_dir, names), nprocs=2, join=True)
-        results = []
-        for rank in range(2):
-            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
-                status, value = pickle.load(f)
-            assert status == "ok", value
-            results.append(value)
+    results = run_distributed(_nccl_worker, 2, names, backend="nccl", timeout=600)
     check_variants(results, ref, 2, names)
