@@ -238,54 +238,77 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-class _Saved:
-    """Forward results the backward needs (besides saved tensors)."""
+class _Blocks:
+    """One rank's block computations, shared by both communication types: its two query chunks,
+    their document masks, the attention kernel, and the per-block kernel states that backward reuses."""
 
-    def __init__(self, inputs, kernel, dropout_p, scale, states):
-        self.inputs, self.kernel, self.dropout_p, self.scale, self.states = inputs, kernel, dropout_p, scale, states
+    def __init__(self, q: torch.Tensor, inputs: ContextParallelInputs, dropout_p: float, scale: float):
+        self.inputs, self.dropout_p, self.scale = inputs, dropout_p, scale
+        self.c = q.shape[2] // 2
+        self.masks = _Masks(inputs, q.shape[2], q.device)
+        self.kernel = select_kernel(q, inputs.document_ids is not None)
+        self.states: list = []
+
+    def kv(self, source: torch.Tensor, block: Block):
+        """Keys and values of ``block`` from a packed [2, b, s, g, d] source."""
+        return _kv_view(source, _rows(block.k_rows, self.c))
+
+    def forward(self, block: Block, q, kb, vb, out, lse) -> None:
+        """Attend ``block``'s query rows to ``kb``/``vb`` and merge the result into ``out``/``lse``."""
+        rows = _rows(block.q_rows, self.c)
+        o_b, lse_b, state = self.kernel.forward(q[:, :, rows], kb, vb, block.causal, self.masks.block(block),
+                                                self.dropout_p, self.scale)
+        _merge(out, lse, rows, o_b, lse_b)
+        self.states.append(state)
+
+    def backward(self, step: int, block: Block, dout, q, kb, vb, out, lse, dq):
+        """Add ``block``'s query gradient into ``dq``; return (key rows, dk, dv) of the block."""
+        rows = _rows(block.q_rows, self.c)
+        dq_b, dk_b, dv_b = self.kernel.backward(dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
+                                                lse[:, :, rows], block.causal, self.masks.block(block),
+                                                self.dropout_p, self.scale, self.states[step])
+        dq[:, :, rows] += dq_b
+        return _rows(block.k_rows, self.c), dk_b, dv_b
+
+
+def _save_forward(ctx, blocks: _Blocks, q, kv, out, lse) -> torch.Tensor:
+    out = out.to(q.dtype)
+    ctx.save_for_backward(q, kv, out, lse)
+    ctx.blocks = blocks
+    return out
+
+
+def _add_kv_grad(target: torch.Tensor, k_rows: slice, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+    target[0, :, k_rows] += dk_b.transpose(1, 2)
+    target[1, :, k_rows] += dv_b.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------- ring
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
-        seq = q.shape[2]
-        c = seq // 2
-        masks = _Masks(inputs, seq, q.device)
-        kernel = select_kernel(q, inputs.document_ids is not None)
-        plan = ring_plan(inputs.cp, inputs.rank)
+        blocks = _Blocks(q, inputs, dropout_p, scale)
         out, lse = _accumulators(q)
         kv = _pack(k, v)
-        cur, states = kv, []
-        for step, block in enumerate(plan):
+        cur = kv
+        for step, block in enumerate(ring_plan(inputs.cp, inputs.rank)):
             nxt, works = None, []
             if step < inputs.cp - 1:  # post the next hop before computing this block
                 nxt = torch.empty_like(cur)
                 works = _exchange(inputs, [(cur, _KV_TAG)], [(nxt, _KV_TAG)])
-            rows = _rows(block.q_rows, c)
-            kb, vb = _kv_view(cur, _rows(block.k_rows, c))
-            o_b, lse_b, state = kernel.forward(q[:, :, rows], kb, vb, block.causal, masks.block(block), dropout_p,
-                                               scale)
-            _merge(out, lse, rows, o_b, lse_b)
-            states.append(state)
+            blocks.forward(block, q, *blocks.kv(cur, block), out, lse)
             _wait(works)
             cur = nxt
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.saved = _Saved(inputs, kernel, dropout_p, scale, states)
-        return out
+        return _save_forward(ctx, blocks, q, kv, out, lse)
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
-        s = ctx.saved
-        inputs, kernel = s.inputs, s.kernel
-        c = q.shape[2] // 2
-        masks = _Masks(inputs, q.shape[2], q.device)
-        plan = ring_plan(inputs.cp, inputs.rank)
+        blocks: _Blocks = ctx.blocks
+        inputs = blocks.inputs
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur, dkv_out = kv, None
-        for step, block in enumerate(plan):
+        for step, block in enumerate(ring_plan(inputs.cp, inputs.rank)):
             sends, recvs, nxt, dkv_in = [], [], None, None
             if step < inputs.cp - 1:
                 nxt = torch.empty_like(cur)
@@ -296,15 +319,9 @@ class _RingAttention(torch.autograd.Function):
                 sends.append((dkv_out, _DKV_TAG))
                 recvs.append((dkv_in, _DKV_TAG))
             works = _exchange(inputs, sends, recvs)
-            rows, k_rows = _rows(block.q_rows, c), _rows(block.k_rows, c)
-            kb, vb = _kv_view(cur, k_rows)
-            dq_b, dk_b, dv_b = kernel.backward(dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
-                                               lse[:, :, rows], block.causal, masks.block(block), s.dropout_p,
-                                               s.scale, s.states[step])
-            dq[:, :, rows] += dq_b
+            k_rows, dk_b, dv_b = blocks.backward(step, block, dout, q, *blocks.kv(cur, block), out, lse, dq)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            dkv[0, :, k_rows] += dk_b.transpose(1, 2)
-            dkv[1, :, k_rows] += dv_b.transpose(1, 2)
+            _add_kv_grad(dkv, k_rows, dk_b, dv_b)
             _wait(works)
             if dkv_in is not None:
                 dkv += dkv_in
@@ -323,64 +340,39 @@ def _gather_kv(kv: torch.Tensor, inputs: ContextParallelInputs):
     return gathered.view((inputs.cp,) + tuple(kv.shape)), work
 
 
-def _block_kv(block: Block, local_kv: torch.Tensor, full_kv: Optional[torch.Tensor], c: int):
-    source = local_kv if block.source is not None else full_kv
-    return _kv_view(source, _rows(block.k_rows, c))
-
-
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
-        seq = q.shape[2]
-        c = seq // 2
-        masks = _Masks(inputs, seq, q.device)
-        kernel = select_kernel(q, inputs.document_ids is not None)
-        plan = allgather_plan(inputs.cp, inputs.rank)
+        blocks = _Blocks(q, inputs, dropout_p, scale)
         out, lse = _accumulators(q)
         kv = _pack(k, v)
         gathered, work = _gather_kv(kv, inputs)
-        full, states = None, []
-        for block in plan:
+        full = None
+        for block in allgather_plan(inputs.cp, inputs.rank):
             if block.source is None and full is None:  # the local diagonals ran while the gather did
                 work.wait()
                 full = _global_order(gathered)
-            rows = _rows(block.q_rows, c)
-            kb, vb = _block_kv(block, kv, full, c)
-            o_b, lse_b, state = kernel.forward(q[:, :, rows], kb, vb, block.causal, masks.block(block), dropout_p,
-                                               scale)
-            _merge(out, lse, rows, o_b, lse_b)
-            states.append(state)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.saved = _Saved(inputs, kernel, dropout_p, scale, states)
-        return out
+            blocks.forward(block, q, *blocks.kv(kv if block.source is not None else full, block), out, lse)
+        return _save_forward(ctx, blocks, q, kv, out, lse)
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
-        s = ctx.saved
-        inputs, kernel = s.inputs, s.kernel
-        c = q.shape[2] // 2
-        masks = _Masks(inputs, q.shape[2], q.device)
-        plan = allgather_plan(inputs.cp, inputs.rank)
+        blocks: _Blocks = ctx.blocks
+        inputs = blocks.inputs
         gathered, work = _gather_kv(kv, inputs)  # gathered again rather than kept: CP x less memory
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         d_local = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         full = d_full = None
-        for block, state in zip(plan, s.states):
+        for step, block in enumerate(allgather_plan(inputs.cp, inputs.rank)):
             if block.source is None and full is None:
                 work.wait()
                 full = _global_order(gathered)
                 d_full = torch.zeros(full.shape, dtype=torch.float32, device=full.device)
-            rows, k_rows = _rows(block.q_rows, c), _rows(block.k_rows, c)
-            kb, vb = _block_kv(block, kv, full, c)
-            dq_b, dk_b, dv_b = kernel.backward(dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
-                                               lse[:, :, rows], block.causal, masks.block(block), s.dropout_p,
-                                               s.scale, state)
-            dq[:, :, rows] += dq_b
-            target = d_local if block.source is not None else d_full
-            target[0, :, k_rows] += dk_b.transpose(1, 2)
-            target[1, :, k_rows] += dv_b.transpose(1, 2)
+            local = block.source is not None
+            k_rows, dk_b, dv_b = blocks.backward(step, block, dout, q, *blocks.kv(kv if local else full, block),
+                                                 out, lse, dq)
+            _add_kv_grad(d_local if local else d_full, k_rows, dk_b, dv_b)
         if d_full is not None:
             shards = _rank_order(d_full, inputs.cp)
             mine = torch.empty_like(shards[0])
