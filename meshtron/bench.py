@@ -130,7 +130,7 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
     vocab = cfg.model.vocab_size or 32000
     data = RandomTokens(vocab, cfg.model.seq_length, t.micro_batch_size, n_micro, t.seed)
     if memory_sites:
-        from meshtron.memory_report import record_memory
+        from meshtron.memory_report import memory_report, record_memory
 
         record_memory(dev.type == "cuda")  # from before the model is built, so weights are in the trace
     trainer = Trainer(cfg, ctx, data=data)
@@ -146,8 +146,6 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     sites = None
     if memory_sites and dev.type == "cuda":
-        from meshtron.memory_report import memory_report, record_memory
-
         sites = memory_report(dev)
         record_memory(False)
 
@@ -258,8 +256,6 @@ def bench_main(argv: Sequence[str]) -> int:
             row = bench_row(row_argv, args.warmup, args.steps, args.split, args.profile_comm, args.memory_sites)
         except torch.OutOfMemoryError as err:
             row = {"argv": " ".join(row_argv), "error": "out of memory: " + " ".join(str(err).split())[:260]}
-            gc.collect()
-            torch.cuda.empty_cache()
         torch._dynamo.reset()  # compiled code holds references to the previous row's modules
         gc.collect()  # the row's trainer is gone: release its memory before the next row
         if torch.cuda.is_available():

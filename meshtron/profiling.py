@@ -40,9 +40,14 @@ def total_length(intervals: Iterable[Interval]) -> float:
 def exposed_length(comm: Iterable[Interval], compute: Iterable[Interval]) -> float:
     """Length of the union of ``comm`` not covered by the union of ``compute``."""
     busy = merge_intervals(compute)
-    exposed = 0.0
-    for start, end in merge_intervals(comm):
-        covered = sum(max(0.0, min(end, e) - max(start, s)) for s, e in busy if s < end and e > start)
+    exposed, i = 0.0, 0
+    for start, end in merge_intervals(comm):  # both sorted and disjoint: one sweep
+        while i < len(busy) and busy[i][1] <= start:
+            i += 1
+        covered, j = 0.0, i
+        while j < len(busy) and busy[j][0] < end:
+            covered += min(end, busy[j][1]) - max(start, busy[j][0])
+            j += 1
         exposed += (end - start) - covered
     return exposed
 

@@ -47,6 +47,11 @@ def quantize_rows(x: torch.Tensor, dim: int, dtype: torch.dtype = None) -> tuple
     return q, scale.reciprocal()
 
 
+def _out_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """The scaled matmul's output dtype: the activations' half-precision dtype, else fp32."""
+    return input_dtype if input_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix stored column-major (what _scaled_mm wants for its second operand)."""
     return t.t().contiguous().t()
@@ -64,7 +69,7 @@ class _FP8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, grad_dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        out_dtype = _out_dtype(x.dtype)
         xq, x_inv = quantize(x2, E4M3)
         wq, w_inv = quantize(weight, E4M3)
         y = _mm(xq, x_inv, wq.t(), w_inv, out_dtype)
@@ -80,7 +85,7 @@ class _FP8Linear(torch.autograd.Function):
         xq, x_inv, wq, w_inv = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
         gq, g_inv = quantize(g2, ctx.grad_dtype)
-        out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+        out_dtype = _out_dtype(ctx.x_dtype)
         grad_x = _mm(gq, g_inv, wq, w_inv, out_dtype).view(ctx.shape)              # [N, M] @ [M, K]
         grad_w = _mm(gq.t(), g_inv, xq, x_inv, torch.float32).to(ctx.w_dtype)     # [M, N] @ [N, K]
         grad_b = g2.sum(dim=0).to(ctx.w_dtype) if ctx.has_bias else None
@@ -92,7 +97,7 @@ class _FP8LinearRowwise(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        out_dtype = _out_dtype(x.dtype)
         xq, x_inv = quantize_rows(x2, 1)           # [N, 1]: one scale per token
         wq, w_inv = quantize_rows(weight, 1)       # [M, 1]: one scale per output feature
         y = _mm(xq, x_inv, wq.t(), w_inv.t(), out_dtype)
@@ -106,7 +111,7 @@ class _FP8LinearRowwise(torch.autograd.Function):
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        out_dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        out_dtype = _out_dtype(x2.dtype)
         # grad_x [N, K] = g [N, M] @ W [M, K]: g per token, W per input feature (over M).
         gq, g_inv = quantize_rows(g2, 1)
         wq, w_inv = quantize_rows(weight, 0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from meshtron.config import MeshtronConfig
+from meshtron.pipeline.partition import layout_from_config
 from meshtron.training.metrics import flops_per_token
 
 
@@ -46,10 +47,7 @@ def suggest_last_stage_layers(cfg: MeshtronConfig, vocab_size: int,
     stages, layers = p.pipeline_model_parallel_size, cfg.model.num_layers
     if stages < 2 or p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
         return None
-    if layers % stages:
-        return None
-    virtual = p.virtual_pipeline_model_parallel_size or (
-        layers // stages // p.num_layers_per_virtual_pipeline_stage if p.num_layers_per_virtual_pipeline_stage else 1)
+    virtual = layout_from_config(cfg).virtual_stages
     out_cost = output_layer_cost(cfg, vocab_size)
     even = _slowest([layers // stages] * stages, out_cost)
     best: Optional[tuple[float, int]] = None
