@@ -107,9 +107,7 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
               memory_sites: bool = False) -> dict:
     """Build the configuration, train ``warmup + steps`` iterations, and measure."""
     from meshtron.cli import build_config
-    from meshtron.memory import estimate_memory
     from meshtron.parallel.context import context_from_config
-    from meshtron.training.metrics import compute_throughput
     from meshtron.training.trainer import Trainer
 
     cfg: MeshtronConfig = build_config(["--mock-data", "--eval-interval", "0", "--train-iters",
@@ -130,10 +128,24 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
     vocab = cfg.model.vocab_size or 32000
     data = RandomTokens(vocab, cfg.model.seq_length, t.micro_batch_size, n_micro, t.seed)
     if memory_sites:
-        from meshtron.memory_report import memory_report, record_memory
+        from meshtron.memory_report import record_memory
 
         record_memory(dev.type == "cuda")  # from before the model is built, so weights are in the trace
     trainer = Trainer(cfg, ctx, data=data)
+    try:
+        return _measure(trainer, cfg, ctx, data, warmup, steps, split, profile_comm, memory_sites, leftover, argv)
+    finally:
+        trainer.close()  # its hooks would keep the parameters alive into the next row
+
+
+def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int, steps: int, split: bool,
+             profile_comm: bool, memory_sites: bool, leftover: Optional[float], argv: list[str]) -> dict:
+    """Time ``warmup + steps`` iterations of ``trainer``, then the step split and the optional profiles."""
+    from meshtron.memory import estimate_memory
+    from meshtron.training.metrics import compute_throughput
+
+    dev, t = ctx.device, cfg.train
+    vocab = cfg.model.vocab_size or 32000
     batches = next(data.train_batches())
     times = []
     for it in range(1, warmup + steps + 1):
@@ -146,6 +158,8 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     sites = None
     if memory_sites and dev.type == "cuda":
+        from meshtron.memory_report import memory_report, record_memory
+
         sites = memory_report(dev)
         record_memory(False)
 

@@ -99,6 +99,12 @@ def profile_communication(step: Callable[[], object], device: torch.device) -> C
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize(device)
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == DeviceType.CUDA]
-    return CommunicationProfile.from_kernels(kernels)
+    return CommunicationProfile.from_kernels(gpu_kernels(prof.events(), DeviceType.CUDA))
+
+
+def gpu_kernels(events: Iterable, device_type: object) -> list[tuple[str, float, float]]:
+    """(name, start, end) of the profiler events that ran on ``device_type``, without the GPU-side
+    copies of ``record_function`` ranges (user annotations such as ``nccl:all_gather``): those span
+    whole regions of the timeline and would count as kernels that cover everything."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == device_type and not getattr(e, "is_user_annotation", False)]

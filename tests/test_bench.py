@@ -62,3 +62,20 @@ def test_no_split_skips_the_step_time_split(tmp_path):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["step_s"] > 0 and row["forward_s"] is None and row["exposed_comm_s"] is None
     assert "| - |" in format_table([row])
+
+
+def test_bench_row_frees_its_model_for_the_next_row():
+    """A compiled row's parameters must not outlive it: the gradient hooks form a cycle that compiled
+    graphs keep alive, which on a GPU carried one row's weights and buffers into the next row's peak."""
+    import gc
+
+    import torch
+
+    from meshtron.bench import bench_row
+    from meshtron.optim.grad_buffer import GradBuffer
+
+    bench_row(["--model", "tiny", "--vocab-size", "300", "--device", "cpu", "--seq-length", "16",
+               "--micro-batch-size", "2", "--global-batch-size", "2", "--compile"], 1, 1, split=False)
+    torch._dynamo.reset()
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, GradBuffer)]

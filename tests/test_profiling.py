@@ -7,8 +7,8 @@ import json
 import pytest
 
 from meshtron.bench import bench_main
-from meshtron.profiling import (CommunicationProfile, collective_kind, exposed_length, merge_intervals,
-                                total_length)
+from meshtron.profiling import (CommunicationProfile, collective_kind, exposed_length, gpu_kernels,
+                                merge_intervals, total_length)
 
 
 def test_merge_and_total_length():
@@ -43,6 +43,24 @@ def test_profile_from_kernels_in_microseconds():
     assert prof.comm_s == pytest.approx(140e-6)
     assert prof.exposed_comm_s == pytest.approx(50e-6 + 40e-6)  # 100-150 and the whole SendRecv
     assert prof.by_kind_s == {"all_gather": pytest.approx(100e-6), "send_recv": pytest.approx(40e-6)}
+
+
+def test_gpu_kernels_skip_annotations_and_host_events():
+    """GPU-side copies of record_function ranges (nccl:all_to_all spans its kernel, a compiled region's
+    range spans everything) must not count as kernels, or every NCCL kernel looks hidden by "compute"."""
+    from types import SimpleNamespace as Event
+
+    def event(name, start, end, device="cuda", annotation=False):
+        return Event(name=name, time_range=Event(start=start, end=end), device_type=device,
+                     is_user_annotation=annotation)
+
+    events = [event("ncclDevKernel_SendRecv", 0, 10), event("nccl:all_to_all", 0, 12, annotation=True),
+              event("CompiledFunction", 0, 100, annotation=True), event("sm90_gemm", 10, 30),
+              event("aten::mm", 0, 40, device="cpu")]
+    kernels = gpu_kernels(events, "cuda")
+    assert kernels == [("ncclDevKernel_SendRecv", 0, 10), ("sm90_gemm", 10, 30)]
+    profile = CommunicationProfile.from_kernels(kernels)
+    assert profile.by_kind_s == {"send_recv": 10e-6} and profile.exposed_comm_s == pytest.approx(10e-6)
 
 
 def test_bench_profile_comm_flag_on_cpu(tmp_path):

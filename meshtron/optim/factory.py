@@ -42,6 +42,18 @@ class Optimization:
     layout: Optional[BufferLayout] = None
     bytes_per_param: Optional[BytesPerParameter] = None
 
+    def close(self) -> None:
+        """Remove the hooks this optimization put on parameters and modules.
+
+        The gradient hooks form a reference cycle through the parameters that the garbage collector
+        cannot always break (compiled graphs keep the parameters alive from C++), so a process that
+        builds several models one after another (``meshtron bench``) calls this to free each one.
+        """
+        self.grad_buffer.remove_hooks()
+        gather = getattr(self.optimizer, "param_gather", None)
+        if gather is not None:
+            gather.remove_hooks()
+
 
 def _isolate_tied_embedding(model_chunks: Sequence[nn.Module], params: list[nn.Parameter], ctx: ParallelContext):
     tied = {id(p) for p in tied_embedding_params(model_chunks, params, ctx)}

@@ -96,6 +96,10 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
         self.peak_tflops = peak_tflops(self.device, cfg.log.peak_tflops)
 
+    def close(self) -> None:
+        """Release the hooks that keep this run's parameters and buffers alive after it ends."""
+        self.optim.close()
+
     # ----------------------------------------------------------------------------------- steps
     def _prepare(self, micro_batches: list[dict]) -> list[dict]:
         """Move micro-batches to the device, keep this CP rank's part of the sequence, and attach each
