@@ -32,6 +32,31 @@ def main(argv):
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
     print(table)
+    print_categories(prof)
+
+
+#: Kernel-name fragments -> category, first match wins (matmul kernels: cuBLAS/cuBLASLt/CUTLASS names).
+CATEGORIES = (("nccl", "communication"), ("fmha", "attention"), ("flash", "attention"), ("cudnn", "attention"),
+              ("attn", "attention"), ("gemm", "matmul"), ("nvjet", "matmul"), ("cutlass", "matmul"),
+              ("triton_red", "triton reduction"), ("triton_per", "triton reduction"),
+              ("triton_poi", "triton pointwise"), ("triton", "triton other"), ("elementwise", "aten elementwise"),
+              ("reduce", "aten reduction"), ("Memcpy", "copies"), ("Memset", "copies"), ("copy", "copies"))
+
+
+def print_categories(prof) -> None:
+    """GPU kernel time per category over the profiled steps, to see what is not matmul."""
+    from torch.autograd import DeviceType
+
+    totals: dict = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            continue
+        name = e.name.lower()
+        cat = next((c for frag, c in CATEGORIES if frag.lower() in name), "other")
+        totals[cat] = totals.get(cat, 0.0) + (e.time_range.end - e.time_range.start)
+    whole = sum(totals.values()) or 1.0
+    for cat, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"{cat:>20s} {us / 1e3:10.1f} ms {us / whole:7.1%}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 #   bash benchmarks/run_all.sh parallel   # llama3-8b on two GPUs (TP=2, DP=2), TP=2 and DP=2 on llama3-3b
 #   bash benchmarks/run_all.sh single     # FP8 and recomputation, one GPU each, side by side
 #   bash benchmarks/run_all.sh pipeline   # PP=2: 1F1B and interleaved, 8 and 32 micro-batches
+#   bash benchmarks/run_all.sh fp8        # FP8 rows on GPU 1; kernel profiles of llama3-3b FP8 and bf16 on GPU 0
+#   bash benchmarks/run_all.sh accumulate # llama3-8b on two GPUs with several micro-batches per step
 #   bash benchmarks/run_all.sh memory     # allocation sites at the peak (FP8, full recomputation), one GPU
 #   bash benchmarks/run_all.sh tests      # the GPU tests (NCCL, compiled layers, grouped GEMM)
 #   bash benchmarks/run_all.sh moe        # Mixtral-shaped, EP=2
@@ -49,6 +51,17 @@ case "$phase" in
     one_gpu 1 290 single_gpu_recompute.yaml --warmup 3 --steps 5 &
     wait
     grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400 ;;
+  fp8)
+    echo "=== one GPU each: kernel profiles | single_gpu_fp8.yaml ($(date +%T))"
+    ( for prec in "--fp8-format e4m3" ""; do
+        CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/profile_step.py --bf16 --model llama3-3b \
+          --micro-batch-size 4 --global-batch-size 4 --seq-length 4096 $prec
+      done > "$OUT/profiles.txt" 2>&1 ) &
+    one_gpu 1 330 single_gpu_fp8.yaml --warmup 3 --steps 5 &
+    wait
+    grep -hE '^\{|Error' "$OUT"/gpu1.log | cut -c1-400 ;;
+  accumulate)
+    two_gpus 420 llama3_8b_two_gpu_accumulation.yaml --warmup 2 --steps 3 --no-split ;;
   memory)
     one_gpu 0 300 memory_sites.yaml --warmup 1 --steps 1 --no-split --memory-sites
     grep -hE '^\{|Error' "$OUT"/gpu0.log | cut -c1-1500 ;;
@@ -66,7 +79,7 @@ case "$phase" in
     gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   eight)
     gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 --profile-comm ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|pipeline|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|accumulate|pipeline|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"
