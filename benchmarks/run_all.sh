@@ -7,6 +7,7 @@
 #   bash benchmarks/run_all.sh pipeline   # PP=2: 1F1B and interleaved, 8 and 32 micro-batches
 #   bash benchmarks/run_all.sh fp8        # FP8 rows on GPU 1; kernel profiles of llama3-3b FP8 and bf16 on GPU 0
 #   bash benchmarks/run_all.sh accumulate # llama3-8b on two GPUs with several micro-batches per step
+#   bash benchmarks/run_all.sh p2p        # PP=2 at 32 micro-batches: overlapped transfers, balanced split
 #   bash benchmarks/run_all.sh memory     # allocation sites at the peak (FP8, full recomputation), one GPU
 #   bash benchmarks/run_all.sh tests      # the GPU tests (NCCL, compiled layers, grouped GEMM)
 #   bash benchmarks/run_all.sh moe        # Mixtral-shaped, EP=2
@@ -67,6 +68,8 @@ case "$phase" in
     grep -hE '^\{|Error' "$OUT"/gpu0.log | cut -c1-1500 ;;
   pipeline)
     two_gpus 420 pipeline.yaml --warmup 1 --steps 3 --no-split ;;
+  p2p)
+    two_gpus 560 pipeline_overlap.yaml --warmup 1 --steps 2 --no-split ;;
   tests)
     echo "=== GPU tests ($(date +%T))"
     timeout 300 python3 -m pytest -q -p no:logging --tb=short -m gpu tests 2>&1 | tee -a "$OUT/tests.txt" \
@@ -79,7 +82,7 @@ case "$phase" in
     gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   eight)
     gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 --profile-comm ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|accumulate|pipeline|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|accumulate|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"
