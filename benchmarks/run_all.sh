@@ -8,6 +8,7 @@
 #   bash benchmarks/run_all.sh fp8        # FP8 rows on GPU 1; kernel profiles of llama3-3b FP8 and bf16 on GPU 0
 #   bash benchmarks/run_all.sh accumulate # llama3-8b on two GPUs with several micro-batches per step
 #   bash benchmarks/run_all.sh p2p        # PP=2 at 32 micro-batches: overlapped transfers, balanced split
+#   bash benchmarks/run_all.sh async      # llama3-8b with micro-pipelined TP; then the one-GPU bf16 rows
 #   bash benchmarks/run_all.sh memory     # allocation sites at the peak (FP8, full recomputation), one GPU
 #   bash benchmarks/run_all.sh tests      # the GPU tests (NCCL, compiled layers, grouped GEMM)
 #   bash benchmarks/run_all.sh moe        # Mixtral-shaped, EP=2
@@ -68,6 +69,13 @@ case "$phase" in
     grep -hE '^\{|Error' "$OUT"/gpu0.log | cut -c1-1500 ;;
   pipeline)
     two_gpus 420 pipeline.yaml --warmup 1 --steps 3 --no-split ;;
+  async)
+    two_gpus 300 llama3_8b_async_tp.yaml --warmup 2 --steps 3 --no-split
+    echo "=== one GPU each: llama3-1b | llama3-3b bf16 ($(date +%T))"
+    one_gpu 0 200 single_gpu_reference.yaml --warmup 3 --steps 6 --model llama3-1b --micro-batch-size 8 &
+    one_gpu 1 200 single_gpu_reference.yaml --warmup 3 --steps 6 --model llama3-3b --micro-batch-size 4 &
+    wait
+    grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400 ;;
   p2p)
     two_gpus 560 pipeline_overlap.yaml --warmup 1 --steps 2 --no-split ;;
   tests)
@@ -82,7 +90,7 @@ case "$phase" in
     gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   eight)
     gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 --profile-comm ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|accumulate|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|accumulate|async|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"
