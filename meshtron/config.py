@@ -102,9 +102,9 @@ class ParallelConfig:
                                              "all-gather + matmul and matmul + reduce-scatter into overlapping "
                                              "pieces (micro-pipelined TP over symmetric memory; CUDA, compiled "
                                              "layers, --sequence-parallel).")
-    overlap_p2p_comm: bool = opt(False, "Pipeline: post point-to-point transfers without waiting and wait for a "
-                                        "received tensor only when it is used (avoids stalls, mostly in the "
-                                        "interleaved schedule).")
+    overlap_p2p_comm: bool = opt(True, "Pipeline: post point-to-point transfers without waiting and wait for a "
+                                       "received tensor only when it is used (avoids stalls, mostly in the "
+                                       "interleaved schedule); --no-overlap-p2p-comm for blocking exchanges.")
     tp_comm_overlap: bool = opt(True, "Overlap the tensor-parallel backward collectives (input-gradient all-reduce or "
                                       "reduce-scatter, sequence all-gather) with the weight-gradient matmul.")
     distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))

@@ -83,13 +83,16 @@ class DistributedOptimizer:
 
     # ----------------------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, lr: float) -> None:
-        """One AdamW step at ``lr`` with the (reduce-scattered, clipped) gradients of this rank's shards."""
+    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None) -> None:
+        """One AdamW step at ``lr`` with the reduce-scattered gradients of this rank's shards, multiplied
+        by ``grad_coef`` (the clipping coefficient) when given: only the shards this rank steps are scaled."""
         self.param_gather.wait_all()  # a gather still landing in the buffer must finish before we write it
         for part in self.host_parts:
+            if grad_coef is not None:  # scaled on the device before the copy to the host
+                part.scale_grads(grad_coef)
             part.fetch_grads()  # device -> host copies overlap the device partition's step
         for part in self.device_parts:
-            part.step(lr)
+            part.step(lr, grad_coef)
             part.store_params()
         for part in self.host_parts:
             part.step(lr)

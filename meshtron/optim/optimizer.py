@@ -9,7 +9,8 @@ torch's fused multi-tensor AdamW kernel.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,28 @@ from meshtron.config import OptimConfig
 def no_weight_decay(param: torch.Tensor) -> bool:
     """Norm weights and biases (1-D tensors) are not decayed."""
     return param.dim() == 1
+
+
+@contextlib.contextmanager
+def scaled_gradients(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor],
+                     coef: Optional[torch.Tensor]) -> Iterator[None]:
+    """Make ``optimizer.step()`` see ``grads`` multiplied by ``coef`` (a 0-d tensor; None: unscaled).
+
+    torch's fused Adam kernels divide the gradients by the optimizer's ``grad_scale`` as they read
+    them, so clipping costs no extra pass over the fp32 gradients (8 bytes per parameter); other
+    implementations get the gradients multiplied in place first.
+    """
+    if coef is None:
+        yield
+    elif optimizer.defaults.get("fused"):
+        optimizer.grad_scale = coef.reciprocal().to(torch.float32)
+        try:
+            yield
+        finally:
+            optimizer.grad_scale = None
+    else:
+        torch._foreach_mul_(list(grads), coef)
+        yield
 
 
 class MixedPrecisionAdamW:
@@ -44,13 +67,16 @@ class MixedPrecisionAdamW:
         self._copy_back = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
-        """One AdamW step at learning rate ``lr`` using the (already reduced and clipped) main grads."""
-        for p, m in zip(self.params, self.masters):
-            m.grad = p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float()
+    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None) -> None:
+        """One AdamW step at learning rate ``lr`` using the (already reduced) main grads, multiplied
+        by ``grad_coef`` (the clipping coefficient, a device tensor) when given."""
+        grads = [p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float() for p in self.params]
+        for m, g in zip(self.masters, grads):
+            m.grad = g
         for group in self.inner.param_groups:
             group["lr"] = lr
-        self.inner.step()
+        with scaled_gradients(self.inner, grads, grad_coef):
+            self.inner.step()
         if self._copy_back:
             torch._foreach_copy_([p.data for p, _ in self._copy_back], [m.data for _, m in self._copy_back])
         for m in self.masters:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from meshtron.config import OptimConfig
 from meshtron.optim.offload import HostCopier, Segment
+from meshtron.optim.optimizer import scaled_gradients
 
 
 class SegmentAdamW:
@@ -70,14 +71,24 @@ class SegmentAdamW:
     def _buffer_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s.buffer_offset:s.buffer_offset + s.length] for s in self.segments]
 
+    @torch.no_grad()
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        """Multiply this partition's gradients in the device buffer by ``coef`` in place."""
+        if self.segments:
+            torch._foreach_mul_(self._buffer_views(self.grad_data), coef)
+
     def fetch_grads(self) -> None:
         """Start copying this partition's gradients to the host (host partitions only)."""
         if self.copier is not None:
             self.copier.to_host(list(zip(self._stage_views(self.grad_stage), self._buffer_views(self.grad_data))))
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
-        """One AdamW step of the masters at ``lr`` (gradients already reduced and clipped)."""
+    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None) -> None:
+        """One AdamW step of the masters at ``lr`` (gradients already reduced), with the gradients
+        multiplied by ``grad_coef`` (the clipping coefficient) when given; host partitions take
+        gradients that were scaled before they were fetched, so they refuse it."""
+        if grad_coef is not None and self.copier is not None:
+            raise ValueError("host partitions fetch gradients that are already scaled; pass no grad_coef")
         if self.inner is None:
             return
         if self.copier is not None:
@@ -92,7 +103,8 @@ class SegmentAdamW:
             m.grad = g
         for group in self.inner.param_groups:
             group["lr"] = lr
-        self.inner.step()
+        with scaled_gradients(self.inner, grads, grad_coef):
+            self.inner.step()
         for m in self.masters:
             m.grad = None
 

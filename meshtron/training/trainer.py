@@ -136,9 +136,9 @@ class Trainer:
         norm_value = norm.item()  # the one host sync of a step: decides whether to skip it
         applied = math.isfinite(norm_value)
         if applied:
-            coef = clip_coefficient(norm, self.cfg.optim.clip_grad)
-            self.grad_buffer.data.mul_(coef)
-            self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters))
+            # The optimizer applies the clipping coefficient as it reads the gradients (no extra pass).
+            coef = clip_coefficient(norm, self.cfg.optim.clip_grad) if self.cfg.optim.clip_grad > 0 else None
+            self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters), grad_coef=coef)
         if self.moe is not None:
             self.moe.after_step(applied)
         return loss_sum, norm_value, applied

@@ -42,6 +42,9 @@ def run_config(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: Optional[int] 
     """A run on the given layout; ``parallel`` sets further ParallelConfig fields (e.g. the distributed optimizer)."""
     cfg = MeshtronConfig(model=model)
     p = cfg.parallel
+    # Blocking exchanges unless a case asks for the overlapped ones (the default of a real run), so
+    # that both transfer plans stay covered.
+    parallel.setdefault("overlap_p2p_comm", False)
     for key, value in parallel.items():
         setattr(p, key, value)
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.sequence_parallel = tp, pp, sp
