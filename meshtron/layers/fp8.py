@@ -30,7 +30,9 @@ _EPS = 1e-12
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(x * scale cast to ``dtype``, 1/scale) with one scale for the whole tensor."""
     fmax = torch.finfo(dtype).max
-    amax = x.detach().abs().amax().float().clamp(min=_EPS)
+    # Row maxima first, then their maximum: compiled, this per-row reduction ran twice as fast as one
+    # reduction of the whole tensor to a scalar (H200: 168 against 357 us for the SwiGLU output of llama3-3b).
+    amax = x.detach().abs().amax(dim=-1).amax().float().clamp(min=_EPS)
     scale = fmax / amax
     q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
     return q, scale.reciprocal()
