@@ -89,8 +89,7 @@ def train_step(model, optim, cfg: MeshtronConfig, ctx: ParallelContext, batch, m
                            optim.grad_sync.start_overlap if last else (lambda: None))
     optim.grad_sync.finish()
     norm = optim.grad_norm()
-    optim.grad_buffer.data.mul_(clip_coefficient(norm, cfg.optim.clip_grad))
-    optim.optimizer.step(LR)
+    optim.optimizer.step(LR, grad_coef=clip_coefficient(norm, cfg.optim.clip_grad))  # as the trainer does
     if ctx.dp_cp_group is not None:
         dist.all_reduce(total, group=ctx.dp_cp_group)
     return total.item(), norm.item()
@@ -375,8 +374,7 @@ def train_toy(cfg: MeshtronConfig, ctx: ParallelContext, ep: int, dp: int) -> di
             loss.backward()
         optim.grad_sync.finish()
         norm = optim.grad_norm()
-        optim.grad_buffer.data.mul_(clip_coefficient(norm, cfg.optim.clip_grad))
-        optim.optimizer.step(LR)
+        optim.optimizer.step(LR, grad_coef=clip_coefficient(norm, cfg.optim.clip_grad))
         out["norms"].append(norm.item())
     if isinstance(optim.optimizer, DistributedOptimizer):
         optim.optimizer.finish_param_gather()

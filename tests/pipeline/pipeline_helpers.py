@@ -118,8 +118,7 @@ def train_and_collect(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int
         if it == 0 and not cfg.parallel.use_distributed_optimizer:  # (which keeps only its shard of them)
             out["grads"] = gather_canonical(chunks, "grad")
         norm = optim.grad_norm()
-        optim.grad_buffer.data.mul_(clip_coefficient(norm, cfg.optim.clip_grad))
-        optim.optimizer.step(cfg.optim.lr)
+        optim.optimizer.step(cfg.optim.lr, grad_coef=clip_coefficient(norm, cfg.optim.clip_grad))
         out["losses"].append(_reduce(loss, ctx))
         out["norms"].append(float(norm))
     if hasattr(optim.optimizer, "finish_param_gather"):  # the distributed optimizer gathers weights lazily
