@@ -88,6 +88,12 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = opt(None, "Virtual stages per pipeline rank (interleaved 1F1B).")
     decoder_first_pipeline_num_layers: Optional[int] = opt(None, "Layers on the first pipeline stage (uneven split).")
     decoder_last_pipeline_num_layers: Optional[int] = opt(None, "Layers on the last pipeline stage (uneven split).")
+    account_for_embedding_in_pipeline_split: bool = opt(False, "Count the input embedding as one layer when "
+                                                               "splitting layers over pipeline stages (the first "
+                                                               "model chunk holds one layer fewer).")
+    account_for_loss_in_pipeline_split: bool = opt(False, "Count the output layer and loss as one layer when "
+                                                          "splitting layers over pipeline stages (the last model "
+                                                          "chunk holds one layer fewer).")
     context_parallel_size: int = opt(1, "Context-parallel size (split the sequence).")
     cp_comm_type: str = opt("p2p", "Context-parallel attention communication.", choices=("p2p", "allgather"))
     expert_model_parallel_size: int = opt(1, "Expert-parallel size.")
@@ -104,7 +110,8 @@ class ParallelConfig:
                                              "layers, --sequence-parallel).")
     overlap_p2p_comm: bool = opt(True, "Pipeline: post point-to-point transfers without waiting and wait for a "
                                        "received tensor only when it is used (avoids stalls, mostly in the "
-                                       "interleaved schedule); --no-overlap-p2p-comm for blocking exchanges.")
+                                       "interleaved schedule); --no-overlap-p2p-comm for blocking exchanges.",
+                                 aliases=("--overlap-p2p-communication",))
     tp_comm_overlap: bool = opt(True, "Overlap the tensor-parallel backward collectives (input-gradient all-reduce or "
                                       "reduce-scatter, sequence all-gather) with the weight-gradient matmul.")
     distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))

@@ -106,6 +106,7 @@ from typing import Iterable, Optional
 from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads,
                              padded_vocab_size)
 from meshtron.layers.cross_entropy import CHUNK_ELEMENTS  # the fused loss's chunk rule, kept in sync
+from meshtron.pipeline.partition import layout_from_config
 
 GIB = 2**30
 #: What ``--recompute-granularity selective`` recomputes (see the module docstring).
@@ -217,33 +218,13 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
 
 def virtual_stages(cfg: MeshtronConfig) -> int:
     """Virtual pipeline stages per rank (1 without interleaving)."""
-    par = cfg.parallel
-    if par.virtual_pipeline_model_parallel_size:
-        return par.virtual_pipeline_model_parallel_size
-    if par.num_layers_per_virtual_pipeline_stage:
-        per_rank = cfg.model.num_layers // par.pipeline_model_parallel_size
-        return max(1, per_rank // par.num_layers_per_virtual_pipeline_stage)
-    return 1
+    return layout_from_config(cfg).virtual_stages
 
 
 def stage_chunks(cfg: MeshtronConfig) -> list[list[list[int]]]:
     """For each pipeline rank, its model chunks (one per virtual stage) as lists of global layer indices."""
-    L, p, v = cfg.model.num_layers, cfg.parallel.pipeline_model_parallel_size, virtual_stages(cfg)
-    first, last = cfg.parallel.decoder_first_pipeline_num_layers, cfg.parallel.decoder_last_pipeline_num_layers
-    if v == 1:
-        sizes = [0] * p
-        if p > 1 and first:
-            sizes[0] = first
-        if p > 1 and last:
-            sizes[-1] = last
-        free = [r for r in range(p) if sizes[r] == 0]
-        rest = L - sum(sizes)
-        for i, r in enumerate(free):  # spread the remaining layers evenly, earlier ranks first
-            sizes[r] = rest // len(free) + (1 if i < rest % len(free) else 0)
-        starts = [sum(sizes[:r]) for r in range(p)]
-        return [[list(range(starts[r], starts[r] + sizes[r]))] for r in range(p)]
-    chunk = L // (p * v)
-    return [[list(range((k * p + r) * chunk, (k * p + r + 1) * chunk)) for k in range(v)] for r in range(p)]
+    layout = layout_from_config(cfg)
+    return [layout.stage_layers(rank) for rank in range(layout.stages)]
 
 
 # ---------------------------------------------------------------------------------------------

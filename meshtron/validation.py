@@ -191,63 +191,13 @@ def _check_parallel(cfg: MeshtronConfig) -> None:
 
 
 def _check_pipeline_layers(cfg: MeshtronConfig) -> None:
-    """Layers must split over PP stages (optionally uneven first/last) and virtual stages."""
-    p, layers = cfg.parallel, cfg.model.num_layers
-    pp = p.pipeline_model_parallel_size
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    _positive_if_set([("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last),
-                      ("--num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage),
-                      ("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size)])
-    uneven = first is not None or last is not None
-    if (uneven or p.num_layers_per_virtual_pipeline_stage or p.virtual_pipeline_model_parallel_size) and pp == 1:
-        flag = ("--decoder-first-pipeline-num-layers" if first is not None else
-                "--decoder-last-pipeline-num-layers" if last is not None else
-                "--num-layers-per-virtual-pipeline-stage" if p.num_layers_per_virtual_pipeline_stage else
-                "--virtual-pipeline-model-parallel-size")
-        raise ConfigError(f"{flag} needs --pipeline-model-parallel-size > 1")
-    if uneven:
-        stage_layers = _uneven_stage_layers(layers, pp, first, last)
-    else:
-        if layers % pp:
-            raise ConfigError(f"--num-layers ({layers}) must be divisible by --pipeline-model-parallel-size ({pp}) "
-                              f"(or set --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)")
-        stage_layers = [layers // pp] * pp
+    """Layers must split over the pipeline stages and virtual stages (meshtron.pipeline.partition raises
+    the error that names the flags); a virtual stage count given as layers per virtual stage is resolved."""
+    from meshtron.pipeline.partition import layout_from_config
 
-    per_virtual = p.num_layers_per_virtual_pipeline_stage
-    if per_virtual:
-        if uneven:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage cannot be combined with uneven first/last "
-                              "stages: use --virtual-pipeline-model-parallel-size")
-        if stage_layers[0] % per_virtual:
-            raise ConfigError(f"layers per pipeline stage ({stage_layers[0]} = --num-layers {layers} / "
-                              f"--pipeline-model-parallel-size {pp}) must be divisible by "
-                              f"--num-layers-per-virtual-pipeline-stage ({per_virtual})")
-        vpp = stage_layers[0] // per_virtual
-        if p.virtual_pipeline_model_parallel_size not in (None, vpp):
-            raise ConfigError(f"--virtual-pipeline-model-parallel-size ({p.virtual_pipeline_model_parallel_size}) "
-                              f"contradicts --num-layers-per-virtual-pipeline-stage ({per_virtual}), which gives {vpp}")
-        p.virtual_pipeline_model_parallel_size = vpp
-    elif p.virtual_pipeline_model_parallel_size:
-        vpp = p.virtual_pipeline_model_parallel_size
-        for stage, n in enumerate(stage_layers):
-            if n % vpp:
-                raise ConfigError(f"pipeline stage {stage} has {n} layers, not divisible by "
-                                  f"--virtual-pipeline-model-parallel-size ({vpp})")
-
-
-def _uneven_stage_layers(layers: int, pp: int, first: Optional[int], last: Optional[int]) -> list[int]:
-    """Layers of each stage with --decoder-first/last-pipeline-num-layers; the rest split evenly."""
-    fixed = (first or 0) + (last or 0)
-    middle_stages = pp - (first is not None) - (last is not None)
-    rest = layers - fixed
-    given = ", ".join(f"{f} {v}" for f, v in (("--decoder-first-pipeline-num-layers", first),
-                                               ("--decoder-last-pipeline-num-layers", last)) if v is not None)
-    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages > 0 and (rest == 0 or rest % middle_stages)):
-        raise ConfigError(f"--num-layers ({layers}) minus {given} leaves {rest} layers, which must split evenly "
-                          f"(and non-empty) over the other {middle_stages} of --pipeline-model-parallel-size {pp} "
-                          f"stages")
-    middle = [rest // middle_stages] * middle_stages if middle_stages else []
-    return ([first] if first is not None else []) + middle + ([last] if last is not None else [])
+    layout = layout_from_config(cfg)
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage:
+        cfg.parallel.virtual_pipeline_model_parallel_size = layout.virtual_stages
 
 
 def _check_experts(cfg: MeshtronConfig) -> None:

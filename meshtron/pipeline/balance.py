@@ -41,12 +41,13 @@ def _slowest(counts: list[int], out_cost: float) -> float:
 def suggest_last_stage_layers(cfg: MeshtronConfig, vocab_size: int,
                               min_speedup: float = 1.03) -> Optional[SplitSuggestion]:
     """A ``--decoder-last-pipeline-num-layers`` that makes the slowest stage at least ``min_speedup``
-    times faster than the even split, or None (one stage, an uneven split already chosen, or nothing
+    times faster than the even split, or None (one stage, a split already chosen by flags, or nothing
     to gain). Every stage's layer count stays divisible by the virtual stages."""
     p = cfg.parallel
     stages, layers = p.pipeline_model_parallel_size, cfg.model.num_layers
-    if stages < 2 or p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
-        return None
+    if (stages < 2 or p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers
+            or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split):
+        return None  # the user chose the split
     virtual = layout_from_config(cfg).virtual_stages
     out_cost = output_layer_cost(cfg, vocab_size)
     even = _slowest([layers // stages] * stages, out_cost)

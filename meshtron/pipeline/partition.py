@@ -3,7 +3,10 @@
 Layers are split over ``--pipeline-model-parallel-size`` stages, evenly unless
 ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``
 fix the first and last stage's share (the remaining layers then split evenly over
-the stages in between).
+the stages in between). Megatron-LM's ``--account-for-embedding-in-pipeline-split`` /
+``--account-for-loss-in-pipeline-split`` instead count the embedding / the output layer
+and loss as one more layer: the slots (layers plus those) split evenly over the model
+chunks, and the first / last chunk holds one layer fewer.
 
 With ``V`` virtual stages (interleaved 1F1B, ``--virtual-pipeline-model-parallel-size``
 or ``--num-layers-per-virtual-pipeline-stage``) the model is cut into ``PP x V`` model
@@ -29,6 +32,8 @@ _LAST = "--decoder-last-pipeline-num-layers"
 _PP = "--pipeline-model-parallel-size"
 _VPP = "--virtual-pipeline-model-parallel-size"
 _PER_VIRTUAL = "--num-layers-per-virtual-pipeline-stage"
+_EMBEDDING_SLOT = "--account-for-embedding-in-pipeline-split"
+_LOSS_SLOT = "--account-for-loss-in-pipeline-split"
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,8 @@ def resolve_virtual_stages(num_layers: int, counts: list[int], virtual_size: Opt
         if uneven:
             raise ConfigError(f"{_PER_VIRTUAL} cannot be combined with {_FIRST} / {_LAST}: use {_VPP}")
         if counts[0] % layers_per_virtual:
-            raise ConfigError(f"layers per pipeline stage ({counts[0]} = --num-layers {num_layers} / {_PP} {stages}) "
-                              f"must be divisible by {_PER_VIRTUAL} ({layers_per_virtual})")
+            raise ConfigError(f"layers per pipeline stage ({counts[0]}, from --num-layers {num_layers} and {_PP} "
+                              f"{stages}) must be divisible by {_PER_VIRTUAL} ({layers_per_virtual})")
         derived = counts[0] // layers_per_virtual
         if vpp is not None and vpp != derived:
             raise ConfigError(f"{_VPP} ({vpp}) contradicts {_PER_VIRTUAL} ({layers_per_virtual}), which gives "
@@ -118,24 +123,55 @@ def resolve_virtual_stages(num_layers: int, counts: list[int], virtual_size: Opt
 
 
 def partition_layers(num_layers: int, stages: int, *, first: Optional[int] = None, last: Optional[int] = None,
-                     virtual_size: Optional[int] = None,
-                     layers_per_virtual: Optional[int] = None) -> PipelineLayout:
+                     virtual_size: Optional[int] = None, layers_per_virtual: Optional[int] = None,
+                     embedding_slot: bool = False, loss_slot: bool = False) -> PipelineLayout:
     """The layout of ``num_layers`` layers over ``stages`` pipeline stages (see the module docstring).
 
+    ``embedding_slot`` / ``loss_slot``: count the embedding / the output layer and loss as a layer.
     Raises :class:`ConfigError` naming the flags when the split is impossible.
     """
     if num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {num_layers}")
+    if embedding_slot or loss_slot:
+        return _partition_with_slots(num_layers, stages, first, last, virtual_size, layers_per_virtual,
+                                     embedding_slot, loss_slot)
     counts = stage_layer_counts(num_layers, stages, first, last)
     vpp = resolve_virtual_stages(num_layers, counts, virtual_size, layers_per_virtual,
                                  uneven=first is not None or last is not None)
+    return _layout(num_layers, stages, vpp, [counts[k % stages] // vpp for k in range(stages * vpp)])
+
+
+def _layout(num_layers: int, stages: int, vpp: int, chunk_sizes: list[int]) -> PipelineLayout:
+    """Consecutive layers for the model chunks of the given sizes, in model order (v-major, then stage)."""
     chunks: list[tuple[int, ...]] = []
     start = 0
-    for k in range(stages * vpp):  # model chunks in model order: v-major, then stage
-        size = counts[k % stages] // vpp
+    for size in chunk_sizes:
         chunks.append(tuple(range(start, start + size)))
         start += size
     return PipelineLayout(num_layers, stages, vpp, tuple(chunks))
+
+
+def _partition_with_slots(num_layers: int, stages: int, first: Optional[int], last: Optional[int],
+                          virtual_size: Optional[int], layers_per_virtual: Optional[int],
+                          embedding_slot: bool, loss_slot: bool) -> PipelineLayout:
+    """Megatron-LM's accounting split: the embedding and/or the loss take one layer's slot."""
+    flags = " and ".join(f for f, on in ((_EMBEDDING_SLOT, embedding_slot), (_LOSS_SLOT, loss_slot)) if on)
+    if first is not None or last is not None:
+        raise ConfigError(f"{flags} cannot be combined with {_FIRST} / {_LAST}: choose one way to split")
+    if stages == 1:
+        raise ConfigError(f"{flags} needs {_PP} > 1")
+    slots = num_layers + embedding_slot + loss_slot
+    if slots % stages:
+        raise ConfigError(f"--num-layers ({num_layers}) plus the {slots - num_layers} layer slot(s) of {flags} "
+                          f"= {slots} must be divisible by {_PP} ({stages})")
+    vpp = resolve_virtual_stages(slots, [slots // stages] * stages, virtual_size, layers_per_virtual, uneven=False)
+    sizes = [slots // (stages * vpp)] * (stages * vpp)
+    sizes[0] -= embedding_slot
+    sizes[-1] -= loss_slot
+    if min(sizes) < 1:
+        raise ConfigError(f"{flags} with --num-layers {num_layers}, {_PP} {stages} and {vpp} virtual stages "
+                          f"leaves a model chunk without layers; use fewer stages or virtual stages")
+    return _layout(num_layers, stages, vpp, sizes)
 
 
 def layout_from_config(cfg: MeshtronConfig) -> PipelineLayout:
@@ -144,7 +180,9 @@ def layout_from_config(cfg: MeshtronConfig) -> PipelineLayout:
     return partition_layers(cfg.model.num_layers, p.pipeline_model_parallel_size,
                             first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers,
                             virtual_size=p.virtual_pipeline_model_parallel_size,
-                            layers_per_virtual=p.num_layers_per_virtual_pipeline_stage)
+                            layers_per_virtual=p.num_layers_per_virtual_pipeline_stage,
+                            embedding_slot=p.account_for_embedding_in_pipeline_split,
+                            loss_slot=p.account_for_loss_in_pipeline_split)
 
 
 def check_micro_batches(num_micro_batches: int, stages: int, virtual_stages: int) -> None:

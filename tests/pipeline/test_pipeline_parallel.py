@@ -34,6 +34,12 @@ WORLD_4 = [
     # Point-to-point transfers posted without waiting (--overlap-p2p-comm).
     ("pp4-interleaved-v2-overlap-p2p", run_config(model_config(layers=8), pp=4, vpp=2, overlap_p2p_comm=True)),
     ("pp2-dp2-1f1b-overlap-p2p", run_config(LLAMA_UNTIED, pp=2, overlap_p2p_comm=True)),
+    # Megatron's accounting splits: 5 layers + the loss's slot -> 3 + 2 layers; 6 layers + both slots over
+    # 2 x 2 chunks -> chunks of 1, 2, 2, 1 layers (unequal chunks within a stage).
+    ("pp2-dp2-loss-slot", run_config(model_config(layers=5), pp=2, account_for_loss_in_pipeline_split=True)),
+    ("pp2-dp2-interleaved-v2-embedding-and-loss-slots",
+     run_config(model_config(layers=6, tied=False), pp=2, vpp=2, account_for_embedding_in_pipeline_split=True,
+                account_for_loss_in_pipeline_split=True, overlap_p2p_comm=True)),
 ]
 WORLD_8 = [
     ("tp2-pp2-dp2-sp", run_config(LLAMA_TIED, tp=2, pp=2, sp=True)),

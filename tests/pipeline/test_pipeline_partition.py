@@ -66,6 +66,18 @@ def test_layout_from_config_reads_the_flags():
     assert layout.stage_layers(2) == [[4, 5], [10, 11]]
 
 
+def test_accounting_slots_take_a_layer_from_the_first_and_last_chunk():
+    # 28 layers + embedding + loss over 2 stages: 15 slots each, 14 layers each.
+    layout = partition_layers(28, 2, embedding_slot=True, loss_slot=True)
+    assert [len(c) for c in layout.chunk_layers] == [14, 14]
+    # 5 layers + the loss over 2 stages: 3 + 2 layers.
+    assert partition_layers(5, 2, loss_slot=True).stage_layers(1) == [[3, 4]]
+    # 6 layers + both slots over 2 stages x 2 virtual stages: 2 slots per chunk.
+    layout = partition_layers(6, 2, virtual_size=2, embedding_slot=True, loss_slot=True)
+    assert layout.stage_layers(0) == [[0], [3, 4]] and layout.stage_layers(1) == [[1, 2], [5]]
+    assert partition_layers(10, 2, layers_per_virtual=3, embedding_slot=True, loss_slot=True).virtual_stages == 2
+
+
 @pytest.mark.parametrize("kwargs,flags", [
     (dict(num_layers=7, stages=2), ["--num-layers (7)", "--pipeline-model-parallel-size (2)"]),
     (dict(num_layers=8, stages=3, first=3), ["--decoder-first-pipeline-num-layers 3", "5 layers"]),
@@ -79,6 +91,10 @@ def test_layout_from_config_reads_the_flags():
     (dict(num_layers=8, stages=2, first=2, layers_per_virtual=1), ["cannot be combined"]),
     (dict(num_layers=8, stages=1, virtual_size=2), ["--virtual-pipeline-model-parallel-size needs"]),
     (dict(num_layers=6, stages=2, first=3, virtual_size=2), ["pipeline stage 0 has 3 layers", "not divisible"]),
+    (dict(num_layers=8, stages=2, loss_slot=True), ["--account-for-loss-in-pipeline-split = 9", "(2)"]),
+    (dict(num_layers=8, stages=2, last=3, loss_slot=True), ["cannot be combined with --decoder-first"]),
+    (dict(num_layers=7, stages=1, embedding_slot=True), ["--account-for-embedding-in-pipeline-split needs"]),
+    (dict(num_layers=2, stages=2, virtual_size=2, embedding_slot=True, loss_slot=True), ["without layers"]),
 ], ids=lambda x: None)
 def test_impossible_splits_name_the_flags(kwargs, flags):
     kwargs = dict(kwargs)
