@@ -47,6 +47,7 @@ class ModelConfig:
     norm_epsilon: float = opt(1e-5, "Epsilon of the normalisation layers.")
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU.")
     position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=("learned_absolute", "rope"))
+    use_rotary_position_embeddings: bool = opt(False, "Megatron's older spelling of --position-embedding-type rope.")
     rotary_base: float = opt(10000.0, "RoPE base (theta).")
     use_rope_scaling: bool = opt(False, "Llama-3.1 RoPE frequency scaling.")
     rope_scaling_factor: float = opt(8.0, "Llama-3.1 RoPE scaling factor (with --use-rope-scaling).")
@@ -76,6 +77,9 @@ class ModelConfig:
     moe_first_dense_layers: int = opt(0, "The first N layers keep a dense MLP (DeepSeek-MoE's first_k_dense_replace); "
                                          "the later layers follow --moe-layer-freq.")
     moe_grouped_gemm: bool = opt(False, "Accepted for Megatron compatibility; meshtron uses grouped GEMM on GPU where available.")
+    moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch between expert-parallel ranks (meshtron "
+                                                     "implements all-to-all).", choices=("alltoall",))
+    moe_router_dtype: str = opt("fp32", "Router precision (meshtron routes in fp32).", choices=("fp32",))
 
 
 @dataclass
@@ -85,7 +89,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "Tensor-parallel size (split each layer's matmuls).")
     pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel size (split layers into stages).")
     num_layers_per_virtual_pipeline_stage: Optional[int] = opt(None, "Layers per virtual stage (interleaved 1F1B).")
-    virtual_pipeline_model_parallel_size: Optional[int] = opt(None, "Virtual stages per pipeline rank (interleaved 1F1B).")
+    virtual_pipeline_model_parallel_size: Optional[int] = opt(None, "Virtual stages per pipeline rank (interleaved 1F1B).",
+                                                              aliases=("--num-virtual-stages-per-pipeline-rank",))
     decoder_first_pipeline_num_layers: Optional[int] = opt(None, "Layers on the first pipeline stage (uneven split).")
     decoder_last_pipeline_num_layers: Optional[int] = opt(None, "Layers on the last pipeline stage (uneven split).")
     account_for_embedding_in_pipeline_split: bool = opt(False, "Count the input embedding as one layer when "
@@ -171,6 +176,7 @@ class TrainConfig:
     fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (one current scale per tensor) or rowwise (one per "
                           "row, e4m3); delayed is not implemented.", choices=("tensorwise", "rowwise", "delayed"))
     recompute_granularity: Optional[str] = opt(None, "Activation recomputation.", choices=("full", "selective"))
+    recompute_activations: bool = opt(False, "Megatron's shorthand for --recompute-granularity selective.")
     recompute_method: Optional[str] = opt(None, "Which layers to recompute with --recompute-granularity full.",
                                           choices=("uniform", "block"))
     recompute_num_layers: int = opt(1, "Layers per recomputed chunk (uniform) or recomputed layers (block).")
@@ -186,6 +192,36 @@ class TrainConfig:
     transformer_impl: Optional[str] = opt(None, "Accepted for Megatron compatibility (meshtron uses its own layers).",
                                           choices=("local", "transformer_engine"))
     use_flash_attn: bool = opt(False, "Accepted for Megatron compatibility (flash/cuDNN attention is the default on CUDA).")
+    attention_backend: str = opt("auto", "Accepted for Megatron compatibility: meshtron's attention is SDPA with cuDNN, "
+                                         "then flash (the fused kernels).", choices=("auto", "flash", "fused"))
+    no_gradient_accumulation_fusion: bool = opt(False, "Accepted for Megatron compatibility (meshtron accumulates "
+                                                       "gradients in fp32 buffers without a fused matmul).")
+    cross_entropy_loss_fusion: bool = opt(False, "Accepted for Megatron compatibility (meshtron's loss is always fused "
+                                                 "with the output layer).")
+    moe_permute_fusion: bool = opt(False, "Accepted for Megatron compatibility (token permutation is index-based).")
+    no_masked_softmax_fusion: bool = opt(False, "Accepted for Megatron compatibility (softmax runs inside SDPA).")
+    no_bias_swiglu_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the "
+                                             "element-wise work).")
+    no_bias_dropout_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the "
+                                              "element-wise work).")
+    no_rope_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the element-wise "
+                                      "work).")
+    log_throughput: bool = opt(False, "Accepted for Megatron compatibility (meshtron always logs tokens/s, TFLOP/s "
+                                      "and MFU).")
+    timing_log_level: int = opt(0, "Accepted for Megatron compatibility (meshtron logs the step time; "
+                                   "`meshtron bench` gives the step split); 0, 1 or 2.")
+    fp8_amax_history_len: Optional[int] = opt(None, "Delayed-scaling FP8 setting: refused, meshtron scales FP8 "
+                                                    "from current values (--fp8-recipe).")
+    fp8_amax_compute_algo: Optional[str] = opt(None, "Delayed-scaling FP8 setting: refused, meshtron scales FP8 "
+                                                     "from current values (--fp8-recipe).", choices=("max", "most_recent"))
+    use_torch_fsdp2: bool = opt(False, "Not supported: meshtron shards optimizer state with "
+                                       "--use-distributed-optimizer (ZeRO-1), not parameters.")
+    rampup_batch_size: list = opt([], "Not supported: batch-size ramp-up.", nargs="+")
+    manual_gc: bool = opt(False, "Turn Python's automatic garbage collection off during training and collect at fixed "
+                                 "iterations instead, so that ranks do not pause at different times.")
+    manual_gc_interval: int = opt(0, "With --manual-gc: collect every N iterations (0: only at evaluations, "
+                                     "checkpoints and the end).")
+    manual_gc_eval: bool = opt(True, "With --manual-gc: collect before and after each evaluation.")
 
 
 @dataclass

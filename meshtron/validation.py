@@ -93,6 +93,11 @@ def parse_split(split: str) -> list[float]:
 # ---------------------------------------------------------------------------------------------
 
 def _fill_model(m: ModelConfig) -> None:
+    if m.use_rotary_position_embeddings:
+        if m.position_embedding_type not in ("rope", "learned_absolute"):
+            raise ConfigError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+                              f"{m.position_embedding_type}")
+        m.position_embedding_type = "rope"
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if m.group_query_attention:
@@ -267,6 +272,12 @@ def _cuda_available() -> bool:
 
 def _fill_precision_and_recompute(cfg: MeshtronConfig) -> None:
     t = cfg.train
+    _check_unsupported_megatron_flags(cfg)
+    if t.recompute_activations:
+        if t.recompute_granularity == "full":
+            raise ConfigError("--recompute-activations means --recompute-granularity selective; it contradicts "
+                              "--recompute-granularity full: give one of them")
+        t.recompute_granularity = "selective"
     if t.device is None:
         t.device = "cuda" if _cuda_available() else "cpu"
     elif t.device == "cuda" and not _cuda_available():
@@ -342,8 +353,29 @@ def _check_optim(o: OptimConfig, train_iters: int) -> None:
         raise ConfigError(f"--optimizer-offload-fraction must be in [0, 1], got {o.optimizer_offload_fraction}")
 
 
+def _check_unsupported_megatron_flags(cfg: MeshtronConfig) -> None:
+    """Megatron-LM flags that meshtron parses so that it can say why it does not do what they ask."""
+    t = cfg.train
+    if t.fp8_amax_history_len is not None or t.fp8_amax_compute_algo is not None:
+        flag = "--fp8-amax-history-len" if t.fp8_amax_history_len is not None else "--fp8-amax-compute-algo"
+        raise ConfigError(f"{flag} configures delayed FP8 scaling, which meshtron does not implement: it scales "
+                          f"from current values (--fp8-recipe tensorwise or rowwise); drop {flag}")
+    if t.use_torch_fsdp2:
+        raise ConfigError("--use-torch-fsdp2 is not supported: meshtron shards the optimizer state with "
+                          "--use-distributed-optimizer (add --optimizer-cpu-offload, or tensor/pipeline "
+                          "parallelism, when the model does not fit)")
+    if t.rampup_batch_size:
+        raise ConfigError("--rampup-batch-size is not supported: train with a fixed --global-batch-size")
+
+
 def _check_training(cfg: MeshtronConfig) -> None:
     t = cfg.train
+    if t.timing_log_level not in (0, 1, 2):
+        raise ConfigError(f"--timing-log-level must be 0, 1 or 2, got {t.timing_log_level}")
+    if t.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}")
+    if t.manual_gc_interval and not t.manual_gc:
+        raise ConfigError("--manual-gc-interval needs --manual-gc")
     if t.train_iters <= 0:
         raise ConfigError(f"--train-iters must be positive, got {t.train_iters}")
     for flag, value in (("--eval-interval", t.eval_interval), ("--eval-iters", t.eval_iters)):

@@ -65,6 +65,14 @@ ERRORS = [
     (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2",
               "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"], 2,
      "cannot be combined with --decoder-first-pipeline-num-layers"),
+    # Megatron-LM flags that meshtron parses in order to say why it does not do what they ask.
+    (SHAPE + ["--recompute-activations", "--recompute-granularity", "full"], 1,
+     "--recompute-activations means --recompute-granularity selective; it contradicts"),
+    (SHAPE + ["--fp8-amax-history-len", "1024"], 1, "--fp8-amax-history-len configures delayed FP8 scaling"),
+    (SHAPE + ["--use-torch-fsdp2"], 1, "--use-torch-fsdp2 is not supported"),
+    (SHAPE + ["--rampup-batch-size", "32", "32", "1000"], 1, "--rampup-batch-size is not supported"),
+    (SHAPE + ["--manual-gc-interval", "5"], 1, "--manual-gc-interval needs --manual-gc"),
+    (SHAPE + ["--moe-token-dispatcher-type", "allgather"], 1, "valid: alltoall"),
     (SHAPE + ["--num-layers-per-virtual-pipeline-stage", "2"], 1,
      "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
     (SHAPE + ["--num-layers", "8", "--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "3"],
@@ -283,3 +291,20 @@ def test_async_tensor_parallel_needs_cuda_compile_and_sequence_parallel():
     with pytest.raises(ConfigError, match="--async-tensor-parallel needs --device cuda"):
         build_config(["--mock-data", "--vocab-size", "100", "--device", "cpu", "--tensor-model-parallel-size", "2",
                       "--sequence-parallel", "--async-tensor-parallel"]).validate(2)
+
+
+def test_megatron_spellings_map_to_meshtron_settings(no_cuda: None) -> None:
+    cfg = validated(SHAPE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                             "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "2",
+                             "--no-overlap-p2p-communication",
+                             "--recompute-activations", "--use-rotary-position-embeddings",
+                             "--position-embedding-type", "learned_absolute"], 2)
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+    assert cfg.parallel.overlap_p2p_comm is False
+    assert cfg.train.recompute_granularity == "selective"
+    assert cfg.model.position_embedding_type == "rope"
+    # Implementation choices meshtron makes itself: accepted, nothing to configure.
+    validated(SHAPE + ["--attention-backend", "flash", "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion",
+                       "--moe-permute-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+                       "--no-bias-dropout-fusion", "--no-rope-fusion", "--log-throughput", "--timing-log-level", "2",
+                       "--moe-router-dtype", "fp32"])

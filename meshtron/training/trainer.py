@@ -25,6 +25,7 @@ import torch.distributed as dist
 from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
 from meshtron.optim.clip import clip_coefficient
+from meshtron.training.gc_control import ManualGC
 from meshtron.optim.factory import build_optimization
 from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context import ParallelContext, context_from_config
@@ -208,7 +209,7 @@ class Trainer:
                 "mfu": speed.mfu, **peak_memory_stats(self.device)}
 
     def train(self) -> TrainingResult:
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         self.load()
         signal_handler = None
         ckpt = self._checkpointing()
@@ -216,6 +217,16 @@ class Trainer:
             signal_handler = ckpt.install_signal_handler()
         if t.eval_interval and self.state.iteration == 0:
             self._evaluate_and_log(0)  # the starting point, so the log shows how far validation falls
+        with ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval) as manual_gc:
+            self._run_iterations(signal_handler, manual_gc)
+        if ckpt is not None and hasattr(ckpt, "finalize_async_saves"):
+            ckpt.finalize_async_saves()
+        self.result.final_iteration = self.state.iteration
+        return self.result
+
+    def _run_iterations(self, signal_handler, manual_gc: ManualGC) -> None:
+        """The training loop from the current iteration to --train-iters (or an exit condition)."""
+        cfg, t = self.cfg, self.cfg.train
         start_time = time.monotonic()
         batches: Iterator[list[dict]] = train_batches(self.data, self.ctx, self.reads_data, self.state.iteration,
                                                       self.num_micro_batches)
@@ -258,8 +269,11 @@ class Trainer:
                 interval_losses, interval_steps = [], 0
                 interval_start = time.perf_counter()
             if t.eval_interval and iteration % t.eval_interval == 0:
+                manual_gc.around_evaluation()
                 self._evaluate_and_log(iteration)
+                manual_gc.around_evaluation()
                 interval_start = time.perf_counter()
+            manual_gc.after_step(iteration)
             stop = self._should_stop(iteration, start_time, signal_handler)
             if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0 or stop:
                 self.save()
@@ -273,10 +287,6 @@ class Trainer:
             if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
                                         or self.state.iteration % cfg.checkpoint.save_interval != 0):
                 self.save()
-        if ckpt is not None and hasattr(ckpt, "finalize_async_saves"):
-            ckpt.finalize_async_saves()
-        self.result.final_iteration = self.state.iteration
-        return self.result
 
     def _evaluate_and_log(self, iteration: int) -> None:
         loss = self.evaluate()
