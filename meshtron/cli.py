@@ -56,7 +56,9 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
 #: Flags kept so that Megatron scripts run unchanged; meshtron makes these choices itself.
 MEGATRON_COMPAT_FIELDS: tuple[str, ...] = (
     "use_mcore_models", "transformer_impl", "use_flash_attn", "dataloader_type", "ckpt_format",
-    "cpu_optimizer_type", "moe_grouped_gemm",
+    "cpu_optimizer_type", "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_dtype", "attention_backend",
+    "no_gradient_accumulation_fusion", "cross_entropy_loss_fusion", "moe_permute_fusion", "no_masked_softmax_fusion",
+    "no_bias_swiglu_fusion", "no_bias_dropout_fusion", "no_rope_fusion", "log_throughput", "timing_log_level",
 )
 
 #: Without --model and without any of these, the "tiny" preset is applied.
