@@ -72,6 +72,9 @@ class ModelConfig:
     moe_router_enable_expert_bias: bool = opt(False, "Aux-loss-free balancing with a per-expert bias.")
     moe_router_bias_update_rate: float = opt(1e-3, "Update rate of the per-expert bias.")
     moe_expert_capacity_factor: Optional[float] = opt(None, "Capacity factor; tokens over capacity are dropped.")
+    moe_pad_expert_input_to_capacity: bool = opt(False, "With --moe-expert-capacity-factor: send every expert exactly "
+                                                        "its capacity of rows (zero-padded), so that the dispatch has "
+                                                        "static sizes and no device-to-host synchronisation.")
     moe_shared_expert_intermediate_size: Optional[int] = opt(None, "Inner size of the shared expert(s).")
     moe_layer_freq: int = opt(1, "Every n-th layer is MoE.")
     moe_first_dense_layers: int = opt(0, "The first N layers keep a dense MLP (DeepSeek-MoE's first_k_dense_replace); "

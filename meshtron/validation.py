@@ -122,6 +122,9 @@ def _check_model(m: ModelConfig) -> None:
                       ("--num-experts", m.num_experts), ("--moe-ffn-hidden-size", m.moe_ffn_hidden_size),
                       ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size),
                       ("--moe-expert-capacity-factor", m.moe_expert_capacity_factor)])
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity it "
+                          "pads to)")
     for flag, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{flag} must be in [0, 1), got {value}")

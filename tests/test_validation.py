@@ -73,6 +73,8 @@ ERRORS = [
     (SHAPE + ["--rampup-batch-size", "32", "32", "1000"], 1, "--rampup-batch-size is not supported"),
     (SHAPE + ["--manual-gc-interval", "5"], 1, "--manual-gc-interval needs --manual-gc"),
     (SHAPE + ["--moe-token-dispatcher-type", "allgather"], 1, "valid: alltoall"),
+    (SHAPE + ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1,
+     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
     (SHAPE + ["--num-layers-per-virtual-pipeline-stage", "2"], 1,
      "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
     (SHAPE + ["--num-layers", "8", "--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "3"],

@@ -40,6 +40,13 @@ def cfg_b() -> ModelConfig:
                        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.2)
 
 
+def cfg_c() -> ModelConfig:
+    """cfg_b with capacity dropping and every expert's input padded to its capacity (static all-to-all)."""
+    cfg = cfg_b()
+    cfg.moe_expert_capacity_factor, cfg.moe_pad_expert_input_to_capacity = 0.75, True
+    return cfg
+
+
 #: (name, config, TP, CP, EP, sequence parallel) on 4 processes (DP = 4 / (TP x CP)).
 LAYOUTS = [
     ("ep2-dp4", cfg_a, 1, 1, 2, False),
@@ -48,6 +55,9 @@ LAYOUTS = [
     ("ep2-tp2-sp", cfg_b, 2, 1, 2, True),
     ("ep2-cp2", cfg_b, 1, 2, 2, False),
     ("ep4-cp2", cfg_a, 1, 2, 4, False),
+    # Capacity is counted per micro-batch, as in the reference (not with CP, which splits a micro-batch).
+    ("ep2-dp4-capacity-padded", cfg_c, 1, 1, 2, False),
+    ("ep2-tp2-sp-capacity-padded", cfg_c, 2, 1, 2, True),
 ]
 
 
@@ -127,7 +137,9 @@ def check_layouts(results: list, layouts: list, world: int, device: torch.device
     """Every rank's results of :func:`layouts_worker` equal the one-process reference."""
     for i, (name, make_cfg, tp, cp, ep, sp) in enumerate(layouts):
         dp = world // (tp * cp)
-        ref_y, ref_grads, ref_metrics, ref_bias = reference(make_cfg(), dp, device)
+        ref_cfg = make_cfg()
+        ref_cfg.moe_pad_expert_input_to_capacity = False  # padded layouts must equal the plain dispatch
+        ref_y, ref_grads, ref_metrics, ref_bias = reference(ref_cfg, dp, device)
         seen_expert_dp = set()
         for rank, per_layout in enumerate(results):
             (dp_rank, cp_rank, tp_rank, ep_rank, edp_rank), y, grads, metrics, bias = per_layout[i]

@@ -9,7 +9,7 @@ import torch
 from meshtron.layers.moe.experts import GroupedExperts
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import initialize_parameters
-from test_expert_parallel import cfg_a, cfg_b, check_layouts, layouts_worker
+from test_expert_parallel import cfg_a, cfg_b, cfg_c, check_layouts, layouts_worker
 from tests.distributed.launch import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -57,6 +57,7 @@ def _cuda_layouts_worker(rank: int, world: int, layouts: list) -> list:
 def test_expert_parallel_over_nccl_equals_one_gpu():
     torch.backends.cuda.matmul.allow_tf32 = False
     world = 2
-    layouts = [("ep2-a", cfg_a, 1, 1, 2, False), ("ep2-b", cfg_b, 1, 1, 2, False)]
+    layouts = [("ep2-a", cfg_a, 1, 1, 2, False), ("ep2-b", cfg_b, 1, 1, 2, False),
+               ("ep2-capacity-padded", cfg_c, 1, 1, 2, False)]
     results = run_distributed(_cuda_layouts_worker, world, layouts, backend="nccl", timeout=300)
     check_layouts(results, layouts, world, torch.device("cuda", 0))

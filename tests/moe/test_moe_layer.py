@@ -78,6 +78,12 @@ CASES = {
     "sigmoid-top3-bias": dict(moe_router_score_function="sigmoid", moe_router_topk=3,
                               moe_router_enable_expert_bias=True),
     "pre-softmax-capacity": dict(moe_router_pre_softmax=True, moe_expert_capacity_factor=0.5),
+    # Every expert's input padded to its capacity: the zero rows (which meet the biases here) must not
+    # reach any output or gradient.
+    "capacity-padded-gelu-bias": dict(swiglu=False, disable_bias_linear=False, moe_expert_capacity_factor=0.5,
+                                      moe_pad_expert_input_to_capacity=True),
+    "capacity-padded-top3": dict(moe_router_topk=3, moe_expert_capacity_factor=1.0,
+                                 moe_pad_expert_input_to_capacity=True),
 }
 
 

@@ -18,6 +18,13 @@ by its combine weight and summed per token (a dropped assignment adds zero). Onl
 the split sizes of the all-to-all cross to the host (one device-to-host copy per layer
 and micro-batch, as in Megatron-LM); without EP and without capacity dropping no
 host synchronisation happens on the grouped-GEMM path.
+
+With a capacity C (``--moe-expert-capacity-factor``) and
+``--moe-pad-expert-input-to-capacity``, every expert receives exactly C rows from every
+rank: kept assignments fill their expert's slots in dispatch order, the rest of the slots
+are zero rows. All sizes are then known from the shapes, so the all-to-alls have equal
+splits and nothing crosses to the host; the experts compute on the zero rows too, whose
+outputs are never read back.
 """
 
 from __future__ import annotations
@@ -79,6 +86,8 @@ class DispatchState:
     send_splits: Optional[list[int]] = None
     recv_splits: Optional[list[int]] = None
     regroup: Optional[torch.Tensor] = None
+    slot_of_assignment: Optional[torch.Tensor] = None  # padded dispatch: each assignment's row (E*C: dropped)
+    capacity: Optional[int] = None
 
 
 class TokenDispatcher:
@@ -96,10 +105,16 @@ class TokenDispatcher:
         assert num_experts == num_local * self.ep, (num_experts, num_local, self.ep)
 
     @torch.compiler.disable  # data-dependent sizes and collectives: runs eagerly inside a compiled layer
-    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, keep: Optional[torch.Tensor]
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, keep: Optional[torch.Tensor],
+                 pad_to_capacity: Optional[int] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[list[int]], DispatchState]:
         """Returns (rows grouped by local expert, rows per local expert [El] on the device,
-        the same as a host list when it had to be known on the host (else None), state)."""
+        the same as a host list when it had to be known on the host (else None), state).
+
+        ``pad_to_capacity``: the capacity C of every expert; each then gets exactly C rows per rank.
+        """
+        if pad_to_capacity is not None:
+            return self._dispatch_padded(x, indices, keep, pad_to_capacity)
         T, k = indices.shape
         flat_e = indices.reshape(-1)
         if keep is not None:
@@ -137,9 +152,48 @@ class TokenDispatcher:
         state = DispatchState(T, order, complete, send_splits, recv_splits, regroup)
         return rows, per_local, host_per_local, state
 
+    def _dispatch_padded(self, x: torch.Tensor, indices: torch.Tensor, keep: Optional[torch.Tensor],
+                         capacity: int) -> tuple[torch.Tensor, torch.Tensor, list[int], DispatchState]:
+        T, k = indices.shape
+        E, El, ep, C = self.num_experts, self.num_local, self.ep, capacity
+        flat_e = indices.reshape(-1)
+        if keep is not None:
+            flat_e = torch.where(keep.reshape(-1), flat_e, torch.full_like(flat_e, E))
+        order = torch.argsort(flat_e, stable=True)
+        counts = torch.bincount(flat_e, minlength=E + 1)
+        sorted_e = flat_e[order]
+        position = torch.arange(T * k, device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+        # Row of each sorted assignment in the [E * C] send buffer; dropped ones (and, should an expert
+        # get more than C, the overflow) go to one spare row E * C that is cut off.
+        sorted_slot = torch.where((sorted_e < E) & (position < C), sorted_e * C + position,
+                                  torch.full_like(position, E * C))
+        slot_of_assignment = torch.empty_like(sorted_slot).index_copy_(0, order, sorted_slot)
+        rows = x.new_zeros((E * C + 1, x.shape[-1])).index_copy(0, sorted_slot, x.index_select(0, order // k))[:-1]
+        if ep > 1:  # rank r's experts are rows [r*El*C, (r+1)*El*C): equal splits
+            splits = [El * C] * ep
+            rows = differentiable_all_to_all(rows, splits, splits, self.ep_group)
+            # received as [source rank][local expert][slot]: group by local expert
+            rows = rows.view(ep, El, C, -1).transpose(0, 1).reshape(El * ep * C, -1)
+        per_local = [ep * C] * El
+        state = DispatchState(T, order, keep is None, slot_of_assignment=slot_of_assignment, capacity=C)
+        return rows, torch.full((El,), ep * C, device=x.device), per_local, state
+
+    def _combine_padded(self, y: torch.Tensor, probs: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        El, ep, C = self.num_local, self.ep, state.capacity
+        if ep > 1:
+            y = y.view(El, ep, C, -1).transpose(0, 1).reshape(ep * El * C, -1)
+            splits = [El * C] * ep
+            y = differentiable_all_to_all(y, splits, splits, self.ep_group)
+        y = torch.cat([y, y.new_zeros((1, y.shape[-1]))])  # the spare row: dropped assignments read zeros
+        T, k = probs.shape
+        per_assignment = y.index_select(0, state.slot_of_assignment)
+        return (per_assignment.view(T, k, -1) * probs.to(y.dtype).unsqueeze(-1)).sum(1)
+
     @torch.compiler.disable
     def combine(self, y: torch.Tensor, probs: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert outputs ``y`` (rows as dispatched) back to tokens: ``sum_j probs[t, j] * y[t, j]`` -> [T, H]."""
+        if state.slot_of_assignment is not None:
+            return self._combine_padded(y, probs, state)
         if self.ep > 1:
             if state.regroup is not None:
                 y = y.index_select(0, inverse_permutation(state.regroup))

@@ -70,6 +70,7 @@ class MoELayer(Fp32BufferModule):
         self.tp_group = ctx.tp_group
         self.sequence_parallel = sequence_parallel and ctx.tp > 1
         self.aux_loss_scale = 1.0
+        self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.router = TopKRouter(cfg, f"{prefix}.router", ctx.cp_group)
         self.experts = GroupedExperts(cfg, ctx, f"{prefix}.experts", ctx.ep_rank * self.num_local, self.num_local,
                                       Fe, grouped=grouped_gemm)
@@ -91,7 +92,8 @@ class MoELayer(Fp32BufferModule):
         # Experts (and shared experts) see the tokens through copy_to_tp: their input gradients are
         # partial sums over TP, all-reduced in backward.
         expert_in = comm.copy_to_tp(tokens, self.tp_group)
-        rows, per_expert, host_counts, state = self.dispatcher.dispatch(expert_in, routing.indices, routing.keep)
+        rows, per_expert, host_counts, state = self.dispatcher.dispatch(
+            expert_in, routing.indices, routing.keep, routing.capacity if self.pad_to_capacity else None)
         out_rows = self.experts(rows, per_expert, host_counts)
         probs = comm.copy_to_tp(routing.probs, self.tp_group)
         y = self.dispatcher.combine(out_rows, probs, state)

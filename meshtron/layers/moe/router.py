@@ -43,7 +43,8 @@ class Routing:
 
     ``probs`` [T, k] combine weights (fp32, zero where dropped); ``indices`` [T, k] expert ids;
     ``keep`` [T, k] bool or None when nothing can be dropped; ``tokens_per_expert`` [E] routed
-    assignments before dropping; ``aux_loss``/``z_loss``: this rank's share of the losses
+    assignments before dropping; ``capacity``: assignments each expert accepts from these tokens
+    (None without a capacity factor); ``aux_loss``/``z_loss``: this rank's share of the losses
     (None when off or not training).
     """
 
@@ -51,6 +52,7 @@ class Routing:
     indices: torch.Tensor
     keep: Optional[torch.Tensor]
     tokens_per_expert: torch.Tensor
+    capacity: Optional[int] = None
     aux_loss: Optional[torch.Tensor] = None
     z_loss: Optional[torch.Tensor] = None
 
@@ -139,12 +141,12 @@ class TopKRouter(Fp32BufferModule):
         logits = F.linear(tokens.float(), self.weight.float())  # routing in fp32 whatever the compute dtype
         probs, indices = select_experts(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias)
         tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
-        keep = None
+        keep, cap = None, None
         if self.capacity_factor is not None:
             cap = expert_capacity(tokens.shape[0], self.topk, self.num_experts, self.capacity_factor)
             keep = capacity_mask(indices, probs, self.num_experts, cap)
             probs = probs * keep
-        routing = Routing(probs, indices, keep, tokens_per_expert)
+        routing = Routing(probs, indices, keep, tokens_per_expert, cap)
         if self.training and torch.is_grad_enabled():
             if self.balancing != "none" and self.aux_coeff > 0:
                 scores = scores_for_aux_loss(logits, self.score_function)
