@@ -196,6 +196,7 @@ class GradientSync:
 
     def finish(self) -> None:
         """Start every bucket not started yet, wait for all, then sum the tied embeddings over stages."""
+        self.buffer.zero_unwritten()  # parameters without a gradient this iteration hold last iteration's
         for bucket in self.layout.buckets:
             if not self._started[bucket.index]:
                 self._start(bucket)

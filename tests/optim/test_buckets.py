@@ -172,3 +172,23 @@ def test_overlap_refuses_gradients_after_their_bucket_started():
     chunks[0](torch.ones(4)).backward()
     with pytest.raises(RuntimeError, match="--overlap-grad-reduce"):
         chunks[0](torch.ones(4)).backward()
+
+
+def test_new_iteration_overwrites_gradients_and_zeroes_the_unused():
+    """zero() does no device work: the first gradient of an iteration is copied, later ones added, and
+    a parameter without a gradient reads zero once the reduction has run, not last iteration's value."""
+    chunks = [_Chunk("c0")]
+    sync, _ = _overlap_sync(chunks)
+    buffer, (a, b) = sync.buffer, list(chunks[0].parameters())
+    x = torch.arange(1.0, 5.0)
+    buffer.zero()
+    chunks[0](x).backward()
+    chunks[0](x).backward()  # a second micro-batch accumulates
+    sync.finish()
+    torch.testing.assert_close(a.main_grad, 2 * x)
+    buffer.zero()
+    (x * a).sum().backward()  # b gets no gradient this iteration
+    assert torch.equal(b.main_grad, 2 * x)  # not zero-filled by zero() ...
+    sync.finish()
+    torch.testing.assert_close(a.main_grad, x)  # ... a's first gradient replaced the old sum
+    assert torch.equal(b.main_grad, torch.zeros(4))  # ... and b reads zero after the reduction
