@@ -59,6 +59,11 @@ MEGATRON_COMPAT_FIELDS: tuple[str, ...] = (
     "cpu_optimizer_type", "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_dtype", "attention_backend",
     "no_gradient_accumulation_fusion", "cross_entropy_loss_fusion", "moe_permute_fusion", "no_masked_softmax_fusion",
     "no_bias_swiglu_fusion", "no_bias_dropout_fusion", "no_rope_fusion", "log_throughput", "timing_log_level",
+    "accumulate_allreduce_grads_in_fp32", "ddp_average_in_collective", "no_async_tensor_model_parallel_allreduce",
+    "moe_shared_expert_overlap", "override_opt_param_scheduler", "attention_softmax_in_fp32",
+    "calculate_per_token_loss", "check_for_nan_in_loss_and_grad", "use_dist_ckpt", "auto_detect_ckpt_format",
+    "ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure",
+    "log_memory_to_tensorboard", "log_validation_ppl_to_tensorboard",
 )
 
 #: Without --model and without any of these, the "tiny" preset is applied.

@@ -83,6 +83,10 @@ class ModelConfig:
     moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch between expert-parallel ranks (meshtron "
                                                      "implements all-to-all).", choices=("alltoall",))
     moe_router_dtype: str = opt("fp32", "Router precision (meshtron routes in fp32).", choices=("fp32",))
+    moe_router_topk_scaling_factor: Optional[float] = opt(None, "Multiply the chosen experts' combine weights by "
+                                                                 "this factor (DeepSeek-V2/V3 routed scaling).")
+    moe_shared_expert_overlap: bool = opt(False, "Accepted for Megatron compatibility (meshtron runs the shared "
+                                                 "experts after the routed experts' dispatch, not overlapped).")
 
 
 @dataclass
@@ -112,6 +116,13 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
     ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient-reduction bucket (default max(40M, 1M*DP)).")
     grad_reduce_in_bf16: bool = opt(False, "Reduce gradients in bf16 instead of fp32.")
+    accumulate_allreduce_grads_in_fp32: bool = opt(False, "Accepted for Megatron compatibility (meshtron accumulates "
+                                                          "and reduces gradients in fp32 unless "
+                                                          "--grad-reduce-in-bf16).")
+    ddp_average_in_collective: bool = opt(False, "Accepted for Megatron compatibility (the loss is already scaled by "
+                                                 "1 / the global batch's tokens, so the reduction is a plain sum).")
+    no_async_tensor_model_parallel_allreduce: bool = opt(False, "Accepted for Megatron compatibility (see "
+                                                                "--no-tp-comm-overlap for meshtron's switch).")
     async_tensor_parallel: bool = opt(False, "Experimental: let torch.compile split each sequence-parallel "
                                              "all-gather + matmul and matmul + reduce-scatter into overlapping "
                                              "pieces (micro-pipelined TP over symmetric memory; CUDA, compiled "
@@ -140,6 +151,9 @@ class OptimConfig:
     """Optimizer, learning-rate schedule and clipping."""
 
     optimizer: str = opt("adam", "Optimizer (AdamW with decoupled weight decay).", choices=("adam",))
+    override_opt_param_scheduler: bool = opt(False, "Accepted for Megatron compatibility (meshtron's learning-rate "
+                                                    "schedule always comes from the flags and the iteration).",
+                                             aliases=("--override-opt_param-scheduler",))
     lr: float = opt(3e-4, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
     lr_decay_style: str = opt("cosine", "Decay after warm-up.",
@@ -174,6 +188,15 @@ class TrainConfig:
     bf16: bool = opt(False, "bf16 weights and compute with fp32 master weights and gradients (default on CUDA).")
     fp32: bool = opt(False, "Force fp32 weights and compute (default on CPU).")
     fp16: bool = opt(False, "Not supported: use --bf16.")
+    loss_scale: Optional[float] = opt(None, "fp16 loss scaling: refused (fp16 is not supported; use --bf16).")
+    initial_loss_scale: Optional[float] = opt(None, "fp16 loss scaling: refused (fp16 is not supported; use --bf16).")
+    attention_softmax_in_fp32: bool = opt(False, "Accepted for Megatron compatibility (SDPA's softmax accumulates "
+                                                 "in fp32).")
+    calculate_per_token_loss: bool = opt(False, "Accepted for Megatron compatibility (meshtron always averages the "
+                                                "loss over all loss tokens of the global batch).")
+    check_for_nan_in_loss_and_grad: bool = opt(True, "Accepted for Megatron compatibility (meshtron always checks "
+                                                     "the gradient norm: a non-finite step is skipped, and "
+                                                     "training stops after --max-nonfinite-steps in a row).")
     fp8_format: Optional[str] = opt(None, "FP8 linear layers.", choices=("e4m3", "hybrid"))
     fp8_hybrid: bool = opt(False, "Alias of --fp8-format hybrid.")
     fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (one current scale per tensor) or rowwise (one per "
@@ -266,6 +289,16 @@ class CheckpointConfig:
     finetune: bool = opt(False, "Load weights only and start at iteration 0.")
     ckpt_format: str = opt("torch_dist", "Accepted for Megatron compatibility (meshtron writes torch.distributed.checkpoint).",
                            choices=("torch_dist", "torch"))
+    exit_on_missing_checkpoint: bool = opt(False, "With --load: stop with an error when there is no checkpoint "
+                                                  "instead of training from scratch.")
+    use_dist_ckpt: bool = opt(False, "Accepted for Megatron compatibility (meshtron always writes "
+                                     "torch.distributed.checkpoint).")
+    auto_detect_ckpt_format: bool = opt(False, "Accepted for Megatron compatibility (one checkpoint format).")
+    ckpt_fully_parallel_save: bool = opt(True, "Accepted for Megatron compatibility (every rank writes its own "
+                                               "shards).")
+    ckpt_fully_parallel_load: bool = opt(False, "Accepted for Megatron compatibility (every rank reads its own "
+                                                "shards).")
+    ckpt_assume_constant_structure: bool = opt(False, "Accepted for Megatron compatibility.")
 
 
 @dataclass
@@ -280,6 +313,11 @@ class LogConfig:
     peak_tflops: Optional[float] = opt(None, "Peak dense bf16 TFLOP/s per device for MFU (default by device name).")
     progress_bar: Optional[bool] = opt(None, "Live progress bar (default: when stdout is a terminal).")
     quiet: bool = opt(False, "Only errors and the final summary.")
+    log_params_norm: bool = opt(False, "Log the L2 norm of all weights (\"params_norm\") every --log-interval.")
+    log_memory_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (every logged number, peak "
+                                                 "memory included, goes to TensorBoard).")
+    log_validation_ppl_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (validation loss and "
+                                                         "perplexity always go to TensorBoard).")
 
 
 SECTIONS = {

@@ -369,6 +369,13 @@ def _check_unsupported_megatron_flags(cfg: MeshtronConfig) -> None:
                           "parallelism, when the model does not fit)")
     if t.rampup_batch_size:
         raise ConfigError("--rampup-batch-size is not supported: train with a fixed --global-batch-size")
+    for flag, value in (("--loss-scale", t.loss_scale), ("--initial-loss-scale", t.initial_loss_scale)):
+        if value is not None:
+            raise ConfigError(f"{flag} belongs to fp16 training, which meshtron does not support: use --bf16 "
+                              f"(no loss scaling needed) and drop {flag}")
+    scaling = cfg.model.moe_router_topk_scaling_factor
+    if scaling is not None and not scaling > 0:
+        raise ConfigError(f"--moe-router-topk-scaling-factor must be positive, got {scaling}")
 
 
 def _check_training(cfg: MeshtronConfig) -> None:

@@ -72,6 +72,9 @@ ERRORS = [
     (SHAPE + ["--use-torch-fsdp2"], 1, "--use-torch-fsdp2 is not supported"),
     (SHAPE + ["--rampup-batch-size", "32", "32", "1000"], 1, "--rampup-batch-size is not supported"),
     (SHAPE + ["--manual-gc-interval", "5"], 1, "--manual-gc-interval needs --manual-gc"),
+    (SHAPE + ["--loss-scale", "1024"], 1, "--loss-scale belongs to fp16 training"),
+    (SHAPE + ["--num-experts", "4", "--moe-router-topk-scaling-factor", "0"], 1,
+     "--moe-router-topk-scaling-factor must be positive"),
     (SHAPE + ["--moe-token-dispatcher-type", "allgather"], 1, "valid: alltoall"),
     (SHAPE + ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1,
      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
@@ -309,4 +312,10 @@ def test_megatron_spellings_map_to_meshtron_settings(no_cuda: None) -> None:
     validated(SHAPE + ["--attention-backend", "flash", "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion",
                        "--moe-permute-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
                        "--no-bias-dropout-fusion", "--no-rope-fusion", "--log-throughput", "--timing-log-level", "2",
-                       "--moe-router-dtype", "fp32"])
+                       "--moe-router-dtype", "fp32", "--accumulate-allreduce-grads-in-fp32", "--ddp-average-in-collective",
+                       "--no-async-tensor-model-parallel-allreduce", "--override-opt_param-scheduler",
+                       "--attention-softmax-in-fp32", "--calculate-per-token-loss",
+                       "--no-check-for-nan-in-loss-and-grad", "--use-dist-ckpt", "--auto-detect-ckpt-format",
+                       "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+                       "--ckpt-assume-constant-structure", "--log-memory-to-tensorboard",
+                       "--log-validation-ppl-to-tensorboard"])

@@ -70,6 +70,15 @@ def _kv_first(model_chunks: Sequence[nn.Module]) -> dict[int, bool]:
     return out
 
 
+def weights_norm(model_chunks: Sequence[nn.Module], ctx: ParallelContext) -> GradNorm:
+    """The L2 norm of the whole model's weights (every element counted once over all ranks, by the
+    same rules as the gradient norm); every rank must call it."""
+    kv_first = _kv_first(model_chunks)
+    weights = [p.detach() for chunk in model_chunks for p in chunk.parameters()
+               if model_copy_counted(p, ctx, kv_first) and data_copy_counted(p, ctx)]
+    return GradNorm(weights, ctx, ctx.device)
+
+
 def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: Sequence[nn.Module]) -> Optimization:
     """Gradient buffers (bucketed), their reduction, the norm and the optimizer for ``model_chunks``."""
     par, opt = cfg.parallel, cfg.optim

@@ -26,7 +26,7 @@ from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
 from meshtron.optim.clip import clip_coefficient
 from meshtron.training.gc_control import ManualGC
-from meshtron.optim.factory import build_optimization
+from meshtron.optim.factory import build_optimization, weights_norm
 from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context import ParallelContext, context_from_config
 from meshtron.parallel.cp_split import split_micro_batch
@@ -94,6 +94,7 @@ class Trainer:
                     if cfg.model.num_experts else None)
         self.state = TrainingState()
         self.result = TrainingResult()
+        self.params_norm = weights_norm(self.model_chunks, ctx) if cfg.log.log_params_norm else None
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
         self.peak_tflops = peak_tflops(self.device, cfg.log.peak_tflops)
 
@@ -178,6 +179,9 @@ class Trainer:
                                      self.ctx, self.cfg, load_optim=not ck.no_load_optim,
                                      load_rng=not ck.no_load_rng)
         if state is None:
+            if ck.exit_on_missing_checkpoint:
+                raise TrainingError(f"--load {ck.load}: no checkpoint there, and --exit-on-missing-checkpoint "
+                                    f"forbids starting from scratch")
             self.logger.info(f"no checkpoint in {ck.load}; starting from scratch")
             return
         if ck.finetune:
@@ -206,7 +210,15 @@ class Trainer:
         return {"type": "train", "iteration": iteration, "consumed_samples": self.state.consumed_samples,
                 "loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
                 "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu, "tflops_per_gpu": speed.tflops_per_gpu,
-                "mfu": speed.mfu, **peak_memory_stats(self.device)}
+                "mfu": speed.mfu, **peak_memory_stats(self.device), **self._params_norm_record()}
+
+    def _params_norm_record(self) -> dict:
+        if self.params_norm is None:
+            return {}
+        finish_gather = getattr(self.optimizer, "finish_param_gather", None)
+        if finish_gather is not None:
+            finish_gather()  # an overlapped weight all-gather may still be writing the weights
+        return {"params_norm": float(self.params_norm())}
 
     def train(self) -> TrainingResult:
         t = self.cfg.train

@@ -125,6 +125,7 @@ class TopKRouter(Fp32BufferModule):
         self.aux_coeff = cfg.moe_aux_loss_coeff or 0.0
         self.z_coeff = cfg.moe_z_loss_coeff or 0.0
         self.capacity_factor = cfg.moe_expert_capacity_factor
+        self.topk_scaling_factor = cfg.moe_router_topk_scaling_factor
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.cp_group = cp_group
         self.weight = new_param(ShardSpec((whole(f"{prefix}.weight", (E, H), std=cfg.init_method_std),),
@@ -140,6 +141,8 @@ class TopKRouter(Fp32BufferModule):
         """Route ``tokens`` [T, H] (T = seq x ``batch`` in [seq, batch] order)."""
         logits = F.linear(tokens.float(), self.weight.float())  # routing in fp32 whatever the compute dtype
         probs, indices = select_experts(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias)
+        if self.topk_scaling_factor is not None:
+            probs = probs * self.topk_scaling_factor
         tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
         keep, cap = None, None
         if self.capacity_factor is not None:

@@ -1,0 +1,66 @@
+"""Megatron-LM flags with an effect in meshtron: --log-params-norm, --exit-on-missing-checkpoint,
+--moe-router-topk-scaling-factor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from meshtron.cli import build_config
+from meshtron.config import ModelConfig
+from meshtron.layers.moe.router import TopKRouter
+from meshtron.parallel.sharding import initialize_parameters
+from meshtron.training.trainer import TrainingError, run_training
+from tests.distributed.launch import run_distributed
+
+ARGS = ["--mock-data", "--vocab-size", "200", "--model", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--device", "cpu", "--train-iters", "3", "--log-interval", "1",
+        "--eval-interval", "0", "--make-vocab-size-divisible-by", "64", "--no-generate-sample", "--log-params-norm"]
+
+
+def _params_norms(path) -> list[float]:
+    return [r["params_norm"] for r in map(json.loads, open(path)) if r["type"] == "train"]
+
+
+def _train(rank, world, extra, path):
+    run_training(build_config(ARGS + extra + ["--metrics-file", path]))
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--use-distributed-optimizer"]], ids=["tp2", "dp2-distributed-optimizer"])
+def test_params_norm_is_the_whole_models_in_every_layout(tmp_path, layout):
+    """Each weight counted once over the ranks (TP shards summed, DP replicas once), so the logged norm
+    equals the one-process run's, which is the norm of all its weights."""
+    one = tmp_path / "one.jsonl"
+    result = run_training(build_config(ARGS + ["--metrics-file", str(one)]))
+    assert sorted(result.train_losses) == [1, 2, 3]
+    reference = _params_norms(one)
+    assert len(reference) == 3 and reference[0] != reference[2]  # the weights move
+    two = tmp_path / "two.jsonl"
+    run_distributed(_train, 2, layout, str(two))
+    assert _params_norms(two) == pytest.approx(reference, rel=1e-6)
+
+
+def test_exit_on_missing_checkpoint(tmp_path):
+    empty = tmp_path / "none"
+    empty.mkdir()
+    with pytest.raises(TrainingError, match="--exit-on-missing-checkpoint"):
+        run_training(build_config(ARGS + ["--load", str(empty), "--exit-on-missing-checkpoint"]))
+    assert run_training(build_config(ARGS + ["--load", str(empty)])).final_iteration == 3  # from scratch
+
+
+def test_topk_scaling_factor_multiplies_the_combine_weights():
+    cfg = ModelConfig(hidden_size=16, num_attention_heads=2, num_experts=4, moe_router_topk=2,
+                      moe_router_score_function="sigmoid")
+    tokens = torch.randn(10, 16, generator=torch.Generator().manual_seed(2))
+    routings = []
+    for factor in (None, 2.5):
+        cfg.moe_router_topk_scaling_factor = factor
+        with torch.device("meta"):
+            router = TopKRouter(cfg, "r")
+        initialize_parameters(router, 3, torch.device("cpu"), torch.float32)
+        routings.append(router.eval()(tokens, 1))
+    assert torch.equal(routings[0].indices, routings[1].indices)
+    torch.testing.assert_close(routings[1].probs, 2.5 * routings[0].probs)
