@@ -1,7 +1,8 @@
 """Hugging Face Llama-family <-> meshtron: tensor names and configurations.
 
 Covers ``LlamaForCausalLM`` (Llama 2, Llama 3/3.1/3.2 with their RoPE frequency
-scaling), ``MistralForCausalLM`` and ``MixtralForCausalLM``. All use RoPE's
+scaling), ``MistralForCausalLM``, ``MixtralForCausalLM`` and ``Qwen2ForCausalLM`` (Qwen2 and
+Qwen2.5: Llama with biases on the query/key/value projections, ``--add-qkv-bias``). All use RoPE's
 rotate-half convention, as meshtron does, so query/key weights map without any
 permutation; grouped-query attention maps to ``--group-query-attention
 --num-query-groups``.
@@ -30,13 +31,18 @@ import torch
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+_NAMES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2"}
 
 _LAYER_MAP = {
     "input_layernorm.weight": "input_norm.weight",
     "self_attn.q_proj.weight": "attention.q.weight",
     "self_attn.k_proj.weight": "attention.k.weight",
     "self_attn.v_proj.weight": "attention.v.weight",
+    "self_attn.q_proj.bias": "attention.q.bias",  # Qwen2
+    "self_attn.k_proj.bias": "attention.k.bias",
+    "self_attn.v_proj.bias": "attention.v.bias",
     "self_attn.o_proj.weight": "attention.o.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "mlp.gate_proj.weight": "mlp.gate.weight",
@@ -82,7 +88,7 @@ def hf_to_meshtron_name(name: str) -> Optional[str]:
         if expert:
             return f"layers.{layer}.mlp.experts.{expert.group(1)}.{_EXPERT_MAP[expert.group(2)]}.weight"
     raise CheckpointError(f"unexpected tensor {name!r} in the Hugging Face checkpoint (supported: Llama, "
-                          "Mistral and Mixtral without biases)")
+                          "Mistral and Mixtral without biases, Qwen2 with query/key/value biases)")
 
 
 def hf_to_meshtron_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -125,7 +131,7 @@ def meshtron_to_hf_name(name: str) -> str:
         if expert:
             return (f"model.layers.{layer}.block_sparse_moe.experts.{expert.group(1)}."
                     f"{_EXPERT_MAP_BACK[expert.group(2)]}.weight")
-    raise CheckpointError(f"tensor {name!r} has no Hugging Face Llama/Mistral/Mixtral equivalent")
+    raise CheckpointError(f"tensor {name!r} has no Hugging Face Llama/Mistral/Mixtral/Qwen2 equivalent")
 
 
 def _rope_settings(hf: dict) -> tuple[float, Optional[dict]]:
@@ -162,6 +168,8 @@ def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
     theta, scaling = _rope_settings(hf)
     max_pos = int(hf.get("max_position_embeddings", 4096))
     window = hf.get("sliding_window")
+    if kind == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None  # Qwen2 configs carry a window size that applies only with use_sliding_window
     if window is not None and int(window) < max_pos:
         notices.append(f"config.json: sliding_window {window}: meshtron attends over the whole context, which "
                        f"equals sliding-window attention for sequences up to {window} tokens")
@@ -175,6 +183,7 @@ def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), disable_bias_linear=True,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)), vocab_size=int(hf["vocab_size"]),
+        add_qkv_bias=kind == "qwen2",
     )
     if scaling is not None:
         values["rope_scaling_factor"] = float(scaling["factor"])
@@ -223,8 +232,11 @@ def _moe_problems(m: ModelConfig) -> list[str]:
 
 
 def default_architecture(m: ModelConfig) -> str:
-    """The Hugging Face architecture to export to when none is named: mixtral for MoE, else llama."""
-    return "mixtral" if m.num_experts else "llama"
+    """The Hugging Face architecture to export to when none is named: mixtral for MoE, qwen2 with
+    query/key/value biases, else llama."""
+    if m.num_experts:
+        return "mixtral"
+    return "qwen2" if m.add_qkv_bias else "llama"
 
 
 def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
@@ -236,8 +248,13 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
         problems.append("no --swiglu (Llama's MLP is SwiGLU)")
     if m.position_embedding_type != "rope":
         problems.append(f"--position-embedding-type {m.position_embedding_type} (Llama uses rope)")
-    if not m.disable_bias_linear or m.add_qkv_bias:
-        problems.append("linear biases (Llama has none: --disable-bias-linear)")
+    if not m.disable_bias_linear:
+        problems.append(f"linear biases ({_NAMES.get(architecture, architecture)} has none on its other "
+                        "projections: --disable-bias-linear)")
+    if architecture == "qwen2" and not m.add_qkv_bias:
+        problems.append("no --add-qkv-bias (Qwen2 has biases on the query/key/value projections: export as llama)")
+    if architecture != "qwen2" and m.add_qkv_bias:
+        problems.append("--add-qkv-bias (query/key/value biases: export with --hf-architecture qwen2)")
     if architecture == "mixtral":
         if not m.num_experts:
             problems.append("no --num-experts (Mixtral is a mixture of experts: export a dense model as llama or "
@@ -247,7 +264,7 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
     elif m.num_experts:
         problems.append("mixture of experts (--num-experts: export it with --hf-architecture mixtral)")
     if problems:
-        name = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral"}.get(architecture, architecture)
+        name = _NAMES.get(architecture, architecture)
         raise CheckpointError(f"this checkpoint cannot be written as a Hugging Face {name} model", problems)
 
 
@@ -290,6 +307,8 @@ def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: st
     }
     if architecture == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif architecture == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers)
     else:
         cfg["sliding_window"] = None
     if architecture == "mixtral":
