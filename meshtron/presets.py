@@ -20,6 +20,8 @@ _LLAMA3 = dict(_LLAMA, vocab_size=128256, seq_length=8192, max_position_embeddin
                norm_epsilon=1e-5, use_rope_scaling=True, rope_scaling_factor=8.0,
                rope_original_max_position_embeddings=8192)
 
+_QWEN25 = dict(_LLAMA, add_qkv_bias=True, seq_length=4096, rotary_base=1e6, norm_epsilon=1e-6)
+
 #: name -> (ModelConfig fields, published parameter count, where the number comes from)
 PRESETS: dict[str, tuple[dict, int | None, str]] = {
     "tiny": (dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -48,6 +50,12 @@ PRESETS: dict[str, tuple[dict, int | None, str]] = {
                         ffn_hidden_size=28672), 70_553_706_496, "Llama 3.1 70B"),
     "llama3-405b": (dict(_LLAMA3, num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
                          ffn_hidden_size=53248), 405_853_388_800, "Llama 3.1 405B"),
+    "qwen2.5-0.5b": (dict(_QWEN25, num_layers=24, hidden_size=896, num_attention_heads=14, num_query_groups=2,
+                          ffn_hidden_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                          untie_embeddings_and_output_weights=False), 494_032_768, "Qwen2.5 0.5B"),
+    "qwen2.5-7b": (dict(_QWEN25, num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+                        ffn_hidden_size=18944, vocab_size=152064, max_position_embeddings=131072),
+                   7_615_616_512, "Qwen2.5 7B"),
     "mistral-7b": (dict(_LLAMA, vocab_size=32000, seq_length=4096, max_position_embeddings=32768,
                         rotary_base=10000.0, norm_epsilon=1e-5, num_layers=32, hidden_size=4096,
                         num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336),
