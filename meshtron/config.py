@@ -55,6 +55,8 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = opt(False, "Separate output layer instead of reusing the input embedding.")
     disable_bias_linear: bool = opt(False, "No biases in linear layers.")
     add_qkv_bias: bool = opt(False, "Bias on the query/key/value projection even with --disable-bias-linear.")
+    qk_layernorm: bool = opt(False, "Normalise each query and key head (--normalization over the head dimension) "
+                                    "before RoPE, as Qwen3 does.")
     hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.")
     attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
     init_method_std: float = opt(0.02, "Std of the normal weight initialisation (output projections are scaled by 1/sqrt(2*layers)).")

@@ -21,6 +21,8 @@ _LLAMA3 = dict(_LLAMA, vocab_size=128256, seq_length=8192, max_position_embeddin
                rope_original_max_position_embeddings=8192)
 
 _QWEN25 = dict(_LLAMA, add_qkv_bias=True, seq_length=4096, rotary_base=1e6, norm_epsilon=1e-6)
+_QWEN3 = dict(_LLAMA, qk_layernorm=True, kv_channels=128, vocab_size=151936, seq_length=4096,
+              max_position_embeddings=40960, rotary_base=1e6, norm_epsilon=1e-6)
 
 #: name -> (ModelConfig fields, published parameter count, where the number comes from)
 PRESETS: dict[str, tuple[dict, int | None, str]] = {
@@ -56,6 +58,11 @@ PRESETS: dict[str, tuple[dict, int | None, str]] = {
     "qwen2.5-7b": (dict(_QWEN25, num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
                         ffn_hidden_size=18944, vocab_size=152064, max_position_embeddings=131072),
                    7_615_616_512, "Qwen2.5 7B"),
+    "qwen3-0.6b": (dict(_QWEN3, num_layers=28, hidden_size=1024, num_attention_heads=16, num_query_groups=8,
+                        ffn_hidden_size=3072, untie_embeddings_and_output_weights=False), 600_000_000,
+                   "Qwen3 0.6B (model card, rounded)"),
+    "qwen3-8b": (dict(_QWEN3, num_layers=36, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=12288), 8_200_000_000, "Qwen3 8B (model card, rounded)"),
     "mistral-7b": (dict(_LLAMA, vocab_size=32000, seq_length=4096, max_position_embeddings=32768,
                         rotary_base=10000.0, norm_epsilon=1e-5, num_layers=32, hidden_size=4096,
                         num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336),
@@ -112,7 +119,7 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
 
     total = matmul = 0
     for layer in range(L):
-        total += attn_w + attn_b + 2 * norm_params
+        total += attn_w + attn_b + 2 * norm_params + (2 * norm_params * d // H if m.qk_layernorm else 0)
         matmul += attn_w
         if is_moe_layer(m, layer):
             Fe = m.moe_ffn_hidden_size or F

@@ -1,8 +1,10 @@
 """Hugging Face Llama-family <-> meshtron: tensor names and configurations.
 
 Covers ``LlamaForCausalLM`` (Llama 2, Llama 3/3.1/3.2 with their RoPE frequency
-scaling), ``MistralForCausalLM``, ``MixtralForCausalLM`` and ``Qwen2ForCausalLM`` (Qwen2 and
-Qwen2.5: Llama with biases on the query/key/value projections, ``--add-qkv-bias``). All use RoPE's
+scaling), ``MistralForCausalLM``, ``MixtralForCausalLM``, ``Qwen2ForCausalLM`` (Qwen2 and
+Qwen2.5: Llama with biases on the query/key/value projections, ``--add-qkv-bias``) and
+``Qwen3ForCausalLM`` (dense Qwen3: an RMSNorm over each query and key head, ``--qk-layernorm``,
+and a head dimension of its own, ``--kv-channels``). All use RoPE's
 rotate-half convention, as meshtron does, so query/key weights map without any
 permutation; grouped-query attention maps to ``--group-query-attention
 --num-query-groups``.
@@ -32,8 +34,8 @@ from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
-_NAMES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_NAMES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 _LAYER_MAP = {
     "input_layernorm.weight": "input_norm.weight",
@@ -43,6 +45,8 @@ _LAYER_MAP = {
     "self_attn.q_proj.bias": "attention.q.bias",  # Qwen2
     "self_attn.k_proj.bias": "attention.k.bias",
     "self_attn.v_proj.bias": "attention.v.bias",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "self_attn.o_proj.weight": "attention.o.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "mlp.gate_proj.weight": "mlp.gate.weight",
@@ -88,7 +92,7 @@ def hf_to_meshtron_name(name: str) -> Optional[str]:
         if expert:
             return f"layers.{layer}.mlp.experts.{expert.group(1)}.{_EXPERT_MAP[expert.group(2)]}.weight"
     raise CheckpointError(f"unexpected tensor {name!r} in the Hugging Face checkpoint (supported: Llama, "
-                          "Mistral and Mixtral without biases, Qwen2 with query/key/value biases)")
+                          "Mistral and Mixtral without biases, Qwen2 with query/key/value biases, dense Qwen3)")
 
 
 def hf_to_meshtron_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -131,7 +135,7 @@ def meshtron_to_hf_name(name: str) -> str:
         if expert:
             return (f"model.layers.{layer}.block_sparse_moe.experts.{expert.group(1)}."
                     f"{_EXPERT_MAP_BACK[expert.group(2)]}.weight")
-    raise CheckpointError(f"tensor {name!r} has no Hugging Face Llama/Mistral/Mixtral/Qwen2 equivalent")
+    raise CheckpointError(f"tensor {name!r} has no Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3 equivalent")
 
 
 def _rope_settings(hf: dict) -> tuple[float, Optional[dict]]:
@@ -168,8 +172,8 @@ def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
     theta, scaling = _rope_settings(hf)
     max_pos = int(hf.get("max_position_embeddings", 4096))
     window = hf.get("sliding_window")
-    if kind == "qwen2" and not hf.get("use_sliding_window", False):
-        window = None  # Qwen2 configs carry a window size that applies only with use_sliding_window
+    if kind in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window size that applies only with use_sliding_window
     if window is not None and int(window) < max_pos:
         notices.append(f"config.json: sliding_window {window}: meshtron attends over the whole context, which "
                        f"equals sliding-window attention for sequences up to {window} tokens")
@@ -183,7 +187,7 @@ def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), disable_bias_linear=True,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)), vocab_size=int(hf["vocab_size"]),
-        add_qkv_bias=kind == "qwen2",
+        add_qkv_bias=kind == "qwen2", qk_layernorm=kind == "qwen3",
     )
     if scaling is not None:
         values["rope_scaling_factor"] = float(scaling["factor"])
@@ -232,10 +236,12 @@ def _moe_problems(m: ModelConfig) -> list[str]:
 
 
 def default_architecture(m: ModelConfig) -> str:
-    """The Hugging Face architecture to export to when none is named: mixtral for MoE, qwen2 with
-    query/key/value biases, else llama."""
+    """The Hugging Face architecture to export to when none is named: mixtral for MoE, qwen3 with
+    query/key head norms, qwen2 with query/key/value biases, else llama."""
     if m.num_experts:
         return "mixtral"
+    if m.qk_layernorm:
+        return "qwen3"
     return "qwen2" if m.add_qkv_bias else "llama"
 
 
@@ -255,6 +261,10 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
         problems.append("no --add-qkv-bias (Qwen2 has biases on the query/key/value projections: export as llama)")
     if architecture != "qwen2" and m.add_qkv_bias:
         problems.append("--add-qkv-bias (query/key/value biases: export with --hf-architecture qwen2)")
+    if architecture == "qwen3" and not m.qk_layernorm:
+        problems.append("no --qk-layernorm (Qwen3 normalises each query and key head)")
+    if architecture != "qwen3" and m.qk_layernorm:
+        problems.append("--qk-layernorm (query/key head norms: export with --hf-architecture qwen3)")
     if architecture == "mixtral":
         if not m.num_experts:
             problems.append("no --num-experts (Mixtral is a mixture of experts: export a dense model as llama or "
@@ -307,8 +317,10 @@ def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: st
     }
     if architecture == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif architecture == "qwen2":
+    elif architecture in ("qwen2", "qwen3"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers)
+        if architecture == "qwen3":
+            cfg["attention_bias"] = False
     else:
         cfg["sliding_window"] = None
     if architecture == "mixtral":

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from meshtron.config import ModelConfig, head_dim, num_kv_heads
 from meshtron.layers.context_parallel import context_parallel_attention
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
+from meshtron.layers.norm import Norm
 from meshtron.layers.rotary import apply_rope
 from meshtron.parallel.context import ParallelContext, tp_subgroup
 from meshtron.parallel.random import RNGTracker
@@ -115,6 +116,13 @@ class SelfAttention(nn.Module):
         self.o = RowParallelLinear(
             ctx, Piece(f"{prefix}.o.weight", (H, nq * d), 1, r * self.nq_local * d, self.nq_local * d, "normal", out_std),
             Piece(f"{prefix}.o.bias", (H,), 0, 0, H, "zeros") if bias else None, sequence_parallel)
+        # --qk-layernorm: one norm weight over the head dimension, shared by all heads. Each TP rank
+        # applies it to its own heads, so its gradient is a partial sum over TP.
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:
+            sync = tp > 1
+            self.q_norm = Norm(f"{prefix}.q_norm", d, cfg.normalization, cfg.norm_epsilon, sync)
+            self.k_norm = Norm(f"{prefix}.k_norm", d, cfg.normalization, cfg.norm_epsilon, sync)
         self.dropout = cfg.attention_dropout
         self.tracker: Optional[RNGTracker] = None
         # With context parallelism ``mask`` is the model's ContextParallelInputs (keys of every CP rank).
@@ -135,6 +143,8 @@ class SelfAttention(nn.Module):
         q = q.view(s, b, nq, d)
         k = k.view(s, b, ng, d)
         v = v.reshape(s, b, ng, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)

@@ -13,7 +13,9 @@ class Norm(nn.Module):
     """RMSNorm (weight only) or LayerNorm (weight and bias) over the last dimension.
 
     With sequence parallelism each TP rank sees only its sequence shard, so the
-    gradients of the (replicated) parameters are summed over TP (``grad_sync="tp"``).
+    gradients of the (replicated) parameters are summed over TP (``grad_sync="tp"``);
+    ``sequence_parallel`` asks for that sum whenever each rank sees only part of the norm's
+    inputs (the query/key head norms too, whose heads are split over TP).
     """
 
     def __init__(self, name: str, hidden: int, kind: str, eps: float, sequence_parallel: bool):

@@ -44,6 +44,13 @@ def qwen2_tied():
         sliding_window=32, max_window_layers=2))
 
 
+def qwen3_untied():
+    """Qwen3's head dimension is its own (here 16 with hidden 64 and 8 heads, not 8)."""
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **COMMON, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, rope_theta=1e6,
+        use_sliding_window=False, sliding_window=None, max_window_layers=2))
+
+
 def random_hf_model(make, seed: int = 0):
     torch.manual_seed(seed)
     model = make().eval()
@@ -72,8 +79,8 @@ def logits(model, tokens):
     return out.logits if hasattr(out, "logits") else out
 
 
-@pytest.mark.parametrize("make,arch", [(llama3, "llama"), (mistral_tied, "mistral"), (qwen2_tied, "qwen2")],
-                         ids=["llama3", "mistral", "qwen2"])
+@pytest.mark.parametrize("make,arch", [(llama3, "llama"), (mistral_tied, "mistral"), (qwen2_tied, "qwen2"),
+                                       (qwen3_untied, "qwen3")], ids=["llama3", "mistral", "qwen2", "qwen3"])
 def test_hf_round_trip(tmp_path, make, arch):
     reference = random_hf_model(make)
     hf_in, ckpt, hf_out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "hf_out"
@@ -99,9 +106,10 @@ def test_hf_round_trip(tmp_path, make, arch):
     for name in ref_state:
         assert torch.equal(ref_state[name], state[name]), name
     torch.testing.assert_close(logits(again, tokens), ref_logits, rtol=0, atol=0)
-    # transformers 5 gives model_type qwen2 its own tokenizer class whatever tokenizer_config.json names, which
+    # transformers 5 gives the qwen model types their own tokenizer class whatever tokenizer_config.json names, which
     # cannot read this test's word-level tokenizer; the exported files themselves are the same for every model.
-    tokenizer_class = transformers.PreTrainedTokenizerFast if arch == "qwen2" else transformers.AutoTokenizer
+    tokenizer_class = (transformers.PreTrainedTokenizerFast if arch.startswith("qwen")
+                       else transformers.AutoTokenizer)
     hf_tok = tokenizer_class.from_pretrained(hf_out)
     assert hf_tok("w5 w7", add_special_tokens=False)["input_ids"] == [5, 7]
 

@@ -73,6 +73,9 @@ CASES = [
     ("llama-tp4-kv-replicated", llama_cfg(), 4, False),
     ("llama-tp4-sp-kv-replicated", llama_cfg(), 4, True),
     ("llama-tied-tp2-sp", llama_cfg(untie_embeddings_and_output_weights=False), 2, True),
+    # Query/key head norms: each rank normalises its own heads (and, kv-replicated, a copy of its group).
+    ("llama-qk-norm-tp2-sp", llama_cfg(qk_layernorm=True), 2, True),
+    ("llama-qk-norm-tp4-kv-replicated", llama_cfg(qk_layernorm=True), 4, False),
     ("gpt-tp2", gpt_cfg(), 2, False),
     ("gpt-tp4-sp", gpt_cfg(), 4, True),
 ]
