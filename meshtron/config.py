@@ -87,6 +87,10 @@ class ModelConfig:
     moe_router_dtype: str = opt("fp32", "Router precision (meshtron routes in fp32).", choices=("fp32",))
     moe_router_topk_scaling_factor: Optional[float] = opt(None, "Multiply the chosen experts' combine weights by "
                                                                  "this factor (DeepSeek-V2/V3 routed scaling).")
+    moe_router_num_groups: Optional[int] = opt(None, "Group-limited routing: the experts form this many groups of "
+                                                     "consecutive experts (DeepSeek-V3; with --moe-router-group-topk).")
+    moe_router_group_topk: Optional[int] = opt(None, "Group-limited routing: groups each token may choose its experts "
+                                                     "from (the best by the sum of their top topk/this scores).")
     moe_shared_expert_overlap: bool = opt(False, "Accepted for Megatron compatibility (meshtron runs the shared "
                                                  "experts after the routed experts' dispatch, not overlapped).")
 

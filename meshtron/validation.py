@@ -373,9 +373,27 @@ def _check_unsupported_megatron_flags(cfg: MeshtronConfig) -> None:
         if value is not None:
             raise ConfigError(f"{flag} belongs to fp16 training, which meshtron does not support: use --bf16 "
                               f"(no loss scaling needed) and drop {flag}")
+    _check_group_routing(cfg.model)
     scaling = cfg.model.moe_router_topk_scaling_factor
     if scaling is not None and not scaling > 0:
         raise ConfigError(f"--moe-router-topk-scaling-factor must be positive, got {scaling}")
+
+
+def _check_group_routing(m: ModelConfig) -> None:
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if groups is None and group_topk is None:
+        return
+    if groups is None or group_topk is None:
+        raise ConfigError("--moe-router-num-groups and --moe-router-group-topk go together (group-limited routing)")
+    E, k = m.num_experts or 0, m.moe_router_topk
+    if groups < 1 or E % groups:
+        raise ConfigError(f"--moe-router-num-groups ({groups}) must divide --num-experts ({E})")
+    if not 1 <= group_topk <= groups:
+        raise ConfigError(f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups "
+                          f"({groups})")
+    if not group_topk <= k <= group_topk * (E // groups):
+        raise ConfigError(f"--moe-router-topk ({k}) must be at least --moe-router-group-topk ({group_topk}) and at "
+                          f"most the {group_topk * (E // groups)} experts of the chosen groups")
 
 
 def _check_training(cfg: MeshtronConfig) -> None:

@@ -48,8 +48,10 @@ def reference(layer: MoELayer, cfg: ModelConfig, x: torch.Tensor) -> torch.Tenso
     s, b, h = x.shape
     tokens = x.reshape(-1, h)
     logits = F.linear(tokens, layer.router.weight)
+    groups = (cfg.moe_router_num_groups, cfg.moe_router_group_topk) if cfg.moe_router_num_groups else None
     probs, idx = select_experts(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
-                                cfg.moe_router_pre_softmax, layer.router.expert_bias)
+                                cfg.moe_router_pre_softmax, layer.router.expert_bias, groups)
+    probs = probs * (cfg.moe_router_topk_scaling_factor or 1.0)
     ex = layer.experts
     E = cfg.num_experts
     w1, w2 = ex.fc1_weight.view(E, -1, h), ex.fc2_weight.view(E, h, -1)
@@ -82,6 +84,10 @@ CASES = {
     # reach any output or gradient.
     "capacity-padded-gelu-bias": dict(swiglu=False, disable_bias_linear=False, moe_expert_capacity_factor=0.5,
                                       moe_pad_expert_input_to_capacity=True),
+    # DeepSeek-V3 routing: sigmoid, expert bias, 2 groups of 2 experts with one group per token, scaled weights.
+    "sigmoid-group-limited-scaled": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                         moe_router_num_groups=2, moe_router_group_topk=1,
+                                         moe_router_topk_scaling_factor=2.5),
     "capacity-padded-top3": dict(moe_router_topk=3, moe_expert_capacity_factor=1.0,
                                  moe_pad_expert_input_to_capacity=True),
 }

@@ -165,3 +165,21 @@ def test_attached_loss_gets_gradient_scale():
     y.sum().backward()
     assert w.grad.item() == pytest.approx(0.25 * 4.0)
     torch.testing.assert_close(out.grad, torch.ones(3))
+
+
+def test_group_limited_routing_by_hand():
+    """8 experts in 4 groups of 2, each token may use 2 groups, top-4: a group scores the sum of its best
+    4 // 2 = 2 scores. Scores 0.9 0.85 | 0.1 0.1 | 0.8 0.1 | 0.7 0.1 give groups 1.75, 0.2, 0.9, 0.8: groups 0
+    and 2 win, so expert 5 (0.1) is chosen instead of the globally better expert 6 (0.7)."""
+    scores = torch.tensor([[0.9, 0.85, 0.1, 0.1, 0.8, 0.1, 0.7, 0.1]])
+    logits = torch.logit(scores)
+    probs, idx = select_experts(logits, 4, "sigmoid", groups=(4, 2))
+    assert sorted(idx[0].tolist()) == [0, 1, 4, 5]
+    chosen = scores[0, idx[0]]
+    torch.testing.assert_close(probs[0], chosen / chosen.sum())
+    _, unlimited = select_experts(logits, 4, "sigmoid")
+    assert sorted(unlimited[0].tolist()) == [0, 1, 4, 6]
+    # softmax: groups compare sums of probabilities; weights renormalised over the chosen logits
+    probs, idx = select_experts(logits, 4, "softmax", groups=(4, 2))
+    assert sorted(idx[0].tolist()) == [0, 1, 4, 5]
+    torch.testing.assert_close(probs[0], torch.softmax(logits[0, idx[0]], dim=-1))

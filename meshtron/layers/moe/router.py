@@ -9,6 +9,10 @@ Selection (``--moe-router-score-function``, ``--moe-router-pre-softmax``; Megatr
 * sigmoid: sigmoid scores, top-k of them, weights normalised to sum to 1 when k > 1
   (DeepSeek-V3).
 
+``--moe-router-num-groups`` / ``--moe-router-group-topk`` limit each token's choice to the best
+few groups of experts (DeepSeek-V3's group-limited routing, :func:`top_experts`), and
+``--moe-router-topk-scaling-factor`` multiplies the chosen weights.
+
 With ``--moe-router-enable-expert-bias`` the choice uses score + bias (the softmax over
 all experts, or the sigmoid score), while the weights stay those of the unbiased
 scores; the bias is a buffer updated after each step from the expert load
@@ -58,13 +62,17 @@ class Routing:
 
 
 def select_experts(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
-                   expert_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(combine weights [T, k], expert indices [T, k]) from fp32 ``logits`` [T, E]; see the module doc."""
+                   expert_bias: Optional[torch.Tensor] = None, groups: Optional[tuple[int, int]] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(combine weights [T, k], expert indices [T, k]) from fp32 ``logits`` [T, E]; see the module doc.
+
+    ``groups`` = (number of groups, groups per token): group-limited routing (see :func:`top_experts`).
+    """
     if score_function == "softmax":
-        if pre_softmax or expert_bias is not None:
+        if pre_softmax or expert_bias is not None or groups is not None:
             scores = torch.softmax(logits, dim=-1)
             choice = scores if expert_bias is None else scores + expert_bias
-            _, indices = torch.topk(choice, topk, dim=-1)
+            indices = top_experts(choice, topk, groups)
             if pre_softmax:
                 return scores.gather(1, indices), indices
             return torch.softmax(logits.gather(1, indices), dim=-1), indices
@@ -73,12 +81,30 @@ def select_experts(logits: torch.Tensor, topk: int, score_function: str = "softm
     if score_function == "sigmoid":
         scores = torch.sigmoid(logits)
         choice = scores if expert_bias is None else scores + expert_bias
-        _, indices = torch.topk(choice, topk, dim=-1)
+        indices = top_experts(choice, topk, groups)
         probs = scores.gather(1, indices)
         if topk > 1:
             probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
         return probs, indices
     raise ValueError(f"--moe-router-score-function must be softmax or sigmoid, got {score_function!r}")
+
+
+def top_experts(choice: torch.Tensor, topk: int, groups: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Indices [T, k] of the ``topk`` largest ``choice`` [T, E] values.
+
+    With ``groups`` = (G, g) (``--moe-router-num-groups``, ``--moe-router-group-topk``; DeepSeek-V3's
+    group-limited routing) the E experts form G groups of E/G consecutive experts, each group scores
+    the sum of its best ``topk // g`` choice values, and a token picks its k experts only among the g
+    best groups (with G = the expert-parallel size, a token's experts then live on at most g ranks).
+    """
+    if groups is not None:
+        num_groups, group_topk = groups
+        T, E = choice.shape
+        group_score = choice.view(T, num_groups, E // num_groups).topk(topk // group_topk, dim=-1).values.sum(-1)
+        best = group_score.topk(group_topk, dim=-1).indices
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(E // num_groups, dim=1), float("-inf"))
+    return torch.topk(choice, topk, dim=-1).indices
 
 
 def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -126,6 +152,8 @@ class TopKRouter(Fp32BufferModule):
         self.z_coeff = cfg.moe_z_loss_coeff or 0.0
         self.capacity_factor = cfg.moe_expert_capacity_factor
         self.topk_scaling_factor = cfg.moe_router_topk_scaling_factor
+        self.groups = ((cfg.moe_router_num_groups, cfg.moe_router_group_topk)
+                       if cfg.moe_router_num_groups is not None else None)
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.cp_group = cp_group
         self.weight = new_param(ShardSpec((whole(f"{prefix}.weight", (E, H), std=cfg.init_method_std),),
@@ -140,7 +168,8 @@ class TopKRouter(Fp32BufferModule):
     def forward(self, tokens: torch.Tensor, batch: int) -> Routing:
         """Route ``tokens`` [T, H] (T = seq x ``batch`` in [seq, batch] order)."""
         logits = F.linear(tokens.float(), self.weight.float())  # routing in fp32 whatever the compute dtype
-        probs, indices = select_experts(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias)
+        probs, indices = select_experts(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias,
+                                        self.groups)
         if self.topk_scaling_factor is not None:
             probs = probs * self.topk_scaling_factor
         tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
