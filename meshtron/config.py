@@ -165,9 +165,11 @@ class OptimConfig:
     lr_decay_style: str = opt("cosine", "Decay after warm-up.",
                               choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
     lr_warmup_iters: int = opt(0, "Linear warm-up iterations.")
+    lr_warmup_samples: Optional[int] = opt(None, "Warm-up in samples (instead of --lr-warmup-iters).")
     lr_warmup_fraction: Optional[float] = opt(None, "Warm-up as a fraction of --lr-decay-iters.")
     lr_warmup_init: float = opt(0.0, "Learning rate at the start of warm-up.")
     lr_decay_iters: Optional[int] = opt(None, "Iterations over which to decay (default --train-iters).")
+    lr_decay_samples: Optional[int] = opt(None, "Decay length in samples (instead of --lr-decay-iters).")
     lr_wsd_decay_style: str = opt("linear", "Shape of the WSD cool-down.", choices=("linear", "cosine", "exponential", "minus_sqrt"))
     lr_wsd_decay_iters: Optional[int] = opt(None, "Length of the WSD cool-down (default 10%% of --lr-decay-iters).")
     weight_decay: float = opt(0.01, "Decoupled weight decay (not applied to norms and biases).")
@@ -189,6 +191,8 @@ class TrainConfig:
     global_batch_size: Optional[int] = opt(None, "Samples per iteration across all data-parallel ranks "
                                                  "(default micro-batch * data-parallel size).")
     train_iters: int = opt(300, "Training iterations.")
+    train_samples: Optional[int] = opt(None, "Train on this many samples instead: --train-iters becomes "
+                                             "train samples / --global-batch-size (takes precedence).")
     seed: int = opt(1234, "Seed of weights, data order and dropout.")
     device: Optional[str] = opt(None, "cpu or cuda (default cuda when available).", choices=("cpu", "cuda"))
     bf16: bool = opt(False, "bf16 weights and compute with fp32 master weights and gradients (default on CUDA).")
@@ -215,6 +219,8 @@ class TrainConfig:
     compile: Optional[bool] = opt(None, "torch.compile each transformer layer (default on CUDA).")
     eval_interval: int = opt(100, "Evaluate on the validation split every N iterations (0 disables).")
     eval_iters: int = opt(10, "Validation iterations per evaluation.")
+    skip_train: bool = opt(False, "Do not train: load the checkpoint (--load), evaluate on the validation split "
+                                  "and exit.")
     exit_signal_handler: bool = opt(False, "On SIGTERM, save a checkpoint and exit cleanly.")
     exit_duration_in_mins: Optional[float] = opt(None, "Save and exit after this many minutes of training.")
     exit_interval: Optional[int] = opt(None, "Save and exit at the first iteration divisible by this.")
@@ -319,6 +325,15 @@ class LogConfig:
     peak_tflops: Optional[float] = opt(None, "Peak dense bf16 TFLOP/s per device for MFU (default by device name).")
     progress_bar: Optional[bool] = opt(None, "Live progress bar (default: when stdout is a terminal).")
     quiet: bool = opt(False, "Only errors and the final summary.")
+    profile: bool = opt(False, "Profile iterations [--profile-step-start, --profile-step-end): with "
+                               "--use-pytorch-profiler a torch.profiler trace, else the CUDA profiler's capture "
+                               "range (nsys --capture-range=cudaProfilerApi).")
+    use_pytorch_profiler: bool = opt(False, "With --profile: record with torch.profiler (a trace per rank).")
+    profile_step_start: int = opt(10, "First profiled iteration.")
+    profile_step_end: int = opt(12, "Iteration after the last profiled one.")
+    profile_ranks: list = opt([0], "Global ranks that profile.", nargs="+")
+    profile_dir: Optional[str] = opt(None, "Where torch.profiler traces go (default --tensorboard-dir, else "
+                                           "./profile).")
     log_params_norm: bool = opt(False, "Log the L2 norm of all weights (\"params_norm\") every --log-interval.")
     log_memory_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (every logged number, peak "
                                                  "memory included, goes to TensorBoard).")

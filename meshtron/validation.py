@@ -33,6 +33,7 @@ def validate_config(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
         dp = data_parallel_size(cfg, world_size)
         _check_layout(cfg, dp)
         _fill_and_check_batch(cfg, dp)
+        _samples_to_iterations(cfg)
     _check_batch_sizes(cfg)
     _check_training(cfg)
     _check_optim(cfg.optim, cfg.train.train_iters)
@@ -262,6 +263,30 @@ def _fill_and_check_batch(cfg: MeshtronConfig, dp: int) -> None:
                         p.virtual_pipeline_model_parallel_size or 1)
 
 
+def _samples_to_iterations(cfg: MeshtronConfig) -> None:
+    """Megatron's sample-based schedule: --train-samples, --lr-warmup-samples and --lr-decay-samples become
+    iterations of --global-batch-size samples (the same schedule, since the batch size is fixed)."""
+    t, o = cfg.train, cfg.optim
+    gbs = t.global_batch_size
+    _positive_if_set([("--train-samples", t.train_samples), ("--lr-decay-samples", o.lr_decay_samples)])
+    if o.lr_warmup_samples is not None and o.lr_warmup_samples < 0:
+        raise ConfigError(f"--lr-warmup-samples must be >= 0, got {o.lr_warmup_samples}")
+    if t.train_samples is not None:
+        if t.train_samples < gbs:
+            raise ConfigError(f"--train-samples ({t.train_samples}) must be at least one --global-batch-size "
+                              f"({gbs})")
+        t.train_iters = t.train_samples // gbs
+    if o.lr_decay_samples is not None:
+        if o.lr_decay_iters is not None:
+            raise ConfigError("--lr-decay-samples and --lr-decay-iters exclude each other: give one of them")
+        o.lr_decay_iters = max(1, o.lr_decay_samples // gbs)
+    if o.lr_warmup_samples is not None:
+        if o.lr_warmup_iters or o.lr_warmup_fraction is not None:
+            raise ConfigError("--lr-warmup-samples excludes --lr-warmup-iters and --lr-warmup-fraction: give one "
+                              "of them")
+        o.lr_warmup_iters = o.lr_warmup_samples // gbs
+
+
 def _check_batch_sizes(cfg: MeshtronConfig) -> None:
     _positive([("--micro-batch-size", cfg.train.micro_batch_size)])
     _positive_if_set([("--global-batch-size", cfg.train.global_batch_size)])
@@ -398,6 +423,10 @@ def _check_group_routing(m: ModelConfig) -> None:
 
 def _check_training(cfg: MeshtronConfig) -> None:
     t = cfg.train
+    lg = cfg.log
+    if lg.profile and not 1 <= lg.profile_step_start < lg.profile_step_end:
+        raise ConfigError(f"--profile-step-start ({lg.profile_step_start}) must be at least 1 and below "
+                          f"--profile-step-end ({lg.profile_step_end})")
     if t.timing_log_level not in (0, 1, 2):
         raise ConfigError(f"--timing-log-level must be 0, 1 or 2, got {t.timing_log_level}")
     if t.manual_gc_interval < 0:

@@ -325,3 +325,13 @@ def test_megatron_spellings_map_to_meshtron_settings(no_cuda: None) -> None:
                        "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
                        "--ckpt-assume-constant-structure", "--log-memory-to-tensorboard",
                        "--log-validation-ppl-to-tensorboard"])
+
+
+def test_sample_based_schedule_becomes_iterations(no_cuda: None) -> None:
+    cfg = validated(SHAPE + ["--global-batch-size", "8", "--train-samples", "1000", "--lr-warmup-samples", "80",
+                             "--lr-decay-samples", "800"])
+    assert (cfg.train.train_iters, cfg.optim.lr_warmup_iters, cfg.optim.lr_decay_iters) == (125, 10, 100)
+    with pytest.raises(ConfigError, match="--lr-decay-samples and --lr-decay-iters exclude each other"):
+        validated(SHAPE + ["--lr-decay-samples", "800", "--lr-decay-iters", "5"])
+    with pytest.raises(ConfigError, match=r"--train-samples \(4\) must be at least one --global-batch-size \(8\)"):
+        validated(SHAPE + ["--global-batch-size", "8", "--train-samples", "4"])

@@ -26,6 +26,7 @@ from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
 from meshtron.optim.clip import clip_coefficient
 from meshtron.training.gc_control import ManualGC
+from meshtron.training.step_profiler import StepProfiler
 from meshtron.optim.factory import build_optimization, weights_norm
 from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context import ParallelContext, context_from_config
@@ -223,20 +224,31 @@ class Trainer:
     def train(self) -> TrainingResult:
         t = self.cfg.train
         self.load()
+        if t.skip_train:  # evaluation only
+            self._evaluate_and_log(self.state.iteration)
+            self.result.final_iteration = self.state.iteration
+            return self.result
         signal_handler = None
         ckpt = self._checkpointing()
         if t.exit_signal_handler and ckpt is not None and hasattr(ckpt, "install_signal_handler"):
             signal_handler = ckpt.install_signal_handler()
         if t.eval_interval and self.state.iteration == 0:
             self._evaluate_and_log(0)  # the starting point, so the log shows how far validation falls
+        lg = self.cfg.log
+        profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.use_pytorch_profiler,
+                                lg.profile_dir or lg.tensorboard_dir or "profile", self.device,
+                                self.ctx.rank, [int(r) for r in lg.profile_ranks])
         with ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval) as manual_gc:
-            self._run_iterations(signal_handler, manual_gc)
+            try:
+                self._run_iterations(signal_handler, manual_gc, profiler)
+            finally:
+                profiler.stop()
         if ckpt is not None and hasattr(ckpt, "finalize_async_saves"):
             ckpt.finalize_async_saves()
         self.result.final_iteration = self.state.iteration
         return self.result
 
-    def _run_iterations(self, signal_handler, manual_gc: ManualGC) -> None:
+    def _run_iterations(self, signal_handler, manual_gc: ManualGC, profiler: StepProfiler) -> None:
         """The training loop from the current iteration to --train-iters (or an exit condition)."""
         cfg, t = self.cfg, self.cfg.train
         start_time = time.monotonic()
@@ -247,7 +259,9 @@ class Trainer:
         interval_steps = 0
         for iteration in range(self.state.iteration + 1, t.train_iters + 1):
             micro_batches = next(batches)
+            profiler.before_step(iteration)
             loss_sum, norm, applied = self.train_step(micro_batches, iteration)
+            profiler.after_step(iteration)
             self.state.iteration = iteration
             self.state.consumed_samples += t.global_batch_size
             interval_steps += 1

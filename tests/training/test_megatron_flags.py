@@ -1,5 +1,5 @@
 """Megatron-LM flags with an effect in meshtron: --log-params-norm, --exit-on-missing-checkpoint,
---moe-router-topk-scaling-factor."""
+--skip-train, --train-samples, --moe-router-topk-scaling-factor."""
 
 from __future__ import annotations
 
@@ -64,3 +64,28 @@ def test_topk_scaling_factor_multiplies_the_combine_weights():
         routings.append(router.eval()(tokens, 1))
     assert torch.equal(routings[0].indices, routings[1].indices)
     torch.testing.assert_close(routings[1].probs, 2.5 * routings[0].probs)
+
+
+def test_skip_train_evaluates_the_loaded_checkpoint(tmp_path):
+    save = str(tmp_path / "ckpt")
+    trained = run_training(build_config(ARGS + ["--save", save, "--eval-interval", "3", "--eval-iters", "2"]))
+    only_eval = run_training(build_config(ARGS + ["--load", save, "--skip-train", "--eval-iters", "2"]))
+    assert only_eval.train_losses == {} and only_eval.final_iteration == 3
+    assert only_eval.eval_losses[3] == pytest.approx(trained.eval_losses[3], rel=1e-6)
+
+
+def test_train_samples_sets_the_iterations():
+    result = run_training(build_config(ARGS + ["--train-samples", "10"]))  # global batch 4: 2 iterations
+    assert sorted(result.train_losses) == [1, 2]
+
+
+def test_profile_writes_a_torch_profiler_trace_of_the_chosen_steps(tmp_path):
+    out = tmp_path / "trace"
+    run_training(build_config(ARGS + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+                                      "--profile-step-end", "3", "--profile-dir", str(out)]))
+    traces = list(out.glob("*.pt.trace.json*"))
+    assert len(traces) == 1 and traces[0].name.startswith("rank0")
+    text = traces[0].read_text()
+    assert "ProfilerStep" in text or "aten::" in text  # operators of the profiled step were recorded
+    with pytest.raises(Exception, match="--profile-step-start"):
+        build_config(ARGS + ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"]).validate(1)
