@@ -367,7 +367,28 @@ def parse_train_args(argv: Sequence[str]) -> TrainArgs:
     for name, value in given.items():
         if name != "model":
             cfg.set(name, copy.deepcopy(value))
+    if cfg.checkpoint.use_checkpoint_args:
+        _apply_checkpoint_model_args(cfg, given)
     return TrainArgs(cfg, given, config_file)
+
+
+def _apply_checkpoint_model_args(cfg: MeshtronConfig, given: dict) -> None:
+    """``--use-checkpoint-args``: the model section of the configuration saved with ``--load``'s checkpoint
+    replaces the model flags; one given explicitly with another value is an error."""
+    from meshtron.checkpoint import latest_checkpoint_config
+    from meshtron.config import ModelConfig
+
+    if not cfg.checkpoint.load:
+        raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint whose configuration to use)")
+    saved = latest_checkpoint_config(cfg.checkpoint.load)
+    if saved is None:
+        raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")
+    for f in dataclasses.fields(ModelConfig):
+        value = getattr(saved.model, f.name)
+        if f.name != "model" and f.name in given and given[f.name] != value:
+            raise ConfigError(f"{flag_name(f.name)} {given[f.name]} contradicts the checkpoint's {value} "
+                              f"(--use-checkpoint-args takes the model from {cfg.checkpoint.load}): drop the flag")
+        setattr(cfg.model, f.name, copy.deepcopy(value))
 
 
 def _unknown_argument_message(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:

@@ -301,6 +301,8 @@ class CheckpointConfig:
     finetune: bool = opt(False, "Load weights only and start at iteration 0.")
     ckpt_format: str = opt("torch_dist", "Accepted for Megatron compatibility (meshtron writes torch.distributed.checkpoint).",
                            choices=("torch_dist", "torch"))
+    use_checkpoint_args: bool = opt(False, "With --load: take the model's architecture (every model flag) from the "
+                                           "checkpoint's saved configuration.")
     exit_on_missing_checkpoint: bool = opt(False, "With --load: stop with an error when there is no checkpoint "
                                                   "instead of training from scratch.")
     use_dist_ckpt: bool = opt(False, "Accepted for Megatron compatibility (meshtron always writes "

@@ -89,3 +89,18 @@ def test_profile_writes_a_torch_profiler_trace_of_the_chosen_steps(tmp_path):
     assert "ProfilerStep" in text or "aten::" in text  # operators of the profiled step were recorded
     with pytest.raises(Exception, match="--profile-step-start"):
         build_config(ARGS + ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"]).validate(1)
+
+
+def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path):
+    save = str(tmp_path / "ckpt")
+    shape = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96"]
+    trained = run_training(build_config(ARGS + shape + ["--save", save, "--eval-interval", "3", "--eval-iters", "2"]))
+    # no shape flags: the tiny preset would not fit the checkpoint, its saved model configuration does
+    cfg = build_config(ARGS + ["--load", save, "--use-checkpoint-args", "--skip-train", "--eval-iters", "2"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size) == (3, 64)
+    evaluated = run_training(cfg)
+    assert evaluated.eval_losses[3] == pytest.approx(trained.eval_losses[3], rel=1e-6)
+    with pytest.raises(Exception, match="--num-layers 5 contradicts the checkpoint's 3"):
+        build_config(ARGS + ["--load", save, "--use-checkpoint-args", "--num-layers", "5"])
+    with pytest.raises(Exception, match="--use-checkpoint-args needs --load"):
+        build_config(ARGS + ["--use-checkpoint-args"])
