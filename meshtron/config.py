@@ -296,6 +296,9 @@ class CheckpointConfig:
     save_interval: Optional[int] = opt(None, "Save every N iterations (and at the end of training).")
     async_save: bool = opt(False, "Write checkpoints in the background.")
     save_retain: Optional[int] = opt(None, "Keep only the newest K checkpoints.")
+    no_save_optim: bool = opt(False, "Save checkpoints without the optimizer state (weights only; a run that "
+                                     "loads one starts fresh Adam moments).")
+    no_save_rng: bool = opt(False, "Save checkpoints without the random-number generators' states.")
     no_load_optim: bool = opt(False, "Do not load the optimizer state.")
     no_load_rng: bool = opt(False, "Do not load the RNG state.")
     finetune: bool = opt(False, "Load weights only and start at iteration 0.")

@@ -29,16 +29,16 @@ def model_vocab_size(model_chunks: Sequence[nn.Module], cfg: Optional[MeshtronCo
 
 
 def build_meta(state: TrainingState, model_chunks: Sequence[nn.Module], optimizer, ctx: ParallelContext,
-               cfg: MeshtronConfig, has_tokenizer: bool) -> dict[str, Any]:
+               cfg: MeshtronConfig, has_tokenizer: bool, save_rng: bool = True) -> dict[str, Any]:
     """The content of ``meshtron_checkpoint.json`` for a training checkpoint."""
     return checkpoint_meta(state, model_signature(cfg.model, model_vocab_size(model_chunks, cfg)), layout_dict(ctx),
-                           int(optimizer.step_count) if optimizer is not None else None, coordination.world_size(),
-                           has_tokenizer)
+                           int(optimizer.step_count) if optimizer is not None else None,
+                           coordination.world_size() if save_rng else None, has_tokenizer)
 
 
 def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.Module], optimizer,
                     ctx: ParallelContext, cfg: MeshtronConfig, tokenizer=None, async_save: bool = False,
-                    retain: Optional[int] = None) -> None:
+                    retain: Optional[int] = None, save_rng: bool = True) -> None:
     """Save checkpoint ``state.iteration`` under ``save_dir`` (collective: every rank calls it).
 
     Each rank writes only its own chunks of the canonical tensors (chunks several ranks
@@ -47,8 +47,10 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
     moves to the new checkpoint only after every rank's files are written and verified.
     With ``async_save`` the function returns once a host copy is taken; the write runs
     in the background (one at a time; see :func:`finalize_async_saves`). ``retain``
-    keeps only the newest K checkpoints. Raises CheckpointError on any failure (the
-    previous checkpoint stays the latest).
+    keeps only the newest K checkpoints. ``optimizer`` None saves no optimizer state and
+    ``save_rng`` False no RNG states (``--no-save-optim``, ``--no-save-rng``): loading such a
+    checkpoint starts fresh Adam moments / keeps the seeded RNG. Raises CheckpointError on any
+    failure (the previous checkpoint stays the latest).
     """
     writer = process_writer()
     writer.wait()  # one save in flight; also surfaces a failed background save
@@ -60,12 +62,12 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
     start = time.perf_counter()
     group = coordination.checkpoint_group(ctx)
     rank = coordination.rank()
-    meta = build_meta(state, model_chunks, optimizer, ctx, cfg, tokenizer is not None)
-    rng = state.rng if state.rng is not None else capture_rng_state()
+    meta = build_meta(state, model_chunks, optimizer, ctx, cfg, tokenizer is not None, save_rng)
+    rng = (state.rng if state.rng is not None else capture_rng_state()) if save_rng else None
     if hasattr(optimizer, "finish_param_gather"):
         optimizer.finish_param_gather()  # weights still being all-gathered must land before they are read
     job = SaveJob(save_dir=Path(save_dir), iteration=int(state.iteration), rank=rank, state_dict={}, meta=meta,
-                  config_text=config_yaml(cfg), rng=rng_bytes(rng), group=group,
+                  config_text=config_yaml(cfg), rng=rng_bytes(rng) if rng is not None else None, group=group,
                   tokenizer=tokenizer if rank == 0 else None, retain=retain)
     chunks = _collect_chunks(model_chunks, optimizer, writer if async_save else None)
     job.state_dict = to_state_dict(chunks)

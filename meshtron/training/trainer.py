@@ -201,8 +201,9 @@ class Trainer:
         self.state.rng = capture_rng_state(self.tracker)
         # With --overlap-param-gather the last step's weights may still be in flight.
         getattr(self.optimizer, "finish_param_gather", lambda: None)()
-        ckpt.save_checkpoint(ck.save, self.state, self.model_chunks, self.optimizer, self.ctx, self.cfg,
-                             tokenizer=self.data.tokenizer, async_save=ck.async_save, retain=ck.save_retain)
+        ckpt.save_checkpoint(ck.save, self.state, self.model_chunks, None if ck.no_save_optim else self.optimizer,
+                             self.ctx, self.cfg, tokenizer=self.data.tokenizer, async_save=ck.async_save,
+                             retain=ck.save_retain, save_rng=not ck.no_save_rng)
         self.logger.info(f"saved checkpoint at iteration {self.state.iteration} to {ck.save}")
 
     def _log_record(self, iteration: int, loss: float, norm: float, lr: float, step_time: float) -> dict:

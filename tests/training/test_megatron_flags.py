@@ -104,3 +104,22 @@ def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path):
         build_config(ARGS + ["--load", save, "--use-checkpoint-args", "--num-layers", "5"])
     with pytest.raises(Exception, match="--use-checkpoint-args needs --load"):
         build_config(ARGS + ["--use-checkpoint-args"])
+
+
+def test_no_save_optim_and_rng_write_weights_only_checkpoints(tmp_path):
+    from meshtron.checkpoint import resolve_checkpoint
+    from meshtron.checkpoint.metadata import read_meta
+
+    full, light = str(tmp_path / "full"), str(tmp_path / "light")
+    run_training(build_config(ARGS + ["--save", full]))
+    trained = run_training(build_config(ARGS + ["--save", light, "--no-save-optim", "--no-save-rng"]))
+    meta = read_meta(resolve_checkpoint(light))
+    assert not meta["optimizer"]["present"] and not meta["rng"]["present"]
+    assert read_meta(resolve_checkpoint(full))["optimizer"]["present"]
+
+    def size(path):
+        return sum(f.stat().st_size for f in (tmp_path / path).rglob("*") if f.is_file())
+
+    assert size("light") < size("full") / 2  # fp32 masters and two moments are most of a checkpoint
+    resumed = run_training(build_config(ARGS + ["--load", light, "--train-iters", "4"]))  # fresh moments
+    assert sorted(resumed.train_losses) == [4] and trained.final_iteration == 3
