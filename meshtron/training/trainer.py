@@ -238,7 +238,7 @@ class Trainer:
         lg = self.cfg.log
         profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.use_pytorch_profiler,
                                 lg.profile_dir or lg.tensorboard_dir or "profile", self.device,
-                                self.ctx.rank, [int(r) for r in lg.profile_ranks])
+                                self.ctx.rank, lg.profile_ranks)
         with ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval) as manual_gc:
             try:
                 self._run_iterations(signal_handler, manual_gc, profiler)
