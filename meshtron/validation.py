@@ -427,7 +427,8 @@ def _check_training(cfg: MeshtronConfig) -> None:
     try:
         lg.profile_ranks = [int(r) for r in lg.profile_ranks]
     except (TypeError, ValueError):
-        raise ConfigError(f"--profile-ranks takes global rank numbers, got {' '.join(map(str, lg.profile_ranks))}") from None
+        given = " ".join(map(str, lg.profile_ranks))
+        raise ConfigError(f"--profile-ranks takes global rank numbers, got {given}") from None
     if lg.profile and not 1 <= lg.profile_step_start < lg.profile_step_end:
         raise ConfigError(f"--profile-step-start ({lg.profile_step_start}) must be at least 1 and below "
                           f"--profile-step-end ({lg.profile_step_end})")
