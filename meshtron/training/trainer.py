@@ -25,8 +25,6 @@ import torch.distributed as dist
 from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
 from meshtron.optim.clip import clip_coefficient
-from meshtron.training.gc_control import ManualGC
-from meshtron.training.step_profiler import StepProfiler
 from meshtron.optim.factory import build_optimization, weights_norm
 from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context import ParallelContext, context_from_config
@@ -35,7 +33,9 @@ from meshtron.parallel.random import RNGTracker
 from meshtron.pipeline import build_model_chunks, get_schedule, is_data_rank
 from meshtron.pipeline.batches import broadcast_from_last_stage, eval_batches, train_batches
 from meshtron.pipeline.balance import pipeline_balance_hint
+from meshtron.training.gc_control import ManualGC
 from meshtron.training.metrics import compute_throughput, flops_per_token, peak_memory_stats, peak_tflops
+from meshtron.training.step_profiler import StepProfiler
 from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
 
 
