@@ -339,6 +339,11 @@ class LogConfig:
     profile_ranks: list = opt([0], "Global ranks that profile.", nargs="+")
     profile_dir: Optional[str] = opt(None, "Where torch.profiler traces go (default --tensorboard-dir, else "
                                            "./profile).")
+    record_memory_history: bool = opt(False, "Record the CUDA allocator's history during training and write a "
+                                             "snapshot at the end (--memory-snapshot-path; for "
+                                             "pytorch.org/memory_viz).")
+    memory_snapshot_path: str = opt("snapshot.pickle", "Where --record-memory-history writes (a _rankN suffix per "
+                                                       "rank when there are several).")
     log_params_norm: bool = opt(False, "Log the L2 norm of all weights (\"params_norm\") every --log-interval.")
     log_memory_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (every logged number, peak "
                                                  "memory included, goes to TensorBoard).")

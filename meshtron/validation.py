@@ -429,6 +429,8 @@ def _check_training(cfg: MeshtronConfig) -> None:
     except (TypeError, ValueError):
         given = " ".join(map(str, lg.profile_ranks))
         raise ConfigError(f"--profile-ranks takes global rank numbers, got {given}") from None
+    if lg.record_memory_history and t.device != "cuda":
+        raise ConfigError("--record-memory-history records the CUDA allocator: it needs --device cuda")
     if lg.profile and not 1 <= lg.profile_step_start < lg.profile_step_end:
         raise ConfigError(f"--profile-step-start ({lg.profile_step_start}) must be at least 1 and below "
                           f"--profile-step-end ({lg.profile_step_end})")

@@ -74,6 +74,7 @@ ERRORS = [
     (SHAPE + ["--manual-gc-interval", "5"], 1, "--manual-gc-interval needs --manual-gc"),
     (SHAPE + ["--loss-scale", "1024"], 1, "--loss-scale belongs to fp16 training"),
     (SHAPE + ["--profile", "--profile-ranks", "0", "x"], 1, "--profile-ranks takes global rank numbers, got 0 x"),
+    (SHAPE + ["--record-memory-history", "--device", "cpu"], 1, "--record-memory-history records the CUDA allocator"),
     (SHAPE + ["--num-experts", "4", "--moe-router-topk-scaling-factor", "0"], 1,
      "--moe-router-topk-scaling-factor must be positive"),
     (SHAPE + ["--num-experts", "8", "--moe-router-num-groups", "4"], 1,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
+from meshtron.memory_report import record_memory
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization, weights_norm
 from meshtron.optim.lr_schedule import learning_rate
@@ -239,15 +240,28 @@ class Trainer:
         profiler = StepProfiler(lg.profile, lg.profile_step_start, lg.profile_step_end, lg.use_pytorch_profiler,
                                 lg.profile_dir or lg.tensorboard_dir or "profile", self.device,
                                 self.ctx.rank, lg.profile_ranks)
+        if lg.record_memory_history:
+            record_memory(True)
         with ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval) as manual_gc:
             try:
                 self._run_iterations(signal_handler, manual_gc, profiler)
             finally:
                 profiler.stop()
+                if lg.record_memory_history:
+                    self._dump_memory_snapshot(lg.memory_snapshot_path)
         if ckpt is not None and hasattr(ckpt, "finalize_async_saves"):
             ckpt.finalize_async_saves()
         self.result.final_iteration = self.state.iteration
         return self.result
+
+    def _dump_memory_snapshot(self, path: str) -> None:
+        """Write the allocator history recorded since training started (--record-memory-history)."""
+        if self.ctx.world_size > 1:
+            stem, dot, suffix = path.rpartition(".")
+            path = f"{stem}_rank{self.ctx.rank}.{suffix}" if dot else f"{path}_rank{self.ctx.rank}"
+        torch.cuda.memory._dump_snapshot(path)
+        record_memory(False)
+        self.logger.info(f"CUDA memory snapshot written to {path}")
 
     def _run_iterations(self, signal_handler, manual_gc: ManualGC, profiler: StepProfiler) -> None:
         """The training loop from the current iteration to --train-iters (or an exit condition)."""
