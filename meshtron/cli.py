@@ -63,7 +63,8 @@ MEGATRON_COMPAT_FIELDS: tuple[str, ...] = (
     "moe_shared_expert_overlap", "override_opt_param_scheduler", "attention_softmax_in_fp32",
     "calculate_per_token_loss", "check_for_nan_in_loss_and_grad", "use_dist_ckpt", "auto_detect_ckpt_format",
     "ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure",
-    "log_memory_to_tensorboard", "log_validation_ppl_to_tensorboard",
+    "log_memory_to_tensorboard", "log_validation_ppl_to_tensorboard", "log_timers_to_tensorboard",
+    "log_world_size_to_tensorboard",
 )
 
 #: Without --model and without any of these, the "tiny" preset is applied.

@@ -327,6 +327,7 @@ class LogConfig:
     tensorboard_dir: Optional[str] = opt(None, "Write TensorBoard scalars here.")
     wandb_project: Optional[str] = opt(None, "Log to this Weights & Biases project (needs wandb installed).")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name.")
+    wandb_save_dir: Optional[str] = opt(None, "Directory for Weights & Biases' local files.")
     peak_tflops: Optional[float] = opt(None, "Peak dense bf16 TFLOP/s per device for MFU (default by device name).")
     progress_bar: Optional[bool] = opt(None, "Live progress bar (default: when stdout is a terminal).")
     quiet: bool = opt(False, "Only errors and the final summary.")
@@ -347,6 +348,10 @@ class LogConfig:
     log_params_norm: bool = opt(False, "Log the L2 norm of all weights (\"params_norm\") every --log-interval.")
     log_memory_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (every logged number, peak "
                                                  "memory included, goes to TensorBoard).")
+    log_timers_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (the step time goes to "
+                                                 "TensorBoard with every logged record).")
+    log_world_size_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (the layout and world "
+                                                     "size are printed at start).")
     log_validation_ppl_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (validation loss and "
                                                          "perplexity always go to TensorBoard).")
 

@@ -201,13 +201,14 @@ class TensorBoardSink:
 class WandbSink:
     """Weights & Biases: ``train/<key>`` and ``eval/<key>`` logged at step = iteration."""
 
-    def __init__(self, project: str, run_name: Optional[str], run_config: Optional[dict]) -> None:
+    def __init__(self, project: str, run_name: Optional[str], run_config: Optional[dict],
+                 save_dir: Optional[str] = None) -> None:
         try:
             import wandb
         except ImportError as e:
             raise ConfigError(WANDB_INSTALL_HINT) from e
         self._wandb = wandb
-        self._run = wandb.init(project=project, name=run_name, config=run_config)
+        self._run = wandb.init(project=project, name=run_name, config=run_config, dir=save_dir)
 
     def _log(self, prefix: str, record: dict) -> None:
         data = {f"{prefix}/{k}": v for k, v in record.items()
@@ -326,7 +327,8 @@ class TrainingLogger:
             if log_cfg.tensorboard_dir:
                 self._sinks.append(TensorBoardSink(log_cfg.tensorboard_dir))
             if log_cfg.wandb_project:
-                self._sinks.append(WandbSink(log_cfg.wandb_project, log_cfg.wandb_exp_name, run_config))
+                self._sinks.append(WandbSink(log_cfg.wandb_project, log_cfg.wandb_exp_name, run_config,
+                                             log_cfg.wandb_save_dir))
         except BaseException:
             self.close()
             raise

@@ -291,11 +291,11 @@ def test_wandb_logging(monkeypatch):
         return Run()
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
-    cfg = LogConfig(wandb_project="proj", wandb_exp_name="run1")
+    cfg = LogConfig(wandb_project="proj", wandb_exp_name="run1", wandb_save_dir="/tmp/wb")
     with TrainingLogger(cfg, True, 100, stream=NotTTY(), run_config={"hidden_size": 64}) as log:
         log.log_train(train_record(20))
         log.log_eval({"iteration": 20, "loss": 2.0, "ppl": 7.0})
-    assert init_args == {"project": "proj", "name": "run1", "config": {"hidden_size": 64}}
+    assert init_args == {"project": "proj", "name": "run1", "config": {"hidden_size": 64}, "dir": "/tmp/wb"}
     (train, step), (ev, step2) = logged
     assert step == step2 == 20
     assert train["train/loss"] == 2.5 and "train/iteration" not in train
