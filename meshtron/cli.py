@@ -64,7 +64,7 @@ MEGATRON_COMPAT_FIELDS: tuple[str, ...] = (
     "calculate_per_token_loss", "check_for_nan_in_loss_and_grad", "use_dist_ckpt", "auto_detect_ckpt_format",
     "ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure",
     "log_memory_to_tensorboard", "log_validation_ppl_to_tensorboard", "log_timers_to_tensorboard",
-    "log_world_size_to_tensorboard",
+    "log_world_size_to_tensorboard", "apply_query_key_layer_scaling", "no_bias_gelu_fusion",
 )
 
 #: Without --model and without any of these, the "tiny" preset is applied.

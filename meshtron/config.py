@@ -48,6 +48,8 @@ class ModelConfig:
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU.")
     position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=("learned_absolute", "rope"))
     use_rotary_position_embeddings: bool = opt(False, "Megatron's older spelling of --position-embedding-type rope.")
+    no_position_embedding: bool = opt(False, "Megatron's older flag for no learned position embedding: needs "
+                                             "rotary embeddings (--position-embedding-type rope).")
     rotary_base: float = opt(10000.0, "RoPE base (theta).")
     use_rope_scaling: bool = opt(False, "Llama-3.1 RoPE frequency scaling.")
     rope_scaling_factor: float = opt(8.0, "Llama-3.1 RoPE scaling factor (with --use-rope-scaling).")
@@ -240,6 +242,8 @@ class TrainConfig:
     no_masked_softmax_fusion: bool = opt(False, "Accepted for Megatron compatibility (softmax runs inside SDPA).")
     no_bias_swiglu_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the "
                                              "element-wise work).")
+    no_bias_gelu_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the "
+                                           "element-wise work).")
     no_bias_dropout_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the "
                                               "element-wise work).")
     no_rope_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the element-wise "
@@ -345,9 +349,13 @@ class LogConfig:
                                              "pytorch.org/memory_viz).")
     memory_snapshot_path: str = opt("snapshot.pickle", "Where --record-memory-history writes (a _rankN suffix per "
                                                        "rank when there are several).")
+    log_num_zeros_in_grad: bool = opt(False, "Log how many gradient elements are exactly zero "
+                                             "(\"num_zeros_in_grad\") every --log-interval.")
     log_params_norm: bool = opt(False, "Log the L2 norm of all weights (\"params_norm\") every --log-interval.")
     log_memory_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (every logged number, peak "
                                                  "memory included, goes to TensorBoard).")
+    apply_query_key_layer_scaling: bool = opt(False, "Accepted for Megatron compatibility (an fp16 safeguard that "
+                                                     "does not change the math; meshtron trains in bf16/fp32).")
     log_timers_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (the step time goes to "
                                                  "TensorBoard with every logged record).")
     log_world_size_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (the layout and world "

@@ -99,6 +99,9 @@ def _fill_model(m: ModelConfig) -> None:
             raise ConfigError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
                               f"{m.position_embedding_type}")
         m.position_embedding_type = "rope"
+    if m.no_position_embedding and m.position_embedding_type != "rope":
+        raise ConfigError("--no-position-embedding leaves the model without positions: use it with "
+                          "--position-embedding-type rope (or --use-rotary-position-embeddings)")
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if m.group_query_attention:

@@ -73,6 +73,8 @@ ERRORS = [
     (SHAPE + ["--rampup-batch-size", "32", "32", "1000"], 1, "--rampup-batch-size is not supported"),
     (SHAPE + ["--manual-gc-interval", "5"], 1, "--manual-gc-interval needs --manual-gc"),
     (SHAPE + ["--loss-scale", "1024"], 1, "--loss-scale belongs to fp16 training"),
+    (SHAPE + ["--no-position-embedding", "--position-embedding-type", "learned_absolute"], 1,
+     "--no-position-embedding leaves the model without positions"),
     (SHAPE + ["--profile", "--profile-ranks", "0", "x"], 1, "--profile-ranks takes global rank numbers, got 0 x"),
     (SHAPE + ["--record-memory-history", "--device", "cpu"], 1, "--record-memory-history records the CUDA allocator"),
     (SHAPE + ["--num-experts", "4", "--moe-router-topk-scaling-factor", "0"], 1,
@@ -326,7 +328,8 @@ def test_megatron_spellings_map_to_meshtron_settings(no_cuda: None) -> None:
                        "--no-check-for-nan-in-loss-and-grad", "--use-dist-ckpt", "--auto-detect-ckpt-format",
                        "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
                        "--ckpt-assume-constant-structure", "--log-memory-to-tensorboard",
-                       "--log-validation-ppl-to-tensorboard"])
+                       "--log-validation-ppl-to-tensorboard", "--apply-query-key-layer-scaling",
+                       "--no-bias-gelu-fusion", "--use-rotary-position-embeddings", "--no-position-embedding"])
 
 
 def test_sample_based_schedule_becomes_iterations(no_cuda: None) -> None:

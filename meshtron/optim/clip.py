@@ -69,10 +69,18 @@ class GradNorm:
         return torch.stack(norms).square().sum()
 
     def __call__(self) -> torch.Tensor:
-        sq = self.squared_local()
+        return self._summed(self.squared_local()).sqrt()
+
+    def count_zeros(self) -> torch.Tensor:
+        """How many of the counted elements are exactly zero, over all ranks (``--log-num-zeros-in-grad``)."""
+        local = sum((torch.count_nonzero(t == 0) for t in self.tensors),
+                    torch.zeros((), dtype=torch.int64, device=self.device))
+        return self._summed(local.to(torch.float64))
+
+    def _summed(self, local: torch.Tensor) -> torch.Tensor:
         if self.ctx.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(sq)
-        return sq.sqrt()
+            dist.all_reduce(local)
+        return local
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

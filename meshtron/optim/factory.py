@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,9 @@ from meshtron.parallel.context import ParallelContext
 class Optimization:
     """Everything the training step needs after the forward/backward passes.
 
-    grad_buffer: zero() before an iteration; .data is scaled by the clip coefficient.
+    grad_buffer: zero() before an iteration (marks every view unwritten; see GradBuffer).
     grad_sync: start_overlap() before the last backward, finish() after it.
-    grad_norm: () -> 0-d tensor, the global gradient norm (after finish()).
+    grad_norm: GradNorm: () -> 0-d tensor, the global gradient norm (after finish()); count_zeros().
     optimizer: step(lr), plus the checkpoint interface (params, state_tensors, load_state_tensors,
         ensure_state, step_count, set_step_count). A DistributedOptimizer also has
         finish_param_gather(), to call before reading the weights outside a forward pass.
@@ -37,7 +37,7 @@ class Optimization:
 
     grad_buffer: GradBuffer
     grad_sync: GradientSync
-    grad_norm: Callable[[], torch.Tensor]
+    grad_norm: GradNorm
     optimizer: Union[MixedPrecisionAdamW, DistributedOptimizer]
     layout: Optional[BufferLayout] = None
     bytes_per_param: Optional[BytesPerParameter] = None

@@ -213,7 +213,9 @@ class Trainer:
         return {"type": "train", "iteration": iteration, "consumed_samples": self.state.consumed_samples,
                 "loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
                 "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu, "tflops_per_gpu": speed.tflops_per_gpu,
-                "mfu": speed.mfu, **peak_memory_stats(self.device), **self._params_norm_record()}
+                "mfu": speed.mfu, **peak_memory_stats(self.device), **self._params_norm_record(),
+                **({"num_zeros_in_grad": int(self.optim.grad_norm.count_zeros())}
+                   if self.cfg.log.log_num_zeros_in_grad else {})}
 
     def _params_norm_record(self) -> dict:
         if self.params_norm is None:

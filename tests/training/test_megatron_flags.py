@@ -24,6 +24,10 @@ def _params_norms(path) -> list[float]:
     return [r["params_norm"] for r in map(json.loads, open(path)) if r["type"] == "train"]
 
 
+def _zeros(path) -> list[int]:
+    return [r["num_zeros_in_grad"] for r in map(json.loads, open(path)) if r["type"] == "train"]
+
+
 def _train(rank, world, extra, path):
     run_training(build_config(ARGS + extra + ["--metrics-file", path]))
 
@@ -32,15 +36,19 @@ def _train(rank, world, extra, path):
                                     ["--use-distributed-optimizer"]], ids=["tp2", "dp2-distributed-optimizer"])
 def test_params_norm_is_the_whole_models_in_every_layout(tmp_path, layout):
     """Each weight counted once over the ranks (TP shards summed, DP replicas once), so the logged norm
-    equals the one-process run's, which is the norm of all its weights."""
+    equals the one-process run's, which is the norm of all its weights; the same for the count of zero
+    gradient elements (--log-num-zeros-in-grad: the padded vocabulary rows of the output layer get none)."""
     one = tmp_path / "one.jsonl"
-    result = run_training(build_config(ARGS + ["--metrics-file", str(one)]))
+    zeros = ["--log-num-zeros-in-grad"]
+    result = run_training(build_config(ARGS + zeros + ["--metrics-file", str(one)]))
     assert sorted(result.train_losses) == [1, 2, 3]
     reference = _params_norms(one)
     assert len(reference) == 3 and reference[0] != reference[2]  # the weights move
+    assert all(z > 0 for z in _zeros(one))
     two = tmp_path / "two.jsonl"
-    run_distributed(_train, 2, layout, str(two))
+    run_distributed(_train, 2, layout + zeros, str(two))
     assert _params_norms(two) == pytest.approx(reference, rel=1e-6)
+    assert _zeros(two) == _zeros(one)
 
 
 def test_exit_on_missing_checkpoint(tmp_path):
