@@ -1,5 +1,6 @@
-"""torch.compile'd layers in parallel layouts: tensor + sequence parallel (backward overlap on and off) and
-mixture of experts with expert or tensor parallelism give the one-process losses and gradients.
+"""torch.compile'd layers in parallel layouts: tensor + sequence parallel (backward overlap on and off, query/key
+head norms) and mixture of experts with expert or tensor parallelism (also padded to capacity) give the
+one-process losses and gradients.
 Communication inside compiled layers is where gradients can silently go missing (see
 docs/parallelism-tensor.md). This file runs the cases on CPU (gloo); tests/parallel/test_tp_gpu.py runs
 them on two GPUs (NCCL)."""
@@ -29,6 +30,10 @@ CASES = {
     "tp2-sp-no-overlap": (model_config(tied=False), dict(tp=2, sp=True, tp_comm_overlap=False), True),
     "moe-ep2": (_moe_model(), dict(expert_model_parallel_size=2), True),
     "moe-tp2-sp": (_moe_model(), dict(tp=2, sp=True), True),
+    "qk-norm-tp2-sp": (dataclasses.replace(model_config(tied=False), qk_layernorm=True), dict(tp=2, sp=True), True),
+    "moe-ep2-capacity-padded": (dataclasses.replace(_moe_model(), moe_expert_capacity_factor=1.0,
+                                                    moe_pad_expert_input_to_capacity=True),
+                                dict(expert_model_parallel_size=2), True),
 }
 
 
@@ -42,9 +47,9 @@ def compiled_layout_failures(device: str, backend: str, rtol: float, atol: float
     refs: dict = {}
     failures = []
     for i, (name, (model, _, _)) in enumerate(cases_by_name.items()):
-        if model.num_experts not in refs:
-            refs[model.num_experts] = train_and_collect(run_config(model, global_batch=4, device=device), ref_ctx)
-        ref = refs[model.num_experts]
+        if repr(model) not in refs:  # one reference per distinct model
+            refs[repr(model)] = train_and_collect(run_config(model, global_batch=4, device=device), ref_ctx)
+        ref = refs[repr(model)]
         for rank, per_case in enumerate(results):
             out = per_case[i]
             if not torch.allclose(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=atol):
