@@ -53,19 +53,8 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("meshtron.bench", "bench_main"),
 }
 
-#: Flags kept so that Megatron scripts run unchanged; meshtron makes these choices itself.
-MEGATRON_COMPAT_FIELDS: tuple[str, ...] = (
-    "use_mcore_models", "transformer_impl", "use_flash_attn", "dataloader_type", "ckpt_format",
-    "cpu_optimizer_type", "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_dtype", "attention_backend",
-    "no_gradient_accumulation_fusion", "cross_entropy_loss_fusion", "moe_permute_fusion", "no_masked_softmax_fusion",
-    "no_bias_swiglu_fusion", "no_bias_dropout_fusion", "no_rope_fusion", "log_throughput", "timing_log_level",
-    "accumulate_allreduce_grads_in_fp32", "ddp_average_in_collective", "no_async_tensor_model_parallel_allreduce",
-    "moe_shared_expert_overlap", "override_opt_param_scheduler", "attention_softmax_in_fp32",
-    "calculate_per_token_loss", "check_for_nan_in_loss_and_grad", "use_dist_ckpt", "auto_detect_ckpt_format",
-    "ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure",
-    "log_memory_to_tensorboard", "log_validation_ppl_to_tensorboard", "log_timers_to_tensorboard",
-    "log_world_size_to_tensorboard", "apply_query_key_layer_scaling", "no_bias_gelu_fusion",
-)
+#: The help group of the Megatron-LM flags meshtron accepts without effect (``opt(..., megatron_compat=True)``).
+COMPAT_TOPIC = "Megatron compatibility"
 
 #: Without --model and without any of these, the "tiny" preset is applied.
 SHAPE_FIELDS: tuple[str, ...] = ("num_layers", "hidden_size", "num_attention_heads")
@@ -74,7 +63,7 @@ DEFAULT_PRESET = "tiny"
 #: Help groups of `meshtron train --help`, in order.
 TOPICS: tuple[str, ...] = (
     "Model", "Mixture of experts", "Parallelism", "Launcher", "Optimizer and learning rate", "Training",
-    "Precision and recomputation", "Data and tokenizer", "Checkpoints", "Logging", "Megatron compatibility",
+    "Precision and recomputation", "Data and tokenizer", "Checkpoints", "Logging", COMPAT_TOPIC,
 )
 _SECTION_TOPIC = {"model": "Model", "parallel": "Parallelism", "optim": "Optimizer and learning rate",
                   "train": "Training", "data": "Data and tokenizer", "checkpoint": "Checkpoints", "log": "Logging"}
@@ -108,9 +97,9 @@ class FlagSpec:
 # Flag specifications, generated from the dataclasses.
 # ---------------------------------------------------------------------------------------------
 
-def _topic(section: str, name: str) -> str:
-    if name in MEGATRON_COMPAT_FIELDS:
-        return "Megatron compatibility"
+def _topic(section: str, name: str, megatron_compat: bool) -> str:
+    if megatron_compat:
+        return COMPAT_TOPIC
     if section == "model" and (name == "num_experts" or name.startswith("moe_")):
         return "Mixture of experts"
     if section == "parallel" and name in LAUNCHER_FIELDS:
@@ -150,7 +139,8 @@ def flag_specs() -> tuple[FlagSpec, ...]:
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
             choices = tuple(PRESETS) if f.name == "model" else meta.get("choices")
             specs.append(FlagSpec(
-                name=f.name, section=section, topic=_topic(section, f.name), option_strings=strings,
+                name=f.name, section=section, topic=_topic(section, f.name, meta.get("megatron_compat", False)),
+                option_strings=strings,
                 negative_strings=negatives, kind=kind, optional=optional, choices=choices, default=default,
                 help=meta.get("help", ""), nargs=meta.get("nargs"), metavar=meta.get("metavar")))
     _check_unique(specs)
@@ -449,11 +439,10 @@ def _is_rank_zero() -> bool:
 
 def compat_notices(args: TrainArgs) -> list[str]:
     """One line per Megatron-compatibility flag the user gave."""
-    specs = spec_by_name()
     lines = []
-    for name in MEGATRON_COMPAT_FIELDS:
-        if name in args.given:
-            spec, value = specs[name], args.given[name]
+    for spec in flag_specs():
+        if spec.topic == COMPAT_TOPIC and spec.name in args.given:
+            value = args.given[spec.name]
             shown = spec.flag if value is True else f"{spec.flag} {value}"
             lines.append(f"{PROG} train: note: {shown}: {spec.help}")
     return lines

@@ -20,12 +20,22 @@ class ConfigError(ValueError):
 
 
 def opt(default: Any = None, help: str = "", choices: Optional[tuple] = None, aliases: tuple = (),
-        nargs: Optional[str] = None, metavar: Optional[str] = None) -> Any:
-    """A dataclass field carrying what the command line needs to expose it as a flag."""
-    meta = {"help": help, "choices": choices, "aliases": aliases, "nargs": nargs, "metavar": metavar}
+        nargs: Optional[str] = None, metavar: Optional[str] = None, megatron_compat: bool = False) -> Any:
+    """A dataclass field carrying what the command line needs to expose it as a flag.
+
+    ``megatron_compat``: a Megatron-LM flag for a choice meshtron makes itself; the command line
+    accepts it and prints its help as a one-line note.
+    """
+    meta = {"help": help, "choices": choices, "aliases": aliases, "nargs": nargs, "metavar": metavar,
+            "megatron_compat": megatron_compat}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def compat(default: Any, reason: str, **kwargs: Any) -> Any:
+    """:func:`opt` for a Megatron-LM flag accepted without effect; ``reason`` says what meshtron does instead."""
+    return opt(default, f"Accepted for Megatron compatibility ({reason}).", megatron_compat=True, **kwargs)
 
 
 @dataclass
@@ -83,18 +93,20 @@ class ModelConfig:
     moe_layer_freq: int = opt(1, "Every n-th layer is MoE.")
     moe_first_dense_layers: int = opt(0, "The first N layers keep a dense MLP (DeepSeek-MoE's first_k_dense_replace); "
                                          "the later layers follow --moe-layer-freq.")
-    moe_grouped_gemm: bool = opt(False, "Accepted for Megatron compatibility; meshtron uses grouped GEMM on GPU where available.")
+    moe_grouped_gemm: bool = compat(False, "meshtron uses grouped GEMM on GPU where available")
     moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch between expert-parallel ranks (meshtron "
-                                                     "implements all-to-all).", choices=("alltoall",))
-    moe_router_dtype: str = opt("fp32", "Router precision (meshtron routes in fp32).", choices=("fp32",))
+                                                     "implements all-to-all).", choices=("alltoall",),
+                                         megatron_compat=True)
+    moe_router_dtype: str = opt("fp32", "Router precision (meshtron routes in fp32).", choices=("fp32",),
+                                megatron_compat=True)
     moe_router_topk_scaling_factor: Optional[float] = opt(None, "Multiply the chosen experts' combine weights by "
                                                                  "this factor (DeepSeek-V2/V3 routed scaling).")
     moe_router_num_groups: Optional[int] = opt(None, "Group-limited routing: the experts form this many groups of "
                                                      "consecutive experts (DeepSeek-V3; with --moe-router-group-topk).")
     moe_router_group_topk: Optional[int] = opt(None, "Group-limited routing: groups each token may choose its experts "
                                                      "from (the best by the sum of their top topk/this scores).")
-    moe_shared_expert_overlap: bool = opt(False, "Accepted for Megatron compatibility (meshtron runs the shared "
-                                                 "experts after the routed experts' dispatch, not overlapped).")
+    moe_shared_expert_overlap: bool = compat(False, "meshtron runs the shared experts after the routed experts' "
+                                                    "dispatch, not overlapped")
 
 
 @dataclass
@@ -124,13 +136,11 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
     ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient-reduction bucket (default max(40M, 1M*DP)).")
     grad_reduce_in_bf16: bool = opt(False, "Reduce gradients in bf16 instead of fp32.")
-    accumulate_allreduce_grads_in_fp32: bool = opt(False, "Accepted for Megatron compatibility (meshtron accumulates "
-                                                          "and reduces gradients in fp32 unless "
-                                                          "--grad-reduce-in-bf16).")
-    ddp_average_in_collective: bool = opt(False, "Accepted for Megatron compatibility (the loss is already scaled by "
-                                                 "1 / the global batch's tokens, so the reduction is a plain sum).")
-    no_async_tensor_model_parallel_allreduce: bool = opt(False, "Accepted for Megatron compatibility (see "
-                                                                "--no-tp-comm-overlap for meshtron's switch).")
+    accumulate_allreduce_grads_in_fp32: bool = compat(False, "meshtron accumulates and reduces gradients in fp32 "
+                                                             "unless --grad-reduce-in-bf16")
+    ddp_average_in_collective: bool = compat(False, "the loss is already scaled by 1 / the global batch's tokens, so "
+                                                    "the reduction is a plain sum")
+    no_async_tensor_model_parallel_allreduce: bool = compat(False, "see --no-tp-comm-overlap for meshtron's switch")
     async_tensor_parallel: bool = opt(False, "Experimental: let torch.compile split each sequence-parallel "
                                              "all-gather + matmul and matmul + reduce-scatter into overlapping "
                                              "pieces (micro-pipelined TP over symmetric memory; CUDA, compiled "
@@ -159,9 +169,9 @@ class OptimConfig:
     """Optimizer, learning-rate schedule and clipping."""
 
     optimizer: str = opt("adam", "Optimizer (AdamW with decoupled weight decay).", choices=("adam",))
-    override_opt_param_scheduler: bool = opt(False, "Accepted for Megatron compatibility (meshtron's learning-rate "
-                                                    "schedule always comes from the flags and the iteration).",
-                                             aliases=("--override-opt_param-scheduler",))
+    override_opt_param_scheduler: bool = compat(False, "meshtron's learning-rate schedule always comes from the "
+                                                       "flags and the iteration",
+                                                       aliases=("--override-opt_param-scheduler",))
     lr: float = opt(3e-4, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
     lr_decay_style: str = opt("cosine", "Decay after warm-up.",
@@ -181,7 +191,7 @@ class OptimConfig:
     adam_eps: float = opt(1e-8, "Adam epsilon.")
     optimizer_cpu_offload: bool = opt(False, "Keep the optimizer state and step on the CPU.", aliases=("--cpu-optimizer",))
     optimizer_offload_fraction: float = opt(1.0, "Fraction of the optimizer state offloaded with --optimizer-cpu-offload.")
-    cpu_optimizer_type: str = opt("ADAM", "Accepted for Megatron compatibility (meshtron's CPU step is AdamW).", choices=("ADAM", "adam"))
+    cpu_optimizer_type: str = compat("ADAM", "meshtron's CPU step is AdamW", choices=("ADAM", "adam"))
     max_nonfinite_steps: int = opt(5, "Stop after this many consecutive steps with a non-finite loss or gradient.")
 
 
@@ -202,13 +212,12 @@ class TrainConfig:
     fp16: bool = opt(False, "Not supported: use --bf16.")
     loss_scale: Optional[float] = opt(None, "fp16 loss scaling: refused (fp16 is not supported; use --bf16).")
     initial_loss_scale: Optional[float] = opt(None, "fp16 loss scaling: refused (fp16 is not supported; use --bf16).")
-    attention_softmax_in_fp32: bool = opt(False, "Accepted for Megatron compatibility (SDPA's softmax accumulates "
-                                                 "in fp32).")
-    calculate_per_token_loss: bool = opt(False, "Accepted for Megatron compatibility (meshtron always averages the "
-                                                "loss over all loss tokens of the global batch).")
-    check_for_nan_in_loss_and_grad: bool = opt(True, "Accepted for Megatron compatibility (meshtron always checks "
-                                                     "the gradient norm: a non-finite step is skipped, and "
-                                                     "training stops after --max-nonfinite-steps in a row).")
+    attention_softmax_in_fp32: bool = compat(False, "SDPA's softmax accumulates in fp32")
+    calculate_per_token_loss: bool = compat(False, "meshtron always averages the loss over all loss tokens of the "
+                                                   "global batch")
+    check_for_nan_in_loss_and_grad: bool = compat(True, "meshtron always checks the gradient norm: a non-finite step "
+                                                        "is skipped, and training stops after --max-nonfinite-steps "
+                                                        "in a row")
     fp8_format: Optional[str] = opt(None, "FP8 linear layers.", choices=("e4m3", "hybrid"))
     fp8_hybrid: bool = opt(False, "Alias of --fp8-format hybrid.")
     fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (one current scale per tensor) or rowwise (one per "
@@ -227,31 +236,23 @@ class TrainConfig:
     exit_duration_in_mins: Optional[float] = opt(None, "Save and exit after this many minutes of training.")
     exit_interval: Optional[int] = opt(None, "Save and exit at the first iteration divisible by this.")
     generate_sample: bool = opt(True, "After training, print a sample generated by the model (default corpus only).")
-    # Accepted for Megatron compatibility: meshtron makes these choices itself.
-    use_mcore_models: bool = opt(False, "Accepted for Megatron compatibility (meshtron has one model implementation).")
-    transformer_impl: Optional[str] = opt(None, "Accepted for Megatron compatibility (meshtron uses its own layers).",
-                                          choices=("local", "transformer_engine"))
-    use_flash_attn: bool = opt(False, "Accepted for Megatron compatibility (flash/cuDNN attention is the default on CUDA).")
-    attention_backend: str = opt("auto", "Accepted for Megatron compatibility: meshtron's attention is SDPA with cuDNN, "
-                                         "then flash (the fused kernels).", choices=("auto", "flash", "fused"))
-    no_gradient_accumulation_fusion: bool = opt(False, "Accepted for Megatron compatibility (meshtron accumulates "
-                                                       "gradients in fp32 buffers without a fused matmul).")
-    cross_entropy_loss_fusion: bool = opt(False, "Accepted for Megatron compatibility (meshtron's loss is always fused "
-                                                 "with the output layer).")
-    moe_permute_fusion: bool = opt(False, "Accepted for Megatron compatibility (token permutation is index-based).")
-    no_masked_softmax_fusion: bool = opt(False, "Accepted for Megatron compatibility (softmax runs inside SDPA).")
-    no_bias_swiglu_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the "
-                                             "element-wise work).")
-    no_bias_gelu_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the "
-                                           "element-wise work).")
-    no_bias_dropout_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the "
-                                              "element-wise work).")
-    no_rope_fusion: bool = opt(False, "Accepted for Megatron compatibility (torch.compile fuses the element-wise "
-                                      "work).")
-    log_throughput: bool = opt(False, "Accepted for Megatron compatibility (meshtron always logs tokens/s, TFLOP/s "
-                                      "and MFU).")
-    timing_log_level: int = opt(0, "Accepted for Megatron compatibility (meshtron logs the step time; "
-                                   "`meshtron bench` gives the step split); 0, 1 or 2.")
+    use_mcore_models: bool = compat(False, "meshtron has one model implementation")
+    transformer_impl: Optional[str] = compat(None, "meshtron uses its own layers",
+                                                   choices=("local", "transformer_engine"))
+    use_flash_attn: bool = compat(False, "flash/cuDNN attention is the default on CUDA")
+    attention_backend: str = compat("auto", "meshtron's attention is SDPA with the fused cuDNN kernel first, "
+                                            "then flash", choices=("auto", "flash", "fused"))
+    no_gradient_accumulation_fusion: bool = compat(False, "meshtron accumulates gradients in fp32 buffers without a "
+                                                          "fused matmul")
+    cross_entropy_loss_fusion: bool = compat(False, "meshtron's loss is always fused with the output layer")
+    moe_permute_fusion: bool = compat(False, "token permutation is index-based")
+    no_masked_softmax_fusion: bool = compat(False, "softmax runs inside SDPA")
+    no_bias_swiglu_fusion: bool = compat(False, "torch.compile fuses the element-wise work")
+    no_bias_gelu_fusion: bool = compat(False, "torch.compile fuses the element-wise work")
+    no_bias_dropout_fusion: bool = compat(False, "torch.compile fuses the element-wise work")
+    no_rope_fusion: bool = compat(False, "torch.compile fuses the element-wise work")
+    log_throughput: bool = compat(False, "meshtron always logs tokens/s, TFLOP/s and MFU")
+    timing_log_level: int = compat(0, "meshtron logs the step time; `meshtron bench` gives the step split; 0, 1 or 2")
     fp8_amax_history_len: Optional[int] = opt(None, "Delayed-scaling FP8 setting: refused, meshtron scales FP8 "
                                                     "from current values (--fp8-recipe).")
     fp8_amax_compute_algo: Optional[str] = opt(None, "Delayed-scaling FP8 setting: refused, meshtron scales FP8 "
@@ -283,8 +284,8 @@ class DataConfig:
     tokenizer_model: Optional[str] = opt(None, "Tokenizer file or directory (tokenizer.json, HF directory, .model, tiktoken file).")
     vocab_file: Optional[str] = opt(None, "GPT-2 BPE vocabulary (vocab.json).")
     merge_file: Optional[str] = opt(None, "GPT-2 BPE merges (merges.txt).")
-    dataloader_type: str = opt("single", "Accepted for Megatron compatibility (meshtron's sampler is deterministic).",
-                               choices=("single", "cyclic", "external"))
+    dataloader_type: str = compat("single", "meshtron's sampler is deterministic",
+                                            choices=("single", "cyclic", "external"))
     num_workers: int = opt(2, "Data loader worker processes.")
     reset_position_ids: bool = opt(False, "Restart position ids after each end-of-document token.")
     reset_attention_mask: bool = opt(False, "Do not attend across end-of-document tokens.")
@@ -306,20 +307,18 @@ class CheckpointConfig:
     no_load_optim: bool = opt(False, "Do not load the optimizer state.")
     no_load_rng: bool = opt(False, "Do not load the RNG state.")
     finetune: bool = opt(False, "Load weights only and start at iteration 0.")
-    ckpt_format: str = opt("torch_dist", "Accepted for Megatron compatibility (meshtron writes torch.distributed.checkpoint).",
-                           choices=("torch_dist", "torch"))
+    ckpt_format: str = compat("torch_dist", "meshtron writes torch.distributed.checkpoint",
+                                            choices=("torch_dist", "torch"))
     use_checkpoint_args: bool = opt(False, "With --load: take the model's architecture (every model flag) from the "
                                            "checkpoint's saved configuration.")
     exit_on_missing_checkpoint: bool = opt(False, "With --load: stop with an error when there is no checkpoint "
                                                   "instead of training from scratch.")
-    use_dist_ckpt: bool = opt(False, "Accepted for Megatron compatibility (meshtron always writes "
-                                     "torch.distributed.checkpoint).")
-    auto_detect_ckpt_format: bool = opt(False, "Accepted for Megatron compatibility (one checkpoint format).")
-    ckpt_fully_parallel_save: bool = opt(True, "Accepted for Megatron compatibility (every rank writes its own "
-                                               "shards).")
-    ckpt_fully_parallel_load: bool = opt(False, "Accepted for Megatron compatibility (every rank reads its own "
-                                                "shards).")
-    ckpt_assume_constant_structure: bool = opt(False, "Accepted for Megatron compatibility.")
+    use_dist_ckpt: bool = compat(False, "meshtron always writes torch.distributed.checkpoint")
+    auto_detect_ckpt_format: bool = compat(False, "one checkpoint format")
+    ckpt_fully_parallel_save: bool = compat(True, "every rank writes its own shards")
+    ckpt_fully_parallel_load: bool = compat(False, "every rank reads its own shards")
+    ckpt_assume_constant_structure: bool = compat(False, "meshtron checks a checkpoint's structure whenever it "
+                                                         "loads one")
 
 
 @dataclass
@@ -352,16 +351,12 @@ class LogConfig:
     log_num_zeros_in_grad: bool = opt(False, "Log how many gradient elements are exactly zero "
                                              "(\"num_zeros_in_grad\") every --log-interval.")
     log_params_norm: bool = opt(False, "Log the L2 norm of all weights (\"params_norm\") every --log-interval.")
-    log_memory_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (every logged number, peak "
-                                                 "memory included, goes to TensorBoard).")
-    apply_query_key_layer_scaling: bool = opt(False, "Accepted for Megatron compatibility (an fp16 safeguard that "
-                                                     "does not change the math; meshtron trains in bf16/fp32).")
-    log_timers_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (the step time goes to "
-                                                 "TensorBoard with every logged record).")
-    log_world_size_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (the layout and world "
-                                                     "size are printed at start).")
-    log_validation_ppl_to_tensorboard: bool = opt(False, "Accepted for Megatron compatibility (validation loss and "
-                                                         "perplexity always go to TensorBoard).")
+    log_memory_to_tensorboard: bool = compat(False, "every logged number, peak memory included, goes to TensorBoard")
+    apply_query_key_layer_scaling: bool = compat(False, "an fp16 safeguard that does not change the math; meshtron "
+                                                        "trains in bf16/fp32")
+    log_timers_to_tensorboard: bool = compat(False, "the step time goes to TensorBoard with every logged record")
+    log_world_size_to_tensorboard: bool = compat(False, "the layout and world size are printed at start")
+    log_validation_ppl_to_tensorboard: bool = compat(False, "validation loss and perplexity always go to TensorBoard")
 
 
 SECTIONS = {
