@@ -95,9 +95,6 @@ def parse_split(split: str) -> list[float]:
 
 def _fill_model(m: ModelConfig) -> None:
     if m.use_rotary_position_embeddings:
-        if m.position_embedding_type not in ("rope", "learned_absolute"):
-            raise ConfigError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
-                              f"{m.position_embedding_type}")
         m.position_embedding_type = "rope"
     if m.no_position_embedding and m.position_embedding_type != "rope":
         raise ConfigError("--no-position-embedding leaves the model without positions: use it with "

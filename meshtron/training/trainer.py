@@ -213,17 +213,17 @@ class Trainer:
         return {"type": "train", "iteration": iteration, "consumed_samples": self.state.consumed_samples,
                 "loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
                 "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu, "tflops_per_gpu": speed.tflops_per_gpu,
-                "mfu": speed.mfu, **peak_memory_stats(self.device), **self._params_norm_record(),
-                **({"num_zeros_in_grad": int(self.optim.grad_norm.count_zeros())}
-                   if self.cfg.log.log_num_zeros_in_grad else {})}
+                "mfu": speed.mfu, **peak_memory_stats(self.device), **self._optional_norms()}
 
-    def _params_norm_record(self) -> dict:
-        if self.params_norm is None:
-            return {}
-        finish_gather = getattr(self.optimizer, "finish_param_gather", None)
-        if finish_gather is not None:
-            finish_gather()  # an overlapped weight all-gather may still be writing the weights
-        return {"params_norm": float(self.params_norm())}
+    def _optional_norms(self) -> dict:
+        """--log-params-norm and --log-num-zeros-in-grad (collectives: every rank logs)."""
+        out = {}
+        if self.params_norm is not None:
+            getattr(self.optimizer, "finish_param_gather", lambda: None)()  # weights may still be in flight
+            out["params_norm"] = float(self.params_norm())
+        if self.cfg.log.log_num_zeros_in_grad:
+            out["num_zeros_in_grad"] = int(self.optim.grad_norm.count_zeros())
+        return out
 
     def train(self) -> TrainingResult:
         t = self.cfg.train
