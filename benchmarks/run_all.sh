@@ -5,7 +5,7 @@
 #   bash benchmarks/run_all.sh parallel   # llama3-8b on two GPUs (TP=2, DP=2), TP=2 and DP=2 on llama3-3b
 #   bash benchmarks/run_all.sh single     # FP8 and recomputation, one GPU each, side by side
 #   bash benchmarks/run_all.sh pipeline   # PP=2: 1F1B and interleaved, 8 and 32 micro-batches
-#   bash benchmarks/run_all.sh fp8        # FP8 rows on GPU 1; kernel profiles of llama3-3b FP8 and bf16 on GPU 0
+#   bash benchmarks/run_all.sh fp8        # FP8 rows on GPU 1; FP8 cast timings, kernel profiles of llama3-3b FP8 and bf16 on GPU 0
 #   bash benchmarks/run_all.sh accumulate # llama3-8b on two GPUs with several micro-batches per step
 #   bash benchmarks/run_all.sh p2p        # PP=2 at 32 micro-batches: overlapped transfers, balanced split
 #   bash benchmarks/run_all.sh async      # llama3-8b with micro-pipelined TP; then the one-GPU bf16 rows
@@ -59,7 +59,8 @@ case "$phase" in
         CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/profile_step.py --bf16 --model llama3-3b \
           --micro-batch-size 4 --global-batch-size 4 --seq-length 4096 $prec
       done > "$OUT/profiles.txt" 2>&1 ) &
-    one_gpu 1 330 single_gpu_fp8.yaml --warmup 3 --steps 5 &
+    one_gpu 1 420 single_gpu_fp8.yaml --warmup 3 --steps 5 &
+    python3 benchmarks/fp8_cast_probe.py > "$OUT/fp8_cast_probe.txt" 2>&1; cat "$OUT/fp8_cast_probe.txt"
     wait
     grep -hE '^\{|Error' "$OUT"/gpu1.log | cut -c1-400 ;;
   accumulate)

@@ -5,7 +5,8 @@ current absolute maximum (448 / amax), and multiplied by the scaled-matmul kerne
 Backward: the output gradient is cast to e5m2 (``--fp8-format hybrid``: more range for gradients)
 or e4m3 (``e4m3``), and both gradient matmuls run in FP8 with the saved FP8 input and weight.
 Master weights, gradients and the optimizer stay in higher precision: only the matmul operands are
-FP8. The saved activations are the FP8 copies (half the bytes of bf16).
+FP8. The saved activations are the FP8 copies (half the bytes of bf16). Each operand is cast once and
+written in both layouts the matmuls need (``meshtron.layers.fp8_cast.cast_transpose``).
 
 Recipe ``rowwise`` (more accurate with outliers): one scale per row of each operand along the
 dimension that is not contracted, so an outlier token or channel costs precision only in its own
@@ -22,31 +23,39 @@ from typing import Optional
 
 import torch
 
+from meshtron.layers.fp8_cast import cast_transpose, scaled_cast
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _EPS = 1e-12
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x * scale cast to ``dtype``, 1/scale) with one scale for the whole tensor."""
+def tensor_scale(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1/scale) with one scale for the whole tensor: the format's largest value over ``x``'s amax."""
     # Row maxima first, then their maximum: compiled, this per-row reduction ran twice as fast as one
     # reduction of the whole tensor to a scalar (H200: 168 against 357 us for the SwiGLU output of llama3-3b).
-    return _scaled_cast(x, x.detach().abs().amax(dim=-1).amax(), dtype)
+    return _scale(x.detach().abs().amax(dim=-1).amax(), dtype)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x * scale cast to ``dtype``, 1/scale) with one scale for the whole tensor."""
+    scale, inv = tensor_scale(x, dtype)
+    return scaled_cast(x, scale, dtype), inv
 
 
 def quantize_rows(x: torch.Tensor, dim: int, dtype: torch.dtype = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x scaled and cast to ``dtype``, 1/scale) with one scale per slice along ``dim`` (the amax is
     taken over ``dim``: ``dim=1`` gives one scale per row, shape [rows, 1]; ``dim=0`` one per column)."""
-    return _scaled_cast(x, x.detach().abs().amax(dim=dim, keepdim=True), E4M3 if dtype is None else dtype)
+    dtype = E4M3 if dtype is None else dtype
+    scale, inv = _scale(x.detach().abs().amax(dim=dim, keepdim=True), dtype)
+    return scaled_cast(x, scale, dtype), inv
 
 
-def _scaled_cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` scaled so that ``amax`` (broadcast over ``x``) meets the format's largest value, cast to
-    ``dtype``; and the inverse scale the scaled matmul multiplies back."""
-    fmax = torch.finfo(dtype).max
-    scale = fmax / amax.float().clamp(min=_EPS)
-    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
-    return q, scale.reciprocal()
+def _scale(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale that maps ``amax`` onto the format's largest value, and its inverse (which the scaled
+    matmul multiplies back)."""
+    scale = torch.finfo(dtype).max / amax.float().clamp(min=_EPS)
+    return scale, scale.reciprocal()
 
 
 def _out_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -72,26 +81,34 @@ class _FP8Linear(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = _out_dtype(x.dtype)
-        xq, x_inv = quantize(x2, E4M3)
-        wq, w_inv = quantize(weight, E4M3)
-        y = _mm(xq, x_inv, wq.t(), w_inv, out_dtype)
+        xq, xq_t, x_inv = _cast_both_layouts(x2, E4M3)
+        wq, wq_t, w_inv = _cast_both_layouts(weight, E4M3)
+        y = _mm(xq, x_inv, wq.t(), w_inv, out_dtype)                                 # [N, K] @ [K, M]
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        # The transposed copies are what backward's matmuls take (as column-major second operands).
+        ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
         ctx.shape, ctx.grad_dtype, ctx.has_bias = shape, grad_dtype, bias is not None
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return y.view(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        gq, g_inv = quantize(g2, ctx.grad_dtype)
-        out_dtype = _out_dtype(ctx.x_dtype)
-        grad_x = _mm(gq, g_inv, wq, w_inv, out_dtype).view(ctx.shape)              # [N, M] @ [M, K]
-        grad_w = _mm(gq.t(), g_inv, xq, x_inv, torch.float32).to(ctx.w_dtype)     # [M, N] @ [N, K]
+        gq, gq_t, g_inv = _cast_both_layouts(g2, ctx.grad_dtype)
+        grad_x = _mm(gq, g_inv, wq_t.t(), w_inv, _out_dtype(ctx.x_dtype)).view(ctx.shape)  # [N, M] @ [M, K]
+        # Straight into the weight's dtype: the matmul accumulates in fp32 and rounds once either way.
+        grad_w = _mm(gq_t, g_inv, xq_t.t(), x_inv, _out_dtype(ctx.w_dtype))                 # [M, N] @ [N, K]
         grad_b = g2.sum(dim=0).to(ctx.w_dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
+
+
+def _cast_both_layouts(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x as FP8 row-major, the same transposed, 1/scale) with one scale for the whole tensor."""
+    scale, inv = tensor_scale(x, dtype)
+    q, q_t = cast_transpose(x, scale, dtype)
+    return q, q_t, inv
 
 
 class _FP8LinearRowwise(torch.autograd.Function):

@@ -7,7 +7,8 @@ import torch
 
 from meshtron.cli import build_config
 from meshtron.config import ConfigError
-from meshtron.layers.fp8 import E4M3, E5M2, fp8_linear, quantize
+from meshtron.layers.fp8 import E4M3, E5M2, fp8_linear, quantize, tensor_scale
+from meshtron.layers.fp8_cast import cast_transpose, scaled_cast
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.training.trainer import run_training
 
@@ -23,6 +24,59 @@ def test_quantize_scales_to_the_format_range():
         assert q.dtype == dtype
         assert q.float().abs().max().item() == torch.finfo(dtype).max  # the amax lands on the format's max
         assert rel(q.float() * inv, x) < (0.04 if dtype == E4M3 else 0.08)
+
+
+def test_cast_transpose_writes_the_cast_in_both_layouts():
+    x = torch.randn(40, 24, dtype=torch.bfloat16) * 300  # beyond e4m3's 448 after scaling: saturates
+    scale = torch.tensor(2.0)
+    for dtype in (E4M3, E5M2):
+        q, q_t = cast_transpose(x, scale, dtype)
+        want = (x.float() * 2.0).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+        assert q.dtype == q_t.dtype == dtype and q_t.is_contiguous() and q_t.shape == (24, 40)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(q_t.view(torch.uint8), want.t().contiguous().view(torch.uint8))
+
+
+def test_compiled_fp8_linear_equals_eager():
+    """Under torch.compile the cast-and-transpose operator is one opaque node; the values must not change."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 32, 64, generator=g).to(torch.bfloat16)
+    w = (torch.randn(48, 64, generator=g) * 0.05).to(torch.bfloat16)
+    grad = torch.randn(2, 32, 48, generator=g).to(torch.bfloat16)
+
+    def run(fn):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi)
+        y.backward(grad)
+        return y, xi.grad, wi.grad
+
+    def layer(a, b):
+        return fp8_linear(torch.nn.functional.silu(a), b, None, "hybrid") * 2
+
+    torch._dynamo.reset()
+    for eager, compiled in zip(run(layer), run(torch.compile(layer, fullgraph=True))):
+        assert torch.equal(eager, compiled)
+
+
+def test_fp8_linear_equals_the_scaled_matmuls_it_stands_for():
+    """Forward and both gradients are exactly the three FP8 products of the recipe (e5m2 gradients)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(32, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(48, 64, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(32, 48, generator=g).to(torch.bfloat16)
+    y = fp8_linear(x, w, None, "hybrid")
+    y.backward(grad)
+
+    def q(t, dtype):
+        scale, inv = tensor_scale(t, dtype)
+        return scaled_cast(t, scale, dtype), inv
+
+    (xq, xi), (wq, wi), (gq, gi) = q(x.detach(), E4M3), q(w.detach(), E4M3), q(grad, E5M2)
+    mm = torch._scaled_mm
+    assert torch.equal(y, mm(xq, wq.t(), scale_a=xi, scale_b=wi, out_dtype=torch.bfloat16))
+    assert torch.equal(x.grad, mm(gq, wq.t().contiguous().t(), scale_a=gi, scale_b=wi, out_dtype=torch.bfloat16))
+    assert torch.equal(w.grad, mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=gi, scale_b=xi,
+                                  out_dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt,bound", [("e4m3", 0.05), ("hybrid", 0.08)])
