@@ -54,13 +54,13 @@ case "$phase" in
     wait
     grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400 ;;
   fp8)
+    CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/fp8_cast_probe.py 2>&1 | tee "$OUT/fp8_cast_probe.txt"
     echo "=== one GPU each: kernel profiles | single_gpu_fp8.yaml ($(date +%T))"
     ( for prec in "--fp8-format e4m3" ""; do
         CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/profile_step.py --bf16 --model llama3-3b \
           --micro-batch-size 4 --global-batch-size 4 --seq-length 4096 $prec
       done > "$OUT/profiles.txt" 2>&1 ) &
     one_gpu 1 420 single_gpu_fp8.yaml --warmup 3 --steps 5 &
-    python3 benchmarks/fp8_cast_probe.py > "$OUT/fp8_cast_probe.txt" 2>&1; cat "$OUT/fp8_cast_probe.txt"
     wait
     grep -hE '^\{|Error' "$OUT"/gpu1.log | cut -c1-400 ;;
   accumulate)
