@@ -6,7 +6,8 @@ Backward: the output gradient is cast to e5m2 (``--fp8-format hybrid``: more ran
 or e4m3 (``e4m3``), and both gradient matmuls run in FP8 with the saved FP8 input and weight.
 Master weights, gradients and the optimizer stay in higher precision: only the matmul operands are
 FP8. The saved activations are the FP8 copies (half the bytes of bf16). Each operand is cast once and
-written in both layouts the matmuls need (``meshtron.layers.fp8_cast.cast_transpose``).
+written in both layouts the matmuls need (``meshtron.layers.fp8_cast.cast_transpose``). The forward
+product accumulates in the tensor cores' fast mode, the gradients in full fp32 (see ``_mm``).
 
 Recipe ``rowwise`` (more accurate with outliers): one scale per row of each operand along the
 dimension that is not contracted, so an outlier token or channel costs precision only in its own
@@ -69,10 +70,14 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
-        out_dtype: torch.dtype) -> torch.Tensor:
+        out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """a @ b from FP8 operands and their inverse scales. ``fast_accum`` lets Hopper's FP8 tensor cores
+    accumulate without promoting partial sums to full fp32, which is faster: the forward product takes
+    it, the gradients do not (the split that Transformer Engine and torchao make by default)."""
     # Row/column scales made from a transposed vector keep its strides; the kernel wants unit strides.
     a_inv, b_inv = a_inv.flatten().view(a_inv.shape), b_inv.flatten().view(b_inv.shape)
-    return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+    return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -83,7 +88,7 @@ class _FP8Linear(torch.autograd.Function):
         out_dtype = _out_dtype(x.dtype)
         xq, xq_t, x_inv = _cast_both_layouts(x2, E4M3)
         wq, wq_t, w_inv = _cast_both_layouts(weight, E4M3)
-        y = _mm(xq, x_inv, wq.t(), w_inv, out_dtype)                                 # [N, K] @ [K, M]
+        y = _mm(xq, x_inv, wq.t(), w_inv, out_dtype, fast_accum=True)                    # [N, K] @ [K, M]
         if bias is not None:
             y = y + bias.to(out_dtype)
         # The transposed copies are what backward's matmuls take (as column-major second operands).
@@ -119,7 +124,7 @@ class _FP8LinearRowwise(torch.autograd.Function):
         out_dtype = _out_dtype(x.dtype)
         xq, x_inv = quantize_rows(x2, 1)           # [N, 1]: one scale per token
         wq, w_inv = quantize_rows(weight, 1)       # [M, 1]: one scale per output feature
-        y = _mm(xq, x_inv, wq.t(), w_inv.t(), out_dtype)
+        y = _mm(xq, x_inv, wq.t(), w_inv.t(), out_dtype, fast_accum=True)
         if bias is not None:
             y = y + bias.to(out_dtype)
         ctx.save_for_backward(x2, weight)

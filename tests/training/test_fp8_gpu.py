@@ -55,11 +55,11 @@ def test_fp8_linear_on_cuda_equals_its_scaled_matmuls():
 
     (xq, xi), (wq, wi), (gq, gi) = q(x, E4M3), q(w, E4M3), q(grad, E5M2)
 
-    def mm(a, b, sa, sb):  # a row-major, b column-major: the layouts the FP8 kernels take
+    def mm(a, b, sa, sb, fast_accum=False):  # a row-major, b column-major: the layouts the FP8 kernels take
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=sa, scale_b=sb,
-                                out_dtype=torch.bfloat16)
+                                out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
-    assert torch.equal(y.reshape(-1, 384), mm(xq, wq.t(), xi, wi))
+    assert torch.equal(y.reshape(-1, 384), mm(xq, wq.t(), xi, wi, fast_accum=True))
     assert torch.equal(grad_x.reshape(-1, 256), mm(gq, wq, gi, wi))
     assert torch.equal(grad_w, mm(gq.t(), xq, gi, xi))
 
