@@ -92,7 +92,7 @@ class DistributedOptimizer:
                 part.scale_grads(grad_coef)
             part.fetch_grads()  # device -> host copies overlap the device partition's step
         for part in self.device_parts:
-            part.step(lr, grad_coef)
+            part.step(lr, grad_coef, step_number=self._step + 1)
             part.store_params()
         for part in self.host_parts:
             part.step(lr)

@@ -67,7 +67,9 @@ class GradBuffer:
         if self._written[i]:
             param.main_grad.add_(param.grad)
         else:  # the iteration's first gradient of this parameter
-            param.main_grad.copy_(param.grad)
+            # The multi-tensor copy is vectorised where copy_ converting bf16 to fp32 is not: on an H200
+            # 6.6 against 10.4 ms for every gradient of llama3-3b (benchmarks/optimizer_probe.py).
+            torch._foreach_copy_([param.main_grad], [param.grad])
             self._written[i] = True
         param.grad = None
         if self.on_grad_ready is not None:

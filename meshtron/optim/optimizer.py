@@ -3,8 +3,9 @@
 Each model parameter has an fp32 master copy (the parameter itself when it is
 already fp32) and reads its gradient from ``param.main_grad`` (see GradBuffer).
 After the step the updated masters are copied back into the model parameters.
-Norm and bias parameters (1-D) get no weight decay. On CUDA the step runs as
-torch's fused multi-tensor AdamW kernel.
+Norm and bias parameters (1-D) get no weight decay. On CUDA the step is one Triton
+kernel per parameter that also writes the bf16 weights (meshtron.optim.fused_adamw);
+torch's multi-tensor AdamW elsewhere. torch's AdamW holds the state either way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from meshtron.config import OptimConfig
+from meshtron.optim import fused_adamw
 
 
 def no_weight_decay(param: torch.Tensor) -> bool:
@@ -65,12 +67,21 @@ class MixedPrecisionAdamW:
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                        fused=fused, foreach=None if fused else True)
         self._copy_back = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
+        self.cfg = cfg
+        self._kernel = fused and all(fused_adamw.available(p) for p in self.params)
+        self._host_step: Optional[int] = None  # the kernel path's step count, read from the state once
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        return [p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float() for p in self.params]
 
     @torch.no_grad()
     def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None) -> None:
         """One AdamW step at learning rate ``lr`` using the (already reduced) main grads, multiplied
         by ``grad_coef`` (the clipping coefficient, a device tensor) when given."""
-        grads = [p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float() for p in self.params]
+        if self._kernel:
+            self._kernel_step(lr, grad_coef)
+            return
+        grads = self._main_grads()
         for m, g in zip(self.masters, grads):
             m.grad = g
         for group in self.inner.param_groups:
@@ -81,6 +92,21 @@ class MixedPrecisionAdamW:
             torch._foreach_copy_([p.data for p, _ in self._copy_back], [m.data for _, m in self._copy_back])
         for m in self.masters:
             m.grad = None
+
+    def _kernel_step(self, lr: float, grad_coef: Optional[torch.Tensor]) -> None:
+        self.ensure_state()
+        if self._host_step is None:
+            self._host_step = self.step_count  # one device-to-host read after construction or a load
+        self._host_step += 1
+        cfg = self.cfg
+        for p, m, g in zip(self.params, self.masters, self._main_grads()):
+            state = self.inner.state[m]
+            fused_adamw.adamw_step_(m.data, g, state["exp_avg"], state["exp_avg_sq"], None if m is p else p.data,
+                                    lr=lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.adam_eps,
+                                    weight_decay=0.0 if no_weight_decay(p) else cfg.weight_decay,
+                                    step=self._host_step, grad_coef=grad_coef)
+        # The state's own counters stay true for checkpoints and for torch's AdamW.
+        torch._foreach_add_([self.inner.state[m]["step"] for m in self.masters], 1.0)
 
     def state_tensors(self, index: int) -> dict[str, torch.Tensor]:
         """fp32 master and Adam moments of parameter ``index`` (same local shape as the parameter)."""
@@ -125,6 +151,7 @@ class MixedPrecisionAdamW:
                                             device=m.device if fused else torch.device("cpu"))
 
     def set_step_count(self, step: int) -> None:
+        self._host_step = None
         for m in self.masters:
             if "step" in self.inner.state[m]:
                 self.inner.state[m]["step"].fill_(step)

@@ -2,9 +2,10 @@
 
 A partition of the distributed optimizer: fp32 master weights for its segments
 (views of one flat fp32 tensor, or of the parameter buffer itself when the weights
-are fp32 and on the same device), Adam moments, and torch's AdamW (fused kernel on
-CUDA and for host partitions on the CPU; multi-tensor otherwise). Weight decay
-follows the parameter each segment belongs to (none for 1-D norms and biases).
+are fp32 and on the same device), Adam moments, and torch's AdamW (fused kernel for
+host partitions on the CPU; multi-tensor on devices without Triton). On CUDA the step
+is meshtron's Triton AdamW, which writes the updated weights in the same pass. Weight
+decay follows the parameter each segment belongs to (none for 1-D norms and biases).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from meshtron.config import OptimConfig
+from meshtron.optim import fused_adamw
 from meshtron.optim.offload import HostCopier, Segment
 from meshtron.optim.optimizer import scaled_gradients
 
@@ -58,6 +60,8 @@ class SegmentAdamW:
         self.inner = (torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                         fused=self.fused, foreach=None if self.fused else True)
                       if groups else None)
+        self.cfg = cfg
+        self.kernel = (not host) and self.inner is not None and fused_adamw.available(param_data)
         self.copier: Optional[HostCopier] = None
         if host and self.segments:
             self.copier = HostCopier(param_data.device)
@@ -83,13 +87,17 @@ class SegmentAdamW:
             self.copier.to_host(list(zip(self._stage_views(self.grad_stage), self._buffer_views(self.grad_data))))
 
     @torch.no_grad()
-    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None) -> None:
+    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None, step_number: int = 0) -> None:
         """One AdamW step of the masters at ``lr`` (gradients already reduced), with the gradients
         multiplied by ``grad_coef`` (the clipping coefficient) when given; host partitions take
-        gradients that were scaled before they were fetched, so they refuse it."""
+        gradients that were scaled before they were fetched, so they refuse it. ``step_number`` (1 for
+        the first step) is what the Triton kernel's bias correction needs; torch's AdamW counts itself."""
         if grad_coef is not None and self.copier is not None:
             raise ValueError("host partitions fetch gradients that are already scaled; pass no grad_coef")
         if self.inner is None:
+            return
+        if self.kernel:
+            self._kernel_step(lr, grad_coef, step_number)
             return
         if self.copier is not None:
             self.copier.wait_host()
@@ -108,10 +116,26 @@ class SegmentAdamW:
         for m in self.masters:
             m.grad = None
 
+    def _kernel_step(self, lr: float, grad_coef: Optional[torch.Tensor], step_number: int) -> None:
+        if step_number < 1:
+            raise ValueError(f"SegmentAdamW: step_number must count from 1 on the kernel path, got {step_number}")
+        self.ensure_state(step_number - 1)
+        cfg = self.cfg
+        grads = self._buffer_views(self.grad_data)
+        weights = [None] * len(grads) if self.aliased else self._buffer_views(self.param_data)
+        for m, s, g, w in zip(self.masters, self.segments, grads, weights):
+            state = self.inner.state[m]
+            fused_adamw.adamw_step_(m.data, g if g.dtype == torch.float32 else g.float(), state["exp_avg"],
+                                    state["exp_avg_sq"], w, lr=lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
+                                    eps=cfg.adam_eps, weight_decay=cfg.weight_decay if s.decay else 0.0,
+                                    step=step_number, grad_coef=grad_coef)
+        torch._foreach_add_([self.inner.state[m]["step"] for m in self.masters], 1.0)
+
     @torch.no_grad()
     def store_params(self) -> None:
-        """Write the updated masters into the weights (host partitions: start the copy)."""
-        if not self.segments or self.aliased:
+        """Write the updated masters into the weights (host partitions: start the copy; the kernel
+        path wrote them during the step)."""
+        if not self.segments or self.aliased or self.kernel:
             return
         if self.copier is not None:
             self.param_stage.copy_(self.master_flat)  # fp32 -> weight dtype on the CPU
