@@ -11,12 +11,20 @@ from meshtron.config import OptimConfig
 from meshtron.optim.fused_adamw import adamw_step_
 from meshtron.optim.optimizer import MixedPrecisionAdamW
 
+
+def assert_same_updates(new: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> None:
+    """The two optimizers moved the weights alike up to rounding: implementations may round 1 - beta2
+    or the bias corrections differently (relative differences ~1e-5 of the update) and the weights
+    themselves carry fp32 rounding (~1e-7); a wrong formula is off by a good part of the update."""
+    torch.testing.assert_close(new - start, ref - start, rtol=1e-4, atol=3e-7)
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_kernel_step_equals_torch_fused_adamw():
     g = torch.Generator(device="cuda").manual_seed(0)
     master = torch.randn(10_001, device="cuda", generator=g)  # not a multiple of the block
+    start = master.clone()
     ref = nn.Parameter(master.clone())
     opt = torch.optim.AdamW([ref], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
@@ -28,8 +36,8 @@ def test_kernel_step_equals_torch_fused_adamw():
         opt.step()
         adamw_step_(master, grad, exp_avg, exp_avg_sq, weights, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8,
                     weight_decay=0.1, step=step, grad_coef=coef)
-        torch.testing.assert_close(master, ref.detach(), rtol=2e-6, atol=1e-7)
-        torch.testing.assert_close(exp_avg_sq, opt.state[ref]["exp_avg_sq"], rtol=2e-6, atol=1e-12)
+        assert_same_updates(master, ref.detach(), start)
+        torch.testing.assert_close(exp_avg_sq, opt.state[ref]["exp_avg_sq"], rtol=1e-4, atol=1e-12)
         assert torch.equal(weights, master.to(torch.bfloat16))
 
 
@@ -42,6 +50,7 @@ def test_optimizer_with_the_kernel_equals_torch_kernels():
     for name in ("kernel", "torch"):
         torch.manual_seed(0)
         params[name] = [nn.Parameter(torch.randn(s, device="cuda").to(torch.bfloat16)) for s in shapes]
+    starts = [p.detach().float() for p in params["torch"]]
     opts = {"kernel": MixedPrecisionAdamW(params["kernel"], cfg),
             "torch": MixedPrecisionAdamW(params["torch"], cfg, fused=False)}
     assert opts["kernel"]._kernel and not opts["torch"]._kernel
@@ -52,8 +61,8 @@ def test_optimizer_with_the_kernel_equals_torch_kernels():
             for p, grad in zip(params[name], grads):
                 p.main_grad = grad.clone()
             opt.step(cfg.lr, grad_coef=coef)
-    for a, b in zip(opts["kernel"].masters, opts["torch"].masters):
-        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+    for a, b, start in zip(opts["kernel"].masters, opts["torch"].masters, starts):
+        assert_same_updates(a.detach(), b.detach(), start)
     for p, m in zip(params["kernel"], opts["kernel"].masters):
         assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
     assert opts["kernel"].step_count == opts["torch"].step_count == 3
@@ -72,6 +81,7 @@ def test_segment_optimizer_with_the_kernel_equals_torch_kernels():
     segments = [Segment(0, 0, 0, 300, True), Segment(1, 0, 400, 50, False)]  # 300..400 belongs elsewhere
     g = torch.Generator(device="cuda").manual_seed(2)
     weights = torch.randn(512, device="cuda", generator=g).to(torch.bfloat16)
+    start = weights.float()
     parts = {}
     for name in ("kernel", "torch"):
         parts[name] = (SegmentAdamW(segments, torch.zeros(512, device="cuda"), weights.clone(), cfg))
@@ -84,7 +94,7 @@ def test_segment_optimizer_with_the_kernel_equals_torch_kernels():
             part.step(cfg.lr, torch.tensor(0.5, device="cuda"), step_number=step)
             part.store_params()
     a, b = parts["kernel"], parts["torch"]
-    torch.testing.assert_close(a.master_flat, b.master_flat, rtol=2e-6, atol=1e-7)
+    assert_same_updates(a.master_flat, b.master_flat, torch.cat([start[:300], start[400:450]]))
     assert torch.equal(a.param_data[300:400], weights[300:400])  # not this partition's
     assert torch.equal(a.param_data[:300], a.master_flat[:300].to(torch.bfloat16))
     assert torch.equal(a.param_data[400:450], a.master_flat[300:].to(torch.bfloat16))
