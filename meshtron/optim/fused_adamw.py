@@ -13,7 +13,7 @@ CUDA with Triton only; :func:`available` says whether a tensor can take this pat
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -22,6 +22,8 @@ try:  # Triton ships with CUDA builds of torch only.
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
+
+from meshtron.config import OptimConfig
 
 _BLOCK = 2048
 
@@ -41,6 +43,9 @@ def adamw_step_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     n = master.numel()
     if n == 0:
         return
+    tensors = (master, grad, exp_avg, exp_avg_sq) + ((weights,) if weights is not None else ())
+    if any(not t.is_contiguous() or t.numel() != n for t in tensors):
+        raise ValueError("adamw_step_: master, gradient, moments and weights must be contiguous and of one size")
     bias1 = 1.0 - beta1 ** step
     bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
     coef = grad_coef if grad_coef is not None else master  # unread without HAS_COEF
@@ -49,6 +54,17 @@ def adamw_step_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         master, grad, exp_avg, exp_avg_sq, out, coef, n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
         1.0 - lr * weight_decay, lr / bias1, bias2_sqrt,
         HAS_COEF=grad_coef is not None, HAS_OUT=weights is not None, BLOCK=_BLOCK)
+
+
+def step_tensors(items: Sequence[tuple[torch.Tensor, torch.Tensor, dict, Optional[torch.Tensor], bool]],
+                 cfg: OptimConfig, lr: float, step: int, grad_coef: Optional[torch.Tensor]) -> None:
+    """One AdamW step of every (master, fp32 gradient, torch AdamW state dict, weights or None, decays)
+    item, and the state's step counters advanced (they stay true for checkpoints and torch's AdamW)."""
+    for master, grad, state, weights, decays in items:
+        adamw_step_(master, grad, state["exp_avg"], state["exp_avg_sq"], weights, lr=lr, beta1=cfg.adam_beta1,
+                    beta2=cfg.adam_beta2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay if decays else 0.0,
+                    step=step, grad_coef=grad_coef)
+    torch._foreach_add_([item[2]["step"] for item in items], 1.0)
 
 
 if triton is not None:

@@ -98,15 +98,9 @@ class MixedPrecisionAdamW:
         if self._host_step is None:
             self._host_step = self.step_count  # one device-to-host read after construction or a load
         self._host_step += 1
-        cfg = self.cfg
-        for p, m, g in zip(self.params, self.masters, self._main_grads()):
-            state = self.inner.state[m]
-            fused_adamw.adamw_step_(m.data, g, state["exp_avg"], state["exp_avg_sq"], None if m is p else p.data,
-                                    lr=lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.adam_eps,
-                                    weight_decay=0.0 if no_weight_decay(p) else cfg.weight_decay,
-                                    step=self._host_step, grad_coef=grad_coef)
-        # The state's own counters stay true for checkpoints and for torch's AdamW.
-        torch._foreach_add_([self.inner.state[m]["step"] for m in self.masters], 1.0)
+        items = [(m.data, g, self.inner.state[m], None if m is p else p.data, not no_weight_decay(p))
+                 for p, m, g in zip(self.params, self.masters, self._main_grads())]
+        fused_adamw.step_tensors(items, self.cfg, lr, self._host_step, grad_coef)
 
     def state_tensors(self, index: int) -> dict[str, torch.Tensor]:
         """fp32 master and Adam moments of parameter ``index`` (same local shape as the parameter)."""

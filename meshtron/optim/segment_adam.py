@@ -120,16 +120,11 @@ class SegmentAdamW:
         if step_number < 1:
             raise ValueError(f"SegmentAdamW: step_number must count from 1 on the kernel path, got {step_number}")
         self.ensure_state(step_number - 1)
-        cfg = self.cfg
         grads = self._buffer_views(self.grad_data)
         weights = [None] * len(grads) if self.aliased else self._buffer_views(self.param_data)
-        for m, s, g, w in zip(self.masters, self.segments, grads, weights):
-            state = self.inner.state[m]
-            fused_adamw.adamw_step_(m.data, g if g.dtype == torch.float32 else g.float(), state["exp_avg"],
-                                    state["exp_avg_sq"], w, lr=lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
-                                    eps=cfg.adam_eps, weight_decay=cfg.weight_decay if s.decay else 0.0,
-                                    step=step_number, grad_coef=grad_coef)
-        torch._foreach_add_([self.inner.state[m]["step"] for m in self.masters], 1.0)
+        items = [(m.data, g if g.dtype == torch.float32 else g.float(), self.inner.state[m], w, s.decay)
+                 for m, s, g, w in zip(self.masters, self.segments, grads, weights)]
+        fused_adamw.step_tensors(items, self.cfg, lr, step_number, grad_coef)
 
     @torch.no_grad()
     def store_params(self) -> None:
