@@ -105,7 +105,7 @@ from typing import Iterable, Optional
 
 from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads,
                              padded_vocab_size)
-from meshtron.layers.cross_entropy import CHUNK_ELEMENTS  # the fused loss's chunk rule, kept in sync
+from meshtron.layers.cross_entropy import chunk_size  # the fused loss's chunk rule
 from meshtron.pipeline.partition import layout_from_config
 
 GIB = 2**30
@@ -387,7 +387,7 @@ def loss_bytes(hidden: int, vocab_local: int, tokens: int, act_bytes: int, fused
     """Bytes the loss holds on the last stage for one micro-batch (see the module docstring)."""
     if not fused:
         return tokens * vocab_local * 4.0
-    chunk = min(tokens, max(256, CHUNK_ELEMENTS // max(1, vocab_local)))
+    chunk = chunk_size(tokens, vocab_local)
     if act_bytes < 4:
         # bf16 on GPU: the chunk's logits and its logits-gradient, both bf16 (the element-wise
         # passes are compiled into fused kernels that keep no fp32 copy).

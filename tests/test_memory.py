@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from meshtron.layers.cross_entropy import CHUNK_ELEMENTS
+from meshtron.layers.cross_entropy import CHUNK_ELEMENTS, chunk_size
 
 from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.memory import (
@@ -228,7 +228,8 @@ def test_loss_memory_fused_and_unfused_and_fp32_doubles_activations():
     cfg = config("llama3-1b", seq_length=4096, micro_batch_size=4)
     tokens, v, h = 4 * 4096, 128256, 2048
     assert estimate_memory(cfg, v, fused_loss=False).logits == tokens * v * 4  # fp32 logits kept
-    chunk = CHUNK_ELEMENTS // v  # the fused loss's chunk of logits
+    chunk = chunk_size(tokens, v)  # the fused loss's chunk of logits: two equal halves of the micro-batch
+    assert chunk == tokens // 2 and chunk * v <= CHUNK_ELEMENTS
     fused = estimate_memory(cfg, v)
     assert fused.logits == 4 * h * v + chunk * v * 4  # bf16 logits and their gradient
     assert fused.logits < estimate_memory(cfg, v, fused_loss=False).logits
