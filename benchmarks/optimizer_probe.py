@@ -1,7 +1,7 @@
 """Time the per-step passes over every parameter on one GPU, to see what a fused kernel would save:
 the bf16 -> fp32 copy of each first gradient (torch's copy_, foreach copy, a Triton kernel), and
 torch's fused AdamW plus the fp32 -> bf16 copy of the weights against one Triton AdamW that writes
-the bf16 weights as well.
+the bf16 weights as well (meshtron.optim.fused_adamw).
 
 Usage: python benchmarks/optimizer_probe.py   (times in ms for llama3-3b-sized tensors)
 """
@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from meshtron.optim.fused_adamw import adamw_step_
+
 SHAPES = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)] * 28 + [(128256, 3072)] * 2
 
 
@@ -19,21 +21,6 @@ def _widen(src, dst, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(dst + offs, tl.load(src + offs, mask=mask).to(tl.float32), mask=mask)
-
-
-@triton.jit
-def _adamw(p, g, m, v, out, n, lr, beta1, beta2, eps, wd, bc1, bc2_sqrt, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(p + offs, mask=mask)
-    grad = tl.load(g + offs, mask=mask)
-    mm = tl.load(m + offs, mask=mask) * beta1 + (1 - beta1) * grad
-    vv = tl.load(v + offs, mask=mask) * beta2 + (1 - beta2) * grad * grad
-    x = x * (1 - lr * wd) - (lr / bc1) * mm / (tl.sqrt(vv) / bc2_sqrt + eps)
-    tl.store(p + offs, x, mask=mask)
-    tl.store(m + offs, mm, mask=mask)
-    tl.store(v + offs, vv, mask=mask)
-    tl.store(out + offs, x.to(tl.bfloat16), mask=mask)
 
 
 def main() -> None:
@@ -51,7 +38,7 @@ def main() -> None:
                      ("_foreach_copy_", lambda: torch._foreach_copy_(dst, src)),
                      ("triton widen", widen_all)):
         print(f"first-gradient copy {name:>16s} {do_bench(fn, warmup=5, rep=50):7.2f} ms")
-    del src
+    src.clear()  # free the bf16 gradients before the optimizer tensors are made
     masters = [torch.randn(s, device=dev) for s in SHAPES]
     grads = dst
     params = [m.to(torch.bfloat16) for m in masters]
@@ -68,8 +55,7 @@ def main() -> None:
 
     def triton_step():
         for p, g, m, v, o in zip(masters, grads, ms, vs, params):
-            _adamw[(triton.cdiv(p.numel(), 2048),)](p, g, m, v, o, p.numel(), 1e-4, 0.9, 0.95, 1e-8, 0.1,
-                                                     0.5, 0.7, BLOCK=2048)
+            adamw_step_(p, g, m, v, o, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
 
     print(f"AdamW fused + bf16 copy {do_bench(torch_step, warmup=3, rep=30):7.2f} ms")
     print(f"AdamW fused alone        {do_bench(opt.step, warmup=3, rep=30):7.2f} ms")
