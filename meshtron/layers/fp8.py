@@ -38,12 +38,6 @@ def tensor_scale(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return _scale(x.detach().abs().amax(dim=-1).amax(), dtype)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x * scale cast to ``dtype``, 1/scale) with one scale for the whole tensor."""
-    scale, inv = tensor_scale(x, dtype)
-    return scaled_cast(x, scale, dtype), inv
-
-
 def quantize_rows(x: torch.Tensor, dim: int, dtype: torch.dtype = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x scaled and cast to ``dtype``, 1/scale) with one scale per slice along ``dim`` (the amax is
     taken over ``dim``: ``dim=1`` gives one scale per row, shape [rows, 1]; ``dim=0`` one per column)."""
