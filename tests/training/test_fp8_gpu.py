@@ -16,7 +16,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-@pytest.mark.parametrize("shape", [(4096, 3072), (1000, 3000), (130, 70), (16, 8)])
+@pytest.mark.parametrize("shape", [(4096, 3072), (1000, 3000), (130, 70), (16, 8), (0, 64)])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_triton_cast_transpose_equals_torch_cast(shape, dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
