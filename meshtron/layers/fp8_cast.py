@@ -36,7 +36,8 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     ``scale`` is a one-element fp32 tensor (one scale for the whole tensor).
     """
     q = scaled_cast(x, scale, dtype)
-    return q, q.t().contiguous()
+    # A fresh tensor even where .contiguous() would return the view itself (an empty matrix).
+    return q, q.new_empty((q.shape[1], q.shape[0])).copy_(q.t())
 
 
 @cast_transpose.register_fake

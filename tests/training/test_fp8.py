@@ -27,6 +27,11 @@ def test_tensor_scale_maps_the_amax_to_the_format_range():
         assert rel(q.float() * inv, x) < (0.04 if dtype == E4M3 else 0.08)
 
 
+def test_cast_transpose_of_an_empty_matrix():
+    q, q_t = cast_transpose(torch.zeros(0, 8, dtype=torch.bfloat16), torch.tensor(1.0), E4M3)
+    assert q.shape == (0, 8) and q_t.shape == (8, 0)
+
+
 def test_cast_transpose_writes_the_cast_in_both_layouts():
     x = torch.randn(40, 24, dtype=torch.bfloat16) * 300  # beyond e4m3's 448 after scaling: saturates
     scale = torch.tensor(2.0)
