@@ -27,6 +27,7 @@ def test_bench_rows_on_cpu(tmp_path, capsys):
     for r in rows:
         assert r["tokens_per_sec_per_gpu"] > 0 and r["step_s"] > 0 and r["mfu"] is None  # no peak on CPU
         assert r["est_mem_gib"] > 0
+        assert 0 < r["data_s"] < r["step_s"] and r["forward_s"] > 0  # the step split, data included
     table = format_table(rows)
     assert table.count("\n") == 3 and "tiny" in table
     assert "| tiny |" in capsys.readouterr().out
@@ -60,7 +61,7 @@ def test_no_split_skips_the_step_time_split(tmp_path):
                        "--micro-batch-size", "2", "--global-batch-size", "2", "--warmup", "1", "--steps", "1",
                        "--no-split", "--out", str(out)]) == 0
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert row["step_s"] > 0 and row["forward_s"] is None and row["exposed_comm_s"] is None
+    assert row["step_s"] > 0 and row["forward_s"] is None and row["exposed_comm_s"] is None and row["data_s"] is None
     assert "| - |" in format_table([row])
 
 
