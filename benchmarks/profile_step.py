@@ -1,8 +1,10 @@
-"""Profile a few training steps of one configuration on one GPU; print the top CUDA kernels.
+"""Profile a few training steps of one configuration; print the top CUDA kernels of rank 0.
 
 Usage: python benchmarks/profile_step.py [train flags...]   (e.g. --model llama3-1b --micro-batch-size 8)
+       torchrun --nproc-per-node 2 benchmarks/profile_step.py --tensor-model-parallel-size 2 ...
 """
 
+import os
 import sys
 
 import torch
@@ -12,15 +14,15 @@ from torch.profiler import ProfilerActivity, profile
 def main(argv):
     from meshtron.bench import RandomTokens
     from meshtron.cli import build_config
-    from meshtron.parallel.context import build_parallel_context
+    from meshtron.parallel.context import context_from_config
     from meshtron.training.trainer import Trainer
 
     cfg = build_config(["--mock-data", "--eval-interval", "0", "--train-iters", "100"] + argv)
-    cfg.validate(1)
-    ctx = build_parallel_context(device="cuda")
+    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    ctx = context_from_config(cfg)
     t = cfg.train
     data = RandomTokens(cfg.model.vocab_size, cfg.model.seq_length, t.micro_batch_size,
-                        t.global_batch_size // t.micro_batch_size, 0)
+                        t.global_batch_size // (t.micro_batch_size * ctx.dp), 0)
     trainer = Trainer(cfg, ctx, data=data)
     batches = next(data.train_batches())
     for i in range(4):
@@ -30,9 +32,10 @@ def main(argv):
         for i in range(2):
             trainer.train_step(batches, 10 + i)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
-    print(table)
-    print_categories(prof)
+    if ctx.rank == 0:
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+        print(table)
+        print_categories(prof)
 
 
 #: Kernel-name fragments -> category, first match wins (matmul kernels: cuBLAS/cuBLASLt/CUTLASS names).
