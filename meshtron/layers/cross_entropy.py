@@ -45,12 +45,12 @@ def _masked(logits: torch.Tensor, valid_cols: int) -> torch.Tensor:
 def _local_stats(logits: torch.Tensor, local_t: torch.Tensor, outside: torch.Tensor,
                  valid_cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Of this rank's vocabulary block: each row's maximum, the sum of exp(logit - maximum), and the
-    target's logit (0 where another rank holds the target)."""
+    target's logit (0 where another rank holds the target). A block of padding columns only (tiny
+    vocabularies under TP) has maximum -inf and sum 0."""
     x = _masked(logits, valid_cols)
     row_max = x.amax(dim=-1)
-    # A block of padding columns only (tiny vocabularies under TP) has no maximum; its sum is 0 from any.
-    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
-    sum_exp = (x - row_max.unsqueeze(-1)).exp().sum(dim=-1)
+    finite_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # -inf - -inf would be nan
+    sum_exp = (x - finite_max.unsqueeze(-1)).exp().sum(dim=-1)
     target = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
     return row_max, sum_exp, target
 
@@ -106,6 +106,7 @@ def _chunk_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, v
     if _size(group) > 1:
         global_max = row_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        # Each block's sum rescaled to the common maximum (a padding-only block: 0 * exp(-inf) = 0).
         both = torch.stack([sum_exp * (row_max - global_max).exp(), target_logit])
         dist.all_reduce(both, group=group)
         row_max, sum_exp, target_logit = global_max, both[0], both[1]

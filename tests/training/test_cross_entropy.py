@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.layers.cross_entropy import _local_stats, chunk_size, linear_cross_entropy
+from meshtron.layers.cross_entropy import _local_stats, chunk_size, linear_cross_entropy, vocab_parallel_logits_loss
+from tests.distributed.launch import run_distributed
 
 
 @pytest.mark.parametrize("chunk", [None, 7])  # one chunk; chunks of 7 tokens, the last one shorter
@@ -34,8 +35,29 @@ def test_a_block_of_padding_only_contributes_nothing():
     logits = torch.randn(5, 8)
     outside = torch.ones(5, dtype=torch.bool)
     row_max, sum_exp, target = _local_stats(logits, torch.zeros(5, dtype=torch.long), outside, 0)
-    assert torch.equal(row_max, torch.zeros(5)) and torch.equal(sum_exp, torch.zeros(5))
+    assert torch.equal(row_max, torch.full((5,), float("-inf"))) and torch.equal(sum_exp, torch.zeros(5))
     assert torch.equal(target, torch.zeros(5))
+
+
+def _vocab_parallel_loss(rank, world, logits, target, vocab):
+    import torch.distributed as dist
+
+    block = logits.shape[1] // world
+    start = rank * block
+    valid = max(0, min(block, vocab - start))  # rank 1 holds padding columns only
+    return vocab_parallel_logits_loss(logits[:, start:start + block], target, start, valid, dist.group.WORLD)
+
+
+def test_vocabulary_parallel_loss_with_a_padding_only_rank():
+    """Two TP ranks, the second holding only vocabulary padding, and logits far below zero (where a
+    stand-in maximum of 0 for the padding rank would win the max and underflow every sum)."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 50
+    logits = torch.randn(6, 128, generator=g) - 200.0
+    target = torch.randint(0, vocab, (6,), generator=g)
+    want = F.cross_entropy(logits[:, :vocab], target, reduction="none")
+    for got in run_distributed(_vocab_parallel_loss, 2, logits, target, vocab):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
 
 
 def test_chunks_are_equal_and_bounded():
