@@ -38,6 +38,12 @@ def compat(default: Any, reason: str, **kwargs: Any) -> Any:
     return opt(default, f"Accepted for Megatron compatibility ({reason}).", megatron_compat=True, **kwargs)
 
 
+# Help texts several flags share.
+_COMPILE_FUSES = "torch.compile fuses the element-wise work"
+_DELAYED_SCALING_REFUSED = ("Delayed-scaling FP8 setting: refused, meshtron scales FP8 from current values "
+                            "(--fp8-recipe).")
+
+
 @dataclass
 class ModelConfig:
     """Shape and architecture of the decoder-only transformer."""
@@ -247,16 +253,15 @@ class TrainConfig:
     cross_entropy_loss_fusion: bool = compat(False, "meshtron's loss is always fused with the output layer")
     moe_permute_fusion: bool = compat(False, "token permutation is index-based")
     no_masked_softmax_fusion: bool = compat(False, "softmax runs inside SDPA")
-    no_bias_swiglu_fusion: bool = compat(False, "torch.compile fuses the element-wise work")
-    no_bias_gelu_fusion: bool = compat(False, "torch.compile fuses the element-wise work")
-    no_bias_dropout_fusion: bool = compat(False, "torch.compile fuses the element-wise work")
-    no_rope_fusion: bool = compat(False, "torch.compile fuses the element-wise work")
+    no_bias_swiglu_fusion: bool = compat(False, _COMPILE_FUSES)
+    no_bias_gelu_fusion: bool = compat(False, _COMPILE_FUSES)
+    no_bias_dropout_fusion: bool = compat(False, _COMPILE_FUSES)
+    no_rope_fusion: bool = compat(False, _COMPILE_FUSES)
     log_throughput: bool = compat(False, "meshtron always logs tokens/s, TFLOP/s and MFU")
     timing_log_level: int = compat(0, "meshtron logs the step time; `meshtron bench` gives the step split; 0, 1 or 2")
-    fp8_amax_history_len: Optional[int] = opt(None, "Delayed-scaling FP8 setting: refused, meshtron scales FP8 "
-                                                    "from current values (--fp8-recipe).")
-    fp8_amax_compute_algo: Optional[str] = opt(None, "Delayed-scaling FP8 setting: refused, meshtron scales FP8 "
-                                                     "from current values (--fp8-recipe).", choices=("max", "most_recent"))
+    fp8_amax_history_len: Optional[int] = opt(None, _DELAYED_SCALING_REFUSED)
+    fp8_amax_compute_algo: Optional[str] = opt(None, _DELAYED_SCALING_REFUSED,
+                                                 choices=("max", "most_recent"))
     use_torch_fsdp2: bool = opt(False, "Not supported: meshtron shards optimizer state with "
                                        "--use-distributed-optimizer (ZeRO-1), not parameters.")
     rampup_batch_size: list = opt([], "Not supported: batch-size ramp-up.", nargs="+")
