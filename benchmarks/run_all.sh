@@ -6,7 +6,8 @@
 #   bash benchmarks/run_all.sh single     # FP8 and recomputation, one GPU each, side by side
 #   bash benchmarks/run_all.sh pipeline   # PP=2: 1F1B and interleaved, 8 and 32 micro-batches
 #   bash benchmarks/run_all.sh fp8        # FP8 rows on GPU 1; FP8 cast timings, kernel profiles of llama3-3b FP8 and bf16 on GPU 0
-#   bash benchmarks/run_all.sh fp8tp      # kernel profiles of llama3-8b TP=2 + SP (async TP), FP8 and bf16
+#   bash benchmarks/run_all.sh fp8tp      # llama3-8b TP=2 + SP: FP8 against bf16, async TP on and off
+#   bash benchmarks/run_all.sh fp8tpprof  # kernel profiles of llama3-8b TP=2 + SP (async TP), FP8 and bf16
 #   bash benchmarks/run_all.sh accumulate # llama3-8b on two GPUs with several micro-batches per step
 #   bash benchmarks/run_all.sh p2p        # PP=2 at 32 micro-batches: overlapped transfers, balanced split
 #   bash benchmarks/run_all.sh async      # llama3-8b with micro-pipelined TP; then the one-GPU bf16 rows
@@ -65,6 +66,8 @@ case "$phase" in
     wait
     grep -hE '^\{|Error' "$OUT"/gpu1.log | cut -c1-400 ;;
   fp8tp)
+    two_gpus 480 llama3_8b_fp8.yaml --warmup 2 --steps 3 --no-split ;;
+  fp8tpprof)
     for prec in "--fp8-format e4m3" ""; do
       echo "=== kernel profile, llama3-8b TP=2 + SP, async TP $prec ($(date +%T))"
       timeout 270 torchrun --nproc-per-node 2 benchmarks/profile_step.py --bf16 --model llama3-8b \
@@ -99,7 +102,7 @@ case "$phase" in
     gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   eight)
     gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 --profile-comm ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|fp8tp|accumulate|async|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|fp8tp|fp8tpprof|accumulate|async|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"

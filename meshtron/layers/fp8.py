@@ -33,27 +33,32 @@ _EPS = 1e-12
 
 def tensor_scale(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, 1/scale) with one scale for the whole tensor: the format's largest value over ``x``'s amax."""
+    return scale_from_amax(tensor_amax(x), dtype)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest absolute value of ``x`` (a one-element tensor, no gradient)."""
     # Row maxima first, then their maximum: compiled, this per-row reduction ran twice as fast as one
     # reduction of the whole tensor to a scalar (H200: 168 against 357 us for the SwiGLU output of llama3-3b).
-    return _scale(x.detach().abs().amax(dim=-1).amax(), dtype)
+    return x.detach().abs().amax(dim=-1).amax()
 
 
 def quantize_rows(x: torch.Tensor, dim: int, dtype: torch.dtype = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x scaled and cast to ``dtype``, 1/scale) with one scale per slice along ``dim`` (the amax is
     taken over ``dim``: ``dim=1`` gives one scale per row, shape [rows, 1]; ``dim=0`` one per column)."""
     dtype = E4M3 if dtype is None else dtype
-    scale, inv = _scale(x.detach().abs().amax(dim=dim, keepdim=True), dtype)
+    scale, inv = scale_from_amax(x.detach().abs().amax(dim=dim, keepdim=True), dtype)
     return scaled_cast(x, scale, dtype), inv
 
 
-def _scale(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The scale that maps ``amax`` onto the format's largest value, and its inverse (which the scaled
     matmul multiplies back)."""
     scale = torch.finfo(dtype).max / amax.float().clamp(min=_EPS)
     return scale, scale.reciprocal()
 
 
-def _out_dtype(input_dtype: torch.dtype) -> torch.dtype:
+def output_dtype(input_dtype: torch.dtype) -> torch.dtype:
     """The scaled matmul's output dtype: the activations' half-precision dtype, else fp32."""
     return input_dtype if input_dtype in (torch.bfloat16, torch.float16) else torch.float32
 
@@ -63,7 +68,7 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def _mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
+def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
         out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """a @ b from FP8 operands and their inverse scales. ``fast_accum`` lets Hopper's FP8 tensor cores
     accumulate without promoting partial sums to full fp32, which is faster: the forward product takes
@@ -79,10 +84,10 @@ class _FP8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, grad_dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out_dtype = _out_dtype(x.dtype)
-        xq, xq_t, x_inv = _cast_both_layouts(x2, E4M3)
-        wq, wq_t, w_inv = _cast_both_layouts(weight, E4M3)
-        y = _mm(xq, x_inv, wq.t(), w_inv, out_dtype, fast_accum=True)                    # [N, K] @ [K, M]
+        out_dtype = output_dtype(x.dtype)
+        xq, xq_t, x_inv = cast_both_layouts(x2, E4M3)
+        wq, wq_t, w_inv = cast_both_layouts(weight, E4M3)
+        y = scaled_mm(xq, x_inv, wq.t(), w_inv, out_dtype, fast_accum=True)  # [N, K] @ [K, M]
         if bias is not None:
             y = y + bias.to(out_dtype)
         # The transposed copies are what backward's matmuls take (as column-major second operands).
@@ -95,16 +100,17 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        gq, gq_t, g_inv = _cast_both_layouts(g2, ctx.grad_dtype)
-        grad_x = _mm(gq, g_inv, wq_t.t(), w_inv, _out_dtype(ctx.x_dtype)).view(ctx.shape)  # [N, M] @ [M, K]
+        gq, gq_t, g_inv = cast_both_layouts(g2, ctx.grad_dtype)
+        grad_x = scaled_mm(gq, g_inv, wq_t.t(), w_inv, output_dtype(ctx.x_dtype)).view(ctx.shape)  # [N, M] @ [M, K]
         # Straight into the weight's dtype: the matmul accumulates in fp32 and rounds once either way.
-        grad_w = _mm(gq_t, g_inv, xq_t.t(), x_inv, _out_dtype(ctx.w_dtype))                 # [M, N] @ [N, K]
+        grad_w = scaled_mm(gq_t, g_inv, xq_t.t(), x_inv, output_dtype(ctx.w_dtype))  # [M, N] @ [N, K]
         grad_b = g2.sum(dim=0).to(ctx.w_dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
 
 
-def _cast_both_layouts(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x as FP8 row-major, the same transposed, 1/scale) with one scale for the whole tensor."""
+def cast_both_layouts(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x as FP8 in its own shape, the same as a matrix [R, C] transposed to [C, R], 1/scale) with one
+    scale for the whole tensor."""
     scale, inv = tensor_scale(x, dtype)
     q, q_t = cast_transpose(x, scale, dtype)
     return q, q_t, inv
@@ -115,10 +121,10 @@ class _FP8LinearRowwise(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out_dtype = _out_dtype(x.dtype)
+        out_dtype = output_dtype(x.dtype)
         xq, x_inv = quantize_rows(x2, 1)           # [N, 1]: one scale per token
         wq, w_inv = quantize_rows(weight, 1)       # [M, 1]: one scale per output feature
-        y = _mm(xq, x_inv, wq.t(), w_inv.t(), out_dtype, fast_accum=True)
+        y = scaled_mm(xq, x_inv, wq.t(), w_inv.t(), out_dtype, fast_accum=True)
         if bias is not None:
             y = y + bias.to(out_dtype)
         ctx.save_for_backward(x2, weight)
@@ -129,15 +135,15 @@ class _FP8LinearRowwise(torch.autograd.Function):
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        out_dtype = _out_dtype(x2.dtype)
+        out_dtype = output_dtype(x2.dtype)
         # grad_x [N, K] = g [N, M] @ W [M, K]: g per token, W per input feature (over M).
         gq, g_inv = quantize_rows(g2, 1)
         wq, w_inv = quantize_rows(weight, 0)
-        grad_x = _mm(gq, g_inv, wq, w_inv, out_dtype).view(ctx.shape)
+        grad_x = scaled_mm(gq, g_inv, wq, w_inv, out_dtype).view(ctx.shape)
         # grad_W [M, K] = g^T [M, N] @ x [N, K]: g per output feature, x per input feature (over N).
         gtq, gt_inv = quantize_rows(g2, 0)
         xq, x_inv = quantize_rows(x2, 0)
-        grad_w = _mm(gtq.t(), gt_inv.t(), xq, x_inv, out_dtype).to(weight.dtype)
+        grad_w = scaled_mm(gtq.t(), gt_inv.t(), xq, x_inv, out_dtype).to(weight.dtype)
         grad_b = g2.float().sum(dim=0).to(weight.dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b
 
@@ -148,7 +154,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     "rowwise", which takes e4m3 only; see the module docstring)."""
     if recipe == "rowwise":
         return _FP8LinearRowwise.apply(x, weight, bias)
-    return _FP8Linear.apply(x, weight, bias, E5M2 if fmt == "hybrid" else E4M3)
+    return _FP8Linear.apply(x, weight, bias, gradient_dtype(fmt))
+
+
+def gradient_dtype(fmt: str) -> torch.dtype:
+    """The FP8 dtype of output gradients: e5m2 (more range) for "hybrid", else e4m3."""
+    return E5M2 if fmt == "hybrid" else E4M3
 
 
 def enable_fp8(model: torch.nn.Module, fmt: str, recipe: str = "tensorwise") -> int:

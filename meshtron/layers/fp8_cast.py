@@ -14,6 +14,8 @@ the absolute maximum that sets ``scale`` stays in compiled code, fused with what
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:  # Triton ships with CUDA builds of torch only.
@@ -31,19 +33,21 @@ def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 
 @torch.library.custom_op("meshtron::fp8_cast_transpose", mutates_args=())
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``x`` [R, C] scaled and cast to ``dtype``, the same values transposed and contiguous [C, R]).
+    """(``x`` scaled and cast to ``dtype``, in ``x``'s shape; the same values as a matrix [R, C] transposed
+    and contiguous [C, R], where C is ``x``'s last dimension and R the product of the others).
 
     ``scale`` is a one-element fp32 tensor (one scale for the whole tensor).
     """
     q = scaled_cast(x, scale, dtype)
+    q2 = q.reshape(-1, q.shape[-1])
     # A fresh tensor even where .contiguous() would return the view itself (an empty matrix).
-    return q, q.new_empty((q.shape[1], q.shape[0])).copy_(q.t())
+    return q, q2.new_empty((q2.shape[1], q2.shape[0])).copy_(q2.t())
 
 
 @cast_transpose.register_fake
 def _cast_transpose_fake(x, scale, dtype):
-    rows, cols = x.shape
-    return x.new_empty((rows, cols), dtype=dtype), x.new_empty((cols, rows), dtype=dtype)
+    rows = math.prod(x.shape[:-1])
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[-1], rows), dtype=dtype)
 
 
 if triton is not None:
@@ -67,10 +71,12 @@ if triton is not None:
 
     @cast_transpose.register_kernel("cuda")
     def _cast_transpose_cuda(x, scale, dtype):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
         if x.stride(1) != 1:
             x = x.contiguous()
         rows, cols = x.shape
-        q = torch.empty((rows, cols), dtype=dtype, device=x.device)
+        q = torch.empty(shape, dtype=dtype, device=x.device)
         qt = torch.empty((cols, rows), dtype=dtype, device=x.device)
         if q.numel() == 0:  # no kernel for an empty grid
             return q, qt

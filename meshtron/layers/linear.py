@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtron.layers.fp8 import fp8_linear
+from meshtron.layers.fp8 import fp8_linear, gradient_dtype
+from meshtron.layers.fp8_sequence_parallel import column_sequence_parallel_fp8, row_sequence_parallel_fp8
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import Piece, ShardSpec, new_param
@@ -92,8 +93,11 @@ class ColumnParallelLinear(nn.Module):
         return comm.copy_to_tp(x, self.group)
 
     def forward(self, x: torch.Tensor, prepared: bool = False) -> torch.Tensor:
-        if (self.overlap_backward_comm and self.fp8_format is None and not prepared and self.gather_input
-                and comm._size(self.group) > 1):
+        gathers_here = not prepared and self.gather_input and comm._size(self.group) > 1
+        if gathers_here and _sequence_parallel_fp8(self):
+            return column_sequence_parallel_fp8(x, self.weight, self.bias, self.group,
+                                                gradient_dtype(self.fp8_format))
+        if gathers_here and self.overlap_backward_comm and self.fp8_format is None:
             return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if not prepared:
             x = self.prepare_input(x)
@@ -116,6 +120,9 @@ class RowParallelLinear(nn.Module):
                      if bias_piece is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if comm._size(self.group) > 1 and _sequence_parallel_fp8(self):
+            y = row_sequence_parallel_fp8(x, self.weight, self.group, gradient_dtype(self.fp8_format))
+            return y if self.bias is None else y + self.bias
         y = _linear(x, self.weight, None, self.fp8_format, self.fp8_recipe)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence(y, self.group)
@@ -124,6 +131,12 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def _sequence_parallel_fp8(layer: nn.Module) -> bool:
+    """Whether ``layer`` takes the FP8 path that casts before its sequence-parallel collective
+    (tensorwise scaling; see meshtron.layers.fp8_sequence_parallel)."""
+    return layer.sequence_parallel and layer.fp8_format is not None and layer.fp8_recipe == "tensorwise"
 
 
 def set_tp_comm_overlap(model: nn.Module, enabled: bool) -> None:

@@ -58,9 +58,10 @@ def wait(x: torch.Tensor) -> torch.Tensor:
     return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
-def all_reduce_async(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum of ``x`` over ``group`` (a new tensor), not yet waited for: pass it through :func:`wait`."""
-    return x if _size(group) == 1 else funcol.all_reduce(x.contiguous(), "sum", group)
+def all_reduce_async(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """``x`` reduced over ``group`` (a new tensor; ``op``: "sum" or "max"), not yet waited for: pass it
+    through :func:`wait`."""
+    return x if _size(group) == 1 else funcol.all_reduce(x.contiguous(), op, group)
 
 
 def all_gather_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -77,8 +78,8 @@ def reduce_scatter_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _reduce_scatter(x.contiguous(), "sum", 0, group)
 
 
-def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return wait(all_reduce_async(x, group))
+def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    return wait(all_reduce_async(x, group, op))
 
 
 def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -87,6 +88,15 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     return wait(reduce_scatter_dim0_async(x, group))
+
+
+def all_gather_bytes_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """:func:`all_gather_dim0_async` for one-byte dtypes such as FP8, which gloo lacks. On CUDA the tensor
+    is gathered as it is, so that the compiler sees an FP8 all-gather feeding an FP8 matmul (the pair
+    that ``--async-tensor-parallel`` splits into overlapping pieces); elsewhere through a uint8 view."""
+    if x.is_cuda or _size(group) == 1:
+        return all_gather_dim0_async(x, group)
+    return wait(all_gather_dim0_async(x.view(torch.uint8), group)).view(x.dtype)
 
 
 def split_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
