@@ -2,6 +2,8 @@
 
 Usage: python benchmarks/profile_step.py [train flags...]   (e.g. --model llama3-1b --micro-batch-size 8)
        torchrun --nproc-per-node 2 benchmarks/profile_step.py --tensor-model-parallel-size 2 ...
+With PROFILE_TRACE=path.json set, rank 0 also writes the Chrome trace of the profiled steps (one stream
+per row: where the compute stream waits, what overlaps what).
 """
 
 import os
@@ -36,6 +38,8 @@ def main(argv):
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
         print(table)
         print_categories(prof)
+        if os.environ.get("PROFILE_TRACE"):
+            prof.export_chrome_trace(os.environ["PROFILE_TRACE"])
 
 
 #: Kernel-name fragments -> category, first match wins (matmul kernels: cuBLAS/cuBLASLt/CUTLASS names).
