@@ -8,8 +8,11 @@ read of the high-precision tensor. On CUDA a Triton kernel does it tile by tile,
 are coalesced; left to the compiler, the transposed FP8 store of a fused cast ran at about a tenth of
 memory bandwidth (H200, llama3-3b: 527 us for one 16384 x 3072 activation).
 
-Elsewhere (CPU) the same values come from torch operations. The operator is opaque to torch.compile:
-the absolute maximum that sets ``scale`` stays in compiled code, fused with whatever produces ``x``.
+Elsewhere (CPU) the same values come from torch operations. To the compiler's graph partitioning the
+operator is one opaque node (the absolute maximum that sets ``scale`` stays in compiled code, fused with
+whatever produces ``x``). With Triton it is a ``torch.library.triton_op``: compiled code launches the
+kernel directly, without the Python dispatch of a custom operator on every call (the host time that
+a step of many small FP8 casts can be bound by).
 """
 
 from __future__ import annotations
@@ -31,26 +34,33 @@ def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
 
 
-@torch.library.custom_op("meshtron::fp8_cast_transpose", mutates_args=())
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``x`` scaled and cast to ``dtype``, in ``x``'s shape; the same values as a matrix [R, C] transposed
-    and contiguous [C, R], where C is ``x``'s last dimension and R the product of the others).
-
-    ``scale`` is a one-element fp32 tensor (one scale for the whole tensor).
-    """
+def _cast_transpose_torch(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     q = scaled_cast(x, scale, dtype)
     q2 = q.reshape(-1, q.shape[-1])
     # A fresh tensor even where .contiguous() would return the view itself (an empty matrix).
     return q, q2.new_empty((q2.shape[1], q2.shape[0])).copy_(q2.t())
 
 
-@cast_transpose.register_fake
-def _cast_transpose_fake(x, scale, dtype):
-    rows = math.prod(x.shape[:-1])
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[-1], rows), dtype=dtype)
+_DOC = """(``x`` scaled and cast to ``dtype``, in ``x``'s shape; the same values as a matrix [R, C] transposed
+    and contiguous [C, R], where C is ``x``'s last dimension and R the product of the others).
 
+    ``scale`` is a one-element fp32 tensor (one scale for the whole tensor).
+    """
 
-if triton is not None:
+if triton is None:
+
+    @torch.library.custom_op("meshtron::fp8_cast_transpose", mutates_args=())
+    def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _cast_transpose_torch(x, scale, dtype)
+
+    @cast_transpose.register_fake
+    def _cast_transpose_fake(x, scale, dtype):
+        rows = math.prod(x.shape[:-1])
+        return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[-1], rows), dtype=dtype)
+
+else:
 
     @triton.autotune(
         configs=[triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
@@ -69,8 +79,11 @@ if triton is not None:
         # The transposed tile: Triton moves it through shared memory so that this store is coalesced too.
         tl.store(qt_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
 
-    @cast_transpose.register_kernel("cuda")
-    def _cast_transpose_cuda(x, scale, dtype):
+    @torch.library.triton_op("meshtron::fp8_cast_transpose", mutates_args=())
+    def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.device.type != "cuda":
+            return _cast_transpose_torch(x, scale, dtype)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if x.stride(1) != 1:
@@ -84,5 +97,8 @@ if triton is not None:
         def grid(meta):
             return triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_C"])
 
-        _cast_transpose_kernel[grid](x, scale, q, qt, rows, cols, x.stride(0), FMAX=torch.finfo(dtype).max)
+        torch.library.wrap_triton(_cast_transpose_kernel)[grid](
+            x, scale, q, qt, rows, cols, x.stride(0), FMAX=torch.finfo(dtype).max)
         return q, qt
+
+cast_transpose.__doc__ = _DOC
