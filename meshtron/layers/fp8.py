@@ -88,12 +88,12 @@ def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torc
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, grad_dtype, cached_q, cached_q_t, cached_inv):
+    def forward(ctx, x, weight, bias, grad_dtype, *cached_weight):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = output_dtype(x.dtype)
         xq, xq_t, x_inv = cast_both_layouts(x2, E4M3)
-        wq, wq_t, w_inv = weight_fp8(weight, cached_q, cached_q_t, cached_inv)
+        wq, wq_t, w_inv = weight_fp8(weight, cached_weight)
         y = scaled_mm(xq, x_inv, wq.t(), w_inv, out_dtype, fast_accum=True)  # [N, K] @ [K, M]
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -115,11 +115,10 @@ class _FP8Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def weight_fp8(weight: torch.Tensor, w_q: Optional[torch.Tensor], w_q_t: Optional[torch.Tensor],
-               w_inv: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The weight as FP8 in both layouts and its inverse scale: the given copies where the layer holds
-    them for this optimizer step (meshtron.layers.fp8_weight_cache; all None otherwise), else cast now."""
-    return (w_q, w_q_t, w_inv) if w_q is not None else cast_both_layouts(weight, E4M3)
+def weight_fp8(weight: torch.Tensor, cached: tuple) -> FP8Weight:
+    """The weight as FP8 in both layouts: ``cached`` (an :class:`FP8Weight`, or Nones) where the layer
+    holds copies made for this optimizer step (meshtron.layers.fp8_weight_cache), else cast now."""
+    return FP8Weight(*cached) if cached[0] is not None else FP8Weight(*cast_both_layouts(weight, E4M3))
 
 
 def weight_args(cached: Optional[FP8Weight]) -> tuple:

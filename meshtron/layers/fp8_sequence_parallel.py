@@ -52,10 +52,10 @@ class _ColumnSequenceParallelFP8(torch.autograd.Function):
     the input gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, grad_dtype, cached_q, cached_q_t, cached_inv):
+    def forward(ctx, x, weight, bias, group, grad_dtype, *cached_weight):
         scale, x_inv = _group_scale(x, E4M3, group)
         xq, xq_t = cast_transpose(x, scale, E4M3)                    # this rank's tokens
-        wq, wq_t, w_inv = weight_fp8(weight, cached_q, cached_q_t, cached_inv)
+        wq, wq_t, w_inv = weight_fp8(weight, cached_weight)
         total = comm.wait(comm.all_gather_bytes_dim0_async(xq, group))  # [s, b, K], all tokens
         y = scaled_mm(total.reshape(-1, total.shape[-1]), x_inv, wq.t(), w_inv, output_dtype(x.dtype),
                       fast_accum=True).reshape(*total.shape[:-1], weight.shape[0])
@@ -85,9 +85,9 @@ class _RowSequenceParallelFP8(torch.autograd.Function):
     all-gather."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, grad_dtype, cached_q, cached_q_t, cached_inv):
+    def forward(ctx, x, weight, group, grad_dtype, *cached_weight):
         xq, xq_t, x_inv = cast_both_layouts(x, E4M3)
-        wq, wq_t, w_inv = weight_fp8(weight, cached_q, cached_q_t, cached_inv)
+        wq, wq_t, w_inv = weight_fp8(weight, cached_weight)
         partial = scaled_mm(xq.reshape(-1, xq.shape[-1]), x_inv, wq.t(), w_inv, output_dtype(x.dtype),
                             fast_accum=True).reshape(*x.shape[:-1], weight.shape[0])
         ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
