@@ -20,7 +20,7 @@ second column-major. Matrix dimensions must be multiples of 16.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -29,13 +29,6 @@ from meshtron.layers.fp8_cast import cast_transpose, scaled_cast
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _EPS = 1e-12
-
-
-class FP8Weight(NamedTuple):
-    """A weight [M, K] cast to e4m3 with one scale: row-major, transposed ([K, M], contiguous), 1/scale."""
-    q: torch.Tensor
-    q_t: torch.Tensor
-    inv_scale: torch.Tensor
 
 
 def tensor_scale(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,12 +81,12 @@ def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torc
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, grad_dtype, *cached_weight):
+    def forward(ctx, x, weight, bias, grad_dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = output_dtype(x.dtype)
         xq, xq_t, x_inv = cast_both_layouts(x2, E4M3)
-        wq, wq_t, w_inv = weight_fp8(weight, cached_weight)
+        wq, wq_t, w_inv = cast_both_layouts(weight, E4M3)
         y = scaled_mm(xq, x_inv, wq.t(), w_inv, out_dtype, fast_accum=True)  # [N, K] @ [K, M]
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -112,18 +105,7 @@ class _FP8Linear(torch.autograd.Function):
         # Straight into the weight's dtype: the matmul accumulates in fp32 and rounds once either way.
         grad_w = scaled_mm(gq_t, g_inv, xq_t.t(), x_inv, output_dtype(ctx.w_dtype))  # [M, N] @ [N, K]
         grad_b = g2.sum(dim=0).to(ctx.w_dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None, None
-
-
-def weight_fp8(weight: torch.Tensor, cached: tuple) -> FP8Weight:
-    """The weight as FP8 in both layouts: ``cached`` (an :class:`FP8Weight`, or Nones) where the layer
-    holds copies made for this optimizer step (meshtron.layers.fp8_weight_cache), else cast now."""
-    return FP8Weight(*cached) if cached[0] is not None else FP8Weight(*cast_both_layouts(weight, E4M3))
-
-
-def weight_args(cached: Optional[FP8Weight]) -> tuple:
-    """An optional FP8Weight as the autograd functions' trailing tensor arguments."""
-    return tuple(cached) if cached is not None else (None, None, None)
+        return grad_x, grad_w, grad_b, None
 
 
 def cast_both_layouts(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,13 +149,12 @@ class _FP8LinearRowwise(torch.autograd.Function):
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str,
-               recipe: str = "tensorwise", cached_weight: Optional[FP8Weight] = None) -> torch.Tensor:
+               recipe: str = "tensorwise") -> torch.Tensor:
     """``F.linear`` with FP8 operands (``fmt``: "e4m3" or "hybrid"; ``recipe``: "tensorwise" or
-    "rowwise", which takes e4m3 only; see the module docstring). ``cached_weight``: the weight's
-    tensorwise FP8 copies, where they were made once for this optimizer step."""
+    "rowwise", which takes e4m3 only; see the module docstring)."""
     if recipe == "rowwise":
         return _FP8LinearRowwise.apply(x, weight, bias)
-    return _FP8Linear.apply(x, weight, bias, gradient_dtype(fmt), *weight_args(cached_weight))
+    return _FP8Linear.apply(x, weight, bias, gradient_dtype(fmt))
 
 
 def gradient_dtype(fmt: str) -> torch.dtype:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from meshtron.layers.fp8 import (E4M3, FP8Weight, cast_both_layouts, output_dtype, scale_from_amax, scaled_mm,
-                                 weight_args, tensor_amax, weight_fp8)
+from meshtron.layers.fp8 import (E4M3, cast_both_layouts, output_dtype, scale_from_amax, scaled_mm,
+                                 tensor_amax)
 from meshtron.layers.fp8_cast import cast_transpose
 from meshtron.parallel import comm
 from meshtron.parallel.comm import Group
@@ -52,10 +52,10 @@ class _ColumnSequenceParallelFP8(torch.autograd.Function):
     the input gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, grad_dtype, *cached_weight):
+    def forward(ctx, x, weight, bias, group, grad_dtype):
         scale, x_inv = _group_scale(x, E4M3, group)
         xq, xq_t = cast_transpose(x, scale, E4M3)                    # this rank's tokens
-        wq, wq_t, w_inv = weight_fp8(weight, cached_weight)
+        wq, wq_t, w_inv = cast_both_layouts(weight, E4M3)
         total = comm.wait(comm.all_gather_bytes_dim0_async(xq, group))  # [s, b, K], all tokens
         y = scaled_mm(total.reshape(-1, total.shape[-1]), x_inv, wq.t(), w_inv, output_dtype(x.dtype),
                       fast_accum=True).reshape(*total.shape[:-1], weight.shape[0])
@@ -77,7 +77,7 @@ class _ColumnSequenceParallelFP8(torch.autograd.Function):
         grad_w = scaled_mm(gq_t, g_inv, _finish_transpose(parts, xq_t, ctx.group).t(), x_inv,
                            output_dtype(ctx.w_dtype))
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(dim=0).to(ctx.w_dtype) if ctx.has_bias else None
-        return comm.wait(grad_x), grad_w, grad_b, None, None, None, None, None
+        return comm.wait(grad_x), grad_w, grad_b, None, None
 
 
 class _RowSequenceParallelFP8(torch.autograd.Function):
@@ -85,9 +85,9 @@ class _RowSequenceParallelFP8(torch.autograd.Function):
     all-gather."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, grad_dtype, *cached_weight):
+    def forward(ctx, x, weight, group, grad_dtype):
         xq, xq_t, x_inv = cast_both_layouts(x, E4M3)
-        wq, wq_t, w_inv = weight_fp8(weight, cached_weight)
+        wq, wq_t, w_inv = cast_both_layouts(weight, E4M3)
         partial = scaled_mm(xq.reshape(-1, xq.shape[-1]), x_inv, wq.t(), w_inv, output_dtype(x.dtype),
                             fast_accum=True).reshape(*x.shape[:-1], weight.shape[0])
         ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
@@ -105,18 +105,16 @@ class _RowSequenceParallelFP8(torch.autograd.Function):
                            output_dtype(ctx.x_dtype)).reshape(*total.shape[:-1], wq_t.shape[0])
         grad_w = scaled_mm(_finish_transpose(parts, gq_t, ctx.group), g_inv, xq_t.t(), x_inv,
                            output_dtype(ctx.w_dtype))
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None
 
 
 def column_sequence_parallel_fp8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                 group: Group, grad_dtype: torch.dtype,
-                                 cached_weight: FP8Weight | None = None) -> torch.Tensor:
-    """Column-parallel FP8 linear of this rank's sequence shard ``x`` [s/tp, b, K] -> [s, b, M/tp]
-    (``cached_weight``: see meshtron.layers.fp8.fp8_linear)."""
-    return _ColumnSequenceParallelFP8.apply(x, weight, bias, group, grad_dtype, *weight_args(cached_weight))
+                                 group: Group, grad_dtype: torch.dtype) -> torch.Tensor:
+    """Column-parallel FP8 linear of this rank's sequence shard ``x`` [s/tp, b, K] -> [s, b, M/tp]."""
+    return _ColumnSequenceParallelFP8.apply(x, weight, bias, group, grad_dtype)
 
 
-def row_sequence_parallel_fp8(x: torch.Tensor, weight: torch.Tensor, group: Group, grad_dtype: torch.dtype,
-                              cached_weight: FP8Weight | None = None) -> torch.Tensor:
+def row_sequence_parallel_fp8(x: torch.Tensor, weight: torch.Tensor, group: Group,
+                              grad_dtype: torch.dtype) -> torch.Tensor:
     """Row-parallel FP8 linear without bias, reduce-scattered along the sequence: [s, b, K/tp] -> [s/tp, b, M]."""
-    return _RowSequenceParallelFP8.apply(x, weight, group, grad_dtype, *weight_args(cached_weight))
+    return _RowSequenceParallelFP8.apply(x, weight, group, grad_dtype)

@@ -16,25 +16,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtron.layers.fp8 import FP8Weight, fp8_linear, gradient_dtype
+from meshtron.layers.fp8 import fp8_linear, gradient_dtype
 from meshtron.layers.fp8_sequence_parallel import column_sequence_parallel_fp8, row_sequence_parallel_fp8
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import Piece, ShardSpec, new_param
 
 
-def _linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if layer.fp8_format is None:
-        return F.linear(x, layer.weight, bias)
-    return fp8_linear(x, layer.weight, bias, layer.fp8_format, layer.fp8_recipe, cached_fp8_weight(layer))
-
-
-def cached_fp8_weight(layer: nn.Module) -> Optional[FP8Weight]:
-    """The FP8 copies of ``layer``'s weight made for this optimizer step, if it keeps them
-    (meshtron.layers.fp8_weight_cache)."""
-    if getattr(layer, "fp8_weight_q", None) is None:
-        return None
-    return FP8Weight(layer.fp8_weight_q, layer.fp8_weight_q_t, layer.fp8_weight_inv)
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            fp8_format: Optional[str], fp8_recipe: str) -> torch.Tensor:
+    if fp8_format is None:
+        return F.linear(x, weight, bias)
+    return fp8_linear(x, weight, bias, fp8_format, fp8_recipe)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -103,12 +96,12 @@ class ColumnParallelLinear(nn.Module):
         gathers_here = not prepared and self.gather_input and comm._size(self.group) > 1
         if gathers_here and _sequence_parallel_fp8(self):
             return column_sequence_parallel_fp8(x, self.weight, self.bias, self.group,
-                                                gradient_dtype(self.fp8_format), cached_fp8_weight(self))
+                                                gradient_dtype(self.fp8_format))
         if gathers_here and self.overlap_backward_comm and self.fp8_format is None:
             return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if not prepared:
             x = self.prepare_input(x)
-        return _linear(self, x, self.bias)
+        return _linear(x, self.weight, self.bias, self.fp8_format, self.fp8_recipe)
 
 
 class RowParallelLinear(nn.Module):
@@ -128,10 +121,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if comm._size(self.group) > 1 and _sequence_parallel_fp8(self):
-            y = row_sequence_parallel_fp8(x, self.weight, self.group, gradient_dtype(self.fp8_format),
-                                          cached_fp8_weight(self))
+            y = row_sequence_parallel_fp8(x, self.weight, self.group, gradient_dtype(self.fp8_format))
             return y if self.bias is None else y + self.bias
-        y = _linear(self, x, None)
+        y = _linear(x, self.weight, None, self.fp8_format, self.fp8_recipe)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence(y, self.group)
         else:

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import MeshtronConfig
-from meshtron.layers.fp8_weight_cache import FP8WeightCache
 from meshtron.layers.moe import MoETrainingHooks
 from meshtron.memory_report import record_memory
 from meshtron.optim.clip import clip_coefficient
@@ -88,7 +87,6 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.set_cp_comm_type(cfg.parallel.cp_comm_type)
         self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
-        self.fp8_weights = self._fp8_weight_cache()
         self.optim = build_optimization(cfg, ctx, self.model_chunks)
         self.grad_buffer, self.grad_sync, self.optimizer = (self.optim.grad_buffer, self.optim.grad_sync,
                                                             self.optim.optimizer)
@@ -101,19 +99,6 @@ class Trainer:
         self.params_norm = weights_norm(self.model_chunks, ctx) if cfg.log.log_params_norm else None
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
         self.peak_tflops = peak_tflops(self.device, cfg.log.peak_tflops)
-
-    def _fp8_weight_cache(self) -> Optional[FP8WeightCache]:
-        """FP8 weights cast once per step, where a step has several micro-batches to share them and the
-        weights are complete before the first forward pass (see meshtron.layers.fp8_weight_cache)."""
-        cfg = self.cfg
-        if self.num_micro_batches < 2 or cfg.parallel.overlap_param_gather:
-            return None
-        cache = FP8WeightCache(self.model_chunks)
-        return cache if len(cache) else None
-
-    def _refresh_fp8_weights(self) -> None:
-        if self.fp8_weights is not None:
-            self.fp8_weights.refresh()
 
     def close(self) -> None:
         """Release the hooks that keep this run's parameters and buffers alive after it ends."""
@@ -149,7 +134,6 @@ class Trainer:
             chunk.train()
         self.grad_buffer.zero()
         mbs = self._prepare(micro_batches)
-        self._refresh_fp8_weights()
         loss_sum = self.schedule(self.model_chunks, mbs, before_last_backward=self.grad_sync.start_overlap)
         self.grad_sync.finish()
         norm = self.optim.grad_norm()
@@ -170,7 +154,6 @@ class Trainer:
             return None
         for chunk in self.model_chunks:
             chunk.eval()
-        self._refresh_fp8_weights()
         total, n = None, 0
         for micro_batches in batches:
             mbs = self._prepare(micro_batches)

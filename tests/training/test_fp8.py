@@ -116,31 +116,6 @@ def test_fp8_training_follows_bf16():
     assert fp8.train_losses[30] != bf16.train_losses[30]  # and it is not the bf16 run
 
 
-def test_fp8_weights_cast_once_per_step_train_like_casting_in_every_micro_batch(monkeypatch):
-    """With four micro-batches per step the weights are cast to FP8 once per step (and before each
-    evaluation, after the optimizer stepped): losses and validation losses equal, bit for bit, a run
-    whose layers cast their weights in every forward pass."""
-    from meshtron.training.trainer import Trainer
-
-    args = ["--model", "tiny", "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
-            "--train-iters", "12", "--lr", "3e-3", "--eval-interval", "4", "--eval-iters", "2", "--log-interval", "1",
-            "--no-generate-sample", "--bf16", "--device", "cpu", "--fp8-format", "hybrid"]
-    made = []
-    build = Trainer._fp8_weight_cache
-
-    def spy(trainer):
-        made.append(build(trainer))
-        return made[-1]
-
-    monkeypatch.setattr(Trainer, "_fp8_weight_cache", spy)
-    cached = run_training(build_config(args))
-    assert made[0] is not None and len(made[0]) == 4 * 4  # every linear of the tiny model's four layers
-    monkeypatch.setattr(Trainer, "_fp8_weight_cache", lambda trainer: None)
-    plain = run_training(build_config(args))
-    assert cached.train_losses == plain.train_losses and len(plain.train_losses) == 12
-    assert cached.eval_losses == plain.eval_losses and len(plain.eval_losses) == 4  # 0, 4, 8, 12
-
-
 def test_fp8_switches_the_layer_linears():
     from meshtron.config import ModelConfig
     from meshtron.layers.fp8 import enable_fp8
