@@ -1,7 +1,9 @@
 """FP8 linear layers with current scaling, through ``torch._scaled_mm``.
 
-Recipe ``tensorwise`` (default, the fastest): the input and the weight are cast to float8 e4m3, each with one scale computed from its
-current absolute maximum (448 / amax), and multiplied by the scaled-matmul kernel into bf16.
+Recipe ``tensorwise`` (default, the fastest): the input and the weight are cast to float8 e4m3, each with one
+scale computed from its current absolute maximum (448 / amax), and multiplied by the scaled-matmul kernel into
+bf16. Under sequence parallelism the tensor-parallel layers cast before their all-gathers instead
+(meshtron.layers.fp8_sequence_parallel), with the same values.
 Backward: the output gradient is cast to e5m2 (``--fp8-format hybrid``: more range for gradients)
 or e4m3 (``e4m3``), and both gradient matmuls run in FP8 with the saved FP8 input and weight.
 Master weights, gradients and the optimizer stay in higher precision: only the matmul operands are
@@ -69,7 +71,7 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
-        out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """a @ b from FP8 operands and their inverse scales. ``fast_accum`` lets Hopper's FP8 tensor cores
     accumulate without promoting partial sums to full fp32, which is faster: the forward product takes
     it, the gradients do not (the split that Transformer Engine and torchao make by default)."""
