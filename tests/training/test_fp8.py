@@ -32,6 +32,16 @@ def test_cast_transpose_of_an_empty_matrix():
     assert q.shape == (0, 8) and q_t.shape == (8, 0)
 
 
+def test_cast_transpose_of_a_3d_tensor_keeps_its_shape_and_transposes_its_matrix():
+    x = torch.randn(6, 2, 16, dtype=torch.bfloat16)
+    scale = torch.tensor(5.0)
+    q, q_t = cast_transpose(x, scale, E4M3)
+    want = scaled_cast(x, scale, E4M3)
+    assert q.shape == x.shape and torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    want_t = want.reshape(12, 16).t().contiguous()
+    assert q_t.shape == (16, 12) and torch.equal(q_t.view(torch.uint8), want_t.view(torch.uint8))
+
+
 def test_cast_transpose_writes_the_cast_in_both_layouts():
     x = torch.randn(40, 24, dtype=torch.bfloat16) * 300  # beyond e4m3's 448 after scaling: saturates
     scale = torch.tensor(2.0)
