@@ -3,7 +3,8 @@
 Usage: python benchmarks/profile_step.py [train flags...]   (e.g. --model llama3-1b --micro-batch-size 8)
        torchrun --nproc-per-node 2 benchmarks/profile_step.py --tensor-model-parallel-size 2 ...
 With PROFILE_TRACE=path.json set, rank 0 also writes the Chrome trace of the profiled steps (one stream
-per row: where the compute stream waits, what overlaps what).
+per row: where the compute stream waits, what overlaps what). PROFILE_CPU=1 records the host's operators
+too (with Python stacks), to see where a host-bound step spends its host time.
 """
 
 import os
@@ -30,7 +31,9 @@ def main(argv):
     for i in range(4):
         trainer.train_step(batches, i + 1)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    host = os.environ.get("PROFILE_CPU") == "1"
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+    with profile(activities=activities, with_stack=host) as prof:
         for i in range(2):
             trainer.train_step(batches, 10 + i)
         torch.cuda.synchronize()
