@@ -66,7 +66,7 @@ case "$phase" in
     wait
     grep -hE '^\{|Error' "$OUT"/gpu1.log | cut -c1-400 ;;
   fp8tp)
-    two_gpus 480 llama3_8b_fp8.yaml --warmup 2 --steps 3 --no-split ;;
+    two_gpus 560 llama3_8b_fp8.yaml --warmup 2 --steps 3 --no-split ;;
   fp8tpprof)
     for prec in "--fp8-format e4m3" ""; do
       echo "=== kernel profile, llama3-8b TP=2 + SP, async TP $prec ($(date +%T))"
