@@ -64,8 +64,12 @@ def test_rng_tracker_dropout_streams():
 
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                     "--recompute-num-layers", "1"],
                                     ["--use-distributed-optimizer"], ["--pipeline-model-parallel-size", "2"],
-                                    ["--context-parallel-size", "2"]], ids=["tp2-sp", "dp2-distopt", "pp2", "cp2"])
+                                    ["--context-parallel-size", "2"]],
+                         ids=["tp2-sp", "tp2-sp-full-recompute", "dp2-distopt", "pp2", "cp2"])
 def test_fp8_layouts_follow_one_process_fp8(layout):
     """FP8 in every two-rank layout against one process's FP8 run. FP8 rounding is discontinuous, so the
     bf16 layouts' last-bit differences (about 6e-5 relative in the loss here) flip some FP8 roundings, and
