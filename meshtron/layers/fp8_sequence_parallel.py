@@ -35,14 +35,9 @@ def _group_scale(x: torch.Tensor, dtype: torch.dtype, group: Group) -> tuple[tor
     return scale_from_amax(comm.all_reduce(tensor_amax(x), group, op="max"), dtype)
 
 
-def _gathered_transpose(shard_t: torch.Tensor, group: Group) -> torch.Tensor:
-    """Start all-gathering the ranks' transposed shards [C, n] (tokens last); returns a handle for
-    :func:`_finish_transpose`."""
-    return comm.all_gather_bytes_dim0_async(shard_t, group)
-
-
 def _finish_transpose(parts: torch.Tensor, shard_t: torch.Tensor, group: Group) -> torch.Tensor:
-    """The gathered [tp * C, n] laid out as [C, tp * n]: the transposed matrix of all tokens, in rank order."""
+    """The ranks' transposed shards [C, n] (tokens last), all-gathered along dimension 0 into [tp * C, n],
+    laid out as [C, tp * n]: the transposed matrix of all tokens, in rank order."""
     world, (cols, n) = comm._size(group), shard_t.shape
     return comm.wait(parts).view(world, cols, n).permute(1, 0, 2).reshape(cols, world * n)
 
@@ -69,7 +64,7 @@ class _ColumnSequenceParallelFP8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
-        parts = _gathered_transpose(xq_t, ctx.group)  # overlaps the input-gradient matmul
+        parts = comm.all_gather_bytes_dim0_async(xq_t, ctx.group)  # overlaps the input-gradient matmul
         gq, gq_t, g_inv = cast_both_layouts(grad, ctx.grad_dtype)
         grad_total = scaled_mm(gq.reshape(-1, gq.shape[-1]), g_inv, wq_t.t(), w_inv,
                                output_dtype(ctx.x_dtype)).reshape(*grad.shape[:-1], wq_t.shape[0])
@@ -99,7 +94,7 @@ class _RowSequenceParallelFP8(torch.autograd.Function):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
         scale, g_inv = _group_scale(grad, ctx.grad_dtype, ctx.group)
         gq, gq_t = cast_transpose(grad, scale, ctx.grad_dtype)
-        parts = _gathered_transpose(gq_t, ctx.group)
+        parts = comm.all_gather_bytes_dim0_async(gq_t, ctx.group)
         total = comm.wait(comm.all_gather_bytes_dim0_async(gq, ctx.group))  # [s, b, M], all tokens
         grad_x = scaled_mm(total.reshape(-1, total.shape[-1]), g_inv, wq_t.t(), w_inv,
                            output_dtype(ctx.x_dtype)).reshape(*total.shape[:-1], wq_t.shape[0])

@@ -104,9 +104,7 @@ class SegmentAdamW:
             grads = self._stage_views(self.grad_stage if self.grad_stage.dtype == torch.float32
                                       else self.grad_stage.float())
         else:
-            grads = self._buffer_views(self.grad_data)
-            if self.grad_data.dtype != torch.float32:
-                grads = [g.float() for g in grads]
+            grads = self._fp32_device_grads()
         for m, g in zip(self.masters, grads):
             m.grad = g
         for group in self.inner.param_groups:
@@ -116,13 +114,18 @@ class SegmentAdamW:
         for m in self.masters:
             m.grad = None
 
+    def _fp32_device_grads(self) -> list[torch.Tensor]:
+        """This partition's gradients from the device buffer, as fp32 (copies where it holds bf16)."""
+        grads = self._buffer_views(self.grad_data)
+        return grads if self.grad_data.dtype == torch.float32 else [g.float() for g in grads]
+
     def _kernel_step(self, lr: float, grad_coef: Optional[torch.Tensor], step_number: int) -> None:
         if step_number < 1:
             raise ValueError(f"SegmentAdamW: step_number must count from 1 on the kernel path, got {step_number}")
         self.ensure_state(step_number - 1)
-        grads = self._buffer_views(self.grad_data)
+        grads = self._fp32_device_grads()
         weights = [None] * len(grads) if self.aliased else self._buffer_views(self.param_data)
-        items = [(m.data, g if g.dtype == torch.float32 else g.float(), self.inner.state[m], w, s.decay)
+        items = [(m.data, g, self.inner.state[m], w, s.decay)
                  for m, s, g, w in zip(self.masters, self.segments, grads, weights)]
         fused_adamw.step_tensors(items, self.cfg, lr, step_number, grad_coef)
 

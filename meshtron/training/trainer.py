@@ -200,8 +200,7 @@ class Trainer:
             return
         ckpt = self._checkpointing()
         self.state.rng = capture_rng_state(self.tracker)
-        # With --overlap-param-gather the last step's weights may still be in flight.
-        getattr(self.optimizer, "finish_param_gather", lambda: None)()
+        self._finish_param_gather()
         ckpt.save_checkpoint(ck.save, self.state, self.model_chunks, None if ck.no_save_optim else self.optimizer,
                              self.ctx, self.cfg, tokenizer=self.data.tokenizer, async_save=ck.async_save,
                              retain=ck.save_retain, save_rng=not ck.no_save_rng)
@@ -215,11 +214,16 @@ class Trainer:
                 "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu, "tflops_per_gpu": speed.tflops_per_gpu,
                 "mfu": speed.mfu, **peak_memory_stats(self.device), **self._optional_norms()}
 
+    def _finish_param_gather(self) -> None:
+        """Complete the weights before reading them outside a forward pass: with --overlap-param-gather
+        the last step's all-gathers may still be in flight."""
+        getattr(self.optimizer, "finish_param_gather", lambda: None)()
+
     def _optional_norms(self) -> dict:
         """--log-params-norm and --log-num-zeros-in-grad (collectives: every rank logs)."""
         out = {}
         if self.params_norm is not None:
-            getattr(self.optimizer, "finish_param_gather", lambda: None)()  # weights may still be in flight
+            self._finish_param_gather()
             out["params_norm"] = float(self.params_norm())
         if self.cfg.log.log_num_zeros_in_grad:
             out["num_zeros_in_grad"] = int(self.optim.grad_norm.count_zeros())
