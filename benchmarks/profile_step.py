@@ -41,8 +41,18 @@ def main(argv):
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
         print(table)
         print_categories(prof)
+        if host:
+            print_host_time(prof)
         if os.environ.get("PROFILE_TRACE"):
             prof.export_chrome_trace(os.environ["PROFILE_TRACE"])
+
+
+def print_host_time(prof) -> None:
+    """The host operators by their own CPU time, then the same grouped by the Python stack that called
+    them: where a host-bound step spends the time between its kernel launches."""
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
+    print(prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=25,
+                                                       max_name_column_width=70, max_src_column_width=110))
 
 
 #: Kernel-name fragments -> category, first match wins (matmul kernels: cuBLAS/cuBLASLt/CUTLASS names).

@@ -8,6 +8,8 @@
 #   bash benchmarks/run_all.sh fp8        # FP8 rows on GPU 1; FP8 cast timings, kernel profiles of llama3-3b FP8 and bf16 on GPU 0
 #   bash benchmarks/run_all.sh fp8tp      # llama3-8b TP=2 + SP: FP8 against bf16, async TP on and off
 #   bash benchmarks/run_all.sh fp8tpprof  # kernel profiles of llama3-8b TP=2 + SP (async TP), FP8 and bf16
+#   bash benchmarks/run_all.sh fp8batch   # llama3-8b TP=2 + SP at global batch 24: FP8 at micro batch 4 and 6
+#   bash benchmarks/run_all.sh fp8host    # host-operator profile and Chrome trace of llama3-8b TP=2 + SP FP8
 #   bash benchmarks/run_all.sh accumulate # llama3-8b on two GPUs with several micro-batches per step
 #   bash benchmarks/run_all.sh p2p        # PP=2 at 32 micro-batches: overlapped transfers, balanced split
 #   bash benchmarks/run_all.sh async      # llama3-8b with micro-pipelined TP; then the one-GPU bf16 rows
@@ -74,6 +76,15 @@ case "$phase" in
         --tensor-model-parallel-size 2 --sequence-parallel --async-tensor-parallel --micro-batch-size 4 \
         --global-batch-size 4 --seq-length 4096 $prec 2>&1 | tee -a "$OUT/profiles_tp.txt" | tail -10
     done ;;
+  fp8batch)
+    two_gpus 420 llama3_8b_fp8_batch.yaml --warmup 2 --steps 3 --no-split ;;
+  fp8host)
+    echo "=== host profile, llama3-8b TP=2 + SP, async TP, FP8 ($(date +%T))"
+    PROFILE_CPU=1 PROFILE_TRACE=/tmp/trace_fp8.json timeout 300 torchrun --nproc-per-node 2 \
+      benchmarks/profile_step.py --bf16 --model llama3-8b --tensor-model-parallel-size 2 --sequence-parallel \
+      --async-tensor-parallel --micro-batch-size 4 --global-batch-size 4 --seq-length 4096 --fp8-format e4m3 \
+      > "$OUT/host_profile.txt" 2>&1; tail -5 "$OUT/host_profile.txt"
+    gzip -c /tmp/trace_fp8.json > "$OUT/trace_fp8.json.gz" ;;
   accumulate)
     two_gpus 420 llama3_8b_two_gpu_accumulation.yaml --warmup 2 --steps 3 --no-split ;;
   memory)
@@ -102,7 +113,7 @@ case "$phase" in
     gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   eight)
     gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 --profile-comm ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|fp8tp|fp8tpprof|accumulate|async|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|fp8tp|fp8tpprof|fp8batch|fp8host|accumulate|async|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"
