@@ -4,7 +4,8 @@ Usage: python benchmarks/profile_step.py [train flags...]   (e.g. --model llama3
        torchrun --nproc-per-node 2 benchmarks/profile_step.py --tensor-model-parallel-size 2 ...
 With PROFILE_TRACE=path.json set, rank 0 also writes the Chrome trace of the profiled steps (one stream
 per row: where the compute stream waits, what overlaps what). PROFILE_CPU=1 records the host's operators
-too (with Python stacks), to see where a host-bound step spends its host time.
+too (with Python stacks), to see where a host-bound step spends its host time. PROFILE_STEPS=N profiles
+N steps (default 2).
 """
 
 import os
@@ -34,7 +35,7 @@ def main(argv):
     host = os.environ.get("PROFILE_CPU") == "1"
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
     with profile(activities=activities, with_stack=host) as prof:
-        for i in range(2):
+        for i in range(int(os.environ.get("PROFILE_STEPS", "2"))):
             trainer.train_step(batches, 10 + i)
         torch.cuda.synchronize()
     if ctx.rank == 0:

@@ -80,7 +80,7 @@ case "$phase" in
     two_gpus 420 llama3_8b_fp8_batch.yaml --warmup 2 --steps 3 --no-split ;;
   fp8host)
     echo "=== host profile, llama3-8b TP=2 + SP, async TP, FP8 ($(date +%T))"
-    PROFILE_CPU=1 PROFILE_TRACE=/tmp/trace_fp8.json timeout 300 torchrun --nproc-per-node 2 \
+    PROFILE_CPU=1 PROFILE_STEPS=1 PROFILE_TRACE=/tmp/trace_fp8.json timeout 300 torchrun --nproc-per-node 2 \
       benchmarks/profile_step.py --bf16 --model llama3-8b --tensor-model-parallel-size 2 --sequence-parallel \
       --async-tensor-parallel --micro-batch-size 4 --global-batch-size 4 --seq-length 4096 --fp8-format e4m3 \
       > "$OUT/host_profile.txt" 2>&1; tail -5 "$OUT/host_profile.txt"
