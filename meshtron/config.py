@@ -156,9 +156,7 @@ class ParallelConfig:
                                        "interleaved schedule); --no-overlap-p2p-comm for blocking exchanges.",
                                  aliases=("--overlap-p2p-communication",))
     tp_comm_overlap: bool = opt(True, "Overlap the tensor-parallel backward collectives (input-gradient all-reduce or "
-                                      "reduce-scatter, sequence all-gather) with the weight-gradient matmul; in "
-                                      "compiled layers, let the compiler issue each collective early and wait "
-                                      "for it late.")
+                                      "reduce-scatter, sequence all-gather) with the weight-gradient matmul.")
     distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))
     distributed_timeout_minutes: float = opt(10.0, "Timeout of collective operations, in minutes.")
     # Launcher (the shortcut `meshtron train --nproc-per-node N`, passed to torch.distributed.run).

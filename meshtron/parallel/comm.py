@@ -44,19 +44,6 @@ def set_micro_pipelined_tp(enabled: bool, group: Group) -> None:
             enable(group.group_name)
 
 
-def set_compiled_comm_overlap(enabled: bool) -> None:
-    """Let (or stop) torch.compile move the collectives inside compiled layers so that they overlap
-    compute: each collective is issued as early as its input allows and waited for only where its
-    result is first used. Traced collectives are otherwise waited for at once (the asynchronous
-    form of the eager code does not survive tracing), which puts every all-gather, reduce-scatter
-    and all-reduce of a compiled layer on the compute stream's critical path. A process-wide
-    compiler setting, set by every model build for its own run (``--tp-comm-overlap``)."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.reorder_for_compute_comm_overlap = enabled
-    inductor_config.reorder_for_compute_comm_overlap_passes = ["sink_waits", "raise_comms"] if enabled else []
-
-
 def _size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -73,7 +73,6 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
         set_tp_comm_overlap(model, cfg.parallel.tp_comm_overlap)
         if cfg.train.compile:
             comm.set_micro_pipelined_tp(cfg.parallel.async_tensor_parallel, ctx.tp_group)
-            comm.set_compiled_comm_overlap(cfg.parallel.tp_comm_overlap)
             # "reduce-overhead": torch.compile's CUDA graph trees capture each layer's forward and backward.
             mode = {"mode": "reduce-overhead"} if cfg.train.enable_cuda_graph else {}
             for layer in model.layers.values():
