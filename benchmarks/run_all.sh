@@ -9,8 +9,6 @@
 #   bash benchmarks/run_all.sh fp8tp      # llama3-8b TP=2 + SP: FP8 against bf16, async TP on and off
 #   bash benchmarks/run_all.sh fp8tpprof  # kernel profiles of llama3-8b TP=2 + SP (async TP), FP8 and bf16
 #   bash benchmarks/run_all.sh fp8batch   # llama3-8b TP=2 + SP at global batch 24: FP8 at micro batch 4 and 6
-#   bash benchmarks/run_all.sh cudagraph  # llama3-8b TP=2 + SP with and without --enable-cuda-graph
-#   bash benchmarks/run_all.sh cudagraph1 # one GPU each: llama3-1b | llama3-3b with and without --enable-cuda-graph
 #   bash benchmarks/run_all.sh fp8host    # host-operator profile and Chrome trace of llama3-8b TP=2 + SP FP8
 #   bash benchmarks/run_all.sh accumulate # llama3-8b on two GPUs with several micro-batches per step
 #   bash benchmarks/run_all.sh p2p        # PP=2 at 32 micro-batches: overlapped transfers, balanced split
@@ -80,14 +78,6 @@ case "$phase" in
     done ;;
   fp8batch)
     two_gpus 420 llama3_8b_fp8_batch.yaml --warmup 2 --steps 3 --no-split ;;
-  cudagraph)
-    two_gpus 480 cuda_graph.yaml --warmup 2 --steps 3 --no-split ;;
-  cudagraph1)
-    echo "=== one GPU each: llama3-1b | llama3-3b, cuda_graph_single.yaml ($(date +%T))"
-    one_gpu 0 300 cuda_graph_single.yaml --warmup 3 --steps 6 --model llama3-1b --micro-batch-size 8 &
-    one_gpu 1 300 cuda_graph_single.yaml --warmup 3 --steps 6 --model llama3-3b --micro-batch-size 4 &
-    wait
-    grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400 ;;
   fp8host)
     echo "=== host profile, llama3-8b TP=2 + SP, async TP, FP8 ($(date +%T))"
     PROFILE_CPU=1 PROFILE_STEPS=1 PROFILE_TRACE=/tmp/trace_fp8.json timeout 300 torchrun --nproc-per-node 2 \
@@ -123,7 +113,7 @@ case "$phase" in
     gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   eight)
     gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 --profile-comm ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|fp8tp|fp8tpprof|fp8batch|fp8host|cudagraph|cudagraph1|accumulate|async|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|fp8tp|fp8tpprof|fp8batch|fp8host|accumulate|async|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"

@@ -234,10 +234,6 @@ class TrainConfig:
                                           choices=("uniform", "block"))
     recompute_num_layers: int = opt(1, "Layers per recomputed chunk (uniform) or recomputed layers (block).")
     compile: Optional[bool] = opt(None, "torch.compile each transformer layer (default on CUDA).")
-    enable_cuda_graph: bool = opt(False, "Capture each compiled transformer layer's forward and backward as CUDA "
-                                  "graphs and replay them (torch.compile's CUDA graph trees): one launch per "
-                                  "layer instead of one per kernel, for steps bound by the host. Needs compiled "
-                                  "layers on CUDA; not with pipeline or context parallelism or MoE layers.")
     eval_interval: int = opt(100, "Evaluate on the validation split every N iterations (0 disables).")
     eval_iters: int = opt(10, "Validation iterations per evaluation.")
     skip_train: bool = opt(False, "Do not train: load the checkpoint (--load), evaluate on the validation split "

@@ -331,8 +331,6 @@ def _fill_precision_and_recompute(cfg: MeshtronConfig) -> None:
                           "gradient path); use --fp8-recipe tensorwise for hybrid")
     if t.compile is None:
         t.compile = t.device == "cuda"
-    if t.enable_cuda_graph:
-        _check_cuda_graph(cfg)
     if cfg.parallel.async_tensor_parallel and not (t.device == "cuda" and t.compile and cfg.parallel.sequence_parallel):
         raise ConfigError("--async-tensor-parallel needs --device cuda, compiled layers (not --no-compile) and "
                           "--sequence-parallel with --tensor-model-parallel-size > 1")
@@ -349,20 +347,6 @@ def _fill_precision_and_recompute(cfg: MeshtronConfig) -> None:
     if t.recompute_num_layers < 1 or t.recompute_num_layers > cfg.model.num_layers:
         raise ConfigError(f"--recompute-num-layers must be in [1, --num-layers ({cfg.model.num_layers})], "
                           f"got {t.recompute_num_layers}")
-
-
-def _check_cuda_graph(cfg: MeshtronConfig) -> None:
-    """--enable-cuda-graph captures the compiled layers; the layouts below run code outside those graphs
-    between a layer's pieces or keep several micro-batches in flight, which the capture does not cover."""
-    t, p = cfg.train, cfg.parallel
-    if not (t.device == "cuda" and t.compile):
-        raise ConfigError("--enable-cuda-graph needs --device cuda and compiled layers (not --no-compile)")
-    unsupported = [(p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
-                   (p.context_parallel_size > 1, "--context-parallel-size > 1"),
-                   (bool(cfg.model.num_experts), "--num-experts (MoE layers)")]
-    for on, flag in unsupported:
-        if on:
-            raise ConfigError(f"--enable-cuda-graph does not support {flag}; leave one of the two out")
 
 
 def _check_optim(o: OptimConfig, train_iters: int) -> None:

@@ -73,10 +73,8 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
         set_tp_comm_overlap(model, cfg.parallel.tp_comm_overlap)
         if cfg.train.compile:
             comm.set_micro_pipelined_tp(cfg.parallel.async_tensor_parallel, ctx.tp_group)
-            # "reduce-overhead": torch.compile's CUDA graph trees capture each layer's forward and backward.
-            mode = {"mode": "reduce-overhead"} if cfg.train.enable_cuda_graph else {}
             for layer in model.layers.values():
-                layer.compile(**mode)
+                layer.compile()
         chunks.append(model)
     return chunks
 
