@@ -8,7 +8,8 @@
 #   bash benchmarks/run_all.sh fp8        # FP8 rows on GPU 1; FP8 cast timings, kernel profiles of llama3-3b FP8 and bf16 on GPU 0
 #   bash benchmarks/run_all.sh fp8tp      # llama3-8b TP=2 + SP: FP8 against bf16, async TP on and off
 #   bash benchmarks/run_all.sh fp8tpprof  # kernel profiles of llama3-8b TP=2 + SP (async TP), FP8 and bf16
-#   bash benchmarks/run_all.sh fp8batch   # llama3-8b TP=2 + SP at global batch 24: FP8 at micro batch 4 and 6
+#   bash benchmarks/run_all.sh fp8batch   # llama3-8b TP=2 + SP: bf16 and FP8 at the micro batches that fit
+#   bash benchmarks/run_all.sh fp8batch1  # llama3-3b, FP8 and bf16 at micro batches 4 and 6, the same matrix on each GPU
 #   bash benchmarks/run_all.sh fp8host    # host-operator profile and Chrome trace of llama3-8b TP=2 + SP FP8
 #   bash benchmarks/run_all.sh accumulate # llama3-8b on two GPUs with several micro-batches per step
 #   bash benchmarks/run_all.sh p2p        # PP=2 at 32 micro-batches: overlapped transfers, balanced split
@@ -77,7 +78,13 @@ case "$phase" in
         --global-batch-size 4 --seq-length 4096 $prec 2>&1 | tee -a "$OUT/profiles_tp.txt" | tail -10
     done ;;
   fp8batch)
-    two_gpus 420 llama3_8b_fp8_batch.yaml --warmup 2 --steps 3 --no-split ;;
+    two_gpus 470 llama3_8b_fp8_batch.yaml --warmup 2 --steps 3 --no-split ;;
+  fp8batch1)
+    echo "=== one GPU each, the same matrix: single_gpu_fp8_batch.yaml ($(date +%T))"
+    one_gpu 0 400 single_gpu_fp8_batch.yaml --warmup 3 --steps 5 --no-split &
+    one_gpu 1 400 single_gpu_fp8_batch.yaml --warmup 3 --steps 5 --no-split &
+    wait
+    grep -hE '^\{|Error' "$OUT"/gpu*.log | cut -c1-400 ;;
   fp8host)
     echo "=== host profile, llama3-8b TP=2 + SP, async TP, FP8 ($(date +%T))"
     PROFILE_CPU=1 PROFILE_STEPS=1 PROFILE_TRACE=/tmp/trace_fp8.json timeout 300 torchrun --nproc-per-node 2 \
@@ -113,7 +120,7 @@ case "$phase" in
     gpus 4 540 four_gpu.yaml --warmup 2 --steps 4 --profile-comm ;;
   eight)
     gpus 8 560 eight_gpu.yaml --warmup 2 --steps 3 --profile-comm ;;
-  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|fp8tp|fp8tpprof|fp8batch|fp8host|accumulate|async|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_all.sh parallel|single|fp8|fp8tp|fp8tpprof|fp8batch|fp8batch1|fp8host|accumulate|async|pipeline|p2p|memory|tests|moe|cp|four|eight ..." >&2; exit 2 ;;
 esac
 done
 echo "=== done $(date +%T)"
