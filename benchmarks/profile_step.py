@@ -4,7 +4,7 @@ Usage: python benchmarks/profile_step.py [train flags...]   (e.g. --model llama3
        torchrun --nproc-per-node 2 benchmarks/profile_step.py --tensor-model-parallel-size 2 ...
 With PROFILE_TRACE=path.json set, rank 0 also writes the Chrome trace of the profiled steps (one stream
 per row: where the compute stream waits, what overlaps what). PROFILE_CPU=1 records the host's operators
-too (with Python stacks), to see where a host-bound step spends its host time. PROFILE_STEPS=N profiles
+too (and Python calls, in the trace), to see where a host-bound step spends its host time. PROFILE_STEPS=N profiles
 N steps (default 2).
 """
 
@@ -49,11 +49,9 @@ def main(argv):
 
 
 def print_host_time(prof) -> None:
-    """The host operators by their own CPU time, then the same grouped by the Python stack that called
-    them: where a host-bound step spends the time between its kernel launches."""
+    """The host operators by their own CPU time: where a host-bound step spends the time between its kernel
+    launches (the Chrome trace of PROFILE_TRACE shows the Python calls around them)."""
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
-    print(prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=25,
-                                                       max_name_column_width=70, max_src_column_width=110))
 
 
 #: Kernel-name fragments -> category, first match wins (matmul kernels: cuBLAS/cuBLASLt/CUTLASS names).
