@@ -93,7 +93,8 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
 def all_gather_bytes_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
     """:func:`all_gather_dim0_async` for one-byte dtypes such as FP8, which gloo lacks. On CUDA the tensor
     is gathered as it is, so that the compiler sees an FP8 all-gather feeding an FP8 matmul (the pair
-    that ``--async-tensor-parallel`` splits into overlapping pieces); elsewhere through a uint8 view."""
+    that ``--async-tensor-parallel`` splits into overlapping pieces); elsewhere through a uint8 view, already
+    waited for (so that the result can be viewed back as the one-byte dtype)."""
     if x.is_cuda or _size(group) == 1:
         return all_gather_dim0_async(x, group)
     return wait(all_gather_dim0_async(x.view(torch.uint8), group)).view(x.dtype)
