@@ -43,6 +43,7 @@ COMMANDS: dict[str, str] = {
     "convert": "Convert checkpoints (resharding, Hugging Face import/export).",
     "bench": "Run a matrix of benchmark configurations and print a table.",
 }
+    "plot": "Draw figures from metrics files (loss, throughput, stragglers) or bench rows.",
 
 #: commands implemented in other modules: command -> (module, function taking the remaining arguments).
 EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
@@ -52,6 +53,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("meshtron.checkpoint.convert", "convert_main"),
     "bench": ("meshtron.bench", "bench_main"),
 }
+    "plot": ("meshtron.plot", "plot_main"),
 
 #: The help group of the Megatron-LM flags meshtron accepts without effect (``opt(..., megatron_compat=True)``).
 COMPAT_TOPIC = "Megatron compatibility"

@@ -211,6 +211,7 @@ class Trainer:
         speed = compute_throughput(tokens, self.ctx.world_size, step_time, self.flops_per_token, self.peak_tflops)
         return {"type": "train", "iteration": iteration, "consumed_samples": self.state.consumed_samples,
                 "loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
+                "consumed_tokens": self.state.consumed_samples * self.cfg.model.seq_length,
                 "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu, "tflops_per_gpu": speed.tflops_per_gpu,
                 "mfu": speed.mfu, **peak_memory_stats(self.device), **self._optional_norms()}
 
