@@ -116,20 +116,98 @@ def write_index(path: PathLike, dtype: np.dtype, sequence_lengths: np.ndarray,
             f.write(np.asarray(sequence_modes, dtype=np.int8).tobytes())
 
 
+CHECK_BLOCK = 1 << 22  # entries per block when checking an index: bounds the temporary memory
+
+
+def _first(mask: np.ndarray) -> Optional[int]:
+    """Index of the first True of ``mask``, or None."""
+    return int(np.argmax(mask)) if mask.any() else None
+
+
+def check_document_index(documents: np.ndarray, num_sequences: int, idx: Path) -> None:
+    """Raise :class:`DataError` unless ``documents`` runs from 0 to ``num_sequences`` without decreasing.
+
+    Equal neighbours are valid: they are documents without sequences, which Megatron's
+    preprocessing writes for an empty text.
+    """
+    d = documents.shape[0]
+    if d < 1 or documents[0] != 0 or documents[-1] != num_sequences:
+        first = int(documents[0]) if d else None
+        last = int(documents[-1]) if d else None
+        raise DataError(f"dataset index file {idx} is corrupt: its document index must start at 0 and end at the "
+                        f"sequence count {num_sequences}, but it runs from {first} to {last}")
+    for lo in range(0, d - 1, CHECK_BLOCK):
+        block = documents[lo:min(lo + CHECK_BLOCK + 1, d)]
+        bad = _first(block[1:] < block[:-1])
+        if bad is not None:
+            k = lo + bad + 1
+            raise DataError(f"dataset index file {idx} is corrupt: document index entry {k} is {int(documents[k])}, "
+                            f"below entry {k - 1} ({int(documents[k - 1])}); the entries must not decrease")
+
+
+def check_sequences(lengths: np.ndarray, pointers: np.ndarray, dtype: np.dtype, bin_size: int, idx: Path,
+                    binp: Path) -> None:
+    """Raise :class:`DataError` naming the first bad entry unless the sequences tile ``PREFIX.bin`` exactly.
+
+    Megatron writes every sequence right after the previous one, so sequence ``i`` must start at
+    ``itemsize * (lengths[0] + ... + lengths[i-1])``, have a non-negative length, and the last one
+    must end at the end of the ``.bin``. Checking that equality for every entry also rules out
+    offsets that are negative, past the end or misaligned, and lengths that overrun the file.
+    """
+    n, itemsize = lengths.shape[0], np.dtype(dtype).itemsize
+    start = 0  # where the next sequence must start, in bytes
+    for lo in range(0, n, CHECK_BLOCK):
+        hi = min(lo + CHECK_BLOCK, n)
+        length = lengths[lo:hi].astype(np.int64)
+        ends = np.cumsum(length, dtype=np.int64)
+        ends *= itemsize
+        ends += start
+        expected = ends - length * itemsize
+        pointer = pointers[lo:hi]
+        negative, misplaced, overrun = _first(length < 0), _first(pointer != expected), _first(ends > bin_size)
+        found = [i for i in (negative, misplaced, overrun) if i is not None]
+        if found:
+            j = min(found)
+            i, p, size, exp = lo + j, int(pointer[j]), int(length[j]), int(expected[j])
+            where = f"dataset index file {idx} is corrupt: sequence {i}"
+            if j == negative:
+                raise DataError(f"{where} has a negative length ({size} tokens)")
+            if j == misplaced:
+                if p < 0:
+                    raise DataError(f"{where} has a negative byte offset ({p})")
+                if p > bin_size or (p == bin_size and size > 0):
+                    raise DataError(f"{where} starts at byte {p}, past the end of {binp} ({bin_size} bytes)")
+                raise DataError(f"{where} starts at byte {p}, but the sequences before it end at byte {exp} "
+                                "(each sequence must follow the previous one)")
+            raise DataError(f"dataset data file {binp} is shorter than its index {idx} says: sequence {i} "
+                            f"({size} tokens from byte {p}) ends at byte {int(ends[j])}, but the file has "
+                            f"{bin_size} bytes; the files are truncated or do not belong together")
+        start = int(ends[-1])
+    if start != bin_size:
+        raise DataError(f"dataset data file {binp} has {bin_size} bytes but its index {idx} describes {start} bytes "
+                        f"({n} sequences of {np.dtype(dtype)} tokens): the files "
+                        "are truncated or do not belong together")
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of ``PREFIX.bin`` / ``PREFIX.idx``.
 
-    Every inconsistency between the two files (wrong magic or version, unknown dtype, a size
-    that does not match the counts in the header) raises :class:`DataError` naming the file.
+    Every inconsistency between the two files raises :class:`DataError` naming the file (and the
+    entry, for a bad entry): a wrong magic, version or dtype code, a size that does not match the
+    header's counts, and any sequence whose length is negative or whose byte offset does not follow
+    the sequences before it (which catches offsets that are negative or past the end of the
+    ``.bin``), a document index that is not a non-decreasing run from 0 to the sequence count, and
+    a ``.bin`` whose size is not the sum of the lengths. The check of every entry is vectorised
+    and runs in blocks (see :func:`check_sequences`).
     Pickling reopens the files by path, so instances travel cheaply to loader worker processes.
     """
 
     def __init__(self, prefix: PathLike) -> None:
         self.prefix = strip_prefix(prefix)
-        self._open()
+        self._open(validate=True)
 
     # -- opening and validation -----------------------------------------------------------
-    def _open(self) -> None:
+    def _open(self, validate: bool) -> None:
         idx, binp = index_path(self.prefix), data_path(self.prefix)
         if not idx.is_file():
             hint = "" if data_path(self.prefix).is_file() else (
@@ -168,26 +246,22 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(buf, dtype="<i8", count=d, offset=HEADER_SIZE + 12 * n)
         self.sequence_modes = (np.frombuffer(buf, dtype=np.int8, count=n, offset=HEADER_SIZE + 12 * n + 8 * d)
                                if self.multimodal else None)
-        if d < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
-            raise DataError(f"dataset index file {idx} is corrupt: its document index must start at 0 and end "
-                            f"at the sequence count {n}")
         bin_size = binp.stat().st_size
-        itemsize = self.dtype.itemsize
-        expected_bin = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if n else 0
-        if n and int(self.sequence_pointers[0]) != 0:
-            raise DataError(f"dataset index file {idx} is corrupt: the first sequence pointer is not 0")
-        if bin_size != expected_bin:
-            raise DataError(f"dataset data file {binp} has {bin_size} bytes but its index {idx} describes "
-                            f"{expected_bin} bytes ({self.dtype} tokens): the files are truncated or do not belong "
-                            "together")
+        if validate:
+            check_document_index(self.document_indices, n, idx)
+            check_sequences(self.sequence_lengths, self.sequence_pointers, self.dtype, bin_size, idx, binp)
+        elif n and int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize != bin_size:
+            raise DataError(f"dataset data file {binp} changed size since it was opened ({bin_size} bytes now)")
         self._bin_map = np.memmap(binp, dtype=np.uint8, mode="r") if bin_size else np.zeros(0, np.uint8)
 
     def __getstate__(self) -> dict:
         return {"prefix": self.prefix}
 
     def __setstate__(self, state: dict) -> None:
+        # The process that pickled this instance checked every entry; a copy (in a loader worker)
+        # checks the headers and sizes again but does not repeat the scan of every entry.
         self.prefix = state["prefix"]
-        self._open()
+        self._open(validate=False)
 
     # -- access ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -266,21 +340,28 @@ class IndexedDatasetWriter:
         self._open_sequences = 0
 
     def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
-        """Append one document made of one sequence."""
-        self.add_sequence(tokens)
+        """Append one document made of one sequence; empty ``tokens`` make a document without sequences,
+        as Megatron's preprocessing writes an empty text."""
+        if len(tokens):
+            self.add_sequence(tokens)
         self.end_document()
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append many one-sequence documents at once: ``tokens`` is their concatenation."""
+        """Append many documents at once: ``tokens`` is their concatenation, ``lengths`` their sizes.
+
+        A document of length 0 has no sequence (only its document-index entry), as with
+        :meth:`add_document`.
+        """
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != int(np.asarray(tokens).size):
             raise ValueError("the document lengths do not add up to the number of tokens")
         if self._open_sequences:
             raise RuntimeError("end_document() must close the current document before add_documents()")
         self._write_tokens(tokens)
-        self._lengths.append(lengths)
-        self._doc_ends.append(self._num_sequences + np.arange(1, lengths.size + 1, dtype=np.int64))
-        self._num_sequences += int(lengths.size)
+        present = lengths > 0
+        self._lengths.append(lengths[present])
+        self._doc_ends.append(self._num_sequences + np.cumsum(present, dtype=np.int64))
+        self._num_sequences += int(present.sum())
 
     def append_dataset(self, prefix: PathLike) -> None:
         """Append every sequence and document of an existing dataset (merging), copying its tokens."""
