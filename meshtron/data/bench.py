@@ -8,6 +8,10 @@ from the Python documentation topics and the licence texts under /usr/share), so
 2. preprocesses each corpus (as JSON lines) with ``--tokenizer-type GPT2BPETokenizer`` and reports
    MB/s per worker;
 3. reads GPT samples of ``--seq-length`` tokens through the per-rank loader and reports samples/s.
+
+``--index-entries N`` measures instead what opening a dataset of N documents costs: it writes a
+synthetic ``.idx`` of N sequences (beside a sparse ``.bin``), then times the check of every entry,
+the hash of the sequence lengths that keys the index cache, and the build of one epoch's indices.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Optional, Sequence
 
 from meshtron.data.batching import BatchOptions
 from meshtron.data.gpt_dataset import GPTDataset
-from meshtron.data.indexed_dataset import IndexedDataset
+from meshtron.data.indexed_dataset import IndexedDataset, data_path, write_index
 from meshtron.data.loader import RankSampler, iterate
 from meshtron.data.preprocess import TokenizerArgs, preprocess
 from meshtron.data.tokenizer_train import train_bpe_from_texts
@@ -116,6 +120,35 @@ def bench_loader(prefix: str, seq_length: int, global_batch: int, micro_batch: i
             "samples/s": global_batch * iterations / seconds, "epochs": len(ds.document_index) // len(indexed)}
 
 
+def bench_index(entries: int, work: Path, seq_length: int = 4096) -> dict:
+    """Seconds to open (check every entry of) an index of ``entries`` one-sequence documents, to hash its
+    lengths, and to build one epoch of GPT indices over it."""
+    import numpy as np
+
+    prefix = work / f"synthetic-{entries}"
+    lengths = np.random.default_rng(0).integers(1, 2000, size=entries, dtype=np.int64)
+    start = time.perf_counter()
+    write_index(str(prefix) + ".idx", np.dtype(np.uint16), lengths, np.arange(entries + 1, dtype=np.int64))
+    with open(data_path(prefix), "wb") as f:  # sparse: the tokens are never read
+        f.truncate(int(lengths.sum()) * 2)
+    write_seconds = time.perf_counter() - start
+    del lengths
+    start = time.perf_counter()
+    ds = IndexedDataset(prefix)
+    open_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    from meshtron.data.gpt_dataset import _digest
+
+    _digest(ds.sequence_lengths)
+    hash_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    gpt = GPTDataset(ds, (0, len(ds)), None, seq_length, seed=1)
+    build_seconds = time.perf_counter() - start
+    return {"entries": entries, "idx_GB": os.path.getsize(str(prefix) + ".idx") / 1e9,
+            "write_s": write_seconds, "open_s": open_seconds, "hash_s": hash_seconds,
+            "build_s": build_seconds, "samples": len(gpt)}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m meshtron.data.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
@@ -125,7 +158,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--workdir", help="Keep the files here (default: a temporary directory).")
+    p.add_argument("--index-entries", type=int, nargs="+",
+                   help="Only measure opening synthetic datasets of this many documents (e.g. 10000000 100000000).")
     args = p.parse_args(argv)
+    if args.index_entries:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            print("| documents | .idx GB | check every entry (s) | hash the lengths (s) | one epoch of indices (s) |")
+            print("|---|---|---|---|---|")
+            for n in args.index_entries:
+                r = bench_index(n, Path(tmp), args.seq_length)
+                print(f"| {n:,} | {r['idx_GB']:.2f} | {r['open_s']:.2f} | {r['hash_s']:.2f} | {r['build_s']:.1f} |",
+                      flush=True)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)

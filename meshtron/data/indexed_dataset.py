@@ -179,9 +179,9 @@ def check_sequences(lengths: np.ndarray, pointers: np.ndarray, dtype: np.dtype, 
                     raise DataError(f"{where} starts at byte {p}, past the end of {binp} ({bin_size} bytes)")
                 raise DataError(f"{where} starts at byte {p}, but the sequences before it end at byte {exp} "
                                 "(each sequence must follow the previous one)")
-            raise DataError(f"dataset data file {binp} is shorter than its index {idx} says: sequence {i} "
-                            f"({size} tokens from byte {p}) ends at byte {int(ends[j])}, but the file has "
-                            f"{bin_size} bytes; the files are truncated or do not belong together")
+            raise DataError(f"{where} ({size} tokens from byte {p}) ends at byte {int(ends[j])}, past the end of "
+                            f"{binp} ({bin_size} bytes): the .bin is truncated, the index is corrupt, or the files do "
+                            "not belong together")
         start = int(ends[-1])
     if start != bin_size:
         raise DataError(f"dataset data file {binp} has {bin_size} bytes but its index {idx} describes {start} bytes "

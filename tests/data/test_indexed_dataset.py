@@ -17,16 +17,20 @@ SEQS = [[5, 6, 7], [1000, 2], [3], [65000, 0, 9, 9]]
 DOC_INDEX = [0, 1, 3, 4]
 
 
-def hand_written_idx(seqs=SEQS, doc_index=DOC_INDEX, code=8, itemsize=2, magic=b"MMIDIDX\x00\x00", version=1) -> bytes:
-    """The index bytes, written directly from the layout description (not with meshtron's code)."""
+def hand_written_idx(seqs=SEQS, doc_index=DOC_INDEX, code=8, itemsize=2, magic=b"MMIDIDX\x00\x00", version=1,
+                     lengths=None, pointers=None) -> bytes:
+    """The index bytes, written directly from the layout description (not with meshtron's code);
+    ``lengths`` / ``pointers`` replace the fields derived from ``seqs`` (to write corrupt entries)."""
     out = magic + struct.pack("<Q", version) + struct.pack("<B", code)
     out += struct.pack("<Q", len(seqs)) + struct.pack("<Q", len(doc_index))
     pointer = 0
-    pointers = []
+    derived = []
     for s in seqs:
-        pointers.append(pointer)
+        derived.append(pointer)
         pointer += len(s) * itemsize
-    out += b"".join(struct.pack("<i", len(s)) for s in seqs)
+    pointers = derived if pointers is None else pointers
+    lengths = [len(s) for s in seqs] if lengths is None else lengths
+    out += b"".join(struct.pack("<i", n) for n in lengths)
     out += b"".join(struct.pack("<q", p) for p in pointers)
     out += b"".join(struct.pack("<q", d) for d in doc_index)
     return out
@@ -125,9 +129,15 @@ def test_pickle_reopens_by_path(fixture_prefix):
     ("dtype", "dtype code 9"),
     ("truncated_idx", "truncated or corrupt"),
     ("short_idx", "shorter than the 34-byte header"),
-    ("short_bin", "truncated or do not belong together"),
+    ("short_bin", "sequence 3 \\(4 tokens from byte 12\\) ends at byte 20, past the end of .*18 bytes.*truncated"),
     ("long_bin", "truncated or do not belong together"),
     ("doc_index", "document index"),
+    ("doc_index_decreasing", "document index entry 2 is 1, below entry 1 \\(3\\)"),
+    ("pointer_past_end", "sequence 2 starts at byte 1000000, past the end of"),
+    ("negative_pointer", "sequence 1 has a negative byte offset \\(-6\\)"),
+    ("overlapping_pointer", "sequence 2 starts at byte 6, but the sequences before it end at byte 10"),
+    ("negative_length", "sequence 1 has a negative length \\(-2 tokens\\)"),
+    ("huge_length", "sequence 1 \\(2147483647 tokens from byte 6\\) ends at byte 4294967300, past the end"),
     ("missing_bin", "not found"),
     ("missing_idx", "not found"),
 ])
@@ -149,6 +159,18 @@ def test_corrupt_files_give_clear_errors(tmp_path, case, message):
         binb = binb + b"\x00\x00"
     elif case == "doc_index":
         idx = hand_written_idx(doc_index=[0, 1, 3, 5])
+    elif case == "doc_index_decreasing":
+        idx = hand_written_idx(doc_index=[0, 3, 1, 4])
+    elif case == "pointer_past_end":
+        idx = hand_written_idx(pointers=[0, 6, 1_000_000, 12])
+    elif case == "negative_pointer":
+        idx = hand_written_idx(pointers=[0, -6, 10, 12])
+    elif case == "overlapping_pointer":
+        idx = hand_written_idx(pointers=[0, 6, 6, 12])
+    elif case == "negative_length":
+        idx = hand_written_idx(lengths=[3, -2, 1, 4])
+    elif case == "huge_length":
+        idx = hand_written_idx(lengths=[3, 2**31 - 1, 1, 4])
     if case != "missing_idx":
         (tmp_path / "d.idx").write_bytes(idx)
     if case != "missing_bin":
@@ -156,6 +178,47 @@ def test_corrupt_files_give_clear_errors(tmp_path, case, message):
     with pytest.raises(DataError, match=message) as err:
         IndexedDataset(tmp_path / "d")
     assert str(tmp_path / "d.") in str(err.value)  # the message names the file
+    assert "\n" not in str(err.value)
+
+
+def test_every_entry_is_checked_across_blocks(tmp_path, monkeypatch):
+    """A bad entry deep inside a large index is found and named, whatever the block it falls in."""
+    import meshtron.data.indexed_dataset as ix
+
+    monkeypatch.setattr(ix, "CHECK_BLOCK", 7)
+    lengths = np.arange(1, 101) % 5  # zero-length sequences included
+    with IndexedDatasetWriter(tmp_path / "big", np.uint16) as w:
+        for n in lengths:
+            w.add_sequence(np.zeros(n, np.uint16))
+            w.end_document()
+        w.finalize()
+    IndexedDataset(tmp_path / "big")  # valid
+    raw = bytearray((tmp_path / "big.idx").read_bytes())
+    n = struct.unpack_from("<Q", raw, 18)[0]
+    for entry in (0, 6, 7, 50, n - 1):
+        bad = raw.copy()
+        struct.pack_into("<i", bad, 34 + 4 * entry, -1)
+        (tmp_path / "bad.idx").write_bytes(bytes(bad))
+        (tmp_path / "bad.bin").write_bytes((tmp_path / "big.bin").read_bytes())
+        with pytest.raises(DataError, match=f"sequence {entry} has a negative length"):
+            IndexedDataset(tmp_path / "bad")
+
+
+def test_empty_documents_are_valid(tmp_path):
+    """Documents without sequences (repeated document-index entries), as Megatron writes empty texts."""
+    (tmp_path / "e.idx").write_bytes(hand_written_idx(doc_index=[0, 1, 1, 3, 3, 4]))
+    (tmp_path / "e.bin").write_bytes(hand_written_bin())
+    ds = IndexedDataset(tmp_path / "e")
+    assert ds.num_documents == 5 and len(ds) == 4 and [ds[i].tolist() for i in range(4)] == SEQS
+
+
+def test_a_copy_in_a_worker_notices_a_changed_bin(fixture_prefix):
+    ds = IndexedDataset(fixture_prefix)
+    state = pickle.dumps(ds)
+    with open(str(fixture_prefix) + ".bin", "ab") as f:
+        f.write(b"\x00\x00")
+    with pytest.raises(DataError, match="changed size"):
+        pickle.loads(state)
 
 
 def test_interoperates_with_megatron_core(tmp_path):
