@@ -33,10 +33,11 @@ def main(argv):
     from meshtron.cli import build_config
     from meshtron.parallel.context import build_parallel_context
     from meshtron.training.trainer import Trainer
+    from meshtron.validation import validate_config
 
     strided_sdpa_probe()
     cfg = build_config(["--mock-data", "--eval-interval", "0"] + argv)
-    cfg.validate(1)
+    validate_config(cfg, 1)
     ctx = build_parallel_context(device="cuda")
     t = cfg.train
     data = RandomTokens(cfg.model.vocab_size, cfg.model.seq_length, t.micro_batch_size, 1, 0)

@@ -20,9 +20,10 @@ def main(argv):
     from meshtron.cli import build_config
     from meshtron.parallel.context import context_from_config
     from meshtron.training.trainer import Trainer
+    from meshtron.validation import validate_config
 
     cfg = build_config(["--mock-data", "--eval-interval", "0", "--train-iters", "100"] + argv)
-    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = context_from_config(cfg)
     t = cfg.train
     data = RandomTokens(cfg.model.vocab_size, cfg.model.seq_length, t.micro_batch_size,

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import MeshtronConfig
+from meshtron.validation import validate_config
 
 
 @dataclass
@@ -113,7 +114,7 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
     cfg: MeshtronConfig = build_config(["--mock-data", "--eval-interval", "0", "--train-iters",
                                         str(warmup + steps), "--log-interval", str(10**9)] + argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.validate(world)
+    validate_config(cfg, world)
     ctx = context_from_config(cfg)
     dev = ctx.device
     leftover = None

@@ -30,6 +30,7 @@ from meshtron import __version__
 from meshtron.config import SECTIONS, ConfigError, MeshtronConfig, flag_name
 from meshtron.launcher import LAUNCHER_FIELDS, launcher_option_strings
 from meshtron.presets import PRESETS, apply_preset, count_parameters
+from meshtron.validation import validate_config
 
 PROG = "meshtron"
 
@@ -464,7 +465,7 @@ def train_main(argv: Sequence[str]) -> int:
         for line in compat_notices(args):
             print(line, file=sys.stderr)
     try:
-        cfg.validate(world_size)
+        validate_config(cfg, world_size)
     except ConfigError:
         if not _is_rank_zero():
             return 2  # every rank has the same config: rank 0 alone says what is wrong

@@ -89,8 +89,9 @@ def check_before_launch(cfg: MeshtronConfig) -> None:
 
     Run in the launching process so that a bad configuration fails once, before any worker starts.
     """
-    trial = copy.deepcopy(cfg)
-    trial.validate(planned_world_size(cfg.parallel))
+    from meshtron.validation import validate_config  # validation calls check_launcher: import it late
+
+    trial = validate_config(copy.deepcopy(cfg), planned_world_size(cfg.parallel))
     nproc = cfg.parallel.nproc_per_node
     if trial.train.device == "cuda":
         import torch

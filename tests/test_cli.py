@@ -293,7 +293,7 @@ def test_megatron_guide_70b_script_validates(tmp_path: Path, monkeypatch: pytest
     args = parse_train_args([paths.get(a, a) for a in argv])
     cfg = args.config
     assert launcher.planned_world_size(cfg.parallel) == 64
-    cfg.validate(64)
+    validation.validate_config(cfg, 64)
     assert validation.data_parallel_size(cfg, 64) == 4
     assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
     notices = cli.compat_notices(args)
@@ -309,7 +309,7 @@ def test_megatron_guide_moe_command_validates(tmp_path: Path, monkeypatch: pytes
       --max-position-embeddings 4096 --bf16 --use-mcore-models --transformer-impl transformer_engine
       --data-path /path/to/data --vocab-file /path/to/vocab.json --merge-file /path/to/merges.txt""".split()
     cfg = build_config([paths.get(a, a) for a in argv])
-    cfg.validate(8)
+    validation.validate_config(cfg, 8)
     assert cfg.model.num_experts == 8 and cfg.parallel.expert_model_parallel_size == 4
 
 

@@ -60,7 +60,7 @@ def test_presets_validate_in_typical_layouts(name: str, world: int, flags: list[
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(validation, "_cuda_available", lambda: True)
     cfg = build_config(["--model", name, "--mock-data", *flags])
-    cfg.validate(world)
+    validation.validate_config(cfg, world)
     assert cfg.model.model == name
 
 

@@ -255,7 +255,7 @@ def test_context_and_expert_parallel_layouts_are_accepted(no_cuda: None) -> None
 def test_validate_is_idempotent(no_cuda: None) -> None:
     cfg = validated(SHAPE + ["--micro-batch-size", "2"], 2)
     snapshot = cfg.to_dict()
-    cfg.validate(2)
+    validate_config(cfg, 2)
     assert cfg.to_dict() == snapshot
 
 
@@ -269,7 +269,7 @@ def test_parse_data_path() -> None:
     assert parse_data_path(["0.7", "A", "0.3", "B"]) == [(0.7, "A"), (0.3, "B")]
     assert parse_data_path(["0.7 A 0.3 B"]) == [(0.7, "A"), (0.3, "B")]
     assert parse_data_path(["A", "B"]) == [(None, "A"), (None, "B")]
-    with pytest.raises(ConfigError, match="weights must be >= 0"):
+    with pytest.raises(ConfigError, match="weights must be finite numbers >= 0"):
         parse_data_path(["-1", "A", "2", "B"])
 
 
@@ -304,8 +304,8 @@ def test_async_tensor_parallel_needs_cuda_compile_and_sequence_parallel():
     from meshtron.config import ConfigError
 
     with pytest.raises(ConfigError, match="--async-tensor-parallel needs --device cuda"):
-        build_config(["--mock-data", "--vocab-size", "100", "--device", "cpu", "--tensor-model-parallel-size", "2",
-                      "--sequence-parallel", "--async-tensor-parallel"]).validate(2)
+        validated(["--mock-data", "--vocab-size", "100", "--device", "cpu", "--tensor-model-parallel-size", "2",
+                   "--sequence-parallel", "--async-tensor-parallel"], 2)
 
 
 def test_megatron_spellings_map_to_meshtron_settings(no_cuda: None) -> None:

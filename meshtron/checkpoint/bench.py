@@ -31,6 +31,7 @@ from meshtron.parallel.context import build_parallel_context
 from meshtron.parallel.sharding import initialize_parameters
 from meshtron.presets import apply_preset
 from meshtron.training.state import TrainingState
+from meshtron.validation import validate_config
 
 
 def _barrier() -> None:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                            use_distributed_optimizer=args.distributed_optimizer).items():
         cfg.set(key, value)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.validate(world)
+    validate_config(cfg, world)
     ctx = build_parallel_context(tp=args.tp, device="cuda")
     lead = ctx.rank == 0
     model = GPTModel(cfg.model, ctx, cfg.model.vocab_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, TypeVar
@@ -91,25 +92,47 @@ class DataBundle:
         return iterate(sampler, 0, stop, num_workers=0)
 
 
-def parse_weighted_paths(values: Sequence[str], flag: str) -> tuple[Optional[list[float]], list[str]]:
-    """``[PREFIX ...]`` -> (None, prefixes); ``[W1 PREFIX1 W2 PREFIX2 ...]`` -> (weights, prefixes)."""
-    values = [str(v) for v in values]
+def _number(text: str) -> Optional[float]:
     try:
-        float(values[0])
+        return float(text)
     except ValueError:
+        return None
+
+
+def parse_weighted_paths(values: Sequence[str], flag: str) -> tuple[Optional[list[float]], list[str]]:
+    """``[PREFIX ...]`` -> (None, prefixes); ``[W1 PREFIX1 W2 PREFIX2 ...]`` -> (weights, prefixes).
+
+    The list is weighted when its first value is a number (as Megatron reads it); every weight must
+    then be a finite positive number.
+    """
+    values = [str(v) for v in values]
+    if not values:
+        raise DataError(f"{flag}: expected dataset prefixes, or 'WEIGHT PREFIX' pairs")
+    if _number(values[0]) is None:
+        numeric = [v for v in values[1:] if _number(v) is not None and not _dataset_named(v)]
+        if numeric:
+            raise DataError(f"{flag}: {numeric[0]!r} looks like a weight, but the first value {values[0]!r} is not a "
+                            "number: give 'WEIGHT PREFIX' pairs (e.g. 0.7 A 0.3 B) or prefixes only")
         return None, values
     if len(values) % 2:
         raise DataError(f"{flag}: weighted prefixes come in pairs 'WEIGHT PREFIX', got {len(values)} values")
     weights, prefixes = [], []
     for w, p in zip(values[0::2], values[1::2]):
-        try:
-            weights.append(float(w))
-        except ValueError:
-            raise DataError(f"{flag}: expected a weight before {p!r}, got {w!r}") from None
+        weight = _number(w)
+        if weight is None:
+            raise DataError(f"{flag}: expected a weight before {p!r}, got {w!r} (weights are numbers, e.g. 0.7 A 0.3 B)")
+        if not math.isfinite(weight) or weight <= 0:
+            raise DataError(f"{flag}: the weight of {p!r} is {w}; weights must be positive finite numbers")
+        weights.append(weight)
         prefixes.append(p)
-    if any(w <= 0 for w in weights):
-        raise DataError(f"{flag}: weights must be positive, got {weights}")
     return weights, prefixes
+
+
+def _dataset_named(value: str) -> bool:
+    """Whether ``value`` is the prefix of an existing dataset (a prefix may look like a number)."""
+    from meshtron.data.indexed_dataset import dataset_exists
+
+    return dataset_exists(value)
 
 
 @dataclass
@@ -144,10 +167,12 @@ def _rank_zero_first(build: Callable[[], T]) -> T:
 class _FileDatasets:
     """Train/valid/test sample sources over indexed datasets, per the data flags."""
 
-    def __init__(self, cfg: "MeshtronConfig", default_prefix: Optional[str], samples: dict[str, int]) -> None:
+    def __init__(self, cfg: "MeshtronConfig", default_prefix: Optional[str], samples: dict[str, int],
+                 global_batch: int) -> None:
         self.cfg = cfg
         self.default_prefix = default_prefix
         self.samples = samples
+        self.global_batch = global_batch
         self._opened: dict[str, IndexedDataset] = {}
 
     def _open(self, prefix: str) -> IndexedDataset:
@@ -199,9 +224,18 @@ class _FileDatasets:
     def _cache_dir(self, prefix: str) -> Path:
         return Path(self.cfg.data.data_cache_path) if self.cfg.data.data_cache_path else default_cache_dir(prefix)
 
+    def _request(self, split: str) -> str:
+        """How the run asks for the samples of ``split``, for a message refusing too large a request."""
+        t = self.cfg.train
+        iters = f"--train-iters {t.train_iters}" if split == "train" else f"--eval-iters {t.eval_iters}"
+        return f"{iters} x --global-batch-size {self.global_batch}"
+
     def _split_source(self, split: str, parts: list[_Component], n: int, seq: int, seed: int) -> SampleSource:
+        request = self._request(split)
+
         def gpt(c: _Component, num: int) -> GPTDataset:
-            return GPTDataset(c.indexed, (c.begin, c.end), num, seq, seed, split, self._cache_dir(c.indexed.prefix))
+            return GPTDataset(c.indexed, (c.begin, c.end), num, seq, seed, split, self._cache_dir(c.indexed.prefix),
+                              request=request)
 
         if len(parts) == 1:
             return gpt(parts[0], n)
@@ -250,7 +284,7 @@ def build_data(cfg: "MeshtronConfig", dp_rank: int, dp_size: int, *, is_data_ran
             if has_tokenizer_flags:
                 logger.warning("the default corpus uses its own tokenizer; tokenizer flags apply to --data-path only")
         vocab = tokenizer.vocab_size
-        files = _FileDatasets(cfg, default_prefix, samples)
+        files = _FileDatasets(cfg, default_prefix, samples, G)
         datasets = _rank_zero_first(files.build)
         description = source
     eod = tokenizer.eod if tokenizer is not None else None

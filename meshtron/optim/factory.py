@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.config import MeshtronConfig
 from meshtron.optim.accounting import BytesPerParameter, bytes_per_parameter
 from meshtron.optim.buckets import BufferLayout, build_layout, default_bucket_size
 from meshtron.optim.clip import GradNorm, data_copy_counted, model_copy_counted
@@ -84,15 +84,10 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
     par, opt = cfg.parallel, cfg.optim
     chunk_params = [list(chunk.parameters()) for chunk in model_chunks]
     params = [p for ps in chunk_params for p in ps]
-    if par.overlap_param_gather and not par.use_distributed_optimizer:
-        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer (only the distributed "
-                          "optimizer all-gathers weights)")
+    # The flags were checked by meshtron.validation (--overlap-param-gather, --optimizer-offload-fraction,
+    # --ddp-bucket-size), which owns those rules.
     offload = opt.optimizer_offload_fraction if opt.optimizer_cpu_offload else 0.0
-    if opt.optimizer_cpu_offload and not 0.0 <= offload <= 1.0:
-        raise ConfigError(f"--optimizer-offload-fraction must be between 0 and 1 (got {offload})")
     bucket_size = par.ddp_bucket_size or default_bucket_size(ctx.dp * ctx.cp)
-    if bucket_size <= 0:
-        raise ConfigError(f"--ddp-bucket-size must be a positive number of elements (got {bucket_size})")
     layout = build_layout(chunk_params, ctx, bucket_size, isolate=_isolate_tied_embedding(model_chunks, params, ctx))
     grad_dtype = torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32
     buffer = GradBuffer(params, dtype=grad_dtype, device=ctx.device, layout=layout)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshtron.config import ConfigError
+from meshtron.validation import check_expert_ranks, data_parallel_size_of
 
 
 @dataclass
@@ -125,16 +125,9 @@ def _new_groups(all_groups: list[list[int]], rank: int, backend: Optional[str],
 
 
 def check_layout(world_size: int, tp: int, cp: int, pp: int, ep: int) -> int:
-    """Validate that the world factors into the requested sizes; return DP."""
-    denom = tp * cp * pp
-    if world_size % denom != 0:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-            f"--context-parallel-size ({cp}) x --pipeline-model-parallel-size ({pp}) = {denom}")
-    dp = world_size // denom
-    if (dp * cp) % ep != 0:
-        raise ConfigError(f"--expert-model-parallel-size ({ep}) must divide data-parallel x context-parallel "
-                          f"size ({dp} x {cp} = {dp * cp})")
+    """DP of the world split TP x CP x DP x PP, with EP over DP x CP; the rules are validation's."""
+    dp = data_parallel_size_of(world_size, tp, cp, pp)
+    check_expert_ranks(ep, dp, cp)
     return dp
 
 

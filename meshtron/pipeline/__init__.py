@@ -2,31 +2,42 @@
 
 The training loop's entry points are :func:`build_model_chunks`, :func:`get_schedule`,
 :func:`is_data_rank`, and the batch helpers of :mod:`meshtron.pipeline.batches`.
+
+This package's face imports nothing heavy: torch, the model and the schedules load when a
+function below runs or a name of :data:`_LAZY` is first read. So :mod:`meshtron.pipeline.partition`
+(plain integer arithmetic) stays importable without torch, and checking a configuration
+(:mod:`meshtron.validation`) needs no model code.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
-import torch.nn as nn
+from meshtron.config import MeshtronConfig
+from meshtron.errors import ConfigError
+from meshtron.pipeline.partition import PipelineLayout, check_micro_batches, partition_layers
 
-from meshtron.config import ConfigError, MeshtronConfig
-from meshtron.layers.fp8 import enable_fp8
-from meshtron.layers.linear import set_tp_comm_overlap
-from meshtron.layers.moe import moe_mlp_factory
-from meshtron.model import GPTModel
-from meshtron.parallel import comm
-from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.random import RNGTracker
-from meshtron.parallel.sharding import initialize_parameters
-from meshtron.pipeline.p2p import PipelineP2P, activation_shape
-from meshtron.pipeline.partition import PipelineLayout, check_micro_batches, layout_from_config, partition_layers
-from meshtron.pipeline.schedules import ScheduleStats, forward_backward_no_pipelining, forward_backward_pipelining
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from meshtron.parallel.context import ParallelContext
+    from meshtron.parallel.random import RNGTracker
+    from meshtron.pipeline.schedules import ScheduleStats
 
 __all__ = ["PipelineLayout", "ScheduleStats", "build_model_chunks", "check_micro_batches", "get_schedule",
            "is_data_rank", "layout_from_config", "partition_layers"]
+
+#: Names this package re-exports from modules that load on first use: name -> module.
+_LAZY = {"ScheduleStats": "meshtron.pipeline.schedules", "layout_from_config": "meshtron.validation"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def recompute_layer_ids(cfg: MeshtronConfig, layer_ids: list[int]) -> list[int]:
@@ -53,6 +64,14 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
     is on chunk 0 of stage 0, the output layer and loss on the last chunk of the last stage.
     ``make_mlp`` replaces layers' MLPs (default: mixture-of-experts layers when --num-experts is set).
     """
+    from meshtron.layers.fp8 import enable_fp8
+    from meshtron.layers.linear import set_tp_comm_overlap
+    from meshtron.layers.moe import moe_mlp_factory
+    from meshtron.model import GPTModel
+    from meshtron.parallel import comm
+    from meshtron.parallel.sharding import initialize_parameters
+    from meshtron.validation import layout_from_config
+
     layout = layout_from_config(cfg)
     _check_stages(layout, ctx)
     if make_mlp is None:
@@ -86,6 +105,12 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext) -> Callable:
     One stage: no pipelining. Several: 1F1B, or interleaved 1F1B with virtual stages; the
     returned callable carries this rank's point-to-point communicator.
     """
+    import torch
+
+    from meshtron.pipeline.p2p import PipelineP2P, activation_shape
+    from meshtron.pipeline.schedules import forward_backward_no_pipelining, forward_backward_pipelining
+    from meshtron.validation import layout_from_config
+
     if ctx.pp == 1:
         return forward_backward_no_pipelining
     layout = layout_from_config(cfg)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from meshtron.config import MeshtronConfig
-from meshtron.pipeline.partition import layout_from_config
+from meshtron.validation import layout_from_config
 from meshtron.training.metrics import flops_per_token
 
 

@@ -18,6 +18,10 @@ stage ``p`` is model chunk ``v * PP + p``. A chunk of stage ``p`` holds
 The embedding lives on chunk 0 of stage 0, the final norm, output layer and loss
 on chunk V-1 of the last stage. Layer indices are global, so parameter names
 (``layers.i``) do not depend on the layout.
+
+Everything here takes plain integers and imports neither torch nor the configuration,
+so that checking a configuration (:mod:`meshtron.validation`, which reads the flags
+into these arguments) needs no model code.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.errors import ConfigError
 
 _FIRST = "--decoder-first-pipeline-num-layers"
 _LAST = "--decoder-last-pipeline-num-layers"
@@ -172,17 +176,6 @@ def _partition_with_slots(num_layers: int, stages: int, first: Optional[int], la
         raise ConfigError(f"{flags} with --num-layers {num_layers}, {_PP} {stages} and {vpp} virtual stages "
                           f"leaves a model chunk without layers; use fewer stages or virtual stages")
     return _layout(num_layers, stages, vpp, sizes)
-
-
-def layout_from_config(cfg: MeshtronConfig) -> PipelineLayout:
-    """:func:`partition_layers` with the run's flags."""
-    p = cfg.parallel
-    return partition_layers(cfg.model.num_layers, p.pipeline_model_parallel_size,
-                            first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers,
-                            virtual_size=p.virtual_pipeline_model_parallel_size,
-                            layers_per_virtual=p.num_layers_per_virtual_pipeline_stage,
-                            embedding_slot=p.account_for_embedding_in_pipeline_split,
-                            loss_slot=p.account_for_loss_in_pipeline_split)
 
 
 def check_micro_batches(num_micro_batches: int, stages: int, virtual_stages: int) -> None:

@@ -38,6 +38,7 @@ from meshtron.training.gc_control import ManualGC
 from meshtron.training.metrics import compute_throughput, flops_per_token, peak_memory_stats, peak_tflops
 from meshtron.training.step_profiler import StepProfiler
 from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
+from meshtron.validation import validate_config
 
 
 class TrainingError(RuntimeError):
@@ -378,7 +379,7 @@ class Trainer:
 def run_training(cfg: MeshtronConfig) -> TrainingResult:
     """Entry point of `meshtron train`: validate, set up the process groups, train, clean up."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.validate(world)
+    validate_config(cfg, world)
     ctx = context_from_config(cfg)
     trainer = Trainer(cfg, ctx)
     trainer.logger.info(f"meshtron: {ctx.describe()} on {ctx.device.type}, "

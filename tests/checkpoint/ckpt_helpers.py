@@ -14,6 +14,7 @@ from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.optimizer import MixedPrecisionAdamW
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import initialize_parameters, spec_of, split_local
+from meshtron.validation import validate_config
 from tests.distributed.launch import run_distributed
 
 VOCAB = 100
@@ -31,7 +32,7 @@ def tiny_config(**overrides: Any) -> MeshtronConfig:
     values.update(overrides)
     for key, value in values.items():
         cfg.set(key, value)
-    return cfg.validate(1)
+    return validate_config(cfg, 1)
 
 
 def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> list[list[list[int]]]:

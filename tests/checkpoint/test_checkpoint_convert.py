@@ -14,6 +14,7 @@ from meshtron.checkpoint import load_checkpoint, load_for_inference, save_checkp
 from meshtron.checkpoint.convert import convert_main  # noqa: E402
 from meshtron.parallel.context import ParallelContext  # noqa: E402
 from meshtron.training.state import TrainingState  # noqa: E402
+from meshtron.validation import validate_config  # noqa: E402
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -125,7 +126,7 @@ def test_converted_checkpoint_resumes_training(tmp_path):
     cfg = read_config(ckpt / "iter_0000000")
     cfg.set("mock_data", True)
     cfg.set("device", "cpu")
-    cfg.validate(1)
+    validate_config(cfg, 1)
     ctx = ParallelContext()
     from meshtron.model import GPTModel
     from meshtron.parallel.sharding import initialize_parameters

@@ -149,3 +149,47 @@ def test_non_data_ranks_read_nothing(tmp_path):
     items = list(bundle.train_batches(15))
     assert len(items) == 5 and items[0] == [{}, {}]
     assert len(list(bundle.valid_batches())) == 2
+
+
+def _train_tokens(bundle, iterations: int) -> list[torch.Tensor]:
+    return [torch.cat([mb["tokens"] for mb in it]) for it in list(bundle.train_batches(0))[:iterations]]
+
+
+@pytest.mark.parametrize("blend", [False, True])
+def test_a_longer_run_serves_the_shorter_runs_samples_first(tmp_path, blend):
+    """--train-iters 6 then 12 (a run extended after a checkpoint): the first 6 iterations see the same data,
+    with one dataset and with a blend, also once the longer run needs more epochs than the shorter."""
+    a, b = _make_dataset(tmp_path, "a", 30, 1), _make_dataset(tmp_path, "b", 20, 2)
+    paths = ["0.6", a, "0.4", b] if blend else [a]
+    common = dict(data_path=paths, tokenizer_type="NullTokenizer", vocab_size=50, split="100,0,0",
+                  data_cache_path=str(tmp_path / "idx"))
+    short = build_data(small_config(train_iters=6, **common), 0, 1)
+    long = build_data(small_config(train_iters=60, **common), 0, 1)
+    parts = short.train.datasets if blend else [short.train]
+    assert max(ds.epochs for ds in (long.train.datasets if blend else [long.train])) > max(ds.epochs for ds in parts)
+    for x, y in zip(_train_tokens(short, 6), _train_tokens(long, 6)):
+        assert torch.equal(x, y)
+
+
+def test_an_impossible_request_names_the_flags(tmp_path):
+    a = _make_dataset(tmp_path, "a", 30, 1)
+    cfg = small_config(data_path=[a], tokenizer_type="NullTokenizer", vocab_size=50, train_iters=10**12)
+    with pytest.raises(DataError, match=r"--train-iters 1000000000000 x --global-batch-size 8 = 8,000,000,000,000 "
+                                        r"train samples .* GiB of index arrays, more than"):
+        build_data(cfg, 0, 1)
+
+
+@pytest.mark.parametrize("paths, message", [
+    (["0.5", "{a}", "x", "{a}"], "expected a weight before '.*a_text_document', got 'x'"),
+    (["0.5", "{a}", "-0.5", "{a}"], "the weight of '.*' is -0.5; weights must be positive finite numbers"),
+    (["0", "{a}"], "the weight of '.*' is 0; weights must be positive"),
+    (["nan", "{a}", "1", "{a}"], "the weight of '.*' is nan; weights must be positive finite"),
+    (["inf", "{a}"], "the weight of '.*' is inf; weights must be positive finite"),
+    (["{a}", "0.5", "{a}"], "'0.5' looks like a weight, but the first value '.*' is not a number"),
+    (["0.5", "{a}", "0.5"], "weighted prefixes come in pairs 'WEIGHT PREFIX', got 3 values"),
+])
+def test_bad_data_path_weights(tmp_path, paths, message):
+    a = _make_dataset(tmp_path, "a", 30, 1)
+    cfg = small_config(data_path=[p.replace("{a}", a) for p in paths], tokenizer_type="NullTokenizer", vocab_size=50)
+    with pytest.raises(DataError, match="--data-path: " + message):
+        build_data(cfg, 0, 1)

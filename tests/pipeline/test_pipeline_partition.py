@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.config import MeshtronConfig
+from meshtron.errors import ConfigError
 from meshtron.parallel.context import ParallelContext
 from meshtron.pipeline import get_schedule
-from meshtron.pipeline.partition import check_micro_batches, layout_from_config, partition_layers
+from meshtron.pipeline.partition import check_micro_batches, partition_layers
+from meshtron.validation import layout_from_config
 
 
 def test_even_split_keeps_layers_in_order():

@@ -13,6 +13,7 @@ from meshtron.config import ModelConfig
 from meshtron.layers.moe.router import TopKRouter
 from meshtron.parallel.sharding import initialize_parameters
 from meshtron.training.trainer import TrainingError, run_training
+from meshtron.validation import validate_config
 from tests.distributed.launch import run_distributed
 
 ARGS = ["--mock-data", "--vocab-size", "200", "--model", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
@@ -96,7 +97,7 @@ def test_profile_writes_a_torch_profiler_trace_of_the_chosen_steps(tmp_path):
     text = traces[0].read_text()
     assert "ProfilerStep" in text or "aten::" in text  # operators of the profiled step were recorded
     with pytest.raises(Exception, match="--profile-step-start"):
-        build_config(ARGS + ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"]).validate(1)
+        validate_config(build_config(ARGS + ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"]), 1)
 
 
 def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path):

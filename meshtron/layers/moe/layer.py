@@ -146,16 +146,11 @@ def make_moe_mlp(cfg: ModelConfig, ctx: ParallelContext, layer_index: int, seque
 
 
 def moe_mlp_factory(cfg: MeshtronConfig) -> Optional[MakeMLP]:
-    """The ``make_mlp`` hook for a run's configuration (None for a dense model), after checking
-    the expert layout this implementation supports."""
-    m, p = cfg.model, cfg.parallel
-    if not m.num_experts:
+    """The ``make_mlp`` hook for a run's configuration (None for a dense model).
+
+    The expert layout this implementation supports (``--expert-tensor-parallel-size`` equal to
+    TP, ``--moe-first-dense-layers >= 0``) is checked up front by :mod:`meshtron.validation`.
+    """
+    if not cfg.model.num_experts:
         return None
-    etp = p.expert_tensor_parallel_size
-    if etp is not None and etp != p.tensor_model_parallel_size:
-        raise ConfigError(f"--expert-tensor-parallel-size ({etp}) must equal --tensor-model-parallel-size "
-                          f"({p.tensor_model_parallel_size}): experts are split over the same TP ranks as the "
-                          "dense layers")
-    if m.moe_first_dense_layers < 0:
-        raise ConfigError(f"--moe-first-dense-layers must be >= 0, got {m.moe_first_dense_layers}")
     return make_moe_mlp
