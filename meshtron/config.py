@@ -77,6 +77,27 @@ class ModelConfig:
     add_qkv_bias: bool = opt(False, "Bias on the query/key/value projection even with --disable-bias-linear.")
     qk_layernorm: bool = opt(False, "Normalise each query and key head (--normalization over the head dimension) "
                                     "before RoPE, as Qwen3 does.")
+    # Multi-latent attention (DeepSeek-V2/V3; docs/models.md).
+    multi_latent_attention: bool = opt(False, "Multi-latent attention (DeepSeek-V2/V3) instead of multi-head/"
+                                              "grouped-query attention: queries and keys/values pass through "
+                                              "low-rank latents and RoPE acts on a separate part of each head.")
+    q_lora_rank: Optional[int] = opt(None, "MLA: rank of the query's low-rank compression (unset: one plain "
+                                           "query projection).")
+    kv_lora_rank: int = opt(32, "MLA: rank of the joint key/value latent.")
+    qk_head_dim: int = opt(128, "MLA: query/key head dimension without position embedding (each query/key head "
+                                "is this plus --qk-pos-emb-head-dim).")
+    qk_pos_emb_head_dim: int = opt(64, "MLA: query/key head dimension that carries RoPE (the key part is one "
+                                       "head shared by all heads).")
+    v_head_dim: int = opt(128, "MLA: value head dimension.")
+    rope_type: Optional[str] = opt(None, "RoPE frequencies: rope, or yarn (YaRN interpolation, MLA only). Default: "
+                                         "yarn with MLA (plain RoPE at --rotary-scaling-factor 1), else rope.",
+                                   choices=("rope", "yarn"))
+    rotary_scaling_factor: float = opt(1.0, "YaRN: context extension factor (DeepSeek-V3: 40).")
+    mscale: float = opt(1.0, "YaRN: attention-temperature coefficient of the rotary tables.")
+    mscale_all_dim: float = opt(0.0, "YaRN: attention-temperature coefficient of the whole softmax scale.")
+    yarn_original_max_position_embeddings: int = opt(4096, "YaRN: context length the model was first trained at.")
+    yarn_beta_fast: float = opt(32.0, "YaRN: rotations below which frequencies are interpolated fully.")
+    yarn_beta_slow: float = opt(1.0, "YaRN: rotations above which frequencies are kept.")
     hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.")
     attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
     init_method_std: float = opt(0.02, "Std of the normal weight initialisation (output projections are scaled by 1/sqrt(2*layers)).")

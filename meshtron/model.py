@@ -15,15 +15,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtron.config import ModelConfig, head_dim, padded_vocab_size
-from meshtron.layers.attention import KVCache, SelfAttention, attention_mask_from_documents
+from meshtron.config import ModelConfig, padded_vocab_size
+from meshtron.layers.attention import KVCache, attention_mask_from_documents
+from meshtron.layers.attention_kinds import attention_class
 from meshtron.layers.context_parallel import check_comm_type, context_parallel_inputs
 from meshtron.layers.cross_entropy import linear_cross_entropy
 from meshtron.layers.embedding import VocabParallelEmbedding
 from meshtron.layers.mlp import MLP
 from meshtron.layers.norm import Norm
 from meshtron.layers.recompute import run_with_recompute
-from meshtron.layers.rotary import inverse_frequencies, rope_tables
+from meshtron.layers.rotary import inverse_frequencies, rope_table_scale, rope_tables
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.cp_split import local_token_indices
@@ -32,7 +33,11 @@ from meshtron.parallel.sharding import ShardSpec, new_param, shard
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)).
+
+    The attention kind comes from the config (:mod:`meshtron.layers.attention_kinds`); ``mlp``
+    replaces the dense MLP (mixture of experts).
+    """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int, sequence_parallel: bool,
                  mlp: Optional[nn.Module] = None):
@@ -41,7 +46,7 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.input_norm = Norm(f"{prefix}.input_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon,
                                sequence_parallel)
-        self.attention = SelfAttention(cfg, ctx, f"{prefix}.attention", sequence_parallel)
+        self.attention = attention_class(cfg)(cfg, ctx, f"{prefix}.attention", sequence_parallel)
         self.post_attention_norm = Norm(f"{prefix}.post_attention_norm", cfg.hidden_size, cfg.normalization,
                                         cfg.norm_epsilon, sequence_parallel)
         self.mlp = mlp if mlp is not None else MLP(cfg, ctx, f"{prefix}.mlp", sequence_parallel)
@@ -112,7 +117,8 @@ class GPTModel(nn.Module):
                         name, (vocab_size, cfg.hidden_size), 0, ctx.tp_rank, ctx.tp, std=cfg.init_method_std,
                         padded_size=self.padded_vocab),), extra={"tied_copy": tied}))
         self.use_rope = cfg.position_embedding_type == "rope"
-        self.rope_dim = head_dim(cfg)
+        self.rope_dim = attention_class(cfg).rope_dim(cfg)
+        self.rope_scale = rope_table_scale(cfg)
 
     def set_cp_comm_type(self, comm_type: str) -> None:
         """How context-parallel attention exchanges keys and values (--cp-comm-type: p2p or allgather)."""
@@ -134,7 +140,7 @@ class GPTModel(nn.Module):
         inv = inverse_frequencies(self.rope_dim, self.cfg.rotary_base, device, self.cfg)
         pos = position_ids if position_ids is not None else torch.arange(offset, offset + seq, device=device)
         # Whole-sequence tables even with sequence parallelism: attention sees the gathered sequence.
-        return rope_tables(pos, inv, dtype)
+        return rope_tables(pos, inv, dtype, self.rope_scale)
 
     def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_weight: Optional[torch.Tensor] = None,

@@ -40,20 +40,27 @@ CUDA_SDPA_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SD
                       SDPBackend.MATH)
 
 
-def _sdpa(q, k, v, mask, dropout_p, gqa):
+def _sdpa(q, k, v, mask, dropout_p, gqa, scale):
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa,
+                                              scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa,
+                                          scale=scale)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                   dropout_p: float) -> torch.Tensor:
-    """SDPA on [batch, heads, seq, dim] tensors; causal unless an explicit mask is given."""
+                   dropout_p: float, scale: Optional[float] = None) -> torch.Tensor:
+    """SDPA on [batch, heads, seq, dim] tensors; causal unless an explicit mask is given.
+
+    ``scale`` multiplies the scores (default 1/sqrt(query head dim)). Values may have another head
+    dim than queries and keys (multi-latent attention): on CUDA, SDPA then takes the first kernel of
+    the priority list that accepts the shapes (flash needs equal head dims).
+    """
     gqa = k.shape[1] != q.shape[1]
     if q.is_cuda:
         with sdpa_kernel(list(CUDA_SDPA_PRIORITY), set_priority=True):
-            return _sdpa(q, k, v, mask, dropout_p, gqa)
-    return _sdpa(q, k, v, mask, dropout_p, gqa)
+            return _sdpa(q, k, v, mask, dropout_p, gqa, scale)
+    return _sdpa(q, k, v, mask, dropout_p, gqa, scale)
 
 
 class KVCache:
@@ -127,6 +134,11 @@ class SelfAttention(nn.Module):
         self.tracker: Optional[RNGTracker] = None
         # With context parallelism ``mask`` is the model's ContextParallelInputs (keys of every CP rank).
         self.attend = context_parallel_attention if ctx.cp > 1 else core_attention
+
+    @staticmethod
+    def rope_dim(cfg: ModelConfig) -> int:
+        """Width of the rotary tables: the whole head rotates."""
+        return head_dim(cfg)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 mask: Optional[torch.Tensor], cache: Optional["KVCache"] = None) -> torch.Tensor:

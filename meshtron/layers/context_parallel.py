@@ -17,7 +17,8 @@ keys and values of the other ranks reach it in one of two ways:
 Partial results of the blocks are merged exactly through their log-sum-exp, so the
 output equals full causal attention up to floating-point rounding. Traffic is at
 the key/value (query-group) size, so grouped-query attention sends ``groups/heads``
-of what multi-head attention would. Document masks (``--reset-attention-mask``) work
+of what multi-head attention would. Values may have another head dim than keys
+(multi-latent attention): keys and values travel packed side by side in one buffer. Document masks (``--reset-attention-mask``) work
 with both: the document ids of every rank are all-gathered once per forward (one
 integer per token) and each block gets its explicit mask.
 
@@ -144,30 +145,45 @@ def _rows(span: tuple[int, int], chunk: int) -> slice:
     return slice(span[0] * chunk, span[1] * chunk)
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Keys and values [b, g, s, d] as one contiguous [2, b, s, g, d] buffer (one message per hop)."""
-    return torch.stack([k.transpose(1, 2), v.transpose(1, 2)])
+@dataclass(frozen=True)
+class _KVLayout:
+    """Keys [b, g, s, dk] and values [b, g, s, dv] side by side in one contiguous [b, s, g dk + g dv]
+    buffer (one message per hop; dk and dv may differ)."""
 
+    groups: int
+    dk: int
+    dv: int
 
-def _kv_view(kv: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    return kv[0, :, rows].transpose(1, 2), kv[1, :, rows].transpose(1, 2)
+    @staticmethod
+    def of(k: torch.Tensor, v: torch.Tensor) -> "_KVLayout":
+        return _KVLayout(k.shape[1], k.shape[-1], v.shape[-1])
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, _, s, _ = k.shape
+        return torch.cat([k.transpose(1, 2).reshape(b, s, -1), v.transpose(1, 2).reshape(b, s, -1)], dim=-1)
+
+    def unpack(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [b, g, s, dk] and [b, g, s, dv] of a packed [b, s, width] buffer (or a row range of one)."""
+        k, v = torch.split(kv, [self.groups * self.dk, self.groups * self.dv], dim=-1)
+        return (k.unflatten(-1, (self.groups, self.dk)).transpose(1, 2),
+                v.unflatten(-1, (self.groups, self.dv)).transpose(1, 2))
 
 
 def _global_order(gathered: torch.Tensor) -> torch.Tensor:
-    """[cp, 2, b, 2c, g, d] as gathered by rank -> [2, b, S, g, d] in sequence order."""
-    cp, c = gathered.shape[0], gathered.shape[3] // 2
+    """[cp, b, 2c, width] as gathered by rank -> [b, S, width] in sequence order."""
+    cp, c = gathered.shape[0], gathered.shape[2] // 2
     parts = []
     for chunk in range(2 * cp):
         owner, half = chunk_owner(chunk, cp)
-        parts.append(gathered[owner, :, :, half * c:(half + 1) * c])
-    return torch.cat(parts, dim=2)
+        parts.append(gathered[owner, :, half * c:(half + 1) * c])
+    return torch.cat(parts, dim=1)
 
 
 def _rank_order(full: torch.Tensor, cp: int) -> torch.Tensor:
-    """Inverse of :func:`_global_order`: [2, b, S, g, d] -> [cp, 2, b, 2c, g, d] (contiguous)."""
-    c = full.shape[2] // (2 * cp)
-    return torch.stack([torch.cat([full[:, :, j * c:(j + 1) * c], full[:, :, (2 * cp - 1 - j) * c:(2 * cp - j) * c]],
-                                  dim=2) for j in range(cp)])
+    """Inverse of :func:`_global_order`: [b, S, width] -> [cp, b, 2c, width] (contiguous)."""
+    c = full.shape[1] // (2 * cp)
+    return torch.stack([torch.cat([full[:, j * c:(j + 1) * c], full[:, (2 * cp - 1 - j) * c:(2 * cp - j) * c]],
+                                  dim=1) for j in range(cp)])
 
 
 class _Masks:
@@ -215,9 +231,10 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_blk: torch.Tenso
     l_old.copy_(new)
 
 
-def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    b, h, s, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+def _accumulators(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running fp32 output [b, h, s, dv] (value head dim) and log-sum-exp [b, h, s]."""
+    b, h, s, _ = q.shape
+    out = torch.zeros(b, s, h, dv, dtype=torch.float32, device=q.device).transpose(1, 2)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     return out, lse
 
@@ -242,16 +259,17 @@ class _Blocks:
     """One rank's block computations, shared by both communication types: its two query chunks,
     their document masks, the attention kernel, and the per-block kernel states that backward reuses."""
 
-    def __init__(self, q: torch.Tensor, inputs: ContextParallelInputs, dropout_p: float, scale: float):
-        self.inputs, self.dropout_p, self.scale = inputs, dropout_p, scale
+    def __init__(self, q: torch.Tensor, layout: _KVLayout, inputs: ContextParallelInputs, dropout_p: float,
+                 scale: float):
+        self.inputs, self.layout, self.dropout_p, self.scale = inputs, layout, dropout_p, scale
         self.c = q.shape[2] // 2
         self.masks = _Masks(inputs, q.shape[2], q.device)
-        self.kernel = select_kernel(q, inputs.document_ids is not None)
+        self.kernel = select_kernel(q, inputs.document_ids is not None, layout.dv)
         self.states: list = []
 
     def kv(self, source: torch.Tensor, block: Block):
-        """Keys and values of ``block`` from a packed [2, b, s, g, d] source."""
-        return _kv_view(source, _rows(block.k_rows, self.c))
+        """Keys and values of ``block`` from a packed [b, s, width] source."""
+        return self.layout.unpack(source[:, _rows(block.k_rows, self.c)])
 
     def forward(self, block: Block, q, kb, vb, out, lse) -> None:
         """Attend ``block``'s query rows to ``kb``/``vb`` and merge the result into ``out``/``lse``."""
@@ -278,18 +296,24 @@ def _save_forward(ctx, blocks: _Blocks, q, kv, out, lse) -> torch.Tensor:
     return out
 
 
-def _add_kv_grad(target: torch.Tensor, k_rows: slice, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
-    target[0, :, k_rows] += dk_b.transpose(1, 2)
-    target[1, :, k_rows] += dv_b.transpose(1, 2)
+def _add_kv_grad(target: torch.Tensor, layout: _KVLayout, k_rows: slice, dk_b: torch.Tensor,
+                 dv_b: torch.Tensor) -> None:
+    target[:, k_rows] += layout.pack(dk_b, dv_b)
+
+
+def _unpack_grads(dkv: torch.Tensor, layout: _KVLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    dk, dv = layout.unpack(dkv)
+    return dk.to(dtype), dv.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------- ring
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
-        blocks = _Blocks(q, inputs, dropout_p, scale)
-        out, lse = _accumulators(q)
-        kv = _pack(k, v)
+        layout = _KVLayout.of(k, v)
+        blocks = _Blocks(q, layout, inputs, dropout_p, scale)
+        out, lse = _accumulators(q, v.shape[-1])
+        kv = layout.pack(k, v)
         cur = kv
         for step, block in enumerate(ring_plan(inputs.cp, inputs.rank)):
             nxt, works = None, []
@@ -321,15 +345,14 @@ class _RingAttention(torch.autograd.Function):
             works = _exchange(inputs, sends, recvs)
             k_rows, dk_b, dv_b = blocks.backward(step, block, dout, q, *blocks.kv(cur, block), out, lse, dq)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            _add_kv_grad(dkv, k_rows, dk_b, dv_b)
+            _add_kv_grad(dkv, blocks.layout, k_rows, dk_b, dv_b)
             _wait(works)
             if dkv_in is not None:
                 dkv += dkv_in
             dkv_out, cur = dkv, nxt
         home = torch.empty_like(dkv_out)
         _wait(_exchange(inputs, [(dkv_out, _DKV_TAG)], [(home, _DKV_TAG)]))
-        dk = home[0].transpose(1, 2).to(kv.dtype)
-        dv = home[1].transpose(1, 2).to(kv.dtype)
+        dk, dv = _unpack_grads(home, blocks.layout, kv.dtype)
         return dq.to(q.dtype), dk, dv, None, None, None
 
 
@@ -343,9 +366,10 @@ def _gather_kv(kv: torch.Tensor, inputs: ContextParallelInputs):
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
-        blocks = _Blocks(q, inputs, dropout_p, scale)
-        out, lse = _accumulators(q)
-        kv = _pack(k, v)
+        layout = _KVLayout.of(k, v)
+        blocks = _Blocks(q, layout, inputs, dropout_p, scale)
+        out, lse = _accumulators(q, v.shape[-1])
+        kv = layout.pack(k, v)
         gathered, work = _gather_kv(kv, inputs)
         full = None
         for block in allgather_plan(inputs.cp, inputs.rank):
@@ -372,31 +396,32 @@ class _AllGatherAttention(torch.autograd.Function):
             local = block.source is not None
             k_rows, dk_b, dv_b = blocks.backward(step, block, dout, q, *blocks.kv(kv if local else full, block),
                                                  out, lse, dq)
-            _add_kv_grad(d_local if local else d_full, k_rows, dk_b, dv_b)
+            _add_kv_grad(d_local if local else d_full, blocks.layout, k_rows, dk_b, dv_b)
         if d_full is not None:
             shards = _rank_order(d_full, inputs.cp)
             mine = torch.empty_like(shards[0])
             dist.reduce_scatter_tensor(mine, shards.flatten(0, 1), group=inputs.group)
             d_local += mine
-        dk = d_local[0].transpose(1, 2).to(kv.dtype)
-        dv = d_local[1].transpose(1, 2).to(kv.dtype)
+        dk, dv = _unpack_grads(d_local, blocks.layout, kv.dtype)
         return dq.to(q.dtype), dk, dv, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------- entry point
 @torch.compiler.disable  # point-to-point communication inside: keep it out of compiled graphs
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: ContextParallelInputs,
-                               dropout_p: float = 0.0) -> torch.Tensor:
+                               dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
-    q [b, heads, s_local, d], k and v [b, groups, s_local, d] in the local order of
-    the load-balanced split (chunk r, then chunk 2CP-1-r); returns [b, heads, s_local, d].
+    q [b, heads, s_local, d], k [b, groups, s_local, d] and v [b, groups, s_local, dv] in the
+    local order of the load-balanced split (chunk r, then chunk 2CP-1-r); returns
+    [b, heads, s_local, dv]. ``scale`` multiplies the scores (default 1/sqrt(d)).
     """
     if not isinstance(inputs, ContextParallelInputs):
         raise TypeError("context-parallel attention needs the ContextParallelInputs that GPTModel builds; "
                         f"got {type(inputs).__name__}")
     if q.shape[2] % 2:
         raise ValueError(f"the local sequence ({q.shape[2]} tokens) must be two chunks of equal length")
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
     fn = _RingAttention if inputs.comm_type == "p2p" else _AllGatherAttention
     return fn.apply(q, k, v, inputs, dropout_p, scale)

@@ -7,8 +7,9 @@ computes one block: ``forward`` returns (out, lse, state) and ``backward`` takes
 the final lse, ``exp(scores - lse)`` are the block's entries of the full softmax),
 so the per-block gradients sum to the gradients of the full attention.
 
-Shapes: q [b, heads, sq, d], k and v [b, groups, sk, d] (grouped-query attention:
-query head h uses key/value head h // (heads / groups)); lse [b, heads, sq] in fp32.
+Shapes: q [b, heads, sq, d], k [b, groups, sk, d] and v [b, groups, sk, dv] (grouped-query
+attention: query head h uses key/value head h // (heads / groups); dv may differ from d, as in
+multi-latent attention); lse [b, heads, sq] in fp32.
 ``mask`` is None or a boolean [b, 1, sq, sk] (True: attend); ``causal`` is the
 square top-left causal mask (only used on square diagonal blocks).
 
@@ -82,7 +83,7 @@ class MathKernel:
         return (torch.rand(shape, generator=gen, device=device) >= dropout_p).float() / (1.0 - dropout_p)
 
     def forward(self, q, k, v, causal, mask, dropout_p, scale):
-        b, hq, sq, d = q.shape
+        b, hq, sq, _ = q.shape
         _, s = self._scores(q, k, causal, mask, scale)
         lse = torch.logsumexp(s, dim=-1)
         safe = lse.masked_fill(torch.isinf(lse), 0.0)  # rows with no visible key: p = 0, out = 0
@@ -92,15 +93,16 @@ class MathKernel:
             seed = int(torch.randint(0, 2**62, (1,), device=q.device).item())
             p = p * self._keep(p.shape, dropout_p, seed, q.device)
         out = torch.einsum("bgrqk,bgkd->bgrqd", p, v.float())
-        return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq), seed
+        return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq), seed
 
     def backward(self, dout, q, k, v, out, lse, causal, mask, dropout_p, scale, state):
         b, hq, sq, d = q.shape
         g = k.shape[1]
         qf, s = self._scores(q, k, causal, mask, scale)
         p = torch.exp(s - lse.float().reshape(b, g, hq // g, sq, 1))
-        do = dout.float().reshape(b, g, hq // g, sq, d)
-        o = out.float().reshape(b, g, hq // g, sq, d)
+        dv_dim = v.shape[-1]
+        do = dout.float().reshape(b, g, hq // g, sq, dv_dim)
+        o = out.float().reshape(b, g, hq // g, sq, dv_dim)
         dp = torch.einsum("bgrqd,bgkd->bgrqk", do, v.float())
         if dropout_p > 0:
             keep = self._keep(p.shape, dropout_p, state, q.device)
@@ -189,16 +191,19 @@ MATH, CUDNN, FLASH = MathKernel(), CudnnKernel(), FlashKernel()
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def select_kernel(q: torch.Tensor, has_mask: bool) -> BlockKernel:
+def select_kernel(q: torch.Tensor, has_mask: bool, v_head_dim: Optional[int] = None) -> BlockKernel:
     """The fastest kernel usable for these queries: cuDNN, then flash (no mask), then the fp32 math one.
 
-    The fused kernels follow ``torch.backends.cuda.enable_cudnn_sdp`` / ``enable_flash_sdp``.
+    The fused kernels follow ``torch.backends.cuda.enable_cudnn_sdp`` / ``enable_flash_sdp``. Flash
+    needs the value head dim equal to the query's; cuDNN is taken when both are at most 128.
     """
     if q.device.type != "cuda" or q.dtype not in _FUSED_DTYPES:
         return MATH
     head_dim = q.shape[-1]
-    if torch.backends.cuda.cudnn_sdp_enabled() and head_dim % 8 == 0 and head_dim <= 128:
+    dv = head_dim if v_head_dim is None else v_head_dim
+    if torch.backends.cuda.cudnn_sdp_enabled() and all(d % 8 == 0 and d <= 128 for d in (head_dim, dv)):
         return CUDNN
-    if torch.backends.cuda.flash_sdp_enabled() and not has_mask and head_dim % 8 == 0 and head_dim <= 256:
+    if (torch.backends.cuda.flash_sdp_enabled() and not has_mask and dv == head_dim and head_dim % 8 == 0
+            and head_dim <= 256):
         return FLASH
     return MATH
