@@ -49,6 +49,7 @@ class ChunkResult:
     tokens: dict
     lengths: dict
     skips: SkipCounts
+    empty: dict  # key -> documents without tokens (kept, as Megatron keeps them)
     num_bytes: int
     cpu_seconds: float = 0.0  # the worker's CPU time on this chunk
 
@@ -59,6 +60,7 @@ class PreprocessSummary:
 
     files: int = 0
     documents: dict = field(default_factory=dict)  # key -> documents written
+    empty_documents: dict = field(default_factory=dict)  # key -> documents written without tokens
     tokens: dict = field(default_factory=dict)  # key -> tokens written
     num_bytes: int = 0
     seconds: float = 0.0
@@ -84,6 +86,10 @@ class PreprocessSummary:
                  f"({self.mb_per_s / self.workers:.2f} MB/s per worker, {self.workers} worker(s); "
                  f"{self.mb_per_cpu_s:.2f} MB per worker CPU-second)",
                  f"skipped: {self.skips.describe(keys)}"]
+        empty = sum(self.empty_documents.values())
+        if empty:
+            lines.append(f"empty: {empty:,} documents have no tokens; they are kept as documents without sequences, "
+                         "as Megatron's preprocessing writes them")
         lines += [f"  e.g. {e}" for e in self.skips.examples]
         lines += [f"wrote {p}.bin and {p}.idx" for p in self.outputs]
         return "\n".join(lines)
@@ -110,23 +116,19 @@ def _tokenize_chunk(chunk: RawChunk) -> ChunkResult:
     tok = _WorkerState.tokenizer
     skips = SkipCounts()
     texts = chunk_documents(chunk, _WorkerState.json_keys, skips)
-    tokens, lengths = {}, {}
+    tokens, lengths, empty = {}, {}, {}
     eod = tok.eod
     for key, docs in texts.items():
         ids = tok.encode_batch(docs) if docs else []
         if _WorkerState.append_eod:
             for x in ids:
-                x.append(eod)
+                if x:  # Megatron appends no end-of-document token to a document without tokens
+                    x.append(eod)
         lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-        keep = lens > (1 if _WorkerState.append_eod else 0)  # a text can still tokenize to nothing
-        for _ in range(int((~keep).sum())):
-            skips.note("empty", f"{chunk.file} (a document near line {chunk.first_line})")
-        if not keep.all():
-            ids = [x for x, k in zip(ids, keep) if k]
-            lens = lens[keep]
+        empty[key] = int((lens == 0).sum())
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lens.sum()))
         tokens[key], lengths[key] = flat, lens
-    return ChunkResult(tokens, lengths, skips, chunk.num_bytes, time.process_time() - cpu_start)
+    return ChunkResult(tokens, lengths, skips, empty, chunk.num_bytes, time.process_time() - cpu_start)
 
 
 class _Progress:
@@ -218,11 +220,15 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_args: Tokeni
                 writers[k].add_documents(res.tokens[k], res.lengths[k])
                 summary.documents[k] = summary.documents.get(k, 0) + len(res.lengths[k])
                 summary.tokens[k] = summary.tokens.get(k, 0) + int(res.tokens[k].size)
+                summary.empty_documents[k] = summary.empty_documents.get(k, 0) + res.empty[k]
                 ndocs += len(res.lengths[k])
             summary.skips.add(res.skips)
             summary.num_bytes += res.num_bytes
             summary.cpu_seconds += res.cpu_seconds
             bar.update(res.num_bytes, ndocs)
+        for k in json_keys:
+            if not summary.tokens.get(k):
+                raise DataError(_nothing_to_write(paths, k, summary))
         for k in json_keys:
             summary.outputs.append(writers[k].finalize())
     except BaseException:
@@ -233,6 +239,16 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_args: Tokeni
         bar.close()
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _nothing_to_write(paths: Sequence, key: str, summary: PreprocessSummary) -> str:
+    """Why no dataset is written for ``key``: no input document had text under it."""
+    shown = ", ".join(str(p) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    found = [f"read {summary.num_bytes:,} bytes", f"skipped {summary.skips.describe([key])}"]
+    if summary.empty_documents.get(key):
+        found.append(f"{summary.empty_documents[key]:,} documents with no tokens")
+    return (f"--input {shown}: no document has text under --json-keys {key} ({', '.join(found)}); "
+            "nothing written: check --json-keys (or --txt-unit) against the input")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -138,7 +138,7 @@ class SkipCounts:
         if self.not_text:
             parts.append(f"{self.not_text} with a non-string value")
         if self.empty:
-            parts.append(f"{self.empty} empty documents")
+            parts.append(f"{self.empty} empty text units")
         return ", ".join(parts) if parts else "nothing"
 
 
@@ -231,7 +231,11 @@ _MISSING = _Missing()
 
 
 def chunk_documents(chunk: RawChunk, json_keys: Sequence[str], skips: SkipCounts) -> dict[str, list[str]]:
-    """The texts of a chunk for each key; every skipped line is counted in ``skips``."""
+    """The texts of a chunk for each key; every skipped line is counted in ``skips``.
+
+    An empty JSON/Parquet text is kept (it becomes a document without tokens, as Megatron's
+    ``preprocess_data.py`` writes it); an empty plain-text unit (a blank line or paragraph) is skipped.
+    """
     out: dict[str, list[str]] = {k: [] for k in json_keys}
     if chunk.kind == "texts":
         for i, text in enumerate(chunk.lines):
@@ -253,9 +257,7 @@ def chunk_documents(chunk: RawChunk, json_keys: Sequence[str], skips: SkipCounts
                 skips.note("missing_key", where)
             elif not isinstance(value, str):
                 skips.note("not_text", where)
-            elif not value:
-                skips.note("empty", where)
-            else:
+            else:  # an empty text stays a document (without tokens), as in Megatron's preprocessing
                 out[k].append(value)
     return out
 

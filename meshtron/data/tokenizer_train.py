@@ -9,6 +9,7 @@ that :func:`meshtron.data.tokenizers.load_tokenizer` reads.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from meshtron.data.errors import DataError
-from meshtron.data.readers import TXT_UNITS, expand_inputs, iter_texts
+from meshtron.data.readers import TXT_UNITS, SkipCounts, expand_inputs, iter_texts
 from meshtron.data.tokenizers import META_FILE, HuggingFaceTokenizer
 
 EOD_TOKEN = "<|endoftext|>"
@@ -56,7 +57,14 @@ def train_tokenizer(inputs: Sequence[str], vocab_size: int, output_dir: str | os
     """Train a byte-level BPE of ``vocab_size`` tokens on the documents of ``inputs`` (files, globs,
     directories; JSON lines, Parquet or text as in ``meshtron preprocess``) and save it in ``output_dir``."""
     paths = expand_inputs(inputs)
-    return train_bpe_from_texts(iter_texts(paths, json_keys, txt_unit), vocab_size, output_dir, min_frequency)
+    skips = SkipCounts()
+    texts = (t for t in iter_texts(paths, json_keys, txt_unit, skips) if t)
+    first = next(texts, None)  # look ahead for one text, without reading the whole corpus
+    if first is None:
+        shown = ", ".join(str(p) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        raise DataError(f"--input {shown}: no document has text under --json-keys {' '.join(json_keys)} "
+                        f"(skipped {skips.describe(json_keys)}); nothing to train on, no tokenizer written")
+    return train_bpe_from_texts(itertools.chain([first], texts), vocab_size, output_dir, min_frequency)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -115,6 +115,14 @@ class ByteTokenizer(Tokenizer):
         return {}
 
 
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 class NullTokenizer(Tokenizer):
     """Pre-tokenized text: space-separated integer ids below ``vocab_size``; end-of-document is ``vocab_size``."""
 
@@ -134,7 +142,17 @@ class NullTokenizer(Tokenizer):
         return self._n
 
     def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError:
+            bad = next((t for t in text.split() if not _is_int(t)), text)
+            raise DataError(f"NullTokenizer: {bad[:40]!r} is not a token id (its text must be space-separated "
+                            f"integers below --vocab-size {self._n})") from None
+        if ids and (min(ids) < 0 or max(ids) > self._n):
+            bad_id = min(ids) if min(ids) < 0 else max(ids)
+            raise DataError(f"NullTokenizer: token id {bad_id} is outside 0..{self._n} (--vocab-size {self._n}, "
+                            f"end-of-document {self._n})")
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -148,6 +166,21 @@ def _hf_encode_batch(tok: Any, texts: Sequence[str]) -> list[list[int]]:
     fast = getattr(tok, "encode_batch_fast", None)  # tokenizers >= 0.21: about 1.5x faster, no offsets
     encodings = (fast or tok.encode_batch)(list(texts), add_special_tokens=False)
     return [e.ids for e in encodings]
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in ``path``; :class:`DataError` naming the file when it is unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise DataError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{what} {path} is not UTF-8 text (a corrupt or binary file)") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{what} {path} must hold a JSON object, not a {type(data).__name__}")
+    return data
 
 
 def _special_from_config(value: Any) -> Optional[str]:
@@ -175,7 +208,7 @@ class HuggingFaceTokenizer(Tokenizer):
         config: dict = {}
         if p.is_dir():
             if (p / "tokenizer_config.json").is_file():
-                config = json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8"))
+                config = read_json_object(p / "tokenizer_config.json", "tokenizer config")
             if (p / "tokenizer.json").is_file():
                 self._load_json(p / "tokenizer.json")
             else:
@@ -207,7 +240,13 @@ class HuggingFaceTokenizer(Tokenizer):
         except ImportError:
             raise DataError(f"{directory} has no tokenizer.json; loading other pretrained tokenizer formats needs "
                             "`pip install transformers`") from None
-        self._hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        try:
+            self._hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except Exception as exc:  # transformers raises OSError, ValueError, KeyError... depending on what is missing
+            reason = " ".join(str(exc).split())[:200]
+            raise DataError(f"--tokenizer-model {directory}: the directory has no tokenizer.json and transformers "
+                            f"cannot load it as a pretrained tokenizer ({type(exc).__name__}: {reason}); give a "
+                            "tokenizer.json file or a directory holding one") from None
 
     def _find(self, configured: Optional[str], candidates: Sequence[str]) -> Optional[int]:
         names = ([configured] if configured else []) + list(candidates)
@@ -390,14 +429,14 @@ def _llama3_special_tokens() -> list[str]:
 def read_tiktoken_file(path: str | os.PathLike) -> dict[bytes, int]:
     """Parse a tiktoken BPE file: one ``base64(token) rank`` per line."""
     ranks: dict[bytes, int] = {}
-    with open(path, "rb") as f:
+    with open(path, "rb") as f:  # the caller checked that it is a file
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-            except ValueError:
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError:  # also binascii.Error: not base64
                 raise DataError(f"{path}:{lineno}: not a tiktoken BPE line (expected 'base64-token rank')") from None
     return ranks
 
@@ -467,6 +506,8 @@ def _infer_type(tokenizer_model: Optional[str], vocab_file: Optional[str], merge
         if p.suffix == ".tiktoken":
             return "TikTokenizer"
         if p.suffix == ".model":
+            if not p.is_file():
+                raise DataError(f"--tokenizer-model {p} not found (a SentencePiece or tiktoken .model file)")
             # Llama 3 ships a tiktoken file named tokenizer.model; SentencePiece models are binary protobufs.
             with open(p, "rb") as f:
                 head = f.read(64)
@@ -512,14 +553,21 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     meta_file = d / META_FILE
     if not meta_file.is_file():
         raise DataError(f"{d} holds no saved tokenizer ({META_FILE} is missing)")
-    meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    meta = read_json_object(meta_file, "saved tokenizer description")
+    kind = meta.get("tokenizer_type")
+    if kind not in TOKENIZER_TYPES:
+        raise DataError(f"{meta_file}: tokenizer_type is {kind!r}; valid: {', '.join(TOKENIZER_TYPES)}")
+    files = {k: meta.get(k) for k in ("tokenizer_model", "path", "vocab_file", "merge_file")}
+    vocab_size = meta.get("vocab_size")
+    if any(v is not None and not isinstance(v, str) for v in files.values()) or not (
+            vocab_size is None or (isinstance(vocab_size, int) and not isinstance(vocab_size, bool))):
+        raise DataError(f"{meta_file} is corrupt: file names must be strings and vocab_size an integer")
 
     def rel(key: str) -> Optional[str]:
-        return str(d / meta[key]) if meta.get(key) is not None else None
+        return str(d / files[key]) if files[key] is not None else None
 
-    return build_tokenizer(meta["tokenizer_type"], tokenizer_model=rel("tokenizer_model") or rel("path"),
-                           vocab_file=rel("vocab_file"), merge_file=rel("merge_file"),
-                           vocab_size=meta.get("vocab_size"))
+    return build_tokenizer(kind, tokenizer_model=rel("tokenizer_model") or rel("path"),
+                           vocab_file=rel("vocab_file"), merge_file=rel("merge_file"), vocab_size=vocab_size)
 
 
 def tokenizer_from_config(data_cfg: Any, vocab_size: Optional[int] = None) -> Tokenizer:

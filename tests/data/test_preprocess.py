@@ -33,12 +33,14 @@ def test_jsonl_round_trip_with_bad_lines(tmp_path, bpe_dir, bpe):
     expected = [bpe.encode(d) + [bpe.eod] for d in DOCS]
     assert _read_all(tmp_path / "out_text_document") == expected
     ds = IndexedDataset(tmp_path / "out_text_document")
-    assert ds.dtype == np.uint16 and ds.num_documents == 4
+    # The empty text is a document without sequences (and without an end-of-document token), as in Megatron.
+    assert ds.dtype == np.uint16 and ds.num_documents == 5 and ds.document_indices.tolist() == [0, 1, 2, 2, 3, 4]
     s = summary.skips
-    assert (s.not_json, s.missing_key, s.empty, s.not_text) == (2, 1, 1, 1)
-    assert summary.documents == {"text": 4} and summary.tokens["text"] == sum(map(len, expected))
+    assert (s.not_json, s.missing_key, s.empty, s.not_text) == (2, 1, 0, 1)
+    assert summary.documents == {"text": 5} and summary.empty_documents == {"text": 1}
+    assert summary.tokens["text"] == sum(map(len, expected))
     report = summary.report(["text"])
-    assert "2 lines not JSON" in report and "1 without key text" in report and "1 empty documents" in report
+    assert "2 lines not JSON" in report and "1 without key text" in report and "1 documents have no tokens" in report
     assert f"{src}:2" in report  # the first bad line is named
 
 
@@ -132,7 +134,7 @@ def test_plain_text_units(tmp_path, unit, expected):
     summary = preprocess([str(tmp_path / "t.txt")], str(tmp_path / "o"), TokenizerArgs("ByteTokenizer"),
                          txt_unit=unit, progress=False)
     assert _read_all(tmp_path / "o_text_document") == [list(e.encode()) for e in expected]
-    assert summary.skips.empty == (1 if unit == "line" else 0)  # the blank line
+    assert summary.skips.empty == (1 if unit == "line" else 0)  # the blank line is skipped (not a document)
 
 
 def test_progress_lines_when_not_on_a_terminal(tmp_path):
@@ -142,3 +144,62 @@ def test_progress_lines_when_not_on_a_terminal(tmp_path):
                chunk_bytes=500, log=lines.append)
     assert len(lines) > 3
     assert "documents" in lines[-1] and "docs/s" in lines[-1] and "MB/s" in lines[-1]
+
+
+def _megatron_layout(docs: list[list[int]]) -> tuple[bytes, bytes]:
+    """The .idx/.bin that Megatron's preprocess_data.py writes for these token lists with --append-eod:
+    a document with tokens is one sequence ending with end-of-document; an empty one adds only a
+    document-index entry (Encoder.encode gives it no sentence, IndexedDatasetBuilder.add_document
+    appends len(sequence_lengths) to the document index)."""
+    from test_indexed_dataset import hand_written_bin, hand_written_idx
+
+    seqs = [d + [256] for d in docs if d]
+    doc_index, count = [0], 0
+    for d in docs:
+        count += 1 if d else 0
+        doc_index.append(count)
+    return hand_written_idx(seqs, doc_index), hand_written_bin(seqs)
+
+
+def test_empty_documents_are_kept_as_megatron_keeps_them(tmp_path):
+    texts = ["", "ab", "", "", "c", ""]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    summary = preprocess([str(src)], str(tmp_path / "o"), TokenizerArgs("ByteTokenizer"), append_eod=True,
+                         progress=False)
+    idx, binb = _megatron_layout([list(t.encode()) for t in texts])
+    assert (tmp_path / "o_text_document.idx").read_bytes() == idx
+    assert (tmp_path / "o_text_document.bin").read_bytes() == binb
+    assert summary.documents == {"text": 6} and summary.empty_documents == {"text": 4}
+
+
+def test_empty_documents_match_megatron_core_builder(tmp_path):
+    """Runs where megatron-core is installed: its builder, fed as preprocess_data.py feeds it, writes our bytes."""
+    mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    torch = pytest.importorskip("torch")
+    texts = ["ab", "", "c"]
+    builder = mcore.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np.uint16)
+    for t in texts:
+        ids = list(t.encode())
+        lens = [len(ids) + 1] if ids else []
+        builder.add_document(torch.tensor(ids + [256] if ids else [], dtype=torch.int64), lens)
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    preprocess([str(src)], str(tmp_path / "o"), TokenizerArgs("ByteTokenizer"), append_eod=True, progress=False)
+    for ext in (".idx", ".bin"):
+        assert (tmp_path / f"o_text_document{ext}").read_bytes() == (tmp_path / f"theirs{ext}").read_bytes()
+
+
+@pytest.mark.parametrize("records, keys, message", [
+    ([{"content": "x"}, {"content": "y"}], ["text"], "2 without key text"),
+    (["{bad", "[1]"], ["text"], "2 lines not JSON"),
+    ([{"text": ""}, {"text": ""}], ["text"], "2 documents with no tokens"),
+    ([{"text": "x", "title": ""}], ["text", "title"], "--json-keys title"),
+])
+def test_no_text_at_all_is_an_error_and_writes_nothing(tmp_path, capsys, records, keys, message):
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    rc = preprocess_main(["--input", str(src), "--json-keys", *keys, "--output-prefix", str(tmp_path / "o"),
+                          "--tokenizer-type", "ByteTokenizer", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"--input {src}: no document has text under --json-keys" in err and message in err
+    assert not list(tmp_path.glob("o*"))  # no empty (or partial) dataset left behind

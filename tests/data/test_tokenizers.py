@@ -188,3 +188,92 @@ def test_gpt2_table_not_made_by_plain_bpe_uses_the_reference(tmp_path, bpe_dir):
     tok = GPT2BPETokenizer(bpe_dir / "vocab.json", tmp_path / "merges.txt")
     assert tok.engine == "tokenizers"
     assert tok.decode(tok.encode(MULTIBYTE_TEXT)) == MULTIBYTE_TEXT
+
+
+def _copy_of(bpe_dir, tmp_path):
+    import shutil
+
+    out = tmp_path / "tok"
+    shutil.copytree(bpe_dir, out)
+    return out
+
+
+@pytest.mark.parametrize("case, message", [
+    ("config_not_json", r"tokenizer config .*tokenizer_config.json is not valid JSON \(.* at line 1, column 2\)"),
+    ("config_not_object", r"tokenizer config .*tokenizer_config.json must hold a JSON object, not a list"),
+    ("config_not_utf8", r"tokenizer config .*tokenizer_config.json is not UTF-8 text"),
+    ("no_tokenizer_json", r"--tokenizer-model .*: the directory has no tokenizer.json and transformers cannot load it"),
+    ("tokenizer_json_corrupt", r"cannot read tokenizer file .*tokenizer.json"),
+    ("vocab_corrupt", r"cannot read GPT-2 BPE files .*vocab.json / .*merges.txt"),
+    ("vocab_not_object", r"cannot read GPT-2 BPE files .*Bad vocabulary json file"),
+    ("merges_corrupt", r"cannot read GPT-2 BPE files .*Merges text file invalid at line"),
+    ("merges_binary", r"cannot read GPT-2 BPE files .*UTF-8"),
+    ("missing_model_file", r"--tokenizer-model .*missing.model not found"),
+    ("tiktoken_not_base64", r"x.tiktoken:2: not a tiktoken BPE line"),
+    ("saved_meta_corrupt", r"saved tokenizer description .*meshtron_tokenizer.json is not valid JSON"),
+    ("saved_meta_no_type", r"meshtron_tokenizer.json: tokenizer_type is None; valid: ByteTokenizer"),
+    ("saved_meta_bad_field", r"meshtron_tokenizer.json is corrupt: file names must be strings"),
+])
+def test_corrupt_tokenizer_files_give_one_line_errors(bpe_dir, tmp_path, case, message):
+    tok = _copy_of(bpe_dir, tmp_path)
+    call = lambda: build_tokenizer("HuggingFaceTokenizer", str(tok))  # noqa: E731
+    gpt2 = lambda: build_tokenizer("GPT2BPETokenizer", vocab_file=str(tok / "vocab.json"),  # noqa: E731
+                                   merge_file=str(tok / "merges.txt"))
+    if case == "config_not_json":
+        (tok / "tokenizer_config.json").write_text("{oops")
+    elif case == "config_not_object":
+        (tok / "tokenizer_config.json").write_text("[1, 2]")
+    elif case == "config_not_utf8":
+        (tok / "tokenizer_config.json").write_bytes(b"\xff\xfe\x00{")
+    elif case == "no_tokenizer_json":
+        pytest.importorskip("transformers")
+        (tok / "tokenizer.json").unlink()
+    elif case == "tokenizer_json_corrupt":
+        (tok / "tokenizer.json").write_text('{"truncated": ')
+    elif case == "vocab_corrupt":
+        (tok / "vocab.json").write_text("{oops")
+        call = gpt2
+    elif case == "vocab_not_object":
+        (tok / "vocab.json").write_text("[1, 2, 3]")
+        call = gpt2
+    elif case == "merges_corrupt":
+        (tok / "merges.txt").write_text("#version: 0.2\na b c\n")
+        call = gpt2
+    elif case == "merges_binary":
+        (tok / "merges.txt").write_bytes(b"\xff\xfe\x00 garbage\n")
+        call = gpt2
+    elif case == "missing_model_file":
+        call = lambda: build_tokenizer(None, str(tmp_path / "missing.model"))  # noqa: E731
+    elif case == "tiktoken_not_base64":
+        pytest.importorskip("tiktoken")
+        (tmp_path / "x.tiktoken").write_bytes(b"YQ== 0\n\xff\xfe 1\n")
+        call = lambda: build_tokenizer("TikTokenizer", str(tmp_path / "x.tiktoken"))  # noqa: E731
+    elif case.startswith("saved_meta"):
+        saved = ByteTokenizer().save(tmp_path / "saved")
+        text = {"saved_meta_corrupt": "{oops", "saved_meta_no_type": '{"path": "."}',
+                "saved_meta_bad_field": '{"tokenizer_type": "NullTokenizer", "vocab_size": "many"}'}[case]
+        (saved / "meshtron_tokenizer.json").write_text(text)
+        call = lambda: load_tokenizer(saved)  # noqa: E731
+    with pytest.raises(DataError, match=message) as err:
+        call()
+    assert "\n" not in str(err.value)
+
+
+def test_null_tokenizer_refuses_text_that_is_not_ids():
+    tok = NullTokenizer(10)
+    assert tok.encode(" 1 2\n10 ") == [1, 2, 10]
+    with pytest.raises(DataError, match="'x' is not a token id"):
+        tok.encode("1 2 x")
+    with pytest.raises(DataError, match="token id 11 is outside 0..10"):
+        tok.encode("1 11")
+    with pytest.raises(DataError, match="token id -1 is outside"):
+        tok.encode("-1 3")
+
+
+def test_training_a_tokenizer_on_no_text_is_an_error(tmp_path, capsys):
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"content": "abc"}\n{"text": ""}\n')
+    assert tokenizer_main(["train", "--input", str(data), "--vocab-size", "300", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"--input {data}: no document has text under --json-keys text (skipped 1 without key text)" in err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
