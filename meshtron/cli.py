@@ -187,7 +187,12 @@ def coerce(spec: FlagSpec, value: Any) -> Any:
             return [] if spec.kind is list else None
         raise ValueError("a value is required (null is not allowed)")
     if spec.kind is list:
+        if isinstance(value, dict):
+            raise ValueError(f"expected a list of values, got a mapping {value!r}")
         items = value if isinstance(value, (list, tuple)) else str(value).split()
+        nested = [v for v in items if isinstance(v, (list, tuple, dict)) or v is None]
+        if nested:
+            raise ValueError(f"expected a flat list of values, got {nested[0]!r} in it")
         return [str(v) for v in items]
     if spec.kind is bool:
         if isinstance(value, bool):
@@ -397,16 +402,16 @@ def _unknown_argument_message(extras: Sequence[str], parser: argparse.ArgumentPa
 
 
 def load_yaml_config(path: str) -> dict[str, Any]:
-    """{field: value} from a YAML file; keys may use ``_`` or ``-`` (and a leading ``--``). Raises ConfigError."""
+    """{field: value} from a YAML file; keys may use ``_`` or ``-`` (and a leading ``--``). Raises ConfigError.
+
+    The file must be UTF-8 text holding one mapping; a key given twice (also as ``a_b`` and ``a-b``) is an
+    error rather than a silent choice of one value.
+    """
     import yaml  # only when a config file is used
 
+    text = _read_utf8(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--config: file {path} does not exist") from None
-    except OSError as err:
-        raise ConfigError(f"--config: cannot read {path} ({err.strerror})") from None
+        data = yaml.load(text, Loader=_unique_key_loader(yaml))  # a SafeLoader: plain data, no objects
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""
@@ -425,11 +430,53 @@ def load_yaml_config(path: str) -> dict[str, Any]:
             close = difflib.get_close_matches(key, list(specs), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"{path}: unknown key {raw_key!r}{hint}")
+        if key in out:
+            raise ConfigError(f"{path}: {spec.flag} is given twice (keys {key!r} and {raw_key!r}): keep one")
         try:
             out[key] = coerce(spec, value)
         except ValueError as err:
-            raise ConfigError(f"{path}: {key}: {err}") from None
+            raise ConfigError(f"{path}: {raw_key}: {err} (flag {spec.flag})") from None
     return out
+
+
+def _read_utf8(path: str) -> str:
+    """The text of a configuration file, which must be UTF-8 (a byte order mark is allowed)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config: {path} is a directory, not a YAML file") from None
+    except OSError as err:
+        raise ConfigError(f"--config: cannot read {path} ({err.strerror})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ConfigError(f"--config: {path} is not UTF-8 text: byte 0x{raw[err.start]:02x} at byte offset "
+                          f"{err.start} (line {line}); save the file as UTF-8") from None
+
+
+def _unique_key_loader(yaml: types.ModuleType) -> type:
+    """A SafeLoader subclass that refuses a mapping with the same key twice (PyYAML keeps the last)."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: set = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # an unhashable key: SafeLoader's own error names it
+                    break
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 # ---------------------------------------------------------------------------------------------

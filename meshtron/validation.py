@@ -662,6 +662,8 @@ def _looks_like_hub_id(name: str) -> bool:
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
     _positive_if_set([("--save-interval", c.save_interval), ("--save-retain", c.save_retain)])
+    if c.load == "":
+        raise ConfigError("--load: expected a checkpoint directory, got an empty path")
     # --load DIR --save DIR with a DIR that does not exist yet is the usual start of a resumable run.
     if c.load is not None and not os.path.isdir(c.load) and c.load != c.save:
         raise ConfigError(f"--load: directory {c.load} does not exist")

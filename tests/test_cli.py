@@ -74,6 +74,91 @@ def test_validation_error_exits_2(capsys: pytest.CaptureFixture, no_cuda: None) 
                    "--tensor-model-parallel-size (4)\n")
 
 
+@pytest.fixture
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A case that wrongly passed validation would start a run: make that fail the test at once."""
+    def refuse(*args: object) -> None:
+        raise AssertionError("the configuration was accepted")
+
+    monkeypatch.setattr(cli, "_load_entry", refuse)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+# (argv, what the one-line message must say). Each is bad input that once went through silently or
+# ended in a traceback: non-finite numbers, negative or zero sizes, empty paths.
+BAD_VALUES = [
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--clip-grad", "nan"], "--clip-grad must be a finite number, got nan"),  # once: clipping silently off
+    (["--clip-grad", "inf"], "--clip-grad must be a finite number, got inf"),
+    (["--min-lr=-inf"], "--min-lr must be a finite number, got -inf"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+    (["--adam-eps", "inf"], "--adam-eps must be a finite number"),
+    (["--init-method-std", "nan"], "--init-method-std must be a finite number"),
+    (["--rotary-base", "inf"], "--rotary-base must be a finite number"),
+    (["--lr-warmup-fraction", "nan"], "--lr-warmup-fraction must be a finite number"),
+    (["--distributed-timeout-minutes", "inf"], "--distributed-timeout-minutes must be a finite number"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "inf"], "--moe-expert-capacity-factor must be a finite"),
+    (["--split", "nan,1,1"], "--split 'nan,1,1': expected up to three finite numbers"),
+    (["--split", "inf,1,1"], "--split 'inf,1,1'"),
+    (["--data-path", "nan", "A"], "--data-path: weights must be finite numbers"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--num-experts", "4", "--moe-first-dense-layers", "-1"], "--moe-first-dense-layers must be >= 0, got -1"),
+    (["--rope-original-max-position-embeddings", "0"], "--rope-original-max-position-embeddings must be positive"),
+    (["--profile-ranks", "-1"], "--profile-ranks takes global rank numbers, got -1"),
+    (["--save", ""], "--save: expected a directory, got an empty path"),
+    (["--load", ""], "--load: expected a checkpoint directory, got an empty path"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
+     "--expert-tensor-parallel-size (2) must equal --tensor-model-parallel-size (1)"),
+]
+
+
+@pytest.mark.parametrize("argv,expected", BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_bad_values_are_one_line_errors_naming_the_flag(argv: list[str], expected: str, no_cuda: None,
+                                                        no_training: None, capsys: pytest.CaptureFixture) -> None:
+    assert main(["train", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtron train: error: ") and err.count("\n") == 1, err
+    assert expected in err
+
+
+BAD_YAML = [
+    ("lr: .nan\n", "--lr must be a finite number, got nan"),
+    ("clip_grad: .inf\n", "--clip-grad must be a finite number, got inf"),
+    ("micro_batch_size: [1, 2]\n", "micro_batch_size: expected an integer, got [1, 2] (flag --micro-batch-size)"),
+    ("train_iters: 2.5\n", "train_iters: expected an integer, got 2.5 (flag --train-iters)"),
+    ("data_path: {a: 1}\n", "data_path: expected a list of values, got a mapping"),
+    ("data_path: [[a, b]]\n", "data_path: expected a flat list of values"),
+    ("42\n", "must hold a mapping of field: value, not a int"),
+    ("- lr: 1\n", "must hold a mapping of field: value, not a list"),
+    ("lr: 0.1\nlr: 0.2\n", "line 2: invalid YAML (key 'lr' appears twice)"),
+    ("hidden_size: 64\nhidden-size: 32\n", "--hidden-size is given twice (keys 'hidden_size' and 'hidden-size')"),
+    ("seed: 1\x00\n", "invalid YAML (unacceptable character"),
+]
+
+
+@pytest.mark.parametrize("text,expected", BAD_YAML, ids=[t for t, _ in BAD_YAML])
+def test_bad_yaml_is_a_one_line_error(tmp_path: Path, text: str, expected: str, no_cuda: None, no_training: None,
+                                      capsys: pytest.CaptureFixture) -> None:
+    config = write(tmp_path / "run.yaml", text)
+    assert main(["train", "--device", "cpu", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtron train: error: ") and err.count("\n") == 1, err
+    assert expected in err
+
+
+def test_yaml_that_is_not_utf8_names_the_file_and_byte(tmp_path: Path, no_training: None,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("num_layers: 2\n# caf\u00e9\n".encode("latin-1"))
+    assert main(["train", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == (f"meshtron train: error: --config: {path} is not UTF-8 text: byte 0xe9 at byte "
+                                       f"offset 19 (line 2); save the file as UTF-8\n")
+    path.write_bytes(b"\xef\xbb\xbfnum_layers: 3\n")  # a byte order mark is fine
+    assert build_config(["--config", str(path)]).model.num_layers == 3
+
+
 def test_unknown_command(capsys: pytest.CaptureFixture) -> None:
     assert main(["trian"]) == 2
     assert "unknown command 'trian'; did you mean 'train'?" in capsys.readouterr().err

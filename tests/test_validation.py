@@ -340,3 +340,112 @@ def test_sample_based_schedule_becomes_iterations(no_cuda: None) -> None:
         validated(SHAPE + ["--lr-decay-samples", "800", "--lr-decay-iters", "5"])
     with pytest.raises(ConfigError, match=r"--train-samples \(4\) must be at least one --global-batch-size \(8\)"):
         validated(SHAPE + ["--global-batch-size", "8", "--train-samples", "4"])
+
+
+def test_sample_based_schedule_survives_a_second_validation(no_cuda: None) -> None:
+    # `meshtron train` validates, then run_training validates again: the filled iterations must not
+    # read as a contradiction of the sample counts they came from.
+    cfg = validated(SHAPE + ["--global-batch-size", "8", "--lr-warmup-samples", "80", "--lr-decay-samples", "800"])
+    snapshot = cfg.to_dict()
+    validate_config(cfg, 1)
+    assert cfg.to_dict() == snapshot
+
+
+def test_check_changes_nothing(no_cuda: None) -> None:
+    cfg = build_config(SHAPE + ["--micro-batch-size", "2", "--num-experts", "4", "--recompute-activations"])
+    validation.resolve(cfg, 2)
+    snapshot = cfg.to_dict()
+    validation.check(cfg, 2)
+    assert cfg.to_dict() == snapshot
+
+
+def test_expert_tensor_parallel_size_is_refused_before_any_process_group() -> None:
+    # The model builder cannot split experts over other TP ranks than the dense layers: say so up front.
+    with pytest.raises(ConfigError, match=r"--expert-tensor-parallel-size \(1\) must equal "
+                                          r"--tensor-model-parallel-size \(2\)"):
+        validated(SHAPE + ["--device", "cpu", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+                           "--expert-tensor-parallel-size", "1"], 2)
+    cfg = validated(SHAPE + ["--device", "cpu", "--num-experts", "4", "--tensor-model-parallel-size", "2"], 2)
+    assert cfg.parallel.expert_tensor_parallel_size == 2
+
+
+def test_process_groups_use_the_validation_layout_rule() -> None:
+    from meshtron.parallel.context import check_layout
+
+    assert check_layout(8, 2, 1, 2, 1) == 2
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by TP\(4\) x CP\(1\) x PP\(1\) = 4"):
+        check_layout(6, 4, 1, 1, 1)
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size \(4\) must divide data-parallel size \(2\)"):
+        check_layout(2, 1, 1, 1, 4)
+
+
+def test_infinity_only_where_the_field_allows_it(no_cuda: None) -> None:
+    assert validated(SHAPE + ["--exit-duration-in-mins", "inf"]).train.exit_duration_in_mins == float("inf")
+    with pytest.raises(ConfigError, match="--exit-duration-in-mins must be a finite number, got nan"):
+        validated(SHAPE + ["--exit-duration-in-mins", "nan"])
+    cfg = build_config(SHAPE + ["--device", "cpu"])
+    cfg.optim.adam_beta1 = float("nan")  # set in code, not parsed: the same rule holds
+    with pytest.raises(ConfigError, match="--adam-beta1 must be a finite number, got nan"):
+        validate_config(cfg, 1)
+
+
+# A checker that runs with torch and numpy unimportable: each case prints "ok ..." or "error <message>".
+_WITHOUT_TORCH = r'''
+import json, sys
+
+
+class RefuseHeavyImports:
+    """An import finder that makes torch and numpy unimportable."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "numpy"):
+            raise ImportError(f"{name} is blocked")
+        return None
+
+
+sys.meta_path.insert(0, RefuseHeavyImports())
+from meshtron.cli import build_config
+from meshtron.errors import ConfigError
+from meshtron.validation import validate_config
+import meshtron.pipeline.partition
+
+out = []
+for argv, world in json.loads(sys.argv[1]):
+    try:
+        cfg = validate_config(build_config(argv), world)
+        out.append(["ok", cfg.parallel.virtual_pipeline_model_parallel_size, cfg.train.global_batch_size])
+    except ConfigError as err:
+        out.append(["error", str(err)])
+loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("torch", "numpy")
+                or m.startswith(("meshtron.model", "meshtron.layers", "meshtron.parallel", "meshtron.pipeline.s")))
+print(json.dumps({"results": out, "loaded": loaded}))
+'''
+
+
+def test_checking_a_config_needs_no_torch() -> None:
+    import json
+    import subprocess
+    import sys
+
+    cpu = ["--device", "cpu"]
+    cases = [
+        (SHAPE + cpu + ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8"], 4),
+        (SHAPE + cpu + ["--num-layers", "7", "--pipeline-model-parallel-size", "2"], 2),
+        (SHAPE + cpu + ["--num-layers", "10", "--pipeline-model-parallel-size", "3",
+                        "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "4"], 3),
+        (SHAPE + cpu + ["--tensor-model-parallel-size", "4"], 6),
+        (SHAPE + cpu + ["--lr", "nan"], 1),
+    ]
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, json.dumps(cases)], capture_output=True,
+                            text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["loaded"] == []
+    ok, uneven_pp, uneven_split, world, nan = report["results"]
+    assert ok == ["ok", 2, 8]
+    assert uneven_pp[0] == "error" and "--num-layers (7) must be divisible by --pipeline-model-parallel-size (2)" \
+        in uneven_pp[1]
+    assert uneven_split == ["ok", None, 1]
+    assert world[0] == "error" and "world size 6 is not divisible" in world[1]
+    assert nan == ["error", "--lr must be a finite number, got nan"]
