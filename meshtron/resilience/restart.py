@@ -8,8 +8,9 @@ complete checkpoint: when ``--load`` is not given, from ``--save``.
 
 from __future__ import annotations
 
+import datetime
 import os
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 #: Environment variables that carry the restart attempt (0 for the first attempt), in the order read.
 RESTART_COUNT_VARIABLES: tuple[str, ...] = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
@@ -33,15 +34,39 @@ def is_restarted_attempt(environ: Optional[Mapping[str, str]] = None) -> bool:
     return restart_count(environ) > 0
 
 
-def resume_directory(load: Optional[str], save: Optional[str], attempt: int) -> Optional[str]:
-    """Where this attempt loads its checkpoint from: ``--load``, else ``--save`` on a restarted attempt."""
-    if load:
-        return load
+def resume_candidates(load: Optional[str], save: Optional[str], attempt: int) -> list[tuple[str, bool]]:
+    """The checkpoint directories this attempt tries, in order, each with whether it is the user's
+    ``--load`` (where ``--finetune`` applies): a restarted attempt first tries ``--save``, where this
+    job's own progress is."""
+    out: list[tuple[str, bool]] = []
     if attempt > 0 and save:
-        return save
-    return None
+        out.append((save, False))
+    if load and not (attempt > 0 and load == save):
+        out.append((load, True))
+    return out
 
 
 def restart_event(attempt: int, resumed_from: int) -> dict:
     """The metrics-file event of a restarted attempt (DESIGN section 6)."""
     return {"type": "restart", "attempt": attempt, "iteration": resumed_from}
+
+
+def attempt_store_options(timeout: datetime.timedelta,
+                          environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """``init_process_group`` arguments that keep a restarted attempt's keys apart from the last one's.
+
+    torchrun's static rendezvous keeps one store (in the launcher's agent) across restarts,
+    so a restarted worker would read the dead attempt's addresses (gloo: "connection refused").
+    On a restarted attempt under that agent store, this is ``store`` (the agent's store under a
+    per-attempt prefix), ``rank`` and ``world_size``; otherwise empty (the usual ``env://``).
+    """
+    env = os.environ if environ is None else environ
+    attempt = restart_count(env)
+    if attempt == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    import torch.distributed as dist
+
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
+                           is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"meshtron/attempt_{attempt}", client), "rank": int(env["RANK"]),
+            "world_size": int(env["WORLD_SIZE"])}

@@ -12,7 +12,7 @@ import torch
 
 from meshtron.config import ConfigError
 from meshtron.resilience.faults import FaultInjector, FaultSpec, check_faults, flip_bit, parse_fault
-from meshtron.resilience.restart import restart_count, resume_directory
+from meshtron.resilience.restart import restart_count, resume_candidates
 
 
 def _cfg(*faults: str) -> SimpleNamespace:
@@ -60,13 +60,15 @@ def test_only_this_rank_and_only_the_first_attempt(monkeypatch):
     assert restarted.corrupt_loss(2, 0, loss) is loss
 
 
-def test_restart_count_and_resume_directory():
+def test_restart_count_and_resume_candidates():
     assert restart_count({}) == 0
     assert restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
     assert restart_count({"SLURM_RESTART_COUNT": "1"}) == 1
-    assert resume_directory(None, "ck", 0) is None
-    assert resume_directory(None, "ck", 1) == "ck"
-    assert resume_directory("other", "ck", 1) == "other"
+    assert resume_candidates(None, "ck", 0) == []
+    assert resume_candidates(None, "ck", 1) == [("ck", False)]
+    assert resume_candidates("ck", "ck", 0) == [("ck", True)]
+    assert resume_candidates("ck", "ck", 2) == [("ck", False)]
+    assert resume_candidates("base", "ck", 1) == [("ck", False), ("base", True)]
 
 
 def test_nan_is_transient_and_nan_persistent_is_not():
