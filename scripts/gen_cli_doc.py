@@ -30,6 +30,31 @@ Generated from `meshtron/config.py` by `python scripts/gen_cli_doc.py`; do not e
 - Errors (unknown flag, bad value, impossible layout, missing file) are one line naming the flag, exit code 2.
 - The Megatron compatibility flags are accepted so that Megatron scripts run unchanged; meshtron prints a one-line
   note when one is given.
+
+## How a configuration is checked
+
+Before any work starts (and before `--nproc-per-node` starts any worker), `meshtron.validation.validate_config`
+runs two steps; neither needs torch or the model code.
+
+1. `resolve(cfg, world_size)` fills what other flags imply: `--max-position-embeddings` from `--seq-length`,
+   `--num-query-groups`, `--ffn-hidden-size`, `--moe-ffn-hidden-size`, `--expert-tensor-parallel-size` (TP),
+   the virtual stages from `--num-layers-per-virtual-pipeline-stage`, `--device`, `--bf16`/`--fp32`,
+   `--fp8-format` from `--fp8-hybrid`, `--compile`, `--recompute-method`, `--global-batch-size`
+   (micro batch x data-parallel size), iterations from `--train-samples`, `--lr-warmup-samples` and
+   `--lr-decay-samples`, `--lr-decay-iters` (`--train-iters`), `--tokenizer-type` from `--vocab-file` and
+   `--merge-file`. Resolving twice gives the same configuration.
+2. `check(cfg, world_size)` changes nothing and stops at the first violated rule with one line that names the flag.
+
+Which module owns which rule:
+
+| Rule | Module |
+|---|---|
+| a value's type, choices and encoding; unknown flags and YAML keys; a YAML key given twice | `meshtron.cli` |
+| every number finite (infinity only where a field allows it: `--exit-duration-in-mins inf` means never) | `meshtron.validation` |
+| model shape; sizes against the shape; world size = TP x CP x DP x PP; experts against EP (and ETP = TP); batch sizes; precision; recomputation; optimizer and schedule; data, tokenizer, checkpoint and logging paths | `meshtron.validation` (the process groups reuse its world-size rule) |
+| layers over pipeline stages and virtual stages; micro-batches of the interleaved schedule | `meshtron.pipeline.partition` (plain integers, called by validation) |
+| `--nnodes`, `--node-rank`, `--master-port` and the other launcher flags | `meshtron.launcher.check_launcher` (called by validation) |
+| facts known only later: GPUs on the node, a checkpoint's contents, a dataset's tokens | the launcher, `meshtron.checkpoint`, `meshtron.data` |
 """
 
 
