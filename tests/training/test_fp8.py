@@ -145,7 +145,8 @@ def test_fp8_switches_the_layer_linears():
 def test_fp8_flags_are_checked():
     cases = [(["--fp8-hybrid"], "--fp8-format hybrid needs --bf16"),
              (["--fp8-format", "e4m3", "--fp8-recipe", "delayed", "--bf16"], "--fp8-recipe delayed is not implemented"),
-             (["--fp8-format", "hybrid", "--fp8-recipe", "rowwise", "--bf16"], "--fp8-recipe rowwise takes --fp8-format e4m3")]
+             (["--fp8-format", "hybrid", "--fp8-recipe", "rowwise", "--bf16"],
+              "--fp8-recipe rowwise takes --fp8-format e4m3")]
     for argv, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate_config(build_config(argv + ["--device", "cpu"]), 1)
