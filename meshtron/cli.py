@@ -44,6 +44,7 @@ COMMANDS: dict[str, str] = {
     "convert": "Convert checkpoints (resharding, Hugging Face import/export).",
     "bench": "Run a matrix of benchmark configurations and print a table.",
     "plot": "Draw figures from metrics files (loss, throughput, stragglers) or bench rows.",
+    "plan": "Exact static memory of chosen ranks of a layout, without GPUs (--dry-run).",
 }
 
 #: commands implemented in other modules: command -> (module, function taking the remaining arguments).
@@ -54,6 +55,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("meshtron.checkpoint.convert", "convert_main"),
     "bench": ("meshtron.bench", "bench_main"),
     "plot": ("meshtron.plot", "plot_main"),
+    "plan": ("meshtron.planning.cli", "plan_main"),
 }
 
 #: The help group of the Megatron-LM flags meshtron accepts without effect (``opt(..., megatron_compat=True)``).
@@ -504,6 +506,10 @@ def train_main(argv: Sequence[str]) -> int:
 
     args = parse_train_args(argv)
     cfg = args.config
+    if cfg.train.dry_run:  # the plan of this run, in this process: no launch, no process group
+        world = (launcher.planned_world_size(cfg.parallel) if launcher.should_launch(cfg.parallel)
+                 else launcher.env_world_size())
+        return _load_entry("train", "meshtron.planning.cli", "dry_run")(cfg, world)
     if launcher.should_launch(cfg.parallel):
         launcher.check_before_launch(cfg)  # errors once, here, rather than in every worker
         return launcher.launch(cfg.parallel, argv)

@@ -261,6 +261,9 @@ class TrainConfig:
     eval_iters: int = opt(10, "Validation iterations per evaluation.")
     skip_train: bool = opt(False, "Do not train: load the checkpoint (--load), evaluate on the validation split "
                                   "and exit.")
+    dry_run: bool = opt(False, "Do not train: print the plan of this run's first and last rank (exact static "
+                               "memory from meta-device stages, activation estimate; meshtron plan) and exit 0, "
+                               "without GPUs or process groups.")
     exit_signal_handler: bool = opt(False, "On SIGTERM, save a checkpoint and exit cleanly.")
     exit_duration_in_mins: Optional[float] = opt(None, "Save and exit after this many minutes of training.",
                                                  allow_inf=True)

@@ -79,6 +79,16 @@ def weights_norm(model_chunks: Sequence[nn.Module], ctx: ParallelContext) -> Gra
     return GradNorm(weights, ctx, ctx.device)
 
 
+def buffer_layout(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: Sequence[nn.Module]) -> BufferLayout:
+    """Where this run puts every parameter of ``model_chunks`` in the flat gradient (and weight) buffers:
+    buckets of ``--ddp-bucket-size`` (Megatron's default), the tied embedding in a bucket of its own.
+    Also what :mod:`meshtron.planning` lays out for a rank that is planned, not launched."""
+    chunk_params = [list(chunk.parameters()) for chunk in model_chunks]
+    params = [p for ps in chunk_params for p in ps]
+    bucket_size = cfg.parallel.ddp_bucket_size or default_bucket_size(ctx.dp * ctx.cp)
+    return build_layout(chunk_params, ctx, bucket_size, isolate=_isolate_tied_embedding(model_chunks, params, ctx))
+
+
 def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: Sequence[nn.Module]) -> Optimization:
     """Gradient buffers (bucketed), their reduction, the norm and the optimizer for ``model_chunks``."""
     par, opt = cfg.parallel, cfg.optim
@@ -87,8 +97,7 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
     # The flags were checked by meshtron.validation (--overlap-param-gather, --optimizer-offload-fraction,
     # --ddp-bucket-size), which owns those rules.
     offload = opt.optimizer_offload_fraction if opt.optimizer_cpu_offload else 0.0
-    bucket_size = par.ddp_bucket_size or default_bucket_size(ctx.dp * ctx.cp)
-    layout = build_layout(chunk_params, ctx, bucket_size, isolate=_isolate_tied_embedding(model_chunks, params, ctx))
+    layout = buffer_layout(cfg, ctx, model_chunks)
     grad_dtype = torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32
     buffer = GradBuffer(params, dtype=grad_dtype, device=ctx.device, layout=layout)
     shard = par.use_distributed_optimizer

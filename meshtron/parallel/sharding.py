@@ -155,6 +155,8 @@ def initialize_parameters(model: nn.Module, seed: int, device: torch.device, dty
     buffers = {name: (getattr(b, SPEC_ATTR, None), b.dtype) for name, b in model.named_buffers()}
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    if torch.device(device).type == "meta":  # a planned rank (meshtron.planning): shapes and dtypes, no values
+        return
     model.to_empty(device=device)  # creates new Parameter and buffer objects: re-attach the specs
     for name, param in model.named_parameters():
         spec = specs[name]
