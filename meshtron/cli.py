@@ -524,30 +524,47 @@ def train_main(argv: Sequence[str]) -> int:
             return 2  # every rank has the same config: rank 0 alone says what is wrong
         raise
     run_training = _load_entry("train", "meshtron.training.trainer", "run_training")
-    try:
+    return _run_worker(cfg, world_size, run_training)
+
+
+def _run_worker(cfg: MeshtronConfig, world_size: int, run_training: Callable[..., Any]) -> int:
+    """Train in this process under a :class:`~meshtron.training.lifecycle.RunLifecycle`, which reports
+    an error raised during the run (possibly on some ranks only: each rank reports its own), tears
+    threads and process groups down in order on every exit path and gives the exit code."""
+    from meshtron import launcher
+    from meshtron.training.lifecycle import RunLifecycle
+
+    bad_input, failures = _runtime_errors(run_training)
+    lifecycle = RunLifecycle(f"{PROG} train", rank=int(os.environ.get("RANK", "0")), world_size=world_size,
+                             timeout_s=60.0 * cfg.parallel.distributed_timeout_minutes,
+                             bad_input=bad_input, failures=failures,
+                             quiet_interrupt=launcher.launched_by_meshtron())
+
+    def body() -> int:
         result = run_training(cfg)
-    except _runtime_errors(run_training) as err:
-        # Raised during the run, possibly on some ranks only: each rank reports its own.
-        where = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 else ""
-        print(f"{PROG} train: error: {where}{err}", file=sys.stderr)
-        # Bad input (config, data, a checkpoint that does not match) exits 2; a failed run exits 1.
-        return 2 if isinstance(err, ConfigError) or type(err).__name__ == "CheckpointError" else 1
-    return result if isinstance(result, int) else 0
+        return result if isinstance(result, int) else 0
+
+    return lifecycle.run(body)
 
 
-def _runtime_errors(run_training: Callable[..., Any]) -> tuple[type[BaseException], ...]:
-    """The user-facing error classes a run can raise: config/data errors, the trainer's and checkpointing's."""
-    errors: list[type[BaseException]] = [ConfigError]
+def _runtime_errors(run_training: Callable[..., Any]) -> tuple[tuple[type[BaseException], ...],
+                                                                 tuple[type[BaseException], ...]]:
+    """The user-facing error classes a run can raise, as (bad input: exit 2, failures: exit 1).
+
+    Bad input: configuration and data errors, a checkpoint that does not match; failures: the trainer's.
+    """
+    bad_input: list[type[BaseException]] = [ConfigError]
+    failures: list[type[BaseException]] = []
     trainer_error = getattr(sys.modules.get(run_training.__module__), "TrainingError", None)
     if isinstance(trainer_error, type):
-        errors.append(trainer_error)
+        failures.append(trainer_error)
     try:
         from meshtron.checkpoint.errors import CheckpointError
     except ImportError:
         pass
     else:
-        errors.append(CheckpointError)
-    return tuple(errors)
+        bad_input.append(CheckpointError)
+    return tuple(bad_input), tuple(failures)
 
 
 def _human(n: float) -> str:

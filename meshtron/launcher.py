@@ -136,21 +136,117 @@ def torchrun_args(p: ParallelConfig, entry: Sequence[str]) -> list[str]:
     return args + list(entry)
 
 
-def run_torchrun(args: Sequence[str]) -> int:
-    """Run torch.distributed.run in this process; returns the exit code (first failed worker's, or 0)."""
+#: Set by the shortcut for its workers: the folder where each worker leaves its exit code (see
+#: :func:`report_exit_status`). torch.distributed.run forwards a signal the launcher receives to the
+#: workers and then raises, without their exit codes; these files say whether they ended cleanly.
+EXIT_STATUS_DIR_ENV = "MESHTRON_EXIT_STATUS_DIR"
+
+
+def launched_by_meshtron() -> bool:
+    """True in a worker started by the ``--nproc-per-node`` shortcut (which reports for all ranks)."""
+    return bool(os.environ.get(EXIT_STATUS_DIR_ENV)) and running_under_torchrun()
+
+
+def report_exit_status(code: int) -> None:
+    """Leave this worker's exit code where the shortcut that started it will read it (if it did)."""
+    folder = os.environ.get(EXIT_STATUS_DIR_ENV)
+    if not folder or not running_under_torchrun():
+        return
+    path = os.path.join(folder, f"rank{os.environ.get('RANK', '0')}")
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(str(int(code)))
+        os.replace(path + ".tmp", path)  # the reader sees a whole number or nothing
+    except OSError:
+        pass  # the launcher then counts this worker as not ended cleanly, which is the safe side
+
+
+def _read_exit_statuses(folder: str) -> list[int]:
+    codes = []
+    for name in os.listdir(folder):
+        if not name.endswith(".tmp"):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    codes.append(int(f.read().strip()))
+            except (OSError, ValueError):
+                codes.append(1)
+    return codes
+
+
+def _exit_code_of(exitcode: object) -> int:
+    """A worker's exit code as a shell would give it: 128 + n for a death by signal n."""
+    if not isinstance(exitcode, int):
+        return 1
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _failure_exit_code(err) -> int:
+    """The launcher's exit code for failed workers: 2 when a worker found bad input (the other ranks'
+    failures are then its consequence: a peer left, or the launcher stopped them), else the first
+    failure's code."""
+    codes = [_exit_code_of(f.exitcode) for f in err.failures.values()]
+    if 2 in codes:
+        return 2
+    _, first = err.get_first_failure()
+    code = _exit_code_of(first.exitcode)
+    return code if code > 0 else 1
+
+
+def _signal_exit_code(signum: int, statuses: list[int], expected: Optional[int]) -> int:
+    """The launcher's exit code after it received signal ``signum`` and forwarded it to its workers:
+    0 when each of them ended cleanly (``--exit-signal-handler`` saved a checkpoint), else 128 + n."""
+    import signal
+
+    name = signal.Signals(signum).name
+    clean = bool(statuses) and all(code == 0 for code in statuses) and (expected is None or len(statuses) == expected)
+    if clean:
+        print(f"meshtron train: {name} received; every worker saved and exited cleanly", file=sys.stderr)
+        return 0
+    if signum == signal.SIGINT:
+        print("meshtron train: interrupted", file=sys.stderr)
+    else:
+        print(f"meshtron train: stopped by {name} (not every worker saved and exited cleanly)", file=sys.stderr)
+    return 128 + signum
+
+
+def run_torchrun(args: Sequence[str], nproc_per_node: Optional[int] = None) -> int:
+    """Run torch.distributed.run in this process; returns the exit code (DESIGN.md section 11).
+
+    0 when every worker finished (or, after a signal, each saved and exited cleanly); 2 when a worker
+    found bad input; 128 + n when the launcher was stopped by signal n; else the first failed
+    worker's code (1 for a failure while running). Errors are one line, without a traceback.
+    """
+    import shutil
+    import tempfile
+
     import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    status_dir = tempfile.mkdtemp(prefix="meshtron-exit-")
+    previous = os.environ.get(EXIT_STATUS_DIR_ENV)
+    os.environ[EXIT_STATUS_DIR_ENV] = status_dir  # the workers inherit the launcher's environment
     try:
         torch_run.run(torch_run.parse_args(list(args)))
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        code = _failure_exit_code(err)
         print(f"meshtron train: error: {len(err.failures)} worker process(es) failed "
-              f"(first: rank {rank}, exit code {failure.exitcode}); their output is above", file=sys.stderr)
-        return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
+              f"(first: rank {rank}, exit code {_exit_code_of(failure.exitcode)}); their output is above",
+              file=sys.stderr)
+        return code
+    except SignalException as err:
+        return _signal_exit_code(int(err.sigval), _read_exit_statuses(status_dir), nproc_per_node)
+    finally:
+        if previous is None:
+            os.environ.pop(EXIT_STATUS_DIR_ENV, None)
+        else:
+            os.environ[EXIT_STATUS_DIR_ENV] = previous
+        shutil.rmtree(status_dir, ignore_errors=True)
     return 0
 
 
 def launch(p: ParallelConfig, argv: Sequence[str]) -> int:
     """Start ``--nproc-per-node`` workers running ``python -m meshtron train <argv minus launcher flags>``."""
-    return run_torchrun(torchrun_args(p, ["-m", "meshtron", "train", *strip_launcher_flags(argv)]))
+    entry = ["-m", "meshtron", "train", *strip_launcher_flags(argv)]
+    return run_torchrun(torchrun_args(p, entry), p.nproc_per_node)

@@ -19,6 +19,9 @@ from meshtron.data.blended import SampleSource
 
 T = TypeVar("T")
 
+#: How long closing a prefetching iterator waits for its thread to finish the item in hand.
+_JOIN_TIMEOUT_S = 30.0
+
 
 class RankSampler:
     """Micro-batches of one data-parallel rank, iteration by iteration."""
@@ -90,6 +93,9 @@ def prefetch(produce: Callable[[int], T], indices: range, depth: int = 2) -> Ite
                 raise value
     finally:
         stop.set()
+        # Joined, not left running: a thread still inside a torch call when the interpreter exits
+        # aborts the process. It notices ``stop`` within 0.1 s of finishing its current item.
+        thread.join(timeout=_JOIN_TIMEOUT_S)
 
 
 class _Iterations(torch.utils.data.Dataset):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -190,10 +191,28 @@ def build_groups(tp: int, cp: int, pp: int, ep: int, device: torch.device, backe
     return ctx
 
 
-def destroy() -> None:
-    """Tear down torch.distributed if it was initialised."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_process_groups(timeout_s: float) -> bool:
+    """Destroy every process group, subgroups first and the default group last; True when done in time.
+
+    ``torch.distributed.destroy_process_group()`` shuts the groups down in the reverse order of their
+    creation. Shutting down is local for gloo but may wait on a peer for NCCL, so it runs in a helper
+    thread that is given ``timeout_s``: a dead peer cannot hang the exit. The groups' worker threads
+    end when the last references to the group objects go (the caller collects them afterwards).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return True
+    failure: list[BaseException] = []
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # noqa: BLE001 - reported as "not done"; the process is ending anyway
+            failure.append(err)
+
+    worker = threading.Thread(target=destroy, name="meshtron-destroy-groups", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return not worker.is_alive() and not failure
 
 
 def tp_subgroup(ctx: ParallelContext, size: int) -> Optional[dist.ProcessGroup]:

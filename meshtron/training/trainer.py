@@ -238,10 +238,6 @@ class Trainer:
             self._evaluate_and_log(self.state.iteration)
             self.result.final_iteration = self.state.iteration
             return self.result
-        signal_handler = None
-        ckpt = self._checkpointing()
-        if t.exit_signal_handler and ckpt is not None and hasattr(ckpt, "install_signal_handler"):
-            signal_handler = ckpt.install_signal_handler()
         if t.eval_interval and self.state.iteration == 0:
             self._evaluate_and_log(0)  # the starting point, so the log shows how far validation falls
         lg = self.cfg.log
@@ -250,10 +246,17 @@ class Trainer:
                                 self.ctx.rank, lg.profile_ranks)
         if lg.record_memory_history:
             record_memory(True)
+        signal_handler = None
+        ckpt = self._checkpointing()
+        if t.exit_signal_handler and ckpt is not None and hasattr(ckpt, "install_signal_handler"):
+            signal_handler = ckpt.install_signal_handler()
         with ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval) as manual_gc:
             try:
                 self._run_iterations(signal_handler, manual_gc, profiler)
             finally:
+                self._close_train_batches()
+                if signal_handler is not None:
+                    signal_handler.restore()  # from here a signal ends the process the usual way
                 profiler.stop()
                 if lg.record_memory_history:
                     self._dump_memory_snapshot(lg.memory_snapshot_path)
@@ -261,6 +264,13 @@ class Trainer:
             ckpt.finalize_async_saves()
         self.result.final_iteration = self.state.iteration
         return self.result
+
+    def _close_train_batches(self) -> None:
+        """Stop the training data iterator and its prefetch thread (joined, so none outlives the run)."""
+        batches, self._train_batches = getattr(self, "_train_batches", None), None
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
 
     def _dump_memory_snapshot(self, path: str) -> None:
         """Write the allocator history recorded since training started (--record-memory-history)."""
@@ -277,6 +287,7 @@ class Trainer:
         start_time = time.monotonic()
         batches: Iterator[list[dict]] = train_batches(self.data, self.ctx, self.reads_data, self.state.iteration,
                                                       self.num_micro_batches)
+        self._train_batches = batches  # closed by train() on every exit path
         interval_losses: list[torch.Tensor] = []
         interval_start = time.perf_counter()
         interval_steps = 0
@@ -396,4 +407,5 @@ def run_training(cfg: MeshtronConfig) -> TrainingResult:
                 trainer.logger.info("sample: " + result.sample)
         return result
     finally:
+        trainer.close()
         trainer.logger.close()

@@ -2,7 +2,8 @@
 
 The function must be defined at module level (it is pickled into spawned
 processes). Each process returns a value; ``run_distributed`` returns them by
-rank. A hang fails the test after ``timeout`` seconds instead of stalling CI.
+rank. A hang fails the test after ``timeout`` seconds instead of stalling CI. Each process ends
+with :func:`meshtron.training.lifecycle.shutdown_distributed`, as ``meshtron train`` does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from meshtron.training.lifecycle import shutdown_distributed
+
+#: Bound of each teardown step of a worker (as --distributed-timeout-minutes bounds it in a real run).
+_TEARDOWN_TIMEOUT_S = 60.0
 
 
 def _free_port() -> int:
@@ -42,11 +48,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
         result = ("error", traceback.format_exc())
     with open(path, "wb") as f:
         pickle.dump(result, f)
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    del result  # it may hold the run's objects, and with them its process groups
+    # The same teardown as `meshtron train` (no more, no less), so that an exit problem of the real
+    # command also shows here.
+    shutdown_distributed(_TEARDOWN_TIMEOUT_S)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, backend: str = "gloo") -> list:
