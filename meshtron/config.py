@@ -338,6 +338,8 @@ class CheckpointConfig:
     no_save_rng: bool = opt(False, "Save checkpoints without the random-number generators' states.")
     no_load_optim: bool = opt(False, "Do not load the optimizer state.")
     no_load_rng: bool = opt(False, "Do not load the RNG state.")
+    no_verify_checkpoint: bool = opt(False, "Load a checkpoint without checking its files against the checksums "
+                                            "its save recorded (a damaged file then loads silently).")
     finetune: bool = opt(False, "Load weights only and start at iteration 0.")
     ckpt_format: str = compat("torch_dist", "meshtron writes torch.distributed.checkpoint",
                                             choices=("torch_dist", "torch"))

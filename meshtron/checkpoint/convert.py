@@ -18,19 +18,21 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtron.checkpoint import hf
-from meshtron.checkpoint.errors import CheckpointError
-from meshtron.checkpoint.load import resolve_checkpoint
+from meshtron.checkpoint.dcp_reader import read_dcp_metadata, safe_dcp_load
+from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
+from meshtron.checkpoint.load import read_checkpoint_tokenizer, resolve_checkpoint
 from meshtron.checkpoint.metadata import (
     TOKENIZER_DIR, checkpoint_meta, compare_tensors, config_yaml, model_signature, read_config, read_meta,
 )
 from meshtron.checkpoint.pieces import MODEL_PREFIX, LocalChunk, model_key, to_state_dict
+from meshtron.checkpoint.verify import verify_checkpoint
 from meshtron.checkpoint.writer import SaveJob, quiet_single_process_notice, write_and_publish
 from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
@@ -64,14 +66,43 @@ def _require_empty(out: Path, flag: str = "--output") -> None:
 # Hugging Face files.
 # ---------------------------------------------------------------------------------------------
 
-def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face model directory (``model.safetensors`` or a sharded index)."""
+def read_json_file(path: Path, what: str = "") -> Any:
+    """A JSON file of a Hugging Face directory; CheckpointError naming it when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing{what}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err})") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file; CheckpointError naming it when it is truncated or not safetensors."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        return load_file(str(path))
+    except (SafetensorError, ValueError, OSError, RuntimeError) as err:  # header, length and dtype problems
+        text = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} is not a readable safetensors file ({text}): truncated or damaged?") \
+            from None
+
+
+def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face model directory (``model.safetensors`` or a sharded index)."""
     index = directory / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = read_json_file(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index} has no weight_map of tensor name -> file name")
         files = sorted(set(weight_map.values()))
+        for name in files:
+            if Path(name).name != name or name in (".", ".."):
+                raise CheckpointError(f"{index} names {name!r}, which is not a file of {directory}")
     elif (directory / SINGLE_FILE).is_file():
         files = [SINGLE_FILE]
     else:
@@ -83,7 +114,7 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"{index} names {name}, which is missing")
-        tensors.update(load_file(str(path)))
+        tensors.update(read_safetensors(path))
     return tensors
 
 
@@ -142,7 +173,7 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
     if not config_file.is_file():
         raise CheckpointError(f"--input {src}: config.json not found (expected a Hugging Face model directory)")
     _require_empty(out)
-    cfg = hf.config_from_hf(json.loads(config_file.read_text(encoding="utf-8")), notices)
+    cfg = _config_from_file(config_file, notices)
     chunks = []
     for hf_name, tensor in read_hf_tensors(src).items():
         for name, part in hf.hf_to_meshtron_tensors(hf_name, tensor):
@@ -164,6 +195,22 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
     return write_and_publish(job)
 
 
+def _config_from_file(config_file: Path, notices: list[str]):
+    """The meshtron configuration a ``config.json`` describes; CheckpointError naming the file otherwise."""
+    values = read_json_file(config_file)
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{config_file} holds a JSON {type(values).__name__}, not a model configuration")
+    try:
+        return hf.config_from_hf(values, notices)
+    except CheckpointError as err:
+        raise CheckpointError(f"{config_file}: {err.summary.removeprefix('config.json: ')}", err.differences) \
+            from None
+    except KeyError as err:
+        raise CheckpointError(f"{config_file} has no {err.args[0]!r}, which the model needs") from None
+    except (TypeError, ValueError, AttributeError) as err:  # a field of the wrong type ("abc" for a size, ...)
+        raise CheckpointError(f"{config_file} holds a value of the wrong type ({err})") from None
+
+
 def _check_complete(cfg, shapes: dict[str, tuple]) -> None:
     """Every tensor the model needs is present with the configured shape."""
     from meshtron.layers.moe import moe_mlp_factory
@@ -183,12 +230,15 @@ def _check_complete(cfg, shapes: dict[str, tuple]) -> None:
 def read_model_tensors(ckpt_dir: Path, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """Every canonical model tensor of a checkpoint, whole, in one process ({name: tensor})."""
     quiet_single_process_notice()
-    md = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
+    md = read_dcp_metadata(ckpt_dir)
     state = {}
     for key, tmd in md.state_dict_metadata.items():
         if key.startswith(MODEL_PREFIX) and isinstance(tmd, TensorStorageMetadata):
             state[key] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt_dir)), no_dist=True)
+    try:
+        safe_dcp_load(state, ckpt_dir, md, no_dist=True)
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(f"reading tensors from {ckpt_dir} failed", describe_dcp_failure(err)) from None
     out = {k[len(MODEL_PREFIX):]: (v.to(dtype) if dtype is not None else v) for k, v in state.items()}
     return dict(sorted(out.items(), key=lambda kv: _canonical_order(kv[0])))
 
@@ -205,9 +255,7 @@ def _export_tokenizer(ckpt_dir: Path, out: Path, notices: list[str]) -> tuple[Op
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
             copied.append(name)
-    from meshtron.data.tokenizers import load_tokenizer
-
-    tokenizer = load_tokenizer(tok_dir)
+    tokenizer = read_checkpoint_tokenizer(ckpt_dir)
     if not copied:
         notices.append(f"the checkpoint's {tokenizer.kind} has no Hugging Face tokenizer files: none exported")
         return tokenizer.eod, None
@@ -215,9 +263,14 @@ def _export_tokenizer(ckpt_dir: Path, out: Path, notices: list[str]) -> tuple[Op
     if "tokenizer.json" in copied:
         from tokenizers import Tokenizer as HFTokenizer
 
-        fast = HFTokenizer.from_file(str(out / "tokenizer.json"))
+        try:
+            fast = HFTokenizer.from_file(str(out / "tokenizer.json"))
+        except Exception as err:  # the tokenizers library raises a bare Exception on parse errors
+            raise CheckpointError(f"{source / 'tokenizer.json'} cannot be read: {err}") from None
         config_file = out / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        config = read_json_file(config_file) if config_file.is_file() else {}
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{source / 'tokenizer_config.json'} holds no mapping of settings")
         bos_token = config.get("bos_token")
         bos_token = bos_token.get("content") if isinstance(bos_token, dict) else bos_token
         bos = fast.token_to_id(bos_token) if bos_token else None
@@ -230,15 +283,17 @@ def _export_tokenizer(ckpt_dir: Path, out: Path, notices: list[str]) -> tuple[Op
 
 def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture: Optional[str] = None,
                    dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 * 10**9,
-                   notices: Optional[list[str]] = None) -> Path:
+                   notices: Optional[list[str]] = None, verify: bool = True) -> Path:
     """Write a meshtron checkpoint as a Hugging Face ``LlamaForCausalLM``/``MistralForCausalLM``/
-    ``MixtralForCausalLM`` directory (``architecture`` None: mixtral for MoE checkpoints, else llama)."""
+    ``MixtralForCausalLM`` directory (``architecture`` None: mixtral for MoE checkpoints, else llama).
+    ``verify``: check the checkpoint's files against their checksums first."""
     notices = notices if notices is not None else []
     out = Path(output_dir)
     _require_empty(out)
     ckpt_dir = resolve_checkpoint(input_path)
     if ckpt_dir is None:
         raise CheckpointError(f"--input {input_path}: no meshtron checkpoint found")
+    verify_checkpoint(ckpt_dir, None, verify)
     meta = read_meta(ckpt_dir)
     cfg = read_config(ckpt_dir)
     architecture = architecture or hf.default_architecture(cfg.model)
@@ -293,11 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "mixture-of-experts checkpoint, llama otherwise)")
     p.add_argument("--max-shard-size", type=_size, default=5 * 10**9,
                    help="with --to hf: largest safetensors file, e.g. 5GB (default)")
+    p.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="with --to hf: read the checkpoint without checking its files against their checksums")
     return p
 
 
 def convert_main(argv: list[str]) -> int:
-    """Entry point of ``meshtron convert``; returns the exit code (2 for user errors)."""
+    """Entry point of ``meshtron convert``; returns the exit code (2 for bad input, 1 for a failed write)."""
     args = build_parser().parse_args(argv)
     notices: list[str] = []
     dtype = DTYPES[args.dtype] if args.dtype else None
@@ -305,14 +362,15 @@ def convert_main(argv: list[str]) -> int:
         if args.source == "hf":
             path = hf_to_meshtron(args.input, args.output, dtype, notices)
         else:
-            path = meshtron_to_hf(args.input, args.output, args.hf_architecture, dtype, args.max_shard_size, notices)
+            path = meshtron_to_hf(args.input, args.output, args.hf_architecture, dtype, args.max_shard_size, notices,
+                                  verify=not args.no_verify_checkpoint)
     except CheckpointError as err:
         for note in notices:
             print(f"meshtron convert: note: {note}", file=sys.stderr)
         print(f"meshtron convert: error: {err.summary}", file=sys.stderr)
         for line in err.differences:
             print(f"  - {line}", file=sys.stderr)
-        return 2
+        return err.exit_code  # 2: bad input; 1: writing the output failed
     for note in notices:
         print(f"meshtron convert: note: {note}", file=sys.stderr)
     print(f"wrote {path}")

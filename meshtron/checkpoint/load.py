@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from meshtron.checkpoint import coordination, layout
 from meshtron.checkpoint.async_save import process_writer
+from meshtron.checkpoint.dcp_reader import read_dcp_metadata, safe_dcp_load
 from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.metadata import (
     META_FILE, TOKENIZER_DIR, compare_signatures, compare_tensors, model_signature, read_config, read_meta, read_rng,
@@ -24,6 +24,7 @@ from meshtron.checkpoint.pieces import (
 )
 from meshtron.checkpoint.pieces import model_chunks as model_chunk_list
 from meshtron.checkpoint.save import model_vocab_size
+from meshtron.checkpoint.verify import verify_checkpoint
 from meshtron.checkpoint.writer import quiet_single_process_notice
 from meshtron.config import MeshtronConfig
 from meshtron.parallel.context import ParallelContext
@@ -58,11 +59,7 @@ def resolve_checkpoint(path: str | Path) -> Optional[Path]:
                           f"{layout.iteration_dir(p, iteration)} is missing or incomplete")
 
 
-def _saved_shapes(ckpt_dir: Path) -> dict[str, tuple]:
-    try:
-        md = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
-    except Exception as err:  # missing, truncated or not a DCP index (unpickling errors vary)
-        raise CheckpointError(f"cannot read the tensor index {ckpt_dir / '.metadata'}: {err}") from None
+def _saved_shapes(md: Metadata) -> dict[str, tuple]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
@@ -103,21 +100,23 @@ def check_compatibility(ckpt_dir: Path, meta: dict, saved: dict[str, tuple], mod
         raise CheckpointError(f"the checkpoint {ckpt_dir} does not match this model", diffs)
 
 
-def _dcp_load(state_dict: dict, ckpt_dir: Path, group, no_dist: bool) -> None:
+def _dcp_load(state_dict: dict, ckpt_dir: Path, group, no_dist: bool, md: Optional[Metadata] = None) -> None:
     if not state_dict and no_dist:
         return  # with a group, even an empty load takes part in DCP's collectives
     try:
-        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(ckpt_dir)), process_group=group,
-                 no_dist=no_dist)
+        safe_dcp_load(state_dict, ckpt_dir, md, process_group=group, no_dist=no_dist)
     except (Exception, CheckpointException) as err:  # DCP reports every rank's failure on every rank
         raise CheckpointError(f"reading tensors from {ckpt_dir} failed", describe_dcp_failure(err)) from None
 
 
-def load_model_tensors(models: Sequence[nn.Module], ckpt_dir: Path, group=None, no_dist: Optional[bool] = None) -> None:
-    """Copy the checkpoint's model tensors into this rank's parameters (in place, any layout)."""
+def load_model_tensors(models: Sequence[nn.Module], ckpt_dir: Path, group=None, no_dist: Optional[bool] = None,
+                       md: Optional[Metadata] = None) -> None:
+    """Copy the checkpoint's model tensors into this rank's parameters (in place, any layout).
+
+    ``md``: the checkpoint's DCP index when already read (see :func:`read_dcp_metadata`)."""
     no_dist = group is None if no_dist is None else no_dist
     with torch.no_grad():
-        _dcp_load(to_state_dict(model_chunk_list(models)), ckpt_dir, group, no_dist)
+        _dcp_load(to_state_dict(model_chunk_list(models)), ckpt_dir, group, no_dist, md)
 
 
 #: Bytes of gathered optimizer state (fp32 master and moments) read per DCP load call when the
@@ -142,7 +141,7 @@ def _param_batches(optimizer) -> list[list[int]]:
     return batches
 
 
-def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int) -> None:
+def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int, md: Optional[Metadata] = None) -> None:
     """Fill the optimizer's masters and moments from the checkpoint (collective over DP for a distributed one)."""
     optimizer.ensure_state()
     batches = _param_batches(optimizer)
@@ -153,7 +152,7 @@ def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int) -> None:
         for batch in batches:
             tensors = {i: optimizer.state_tensors(i) for i in batch}
             chunks = [c for i in batch for c in state_chunks(optimizer.params[i], i, tensors[i])]
-            _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None)
+            _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None, md)
             for i in batch:
                 optimizer.load_state_tensors(i, {k: tensors[i][k] for k in OPTIM_STATES})
     optimizer.set_step_count(step_count)
@@ -166,8 +165,14 @@ def _masters_from_weights(optimizer) -> None:
             optimizer.load_state_tensors(i, {"master": param.detach().float()})
 
 
+def verification_enabled(cfg: Optional[MeshtronConfig]) -> bool:
+    """Whether loads check checksums: yes unless ``--no-verify-checkpoint``."""
+    return not getattr(getattr(cfg, "checkpoint", None), "no_verify_checkpoint", False)
+
+
 def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx: ParallelContext,
-                    cfg: MeshtronConfig, *, load_optim: bool = True, load_rng: bool = True) -> Optional[TrainingState]:
+                    cfg: MeshtronConfig, *, load_optim: bool = True, load_rng: bool = True,
+                    verify: Optional[bool] = None) -> Optional[TrainingState]:
     """Load the latest checkpoint of ``load_dir`` into this run's layout (collective: every rank calls it).
 
     Returns the saved TrainingState (``rng`` = this rank's saved RNG states, None when
@@ -175,7 +180,9 @@ def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx
     holds no checkpoint yet. Model tensors always load; the optimizer's masters and
     moments load when ``optimizer`` is given, ``load_optim`` is true and the checkpoint
     has them, otherwise the masters are set from the loaded weights. Raises
-    CheckpointError listing every difference when the checkpoint's model differs.
+    CheckpointError listing every difference when the checkpoint's model differs, and
+    CheckpointError naming the file when a file does not match its recorded checksum
+    (``verify`` None: unless ``cfg.checkpoint.no_verify_checkpoint``).
     """
     process_writer().wait()  # never read while this process is still writing
     quiet_single_process_notice()
@@ -185,17 +192,19 @@ def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx
     ckpt_dir = resolve_checkpoint(load_dir)
     if ckpt_dir is None:
         return None
+    verify_checkpoint(ckpt_dir, group, verification_enabled(cfg) if verify is None else verify)
     meta = read_meta(ckpt_dir)
-    saved = _saved_shapes(ckpt_dir)
+    md = read_dcp_metadata(ckpt_dir)
+    saved = _saved_shapes(md)
     has_optim = bool(meta.get("optimizer", {}).get("present"))
     want_optim = optimizer is not None and load_optim and has_optim
     check_compatibility(ckpt_dir, meta, saved, model_chunks, cfg, group, want_optim)
     if hasattr(optimizer, "finish_param_gather"):
         optimizer.finish_param_gather()  # a gather landing later would overwrite the loaded weights
 
-    load_model_tensors(model_chunks, ckpt_dir, group, no_dist)
+    load_model_tensors(model_chunks, ckpt_dir, group, no_dist, md)
     if want_optim:
-        _load_optimizer(optimizer, ckpt_dir, group, int(meta["optimizer"]["step_count"]))
+        _load_optimizer(optimizer, ckpt_dir, group, int(meta["optimizer"]["step_count"]), md)
     elif optimizer is not None:
         if load_optim and lead:
             logger.warning("checkpoint %s has no optimizer state: Adam moments start from zero", ckpt_dir)
@@ -246,11 +255,12 @@ def build_empty_model(cfg: MeshtronConfig, vocab_size: int, device: torch.device
 
 
 def load_for_inference(load_dir: str | Path, device: torch.device | str = "cpu",
-                       dtype: Optional[torch.dtype] = None):
+                       dtype: Optional[torch.dtype] = None, verify: bool = True):
     """(model, tokenizer or None) from a checkpoint of any layout, on one device, in eval mode.
 
     ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. The weights are the model
-    tensors of the checkpoint (converted to ``dtype``).
+    tensors of the checkpoint (converted to ``dtype``). ``verify``: check every file
+    against its checksum first (CheckpointError naming the file that differs).
     """
     quiet_single_process_notice()
     device = torch.device(device)
@@ -258,18 +268,30 @@ def load_for_inference(load_dir: str | Path, device: torch.device | str = "cpu",
     ckpt_dir = resolve_checkpoint(load_dir)
     if ckpt_dir is None:
         raise CheckpointError(f"no checkpoint found in {load_dir} (expected a 'latest' file or an iter_N directory)")
+    verify_checkpoint(ckpt_dir, None, verify)
     meta = read_meta(ckpt_dir)
     cfg = read_config(ckpt_dir)
     vocab = meta.get("model", {}).get("vocab_size") or cfg.model.vocab_size
     if not vocab:
         raise CheckpointError(f"{ckpt_dir / META_FILE} does not record the vocabulary size")
     model = build_empty_model(cfg, int(vocab), device, dtype)
-    check_compatibility(ckpt_dir, meta, _saved_shapes(ckpt_dir), [model], cfg, None, False)
-    load_model_tensors([model], ckpt_dir, None, no_dist=True)
+    md = read_dcp_metadata(ckpt_dir)
+    check_compatibility(ckpt_dir, meta, _saved_shapes(md), [model], cfg, None, False)
+    load_model_tensors([model], ckpt_dir, None, no_dist=True, md=md)
     model.eval()
-    tokenizer = None
-    if (ckpt_dir / TOKENIZER_DIR).is_dir():
-        from meshtron.data.tokenizers import load_tokenizer
-
-        tokenizer = load_tokenizer(ckpt_dir / TOKENIZER_DIR)
+    tokenizer = read_checkpoint_tokenizer(ckpt_dir) if (ckpt_dir / TOKENIZER_DIR).is_dir() else None
     return model, tokenizer
+
+
+def read_checkpoint_tokenizer(ckpt_dir: Path):
+    """The tokenizer saved in a checkpoint; CheckpointError naming the directory when it cannot be read."""
+    from meshtron.data.tokenizers import load_tokenizer
+
+    tok_dir = ckpt_dir / TOKENIZER_DIR
+    try:
+        return load_tokenizer(tok_dir)
+    except CheckpointError:
+        raise
+    except Exception as err:  # DataError, or a parse error of a damaged file (JSON, protobuf, ...)
+        text = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"the checkpoint's tokenizer {tok_dir} cannot be read: {text}") from None

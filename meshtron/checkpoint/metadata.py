@@ -2,9 +2,11 @@
 
 Each checkpoint directory holds, besides the DCP tensor files:
 
-* ``meshtron_checkpoint.json``: format version, iteration, training progress, the
-  optimizer's step count, the model signature (the shape fields below), the
-  layout that wrote it (for information only: loading does not depend on it);
+* ``meshtron_checkpoint.json``, the manifest: format version, iteration, training
+  progress, the optimizer's step count, the model signature (the shape fields below),
+  the layout that wrote it (for information only: loading does not depend on it), and
+  (from format version 2) the size and CRC-32 of every other file plus a CRC-32 of
+  itself (see :mod:`meshtron.checkpoint.checksums`);
 * ``config.yaml``: the whole run configuration (``cfg.to_dict()``);
 * ``rng/rank_NNNNN.pt``: each rank's random-number-generator states;
 * ``tokenizer/``: the tokenizer, when the run had one.
@@ -27,7 +29,8 @@ from meshtron.config import SECTIONS, MeshtronConfig, ModelConfig, ffn_size, fla
 from meshtron.training.state import TrainingState
 
 FORMAT_NAME = "meshtron-dcp"
-FORMAT_VERSION = 1
+#: 2: the manifest lists every file's size and checksum. Version 1 checkpoints load without verification.
+FORMAT_VERSION = 2
 META_FILE = "meshtron_checkpoint.json"
 CONFIG_FILE = "config.yaml"
 RNG_DIR = "rng"
@@ -142,12 +145,25 @@ def config_yaml(cfg: Optional[MeshtronConfig]) -> str:
 
 
 def config_from_dict(values: dict[str, Any]) -> MeshtronConfig:
-    """A MeshtronConfig holding the saved values (keys unknown to this version are ignored)."""
+    """A MeshtronConfig holding the saved values (keys unknown to this version are ignored).
+
+    Each value goes through the command line's conversion for its field, as a ``--config``
+    YAML value would: ValueError names the key whose value has the wrong type.
+    """
+    from meshtron.cli import coerce, spec_by_name  # the one conversion of flag values (YAML included)
+
     cfg = MeshtronConfig()
     known = {f for cls in SECTIONS.values() for f in cls.__dataclass_fields__}
+    specs = spec_by_name()
     for key, value in values.items():
-        if key in known:
-            cfg.set(key, value)
+        if key not in known:
+            continue
+        if key in specs:
+            try:
+                value = coerce(specs[key], value)
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}") from None
+        cfg.set(key, value)
     return cfg
 
 
@@ -158,9 +174,15 @@ def read_config(ckpt_dir: str | Path) -> MeshtronConfig:
         values = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise CheckpointError(f"{f} is missing: {ckpt_dir} is not a complete meshtron checkpoint") from None
-    except yaml.YAMLError as err:
-        raise CheckpointError(f"{f} is not valid YAML ({err})") from None
-    return config_from_dict(values)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{f} is not valid YAML ({first}): the checkpoint is damaged") from None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{f} holds a YAML {type(values).__name__}, not a mapping of settings")
+    try:
+        return config_from_dict(values)
+    except Exception as err:  # a value of the wrong type for its field: the config's own errors vary
+        raise CheckpointError(f"{f} holds a setting this meshtron cannot use: {err}") from None
 
 
 def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
@@ -170,9 +192,14 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
         meta = json.loads(f.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{f} is missing: {ckpt_dir} is not a complete meshtron checkpoint") from None
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{f} is not valid JSON ({err})") from None
-    if meta.get("format") != FORMAT_NAME or int(meta.get("version", 0)) > FORMAT_VERSION:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{f} is not valid JSON ({err}): the checkpoint is damaged") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {f}: {err.strerror or err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{f} holds a JSON {type(meta).__name__}, not a checkpoint manifest")
+    version = meta.get("version")
+    if meta.get("format") != FORMAT_NAME or not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"{f}: unsupported checkpoint format {meta.get('format')!r} version "
                               f"{meta.get('version')!r} (this meshtron reads {FORMAT_NAME} up to version "
                               f"{FORMAT_VERSION})")
@@ -246,9 +273,21 @@ def rng_bytes(rng_state: dict) -> bytes:
     return buf.getvalue()
 
 
+_RNG_KEYS = ("python", "numpy", "torch")
+
+
 def read_rng(ckpt_dir: str | Path, rank: int) -> dict:
+    """Rank ``rank``'s saved RNG states (``torch.load(weights_only=True)``: tensors and plain containers only)."""
     f = rng_file(ckpt_dir, rank)
     try:
-        return _decode(torch.load(f, map_location="cpu", weights_only=True))
+        state = _decode(torch.load(f, map_location="cpu", weights_only=True))
     except FileNotFoundError:
         raise CheckpointError(f"{f} is missing (RNG state of rank {rank}); load with --no-load-rng to skip it") from None
+    except Exception as err:  # truncated or garbage bytes, or globals weights_only refuses: errors vary
+        reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{f} is corrupt or truncated (RNG state of rank {rank}: {reason}); load with "
+                              "--no-load-rng to skip it") from None
+    if not isinstance(state, dict) or any(k not in state for k in _RNG_KEYS):
+        raise CheckpointError(f"{f} does not hold RNG states (expected {', '.join(_RNG_KEYS)}); load with "
+                              "--no-load-rng to skip it")
+    return state
