@@ -1,0 +1,98 @@
+"""The record of measured GPU runs (``benchmarks/measured.jsonl``): its schema, and the memory model against it.
+
+One JSON object per line: the row as ``meshtron bench --json`` prints it (model, layout, micro_batch,
+global_batch, seq, recompute, precision, compile, step_s, tokens_per_sec_per_gpu, tflops_per_gpu, mfu,
+peak_mem_gib, est_mem_gib, argv), plus where it was measured (device_kind, gpu_count, commit, torch, date,
+source: the docs/benchmarks.md section) and bookkeeping: ``id``, ``flags`` (the ``meshtron train``
+flags of the row's configuration), ``peak_mem_trusted`` (false where the peak is known to include
+memory of an earlier row of the same launch), ``note``, ``replaces`` (the id of a row this one
+corrects; rows are never deleted). A figure the source does not give is null.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (str,), "model": (str,), "layout": (str,), "micro_batch": (int,), "global_batch": (int, type(None)),
+    "seq": (int,), "recompute": (str,), "precision": (str,), "fp8_recipe": (str, type(None)), "compile": (bool,),
+    "step_s": (float, int, type(None)), "tokens_per_sec_per_gpu": (float, int, type(None)),
+    "tflops_per_gpu": (float, int, type(None)), "mfu": (float, int, type(None)),
+    "peak_mem_gib": (float, int, type(None)), "est_mem_gib": (float, int, type(None)), "argv": (str, type(None)),
+    "flags": (list,), "peak_mem_trusted": (bool,), "device_kind": (str,), "gpu_count": (int,),
+    "commit": (str, type(None)), "torch": (str,), "date": (str,), "source": (str,), "note": (str, type(None)),
+    "replaces": (str, type(None)),
+}
+LAYOUT = re.compile(r"^TP=(\d+) CP=(\d+) DP=(\d+) PP=(\d+) EP=(\d+)$")
+
+
+def load_records(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def schema_errors(record: dict, known_ids: Iterable[str] = ()) -> list[str]:
+    """What is wrong with one record (empty when it is well formed)."""
+    errors = [f"missing {k}" for k in FIELDS if k not in record]
+    errors += [f"unknown field {k}" for k in record if k not in FIELDS]
+    for key, types in FIELDS.items():
+        value = record.get(key)
+        if key in record and not (isinstance(value, types) and not (isinstance(value, bool) and bool not in types)):
+            errors.append(f"{key}={value!r} is not {'/'.join(t.__name__ for t in types)}")
+    layout = LAYOUT.match(str(record.get("layout", "")))
+    if layout is None:
+        errors.append(f"layout {record.get('layout')!r} is not 'TP=a CP=b DP=c PP=d EP=e'")
+    elif isinstance(record.get("gpu_count"), int):
+        tp, cp, dp, pp, _ = map(int, layout.groups())
+        if tp * cp * dp * pp != record["gpu_count"]:
+            errors.append(f"layout {record['layout']} does not use gpu_count={record['gpu_count']} GPUs")
+    if record.get("peak_mem_trusted") and record.get("peak_mem_gib") is None:
+        errors.append("peak_mem_trusted without peak_mem_gib")
+    if record.get("replaces") is not None and record["replaces"] not in set(known_ids):
+        errors.append(f"replaces unknown id {record['replaces']!r}")
+    if not re.match(r"^\d{4}-\d{2}-\d{2}$", str(record.get("date", ""))):
+        errors.append(f"date {record.get('date')!r} is not YYYY-MM-DD")
+    return errors
+
+
+def record_config(record: dict):
+    """The validated configuration of a record's ``flags`` on its GPUs (planned for CUDA, see planning.cli)."""
+    from meshtron.cli import build_config
+    from meshtron.planning.cli import validate_for_plan
+
+    return validate_for_plan(build_config(record["flags"]), record["gpu_count"])
+
+
+@dataclass(frozen=True)
+class PeakComparison:
+    """The memory model against one measured peak."""
+
+    id: str
+    measured_gib: float
+    estimated_gib: float
+
+    @property
+    def relative(self) -> float:
+        """(estimate - measured) / measured: negative when the model under-estimates."""
+        return (self.estimated_gib - self.measured_gib) / self.measured_gib
+
+
+def memory_errors(records: Iterable[dict]) -> list[PeakComparison]:
+    """``meshtron.memory.estimate_memory`` on every record whose peak is trusted."""
+    from meshtron.memory import estimate_memory
+
+    out = []
+    for r in records:
+        if not r["peak_mem_trusted"]:
+            continue
+        cfg = record_config(r)
+        est = estimate_memory(cfg, cfg.model.vocab_size, world_size=r["gpu_count"])
+        out.append(PeakComparison(r["id"], r["peak_mem_gib"], est.total / 2**30))
+    return out
+
+
+def worst(errors: Iterable[PeakComparison]) -> Optional[PeakComparison]:
+    return max(errors, key=lambda e: abs(e.relative), default=None)

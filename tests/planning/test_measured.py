@@ -1,0 +1,61 @@
+"""benchmarks/measured.jsonl: every record well formed, and the memory model against every trusted peak."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from meshtron.planning.measured import load_records, memory_errors, schema_errors, worst
+
+PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "measured.jsonl")
+# Honest target: every trusted peak within 5%. Today the worst row is d14 (llama3-1b FP8 e4m3, micro batch 8,
+# one H200, d73183e: 55.7 GiB measured, 62.9 estimated, +13.0%): FP8 is not modelled separately, and bf16 rows
+# are under-estimated by 4-11% (docs/planning.md lists every row). The bound is that worst error plus 1%,
+# so that the test fails when the model drifts further from the measurements.
+TOLERANCE = 0.14
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    return load_records(PATH)
+
+
+def test_every_record_is_well_formed(records):
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)), "record ids must be unique"
+    problems = {r["id"]: e for r in records if (e := schema_errors(r, ids))}
+    assert not problems, problems
+
+
+def test_record_flags_describe_the_recorded_configuration(records):
+    from meshtron.planning.measured import record_config
+
+    for r in records:
+        cfg = record_config(r)
+        t, p = cfg.train, cfg.parallel
+        assert (t.micro_batch_size, cfg.model.seq_length) == (r["micro_batch"], r["seq"]), r["id"]
+        if r["global_batch"] is not None:
+            assert t.global_batch_size == r["global_batch"], r["id"]
+        assert (t.recompute_granularity or "none") == r["recompute"], r["id"]
+        assert (f"fp8-{t.fp8_format}" if t.fp8_format else "bf16") == r["precision"], r["id"]
+        dp = r["gpu_count"] // (p.tensor_model_parallel_size * p.context_parallel_size
+                                * p.pipeline_model_parallel_size)
+        assert r["layout"] == (f"TP={p.tensor_model_parallel_size} CP={p.context_parallel_size} DP={dp} "
+                               f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size}"), r["id"]
+
+
+def test_schema_check_catches_a_bad_record(records):
+    bad = dict(records[0], layout="TP=2 CP=1 DP=1 PP=1 EP=1", mfu="high", replaces="nope")
+    del bad["date"]
+    errors = " | ".join(schema_errors(bad, [r["id"] for r in records]))
+    assert "missing date" in errors and "gpu_count" in errors and "mfu" in errors and "replaces" in errors
+
+
+def test_memory_model_against_every_trusted_peak(records):
+    errors = memory_errors(records)
+    assert len(errors) >= 40  # the trusted rows of docs/benchmarks.md
+    bad = worst(errors)
+    print(f"worst row: {bad.id}: measured {bad.measured_gib:.1f} GiB, estimated {bad.estimated_gib:.1f} GiB "
+          f"({bad.relative:+.1%})")
+    assert abs(bad.relative) <= TOLERANCE, bad
