@@ -73,6 +73,8 @@ TOPICS: tuple[str, ...] = (
 _SECTION_TOPIC = {"model": "Model", "parallel": "Parallelism", "optim": "Optimizer and learning rate",
                   "train": "Training", "data": "Data and tokenizer", "checkpoint": "Checkpoints", "log": "Logging"}
 _PRECISION_FIELDS = ("bf16", "fp32", "fp16", "compile")
+#: List flags that may be given several times, each time adding its values (``--inject-fault a --inject-fault b``).
+_REPEATABLE_FIELDS = ("inject_fault",)
 
 
 @dataclass(frozen=True)
@@ -318,8 +320,9 @@ def train_parser() -> argparse.ArgumentParser:
                                negatives=spec.negative_strings, help=helptext)
             continue
         metavar = metavar_of(spec)
+        action = "extend" if spec.name in _REPEATABLE_FIELDS else "store"
         group.add_argument(*spec.option_strings, dest=spec.name, type=_argparse_type(spec), nargs=spec.nargs,
-                           metavar=metavar, help=helptext)
+                           metavar=metavar, help=helptext, action=action)
     return parser
 
 

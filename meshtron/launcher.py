@@ -21,6 +21,7 @@ from meshtron.config import ConfigError, MeshtronConfig, ParallelConfig, flag_na
 #: ParallelConfig fields that configure the launcher rather than the run itself.
 LAUNCHER_FIELDS: tuple[str, ...] = (
     "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
+    "max_restarts",
 )
 
 
@@ -130,6 +131,7 @@ def torchrun_args(p: ParallelConfig, entry: Sequence[str]) -> list[str]:
         "--master-addr", p.master_addr,
         "--master-port", str(p.master_port),
         "--rdzv-backend", p.rdzv_backend,
+        "--max-restarts", str(p.max_restarts),  # each restart resumes from the latest checkpoint
     ]
     if p.rdzv_endpoint:
         args += ["--rdzv-endpoint", p.rdzv_endpoint]

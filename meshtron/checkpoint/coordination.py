@@ -34,7 +34,9 @@ def checkpoint_group(ctx: Optional[ParallelContext]) -> Optional[dist.ProcessGro
     cache = ctx.__dict__ if ctx is not None else None
     if cache is not None and cache.get(_GROUP_KEY) is not None:
         return cache[_GROUP_KEY]
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
+    # The job's collective timeout (--distributed-timeout-minutes), so that a stuck save is bounded like training.
+    timeout = getattr(ctx, "timeout", None) or datetime.timedelta(minutes=10)
+    group = dist.new_group(backend="gloo", timeout=timeout)
     if cache is not None:
         cache[_GROUP_KEY] = group
     return group

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshtron.resilience.restart import attempt_store_options
 from meshtron.validation import check_expert_ranks, data_parallel_size_of
 
 
@@ -57,6 +58,8 @@ class ParallelContext:
     ep_group: Optional[dist.ProcessGroup] = None
     expert_dp_group: Optional[dist.ProcessGroup] = None
     pp_ranks: tuple = (0,)  # global ranks of this rank's pipeline group, by stage
+    # Every group's collective timeout (--distributed-timeout-minutes), also for groups created later.
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10)
 
     @property
     def world_size(self) -> int:
@@ -155,6 +158,7 @@ def build_parallel_context(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
     backend = backend or ("nccl" if dev_type == "cuda" else "gloo")
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if dev_type == "cuda" else {}
+        kwargs.update(attempt_store_options(timeout))  # a restarted attempt must not read the last one's keys
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return build_groups(tp, cp, pp, ep, dev, backend, timeout)
 
@@ -170,7 +174,7 @@ def build_groups(tp: int, cp: int, pp: int, ep: int, device: torch.device, backe
 
     PP, DP, CP, TP = 0, 1, 2, 3
     ctx = ParallelContext(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank, device=device,
-                          tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank)
+                          tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank, timeout=timeout)
     ctx.tp_group = _new_groups(_groups_varying(grid, (TP,)), rank, backend, timeout)
     ctx.cp_group = _new_groups(_groups_varying(grid, (CP,)), rank, backend, timeout)
     ctx.dp_group = _new_groups(_groups_varying(grid, (DP,)), rank, backend, timeout)
@@ -227,7 +231,7 @@ def tp_subgroup(ctx: ParallelContext, size: int) -> Optional[dist.ProcessGroup]:
     if size not in cache:
         grid = rank_grid(ctx.tp, ctx.cp, ctx.dp, ctx.pp)
         groups = [g[i:i + size] for g in _groups_varying(grid, (3,)) for i in range(0, ctx.tp, size)]
-        cache[size] = _new_groups(groups, ctx.rank, None, datetime.timedelta(minutes=10))
+        cache[size] = _new_groups(groups, ctx.rank, None, ctx.timeout)
     return cache[size]
 
 

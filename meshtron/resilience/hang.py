@@ -27,6 +27,7 @@ metrics file, else the working directory). Then every live rank exits with
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import sys
 import threading
@@ -124,24 +125,27 @@ def _frame_location(frame) -> str:
 
 
 def main_thread_state() -> tuple[list[str], Optional[dict]]:
-    """The main thread's stack (formatted lines) and the torch.distributed call it is inside:
-    ``{"collective": name, "caller": "file:line in function"}`` or None."""
+    """The main thread's stack (formatted lines) and the communication it waits in, or None:
+    ``{"collective": name, "caller": "file:line in function"}``, where name is the innermost
+    ``torch.distributed`` function (``all_reduce``, ``recv``, ...) or ``wait`` when the thread waits
+    on the handle of an asynchronous operation (``work.wait()``, a C++ call without a Python frame)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return [], None
     stack = traceback.format_stack(frame)
-    waiting = None
     f = frame
     while f is not None:  # innermost first
         if _TORCH_DISTRIBUTED in f.f_code.co_filename:
             caller = f.f_back
             while caller is not None and _TORCH in caller.f_code.co_filename:
                 caller = caller.f_back
-            waiting = {"collective": f.f_code.co_name,
-                       "caller": _frame_location(caller) if caller is not None else None}
-            break
+            return stack, {"collective": f.f_code.co_name,
+                           "caller": _frame_location(caller) if caller is not None else None}
         f = f.f_back
-    return stack, waiting
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    if ".wait(" in line:
+        return stack, {"collective": "wait", "caller": _frame_location(frame)}
+    return stack, None
 
 
 def rank_entry(rank: int, progress: Progress, groups: Sequence[tuple[str, dist.ProcessGroup]]) -> dict:
@@ -186,16 +190,17 @@ def attribute_hang(entries: dict[int, dict], world_size: int, declared_by: int) 
     where = [entries[r] for r in behind] or list(entries.values())
     first = lagging[0] if lagging else None
     if first is None:  # no count differs: what the answering ranks wait in
-        calls = Counter((e.get("waiting_in") or {}).get("collective") for e in entries.values())
-        collective = calls.most_common(1)[0][0] if calls else None
+        waits = Counter(((e.get("waiting_in") or {}).get("collective"), (e.get("waiting_in") or {}).get("caller"))
+                        for e in entries.values())
+        collective, caller = waits.most_common(1)[0][0] if waits else (None, None)
     else:
-        collective = first["collective"]
+        collective, caller = first["collective"], first["caller"]
     iterations = sorted({e["iteration"] for e in where})
     phases = sorted({e["phase"] for e in where})
     return {
         "type": "hang", "time": time.time(), "declared_by": declared_by, "world_size": world_size,
         "ranks_behind": suspects, "collective": collective, "group": first["group"] if first else None,
-        "group_ranks": first["group_ranks"] if first else None, "caller": first["caller"] if first else None,
+        "group_ranks": first["group_ranks"] if first else None, "caller": caller,
         "iteration": iterations[0] if iterations else None, "phase": phases[0] if len(phases) == 1 else phases,
         "not_reporting": not_reporting, "lagging_groups": lagging,
         "ranks": {str(r): {k: v for k, v in e.items() if k != "stack"} for r, e in sorted(entries.items())},
@@ -212,7 +217,8 @@ def summary_line(report: dict) -> str:
                      f"(ranks {report['group_ranks']}), where the others wait"
                      + (f" (called from {report['caller']})" if report.get("caller") else ""))
     elif report["collective"]:
-        parts.append(f"the others wait in {report['collective']}")
+        parts.append(f"the others wait in {report['collective']}"
+                     + (f" (called from {report['caller']})" if report.get("caller") else ""))
     parts.append(f"at iteration {report['iteration']}, phase {report['phase']}")
     if report["not_reporting"]:
         parts.append(f"rank(s) {', '.join(map(str, report['not_reporting']))} did not report (stopped or dead)")

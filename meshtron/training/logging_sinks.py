@@ -399,6 +399,15 @@ class TrainingLogger:
         if not self._quiet:
             self._emit(f"{_timestamp()} {format_eval_line(rec)}")
 
+    def log_event(self, record: dict) -> None:
+        """An event line of the metrics file (``restart``, ``hang``, ``rerun``, ...: DESIGN section 6),
+        written as given (it may nest lists and dicts of plain values)."""
+        if not self.enabled:
+            return
+        for sink in self._sinks:
+            if isinstance(sink, MetricsWriter):
+                sink.write(record)
+
     # -- messages ---------------------------------------------------------------------------
 
     def info(self, msg: str) -> None:

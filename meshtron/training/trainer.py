@@ -34,6 +34,9 @@ from meshtron.parallel.random import RNGTracker
 from meshtron.pipeline import build_model_chunks, get_schedule, is_data_rank
 from meshtron.pipeline.batches import broadcast_from_last_stage, eval_batches, train_batches
 from meshtron.pipeline.balance import pipeline_balance_hint
+from meshtron.resilience.faults import FaultInjector
+from meshtron.resilience.hang import Progress, enable_nccl_flight_recorder, hang_watchdog, report_directory
+from meshtron.resilience.restart import restart_count, restart_event, resume_candidates
 from meshtron.training.gc_control import ManualGC
 from meshtron.training.metrics import compute_throughput, flops_per_token, peak_memory_stats, peak_tflops
 from meshtron.training.step_profiler import StepProfiler
@@ -100,6 +103,9 @@ class Trainer:
         self.params_norm = weights_norm(self.model_chunks, ctx) if cfg.log.log_params_norm else None
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
         self.peak_tflops = peak_tflops(self.device, cfg.log.peak_tflops)
+        # Where this rank is (plain attribute stores read by the hang watchdog) and the drills' faults.
+        self.progress = Progress()
+        self.faults = FaultInjector.from_config(cfg, ctx.rank)  # None without --inject-fault
 
     def close(self) -> None:
         """Release the hooks that keep this run's parameters and buffers alive after it ends."""
@@ -134,8 +140,15 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.train()
         self.grad_buffer.zero()
+        if self.faults is not None:
+            self.faults.hang_point(iteration)
         mbs = self._prepare(micro_batches)
+        self.progress.phase = "forward-backward"
         loss_sum = self.schedule(self.model_chunks, mbs, before_last_backward=self.grad_sync.start_overlap)
+        if self.faults is not None:
+            loss_sum = self.faults.corrupt_loss(iteration, 0, loss_sum)
+            self.faults.corrupt_grads(iteration, 0, [self.grad_buffer.data])
+        self.progress.phase = "gradient-sync"
         self.grad_sync.finish()
         norm = self.optim.grad_norm()
         norm_value = norm.item()  # the one host sync of a step: decides whether to skip it
@@ -143,7 +156,10 @@ class Trainer:
         if applied:
             # The optimizer applies the clipping coefficient as it reads the gradients (no extra pass).
             coef = clip_coefficient(norm, self.cfg.optim.clip_grad) if self.cfg.optim.clip_grad > 0 else None
+            self.progress.phase = "optimizer"
             self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters), grad_coef=coef)
+            if self.faults is not None:
+                self.faults.after_optimizer_step(iteration, self.params)
         if self.moe is not None:
             self.moe.after_step(applied)
         return loss_sum, norm_value, applied
@@ -157,6 +173,7 @@ class Trainer:
             chunk.eval()
         total, n = None, 0
         for micro_batches in batches:
+            self.progress.beats += 1  # evaluation may outlast the hang timeout: each batch is progress
             mbs = self._prepare(micro_batches)
             loss_sum = self.schedule(self.model_chunks, mbs, forward_only=True)
             total = loss_sum if total is None else total + loss_sum
@@ -174,32 +191,49 @@ class Trainer:
         return ckpt if hasattr(ckpt, "save_checkpoint") else None
 
     def load(self) -> None:
+        """Resume from a checkpoint: ``--load``, and on an automatic restart first ``--save``."""
         ck = self.cfg.checkpoint
-        if not ck.load:
-            return
+        attempt = restart_count()
+        candidates = resume_candidates(ck.load, ck.save, attempt)
+        loaded = False
+        for directory, is_user_load in candidates:
+            loaded = self._load_from(directory, finetune=is_user_load and ck.finetune)
+            if loaded:
+                break
+        if not loaded and ck.load and ck.exit_on_missing_checkpoint:
+            raise TrainingError(f"--load {ck.load}: no checkpoint there, and --exit-on-missing-checkpoint "
+                                f"forbids starting from scratch")
+        if candidates and not loaded:
+            self.logger.info(f"no checkpoint in {' or '.join(d for d, _ in candidates)}; starting from scratch")
+        if attempt > 0:
+            self.logger.info(f"restart attempt {attempt}: resuming at iteration {self.state.iteration}")
+            self.logger.log_event(restart_event(attempt, self.state.iteration))
+
+    def _load_from(self, directory: str, finetune: bool) -> bool:
+        """Load the latest checkpoint in ``directory``; False when there is none."""
+        ck = self.cfg.checkpoint
         ckpt = self._checkpointing()
-        state = ckpt.load_checkpoint(ck.load, self.model_chunks, self.optimizer,
+        self.progress.phase = "checkpoint"
+        state = ckpt.load_checkpoint(directory, self.model_chunks, self.optimizer,
                                      self.ctx, self.cfg, load_optim=not ck.no_load_optim,
                                      load_rng=not ck.no_load_rng)
         if state is None:
-            if ck.exit_on_missing_checkpoint:
-                raise TrainingError(f"--load {ck.load}: no checkpoint there, and --exit-on-missing-checkpoint "
-                                    f"forbids starting from scratch")
-            self.logger.info(f"no checkpoint in {ck.load}; starting from scratch")
-            return
-        if ck.finetune:
+            return False
+        if finetune:
             state = TrainingState()
         elif state.rng is not None and not ck.no_load_rng:
             restore_rng_state(state.rng, self.tracker)
         self.state = state
         self.logger.resume_at(state.iteration)
-        self.logger.info(f"resumed from {ck.load} at iteration {state.iteration}")
+        self.logger.info(f"resumed from {directory} at iteration {state.iteration}")
+        return True
 
     def save(self) -> None:
         ck = self.cfg.checkpoint
         if not ck.save:
             return
         ckpt = self._checkpointing()
+        self.progress.phase = "checkpoint"
         self.state.rng = capture_rng_state(self.tracker)
         self._finish_param_gather()
         ckpt.save_checkpoint(ck.save, self.state, self.model_chunks, None if ck.no_save_optim else self.optimizer,
@@ -232,6 +266,17 @@ class Trainer:
         return out
 
     def train(self) -> TrainingResult:
+        """Resume, train to --train-iters (or an exit condition) and save, watched by the hang watchdog."""
+        watchdog = hang_watchdog(self.cfg, self.ctx, self.progress)  # None with --hang-timeout-seconds 0
+        if watchdog is not None:
+            watchdog.start()
+        try:
+            return self._train()
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+
+    def _train(self) -> TrainingResult:
         t = self.cfg.train
         self.load()
         if t.skip_train:  # evaluation only
@@ -292,9 +337,13 @@ class Trainer:
         interval_start = time.perf_counter()
         interval_steps = 0
         for iteration in range(self.state.iteration + 1, t.train_iters + 1):
+            self.progress.iteration, self.progress.phase = iteration, "data"
+            if self.faults is not None:
+                self.faults.at_iteration_start(iteration)
             micro_batches = next(batches)
             profiler.before_step(iteration)
             loss_sum, norm, applied = self.train_step(micro_batches, iteration)
+            self.progress.phase, self.progress.first_iteration_done = "logging", True
             profiler.after_step(iteration)
             self.state.iteration = iteration
             self.state.consumed_samples += t.global_batch_size
@@ -330,6 +379,7 @@ class Trainer:
                 interval_start = time.perf_counter()
             if t.eval_interval and iteration % t.eval_interval == 0:
                 manual_gc.around_evaluation()
+                self.progress.phase = "eval"
                 self._evaluate_and_log(iteration)
                 manual_gc.around_evaluation()
                 interval_start = time.perf_counter()
@@ -391,6 +441,8 @@ def run_training(cfg: MeshtronConfig) -> TrainingResult:
     """Entry point of `meshtron train`: validate, set up the process groups, train, clean up."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_config(cfg, world)
+    if (cfg.parallel.distributed_backend or ("nccl" if cfg.train.device == "cuda" else "gloo")) == "nccl":
+        enable_nccl_flight_recorder(report_directory(cfg.checkpoint.save, cfg.log.metrics_file))
     ctx = context_from_config(cfg)
     trainer = Trainer(cfg, ctx)
     trainer.logger.info(f"meshtron: {ctx.describe()} on {ctx.device.type}, "

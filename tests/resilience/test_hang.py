@@ -59,7 +59,7 @@ def test_ranks_that_do_not_report_are_named():
     entries = {0: _entry(0, {"world": ([0, 1, 2], 5)}, wait), 2: _entry(2, {"world": ([0, 1, 2], 5)}, wait)}
     report = attribute_hang(entries, world_size=3, declared_by=0)
     assert report["not_reporting"] == [1] and report["ranks_behind"] == [1]
-    assert report["collective"] == "all_reduce" and report["group"] is None
+    assert report["collective"] == "all_reduce" and report["group"] is None and report["caller"] == "c"
     assert "rank(s) 1 did not report (stopped or dead)" in summary_line(report)
 
 
