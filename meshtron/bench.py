@@ -247,6 +247,26 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _append_record(path: str, row: dict, flags: list[str]) -> None:
+    """Append ``row`` to the measured-runs file with where and when it was measured."""
+    import datetime
+    import subprocess
+
+    from meshtron.planning.measured import bench_record, load_records
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    kind = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    existing = load_records(path) if os.path.exists(path) else []
+    record = bench_record(row, flags, existing, kind, int(os.environ.get("WORLD_SIZE", "1")), commit,
+                          torch.__version__, datetime.date.today().isoformat())
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
 def bench_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="meshtron bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--matrix", help="YAML file with base: {flags} and rows: [{flags}, ...]")
@@ -262,6 +282,9 @@ def bench_main(argv: Sequence[str]) -> int:
                              "grouped by allocation site in meshtron's code (slows the row down)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     parser.add_argument("--out", help="also append the rows as JSON lines to this file")
+    parser.add_argument("--record", metavar="FILE",
+                        help="also append each row to FILE (benchmarks/measured.jsonl) as a measured record: "
+                             "with the device kind, GPU count, commit, torch version and date")
     args, rest = parser.parse_known_args(list(argv))
     base, rows = ([], [[]])
     if args.matrix:
@@ -287,6 +310,8 @@ def bench_main(argv: Sequence[str]) -> int:
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
+            if args.record and "error" not in row:
+                _append_record(args.record, row, row_argv)
     if rank0 and not args.json:
         print(format_table(results))
     if dist.is_initialized():

@@ -3,7 +3,7 @@
 One JSON object per line: the row as ``meshtron bench --json`` prints it (model, layout, micro_batch,
 global_batch, seq, recompute, precision, compile, step_s, tokens_per_sec_per_gpu, tflops_per_gpu, mfu,
 peak_mem_gib, est_mem_gib, argv), plus where it was measured (device_kind, gpu_count, commit, torch, date,
-source: the docs/benchmarks.md section) and bookkeeping: ``id``, ``flags`` (the ``meshtron train``
+source: the docs/benchmarks.md section, null until the row is written there) and bookkeeping: ``id``, ``flags`` (the ``meshtron train``
 flags of the row's configuration), ``peak_mem_trusted`` (false where the peak is known to include
 memory of an earlier row of the same launch), ``note``, ``replaces`` (the id of a row this one
 corrects; rows are never deleted). A figure the source does not give is null.
@@ -23,9 +23,15 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "tflops_per_gpu": (float, int, type(None)), "mfu": (float, int, type(None)),
     "peak_mem_gib": (float, int, type(None)), "est_mem_gib": (float, int, type(None)), "argv": (str, type(None)),
     "flags": (list,), "peak_mem_trusted": (bool,), "device_kind": (str,), "gpu_count": (int,),
-    "commit": (str, type(None)), "torch": (str,), "date": (str,), "source": (str,), "note": (str, type(None)),
+    "commit": (str, type(None)), "torch": (str,), "date": (str,), "source": (str, type(None)), "note": (str, type(None)),
     "replaces": (str, type(None)),
 }
+#: Further fields ``meshtron bench --json`` prints (kept by ``--record``; optional in the schema).
+BENCH_EXTRAS = frozenset({"leftover_mem_gib", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "data_s",
+                          "memory_sites_gib", "comm_kernel_s", "exposed_comm_kernel_s", "compute_kernel_s",
+                          "comm_by_kind_s", "error"})
+#: A peak above the memory an earlier row of the launch left behind by more than this is not trusted.
+LEFTOVER_GIB = 0.1
 LAYOUT = re.compile(r"^TP=(\d+) CP=(\d+) DP=(\d+) PP=(\d+) EP=(\d+)$")
 
 
@@ -37,7 +43,7 @@ def load_records(path: str) -> list[dict]:
 def schema_errors(record: dict, known_ids: Iterable[str] = ()) -> list[str]:
     """What is wrong with one record (empty when it is well formed)."""
     errors = [f"missing {k}" for k in FIELDS if k not in record]
-    errors += [f"unknown field {k}" for k in record if k not in FIELDS]
+    errors += [f"unknown field {k}" for k in record if k not in FIELDS and k not in BENCH_EXTRAS]
     for key, types in FIELDS.items():
         value = record.get(key)
         if key in record and not (isinstance(value, types) and not (isinstance(value, bool) and bool not in types)):
@@ -56,6 +62,22 @@ def schema_errors(record: dict, known_ids: Iterable[str] = ()) -> list[str]:
     if not re.match(r"^\d{4}-\d{2}-\d{2}$", str(record.get("date", ""))):
         errors.append(f"date {record.get('date')!r} is not YYYY-MM-DD")
     return errors
+
+
+def bench_record(row: dict, flags: list[str], existing: list[dict], device_kind: str, gpu_count: int,
+                 commit: Optional[str], torch_version: str, date: str) -> dict:
+    """A ``meshtron bench`` row as a record of this file (``meshtron bench --record FILE``)."""
+    recipe = None
+    if str(row.get("precision", "")).startswith("fp8"):
+        recipe = flags[flags.index("--fp8-recipe") + 1] if "--fp8-recipe" in flags else "tensorwise"
+    leftover = row.get("leftover_mem_gib")
+    record = {key: row.get(key) for key in FIELDS}
+    record.update(id=f"r{len(existing) + 1}", fp8_recipe=recipe, flags=list(flags), device_kind=device_kind,
+                  gpu_count=gpu_count, commit=commit, torch=torch_version, date=date, source=None, note=None,
+                  replaces=None, peak_mem_trusted=row.get("peak_mem_gib") is not None
+                  and (leftover is None or leftover < LEFTOVER_GIB))
+    record.update({k: v for k, v in row.items() if k in BENCH_EXTRAS})
+    return record
 
 
 def record_config(record: dict):
