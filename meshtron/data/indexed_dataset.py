@@ -208,6 +208,12 @@ class IndexedDataset:
 
     # -- opening and validation -----------------------------------------------------------
     def _open(self, validate: bool) -> None:
+        try:
+            self._open_files(validate)
+        except OSError as exc:  # permission denied, an I/O error, a directory where a file should be
+            raise DataError(f"cannot read dataset {exc.filename or self.prefix}: {exc.strerror or exc}") from None
+
+    def _open_files(self, validate: bool) -> None:
         idx, binp = index_path(self.prefix), data_path(self.prefix)
         if not idx.is_file():
             hint = "" if data_path(self.prefix).is_file() else (

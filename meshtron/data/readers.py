@@ -90,6 +90,18 @@ def open_binary(path: Path) -> IO[bytes]:
     return open(path, "rb")
 
 
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a (possibly compressed) input file raises when the file is damaged or unreadable."""
+    errors: list[type[BaseException]] = [OSError, EOFError]  # gzip.BadGzipFile is an OSError
+    try:
+        import zstandard
+    except ImportError:
+        pass
+    else:
+        errors.append(zstandard.ZstdError)
+    return tuple(errors)
+
+
 @dataclass
 class RawChunk:
     """A slice of one input file: raw JSON lines, ready texts (text/Parquet) or per-key columns."""
@@ -170,7 +182,7 @@ def _jsonl_chunks(path: Path, chunk_bytes: int) -> Iterator[RawChunk]:
                     chunk = RawChunk(str(path), lineno + 1, "jsonl")
             if chunk.lines:
                 yield chunk
-    except (OSError, EOFError) as exc:
+    except _read_errors() as exc:
         raise DataError(f"cannot read {path}: {exc}") from None
 
 
@@ -178,7 +190,7 @@ def _text_chunks(path: Path, txt_unit: str, chunk_bytes: int) -> Iterator[RawChu
     try:
         with open_binary(path) as f:
             data = f.read()
-    except (OSError, EOFError) as exc:
+    except _read_errors() as exc:
         raise DataError(f"cannot read {path}: {exc}") from None
     text = data.decode("utf-8", errors="replace")
     if txt_unit == "file":
@@ -210,7 +222,14 @@ def _parquet_chunks(path: Path, json_keys: Sequence[str], chunk_bytes: int) -> I
         raise DataError(f"{path} has none of the columns {list(json_keys)} (--json-keys); it has: "
                         + ", ".join(pf.schema_arrow.names))
     row = 1
-    for batch in pf.iter_batches(batch_size=1024, columns=present):
+    batches = pf.iter_batches(batch_size=1024, columns=present)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # pyarrow raises ArrowInvalid, ArrowIOError, OSError on damaged pages
+            raise DataError(f"cannot read Parquet file {path} near row {row}: {exc}") from None
+        if batch is None:
+            return
         cols = {k: batch.column(k).to_pylist() for k in present}
         n = batch.num_rows
         for k in json_keys:  # a missing column counts as a missing key on every row

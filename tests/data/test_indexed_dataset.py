@@ -240,3 +240,12 @@ def test_interoperates_with_megatron_core(tmp_path):
     theirs = mcore.IndexedDataset(str(tmp_path / "ours"))
     assert [theirs[i].tolist() for i in range(3)] == [[1, 2, 3], [4, 5], [6, 100000]]
     assert IndexedDataset(tmp_path / "theirs").document_indices.tolist() == [0, 1, 3]
+
+
+def test_an_unreadable_file_is_a_data_error(fixture_prefix, monkeypatch):
+    def fail(*args, **kwargs):
+        raise OSError(5, "Input/output error", str(fixture_prefix) + ".idx")
+
+    monkeypatch.setattr(np, "memmap", fail)
+    with pytest.raises(DataError, match=r"cannot read dataset .*fixture.idx: Input/output error"):
+        IndexedDataset(fixture_prefix)

@@ -203,3 +203,23 @@ def test_no_text_at_all_is_an_error_and_writes_nothing(tmp_path, capsys, records
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert f"--input {src}: no document has text under --json-keys" in err and message in err
     assert not list(tmp_path.glob("o*"))  # no empty (or partial) dataset left behind
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("bad.jsonl.gz", b"\x1f\x8b\x08garbage", "cannot read {p}"),
+    ("cut.jsonl.gz", gzip.compress(b'{"text": "abc"}\n' * 100)[:-20], "cannot read {p}"),
+    ("bad.jsonl.zst", b"not zstd at all", "cannot read {p}"),
+    ("bad.parquet", b"PAR1garbagePAR1", "cannot read Parquet file {p}"),
+])
+def test_damaged_input_files_exit_2(tmp_path, capsys, name, content, message):
+    if name.endswith(".zst"):
+        pytest.importorskip("zstandard")
+    if name.endswith(".parquet"):
+        pytest.importorskip("pyarrow")
+    path = tmp_path / name
+    path.write_bytes(content)
+    rc = preprocess_main(["--input", str(path), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+                          "ByteTokenizer", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message.format(p=path) in err and err.count("\n") == 1
+    assert not list(tmp_path.glob("o*"))
