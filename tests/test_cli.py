@@ -431,8 +431,8 @@ def test_torchrun_args() -> None:
                         "head:29500"])
     args = launcher.torchrun_args(cfg.parallel, ["-m", "meshtron", "train", "--bf16"])
     assert args == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
-                    "--master-port", "29500", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29500",
-                    "-m", "meshtron", "train", "--bf16"]
+                    "--master-port", "29500", "--rdzv-backend", "c10d", "--max-restarts", "0",
+                    "--rdzv-endpoint", "head:29500", "-m", "meshtron", "train", "--bf16"]
 
 
 def test_launcher_flags_ignored_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:

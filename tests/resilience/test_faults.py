@@ -154,3 +154,24 @@ def test_hang_blocks_until_killed():
     finally:
         proc.kill()
         proc.join(10)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--inject-fault", "explode:0:1"], "--inject-fault 'explode:0:1': unknown kind"),
+    (["--inject-fault", "crash:3:1"], "rank 3 does not exist in a world of 1"),
+    (["--hang-timeout-seconds", "900"], "--hang-timeout-seconds (900) must be below --distributed-timeout-minutes"),
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0"),
+])
+def test_bad_resilience_flags_exit_2_with_one_line(argv, expected, capsys):
+    from meshtron.cli import main
+
+    assert main(["train", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1
+
+
+def test_inject_fault_is_repeatable():
+    from meshtron.cli import build_config
+
+    cfg = build_config(["--inject-fault", "crash:0:2", "slow:1:1:0.5", "--inject-fault", "hang:1:3"])
+    assert cfg.train.inject_fault == ["crash:0:2", "slow:1:1:0.5", "hang:1:3"]
