@@ -102,10 +102,11 @@ def _number(text: str) -> Optional[float]:
 def parse_weighted_paths(values: Sequence[str], flag: str) -> tuple[Optional[list[float]], list[str]]:
     """``[PREFIX ...]`` -> (None, prefixes); ``[W1 PREFIX1 W2 PREFIX2 ...]`` -> (weights, prefixes).
 
-    The list is weighted when its first value is a number (as Megatron reads it); every weight must
-    then be a finite positive number.
+    Values may also hold several space-separated items (``"0.7 A 0.3 B"``, as a YAML string). The list
+    is weighted when its first item is a number (as Megatron reads it); every weight must then be a
+    finite number >= 0, with a positive sum (a dataset of weight 0 is not used).
     """
-    values = [str(v) for v in values]
+    values = [t for v in values for t in str(v).split()]
     if not values:
         raise DataError(f"{flag}: expected dataset prefixes, or 'WEIGHT PREFIX' pairs")
     if _number(values[0]) is None:
@@ -121,10 +122,12 @@ def parse_weighted_paths(values: Sequence[str], flag: str) -> tuple[Optional[lis
         weight = _number(w)
         if weight is None:
             raise DataError(f"{flag}: expected a weight before {p!r}, got {w!r} (weights are numbers, e.g. 0.7 A 0.3 B)")
-        if not math.isfinite(weight) or weight <= 0:
-            raise DataError(f"{flag}: the weight of {p!r} is {w}; weights must be positive finite numbers")
+        if not math.isfinite(weight) or weight < 0:
+            raise DataError(f"{flag}: the weight of {p!r} is {w}; weights must be finite numbers >= 0")
         weights.append(weight)
         prefixes.append(p)
+    if sum(weights) <= 0:
+        raise DataError(f"{flag}: the weights {' '.join(values[0::2])} add up to 0; give at least one positive weight")
     return weights, prefixes
 
 
@@ -133,6 +136,13 @@ def _dataset_named(value: str) -> bool:
     from meshtron.data.indexed_dataset import dataset_exists
 
     return dataset_exists(value)
+
+
+def _used(prefixes: list[str], weights: Optional[list[float]]) -> list[tuple[str, Optional[float]]]:
+    """(prefix, weight) of the datasets a blend uses: those of weight 0 are left out."""
+    if weights is None:
+        return [(p, None) for p in prefixes]
+    return [(p, w) for p, w in zip(prefixes, weights) if w > 0]
 
 
 @dataclass
@@ -192,7 +202,7 @@ class _FileDatasets:
                 if values:
                     weights, prefixes = parse_weighted_paths(values, f"--{split}-data-path")
                     plan[split] = [_Component(self._open(p), 0, len(self._open(p)), w)
-                                   for p, w in zip(prefixes, weights or [None] * len(prefixes))]
+                                   for p, w in _used(prefixes, weights)]
             if "train" not in plan:
                 raise DataError("--valid-data-path/--test-data-path need --train-data-path as well")
             return plan
@@ -201,7 +211,7 @@ class _FileDatasets:
         fractions = parse_split(d.split)
         for i, split in enumerate(SPLIT_NAMES):
             parts = []
-            for p, w in zip(prefixes, weights or [None] * len(prefixes)):
+            for p, w in _used(prefixes, weights):
                 ds = self._open(p)
                 begin, end = split_ranges(len(ds), fractions)[i]
                 if end > begin:

@@ -181,10 +181,10 @@ def test_an_impossible_request_names_the_flags(tmp_path):
 
 @pytest.mark.parametrize("paths, message", [
     (["0.5", "{a}", "x", "{a}"], "expected a weight before '.*a_text_document', got 'x'"),
-    (["0.5", "{a}", "-0.5", "{a}"], "the weight of '.*' is -0.5; weights must be positive finite numbers"),
-    (["0", "{a}"], "the weight of '.*' is 0; weights must be positive"),
-    (["nan", "{a}", "1", "{a}"], "the weight of '.*' is nan; weights must be positive finite"),
-    (["inf", "{a}"], "the weight of '.*' is inf; weights must be positive finite"),
+    (["0.5", "{a}", "-0.5", "{a}"], "the weight of '.*' is -0.5; weights must be finite numbers >= 0"),
+    (["0", "{a}", "0.0", "{a}"], "the weights 0 0.0 add up to 0; give at least one positive weight"),
+    (["nan", "{a}", "1", "{a}"], "the weight of '.*' is nan; weights must be finite numbers >= 0"),
+    (["inf", "{a}"], "the weight of '.*' is inf; weights must be finite"),
     (["{a}", "0.5", "{a}"], "'0.5' looks like a weight, but the first value '.*' is not a number"),
     (["0.5", "{a}", "0.5"], "weighted prefixes come in pairs 'WEIGHT PREFIX', got 3 values"),
 ])
@@ -193,3 +193,15 @@ def test_bad_data_path_weights(tmp_path, paths, message):
     cfg = small_config(data_path=[p.replace("{a}", a) for p in paths], tokenizer_type="NullTokenizer", vocab_size=50)
     with pytest.raises(DataError, match="--data-path: " + message):
         build_data(cfg, 0, 1)
+
+
+def test_weights_in_one_string_and_zero_weights(tmp_path):
+    """``--data-path "0.7 A 0.3 B"`` (one YAML string) is a blend; a dataset of weight 0 is left out."""
+    a, b = _make_dataset(tmp_path, "a", 30, 1), _make_dataset(tmp_path, "b", 20, 2)
+    common = dict(tokenizer_type="NullTokenizer", vocab_size=50, split="100,0,0")
+    one_string = build_data(small_config(data_path=[f"0.7 {a} 0.3 {b}"], **common), 0, 1)
+    separate = build_data(small_config(data_path=["0.7", a, "0.3", b], **common), 0, 1)
+    assert all(torch.equal(x, y) for x, y in zip(_train_tokens(one_string, 3), _train_tokens(separate, 3)))
+    only_a = build_data(small_config(data_path=["1", a, "0", b], **common), 0, 1)
+    plain_a = build_data(small_config(data_path=[a], **common), 0, 1)
+    assert all(torch.equal(x, y) for x, y in zip(_train_tokens(only_a, 3), _train_tokens(plain_a, 3)))
