@@ -7,23 +7,31 @@ Run with one process per GPU, e.g. Llama 3.1 8B over two GPUs with tensor parall
 It builds the model (bf16 weights, fp32 masters and Adam moments), takes a few
 training steps, then measures: a synchronous save; an asynchronous save (the time
 training is paused, the step times while the write runs, the time until the
-checkpoint is published); a load. Each checkpoint is deleted after it is measured,
-so the disk needs room for one. Rank 0 prints one JSON object per measurement.
+checkpoint is published); the checksums (``checksum_s``: the CPU seconds the
+writer threads spent hashing during a save, the slowest rank; ``verify``: checking
+the published checkpoint against its manifest, as every load does); a load with
+and without that check; and the single-core speed of CRC-32, SHA-256 and BLAKE2b on
+this host. Each checkpoint is deleted after it is measured, so the disk needs room
+for one. Rank 0 prints one JSON object per measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshtron.checkpoint import finalize_async_saves, last_save_timings, load_checkpoint, save_checkpoint
+from meshtron.checkpoint.coordination import checkpoint_group
+from meshtron.checkpoint.verify import verify_checkpoint
 from meshtron.config import MeshtronConfig
 from meshtron.model import GPTModel
 from meshtron.optim.factory import build_optimization
@@ -47,6 +55,34 @@ def _sum(value: float) -> float:
     return float(t.item())
 
 
+def _max(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def hash_speeds(nbytes: int) -> dict[str, float]:
+    """GB/s of one core for each checksum a checkpoint could use, over ``nbytes`` of random bytes."""
+    data = os.urandom(nbytes)
+    view = memoryview(data)
+    block = 16 * 2**20
+    speeds = {}
+    for name, update in (("crc32", None), ("sha256", hashlib.sha256), ("blake2b", hashlib.blake2b)):
+        start = time.perf_counter()
+        if update is None:
+            crc = 0
+            for i in range(0, nbytes, block):
+                crc = zlib.crc32(view[i:i + block], crc)
+        else:
+            h = update()
+            for i in range(0, nbytes, block):
+                h.update(view[i:i + block])
+        speeds[f"{name}_gb_per_s"] = nbytes / (time.perf_counter() - start) / 1e9
+    return speeds
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -60,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4, help="training steps timed with and without a save in flight")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--async-repeats", type=int, default=2, help="asynchronous saves (the first allocates buffers)")
+    p.add_argument("--hash-bench-gb", type=float, default=1.0, help="bytes per checksum in the hash speed test")
     args = p.parse_args(argv)
 
     cfg = MeshtronConfig()
@@ -104,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     env = {"model": args.model, "tp": args.tp, "world": world, "distributed_optimizer": args.distributed_optimizer,
            "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     report({"event": "setup", **env, "step_time_s": sum(baseline) / len(baseline)})
+    if lead:
+        report({"event": "hash_speed", **hash_speeds(int(args.hash_bench_gb * 1e9))})
 
     def published_bytes() -> float:
         size = _dir_bytes(save_dir / "iter_0000010") if lead else 0
@@ -122,7 +161,17 @@ def main(argv: list[str] | None = None) -> None:
     _barrier()
     elapsed = time.perf_counter() - start
     size = published_bytes()
-    report({"event": "save_sync", "seconds": elapsed, "bytes": size, "gb_per_s": size / elapsed / 1e9})
+    report({"event": "save_sync", "seconds": elapsed, "bytes": size, "gb_per_s": size / elapsed / 1e9,
+            "checksum_s": _max(last_save_timings().get("checksum_s", 0.0))})
+
+    # What every load adds: reading and hashing the whole checkpoint, spread over the ranks.
+    _barrier()
+    start = time.perf_counter()
+    verify_checkpoint(save_dir / "iter_0000010", checkpoint_group(ctx))
+    _barrier()
+    elapsed = time.perf_counter() - start
+    report({"event": "verify", "seconds": elapsed, "bytes": size, "gb_per_s": size / elapsed / 1e9,
+            "note": "files just written: partly from the page cache"})
 
     for repeat in range(args.async_repeats):
         clean()
@@ -137,18 +186,20 @@ def main(argv: list[str] | None = None) -> None:
         size = published_bytes()
         report({"event": "save_async", "repeat": repeat, "training_paused_s": paused, "seconds_to_publish": elapsed,
                 "write_s": timings.get("total_s"), "bytes": size, "gb_per_s": size / timings.get("total_s", elapsed) / 1e9,
+                "checksum_s": _max(timings.get("checksum_s", 0.0)),
                 "step_time_during_write_s": sum(during) / len(during),
                 "step_time_baseline_s": sum(baseline) / len(baseline)})
 
-    _barrier()
-    start = time.perf_counter()
-    loaded = load_checkpoint(str(save_dir), [model], optimizer, ctx, cfg)
-    torch.cuda.synchronize()
-    _barrier()
-    elapsed = time.perf_counter() - start
-    size = published_bytes()
-    report({"event": "load", "seconds": elapsed, "bytes": size, "gb_per_s": size / elapsed / 1e9,
-            "iteration": loaded.iteration})
+    for verify in (False, True):
+        _barrier()
+        start = time.perf_counter()
+        loaded = load_checkpoint(str(save_dir), [model], optimizer, ctx, cfg, verify=verify)
+        torch.cuda.synchronize()
+        _barrier()
+        elapsed = time.perf_counter() - start
+        size = published_bytes()
+        report({"event": "load", "verify": verify, "seconds": elapsed, "bytes": size,
+                "gb_per_s": size / elapsed / 1e9, "iteration": loaded.iteration})
     clean()
     if dist.is_initialized():
         dist.destroy_process_group()
