@@ -174,12 +174,13 @@ class GPTDataset:
                     "split": split}
         self._cache_paths = self._paths() if self.cache_dir is not None else None
         arrays = self._load_cached(verify=True)
+        self._on_disk = arrays is not None  # whether the cache files hold exactly these arrays
         if arrays is None:
             self._check_size(request)
             arrays = self._build()
             self.built_indices = True
             if self._cache_paths is not None:
-                self._save(arrays)
+                self._on_disk = self._save(arrays)
         self.document_index, self.sample_index, self.shuffle_index = arrays
         self._lengths = indexed.sequence_lengths
 
@@ -254,7 +255,8 @@ class GPTDataset:
                                p["description"].with_name(p["description"].name[:-len("-description.json")]), exc)
             return None
 
-    def _save(self, arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    def _save(self, arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> bool:
+        """Write the arrays and their description; False (with a warning) when the cache is not writable."""
         p = self._cache_paths
         description = {
             "key": self.key,
@@ -268,6 +270,8 @@ class GPTDataset:
             write_text_atomic(p["description"], json.dumps(description, indent=2) + "\n")
         except OSError as exc:  # a read-only cache only costs a rebuild next time
             logger.warning("could not cache dataset indices in %s: %s", self.cache_dir, exc)
+            return False
+        return True
 
     # -- building -----------------------------------------------------------------------------
     def _rng(self, epoch: int, stream: int) -> np.random.Generator:
@@ -311,7 +315,7 @@ class GPTDataset:
         # Memory-mapped cached arrays are reopened by path rather than copied into the pickle.
         state = self.__dict__.copy()
         state["_lengths"] = None  # a view into the indexed dataset, which reopens its own files
-        if self.is_cached():
+        if self._on_disk:
             for name in ARRAY_NAMES:
                 state[name] = None
         return state

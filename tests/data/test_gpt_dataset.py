@@ -312,3 +312,23 @@ def test_building_in_blocks_gives_the_same_indices(indexed, monkeypatch):
     blocked = GPTDataset(indexed, (0, 30), 123, S, seed=9)
     assert np.array_equal(whole.sample_index, blocked.sample_index)
     assert whole.sample_index.dtype == np.int32
+
+
+def test_pickled_copies_reopen_the_cache_only_when_it_holds_these_arrays(indexed, tmp_path, monkeypatch):
+    import pickle
+
+    import meshtron.data.gpt_dataset as gd
+
+    cache = tmp_path / "cache"
+    ds = GPTDataset(indexed, (0, 30), 60, S, seed=1, cache_dir=cache)
+    small = pickle.dumps(ds)
+    assert np.array_equal(pickle.loads(small).samples(0, 60), ds.samples(0, 60))
+    # A damaged cache that cannot be rewritten: the copy carries the rebuilt arrays, not the damaged files.
+    shuffle = next(cache.glob("*-shuffle_index.npy"))
+    arr = np.load(shuffle)
+    np.save(shuffle, arr[::-1].copy())
+    monkeypatch.setattr(gd, "save_npy_atomic", lambda *a: (_ for _ in ()).throw(PermissionError(13, "read-only")))
+    rebuilt = GPTDataset(indexed, (0, 30), 60, S, seed=1, cache_dir=cache)
+    copy = pickle.loads(pickle.dumps(rebuilt))
+    assert len(pickle.dumps(rebuilt)) > len(small)
+    assert np.array_equal(copy.samples(0, 60), ds.samples(0, 60))
