@@ -44,6 +44,7 @@ COMMANDS: dict[str, str] = {
     "convert": "Convert checkpoints (resharding, Hugging Face import/export).",
     "bench": "Run a matrix of benchmark configurations and print a table.",
     "plot": "Draw figures from metrics files (loss, throughput, stragglers) or bench rows.",
+    "doctor": "Check every device's and link's speed before a job; name the slow ones (exit 1).",
     "plan": "Exact static memory of chosen ranks of a layout, without GPUs (--dry-run).",
 }
 
@@ -55,6 +56,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("meshtron.checkpoint.convert", "convert_main"),
     "bench": ("meshtron.bench", "bench_main"),
     "plot": ("meshtron.plot", "plot_main"),
+    "doctor": ("meshtron.doctor", "doctor_main"),
     "plan": ("meshtron.planning.cli", "plan_main"),
 }
 

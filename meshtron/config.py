@@ -247,9 +247,39 @@ class TrainConfig:
     attention_softmax_in_fp32: bool = compat(False, "SDPA's softmax accumulates in fp32")
     calculate_per_token_loss: bool = compat(False, "meshtron always averages the loss over all loss tokens of the "
                                                    "global batch")
-    check_for_nan_in_loss_and_grad: bool = compat(True, "meshtron always checks the gradient norm: a non-finite step "
-                                                        "is skipped, and training stops after --max-nonfinite-steps "
-                                                        "in a row")
+    check_for_nan_in_loss_and_grad: bool = opt(True, "Re-run an iteration whose loss or gradient norm is NaN/inf "
+                                                     "(per --rerun-mode; the check reads the norm's existing host "
+                                                     "sync). Off, or with --rerun-mode disabled, such a step is "
+                                                     "skipped without a re-run. A non-finite step is never applied; "
+                                                     "training stops after --max-nonfinite-steps skipped in a row.")
+    check_for_spiky_loss: bool = opt(False, "Also treat a loss above --spiky-loss-factor x the median of the last "
+                                            "--spiky-loss-window applied losses as suspicious (re-run per "
+                                            "--rerun-mode). The global loss is then reduced every step, read in "
+                                            "the same host sync as the gradient norm.")
+    spiky_loss_factor: float = opt(10.0, "With --check-for-spiky-loss: how many times the running median a loss "
+                                         "must exceed to count as a spike.")
+    spiky_loss_window: int = opt(100, "With --check-for-spiky-loss: applied losses in the running median.")
+    rerun_mode: str = opt("validate_results", "What happens to a suspicious iteration (non-finite, or a spike): "
+                                              "validate_results executes it again from the same state and "
+                                              "micro-batches before any step is applied: a clean re-run is a "
+                                              "transient fault (training continues with it), a bad one is "
+                                              "persistent (--rerun-persistent-action); report_stats executes "
+                                              "every iteration twice and logs how much the two differ "
+                                              "(rerun_max_*_diff in train records), checking as validate_results; "
+                                              "disabled skips a non-finite step without a re-run.",
+                          choices=("disabled", "validate_results", "report_stats"))
+    rerun_persistent_action: str = opt("skip", "A fault that the re-run reproduces: skip drops that global batch "
+                                               "(its sample positions are logged) and continues; stop ends the "
+                                               "run (exit 1) naming iteration, rank and samples, without saving.",
+                                       choices=("skip", "stop"))
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = opt(
+        None, "Every N iterations (and before each checkpoint) the data-parallel replicas compare an exact hash "
+              "of the weights they share (expert weights over the expert-data-parallel group); ranks that differ "
+              "from the majority (with two replicas: both) are named and the run ends without saving "
+              "(--weight-hash-mismatch).")
+    weight_hash_mismatch: str = opt("stop", "After a weight-hash mismatch: stop (exit 1), or restart (exit 1 as "
+                                            "well, for an automatic restart (--max-restarts) that resumes from the "
+                                            "last checkpoint; refused without one).", choices=("stop", "restart"))
     fp8_format: Optional[str] = opt(None, "FP8 linear layers.", choices=("e4m3", "hybrid"))
     fp8_hybrid: bool = opt(False, "Alias of --fp8-format hybrid.")
     fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (one current scale per tensor) or rowwise (one per "
@@ -398,6 +428,18 @@ class LogConfig:
     log_num_zeros_in_grad: bool = opt(False, "Log how many gradient elements are exactly zero "
                                              "(\"num_zeros_in_grad\") every --log-interval.")
     log_params_norm: bool = opt(False, "Log the L2 norm of all weights (\"params_norm\") every --log-interval.")
+    log_straggler_interval: int = opt(0, "Straggler detection: every N iterations gather each rank's step-section "
+                                         "times (data, forward_backward, communication, optimizer; CUDA events on "
+                                         "GPU, no added host sync) with one all-gather, score them against the "
+                                         "median rank and the rank's own best, name ranks beyond "
+                                         "--straggler-threshold and write a \"straggler\" event (0: off, no "
+                                         "timing at all).")
+    log_straggler: bool = opt(False, "Megatron's switch for straggler detection: every --log-interval unless "
+                                     "--log-straggler-interval is given.")
+    straggler_threshold: float = opt(1.2, "A rank is named a straggler when a section of its own work takes more "
+                                          "than this times the median rank's (and at least 10%% of a step more).")
+    straggler_minmax_count: int = opt(0, "With straggler detection: also log the N slowest and fastest ranks by "
+                                         "their own work per step.")
     log_memory_to_tensorboard: bool = compat(False, "every logged number, peak memory included, goes to TensorBoard")
     apply_query_key_layer_scaling: bool = compat(False, "an fp16 safeguard that does not change the math; meshtron "
                                                         "trains in bf16/fp32")

@@ -47,6 +47,7 @@ from meshtron.config import (
 from meshtron.errors import ConfigError
 from meshtron.launcher import check_launcher
 from meshtron.resilience.checks import check_resilience
+from meshtron.resilience.detection_checks import check_detection_flags
 from meshtron.pipeline.partition import PipelineLayout, check_micro_batches, partition_layers
 
 
@@ -110,6 +111,7 @@ def check(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     _check_logging(cfg.log)
     check_launcher(cfg.parallel)
     check_resilience(cfg, world_size)
+    check_detection_flags(cfg)
 
 
 # ---------------------------------------------------------------------------------------------

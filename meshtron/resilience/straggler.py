@@ -15,8 +15,10 @@ step; wall time on CPU):
 ``optimizer``       gradient norm, clipping and the optimizer step
 ==================  ======================================================================
 
-Every N iterations the mean time per step of each section since the last report is
-all-gathered over the world (one all-gather of four numbers per rank) and scored:
+Every N iterations the median over the steps since the last report of each section's time
+(the run's first step, which also pays for start-up, is left out; the median ignores a
+one-off hiccup such as a descheduled process) is all-gathered over the world (one
+all-gather of four numbers per rank) and scored:
 
 * relative score = a rank's time / the lower median over ranks (with two ranks: the faster
   one), per section;
@@ -51,20 +53,19 @@ MIN_EXCESS_SHARE = 0.10
 
 
 class SectionTimer:
-    """Accumulates the time of each :data:`SECTIONS` entry over the steps since the last :meth:`read`.
+    """Records the time of each :data:`SECTIONS` entry, step by step, until the next :meth:`read`.
 
     :meth:`start` opens a step; :meth:`lap` closes the running section under a name and opens
     the next. On CUDA each boundary records an event on the current stream (no synchronisation);
-    :meth:`read` waits for the last event and sums the elapsed times. On CPU it reads the wall clock.
+    :meth:`read` waits for the last event and resolves the elapsed times. On CPU it reads the wall clock.
     """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._totals = dict.fromkeys(SECTIONS, 0.0)
-        self.steps = 0
+        self._rows: list[list[float]] = []  # CPU: seconds per section, one row per step
         self._last_wall = 0.0
         self._last_event: Optional[torch.cuda.Event] = None
-        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._pending: list[list[tuple[int, torch.cuda.Event, torch.cuda.Event]]] = []  # CUDA: per step
         self._pool: list[torch.cuda.Event] = []
 
     def _event(self) -> torch.cuda.Event:
@@ -74,38 +75,43 @@ class SectionTimer:
 
     def start(self) -> None:
         """Open a step (its first section)."""
-        self.steps += 1
         if self.cuda:
+            self._pending.append([])
             self._last_event = self._event()
         else:
+            self._rows.append([0.0] * len(SECTIONS))
             self._last_wall = time.perf_counter()
 
     def lap(self, section: str) -> None:
-        """Close the running section, adding its time to ``section``."""
+        """Close the running section, adding its time to ``section`` of the current step."""
+        index = SECTIONS.index(section)
         if self.cuda:
             event = self._event()
-            self._pending.append((section, self._last_event, event))
+            self._pending[-1].append((index, self._last_event, event))
             self._last_event = event
         else:
             now = time.perf_counter()
-            self._totals[section] += now - self._last_wall
+            self._rows[-1][index] += now - self._last_wall
             self._last_wall = now
 
-    def read(self) -> tuple[list[float], int]:
-        """(seconds per section summed over the steps since the last read, number of steps); resets."""
-        if self._pending:
-            self._pending[-1][2].synchronize()
+    def read(self) -> list[list[float]]:
+        """Seconds per section of every step since the last read (one row per step); resets."""
+        if self.cuda and self._pending:
+            last = next((laps[-1][2] for laps in reversed(self._pending) if laps), None)
+            if last is not None:
+                last.synchronize()
             events: dict[int, torch.cuda.Event] = {}
-            for section, begin, end in self._pending:
-                self._totals[section] += begin.elapsed_time(end) / 1000.0
-                events.update({id(begin): begin, id(end): end})
+            for laps in self._pending:
+                row = [0.0] * len(SECTIONS)
+                for index, begin, end in laps:
+                    row[index] += begin.elapsed_time(end) / 1000.0
+                    events.update({id(begin): begin, id(end): end})
+                self._rows.append(row)
             self._pool.extend(events.values())  # all read: free to record again
             self._pending.clear()
             self._last_event = None
-        totals, steps = [self._totals[s] for s in SECTIONS], self.steps
-        self._totals = dict.fromkeys(SECTIONS, 0.0)
-        self.steps = 0
-        return totals, steps
+        rows, self._rows = self._rows, []
+        return rows
 
 
 @dataclass
@@ -178,6 +184,7 @@ class StragglerDetector:
         self.threshold = threshold
         self.timer = SectionTimer(ctx.device)
         self._best: Optional[list[list[float]]] = None
+        self._warmed_up = False
 
     @classmethod
     def from_config(cls, cfg, ctx: ParallelContext) -> Optional["StragglerDetector"]:
@@ -189,11 +196,14 @@ class StragglerDetector:
         return iteration % self.interval == 0
 
     def report(self, iteration: int) -> Optional[StragglerReport]:
-        """Gather every rank's mean section times since the last report and score them (all ranks call it)."""
-        totals, steps = self.timer.read()
-        if steps == 0:
+        """Gather every rank's median section times since the last report and score them (all ranks call it)."""
+        rows = self.timer.read()
+        if not self._warmed_up:  # the run's first step also pays for start-up (first batch, lazy set-up)
+            rows, self._warmed_up = rows[1:], True
+        if not rows:
             return None
-        local = torch.tensor([t / steps for t in totals], dtype=torch.float64, device=self.ctx.device)
+        local = torch.tensor([statistics.median(col) for col in zip(*rows)], dtype=torch.float64,
+                             device=self.ctx.device)
         if self.ctx.world_size > 1 and dist.is_initialized():
             rows = [torch.empty_like(local) for _ in range(self.ctx.world_size)]
             dist.all_gather(rows, local)

@@ -55,15 +55,16 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Coefficients:
-    """Position coefficients ``c_i`` for one chunk, built once per device."""
+    """Position coefficients ``c_i`` for a chunk, per device, grown to the longest chunk asked for."""
 
     def __init__(self) -> None:
         self._by_device: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device, n: int) -> torch.Tensor:
         coef = self._by_device.get(device)
-        if coef is None:
-            pos = torch.arange(_CHUNK, dtype=torch.int64, device=device)
+        if coef is None or coef.numel() < n:
+            size = min(_CHUNK, max(n, 2 * (coef.numel() if coef is not None else 0)))
+            pos = torch.arange(size, dtype=torch.int64, device=device)
             coef = (pos * 48_271 + 12_345) % (_P_POS - 1) + 1  # never 0 mod _P_POS
             self._by_device[device] = coef
         return coef[:n]

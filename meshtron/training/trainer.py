@@ -36,7 +36,10 @@ from meshtron.pipeline.batches import broadcast_from_last_stage, eval_batches, t
 from meshtron.pipeline.balance import pipeline_balance_hint
 from meshtron.resilience.faults import FaultInjector
 from meshtron.resilience.hang import Progress, enable_nccl_flight_recorder, hang_watchdog, report_directory
+from meshtron.resilience.rerun import RerunGuard, local_nonfinite
 from meshtron.resilience.restart import restart_count, restart_event, resume_candidates
+from meshtron.resilience.straggler import StragglerDetector
+from meshtron.resilience.weight_hash import WeightHashCheck, mismatch_message
 from meshtron.training.gc_control import ManualGC
 from meshtron.training.metrics import compute_throughput, flops_per_token, peak_memory_stats, peak_tflops
 from meshtron.training.step_profiler import StepProfiler
@@ -106,6 +109,12 @@ class Trainer:
         # Where this rank is (plain attribute stores read by the hang watchdog) and the drills' faults.
         self.progress = Progress()
         self.faults = FaultInjector.from_config(cfg, ctx.rank)  # None without --inject-fault
+        # Straggler timing, NaN/spike re-runs and the weight-hash check: each None when off.
+        self.straggler = StragglerDetector.from_config(cfg, ctx)
+        self.rerun = RerunGuard.from_config(cfg, ctx, self.tracker, self.model_chunks)
+        self.weight_hash = WeightHashCheck.from_config(cfg, ctx, self.model_chunks)
+        self._weights_checked_at = -1
+        self._skip_explained = False  # the re-run guard already logged why this step was skipped
 
     def close(self) -> None:
         """Release the hooks that keep this run's parameters and buffers alive after it ends."""
@@ -115,7 +124,14 @@ class Trainer:
     def _prepare(self, micro_batches: list[dict]) -> list[dict]:
         """Move micro-batches to the device, keep this CP rank's part of the sequence, and attach each
         token's loss weight (mask / loss tokens of the whole global batch, over DP x CP)."""
-        mbs = [split_micro_batch(_to_device(mb, self.device), self.ctx.cp, self.ctx.cp_rank) for mb in micro_batches]
+        return self._weigh_loss(self._to_rank(micro_batches))
+
+    def _to_rank(self, micro_batches: list[dict]) -> list[dict]:
+        """The micro-batches on the device, cut to this CP rank's part of the sequence."""
+        return [split_micro_batch(_to_device(mb, self.device), self.ctx.cp, self.ctx.cp_rank) for mb in micro_batches]
+
+    def _weigh_loss(self, mbs: list[dict]) -> list[dict]:
+        """Replace each loss mask by token weights: mask / loss tokens of the global batch (one all-reduce)."""
         if not mbs or "loss_mask" not in mbs[0]:  # a middle pipeline stage: no data, only the count
             return mbs
         local = sum(mb["loss_mask"].sum() for mb in mbs)
@@ -135,24 +151,64 @@ class Trainer:
             dist.all_reduce(loss, group=self.ctx.dp_cp_group)
         return broadcast_from_last_stage(loss, self.ctx)
 
+    def _lap(self, section: str) -> None:
+        """Close a straggler-timing section (nothing without --log-straggler-interval)."""
+        if self.straggler is not None:
+            self.straggler.timer.lap(section)
+
+    def _gradients(self, micro_batches: list[dict], iteration: int, attempt: int,
+                   check_local: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Forward, backward and gradient reduction of one execution of an iteration (``attempt`` 0, or a
+        re-run); returns (this rank's loss sum, the global gradient norm, both on device, and with
+        ``check_local`` whether this rank's own loss or gradients were non-finite before the reduction)."""
+        self.grad_buffer.zero()
+        mbs = self._to_rank(micro_batches)
+        self._lap("data")
+        if self.faults is not None:
+            self.faults.hang_point(iteration)
+        mbs = self._weigh_loss(mbs)
+        self._lap("communication")
+        self.progress.phase = "forward-backward"
+        # A checked re-run does not overlap the reduction with the backward pass, so that this rank's
+        # own gradients can be read before they are summed.
+        overlap = None if check_local else self.grad_sync.start_overlap
+        loss_sum = self.schedule(self.model_chunks, mbs, before_last_backward=overlap)
+        if self.faults is not None:
+            loss_sum = self.faults.corrupt_loss(iteration, attempt, loss_sum)
+            self.faults.corrupt_grads(iteration, attempt, [self.grad_buffer.data])
+        local_bad = None
+        if check_local:
+            self.grad_buffer.zero_unwritten()
+            local_bad = local_nonfinite(loss_sum, [self.grad_buffer.view_of(i) for i in range(len(self.params))])
+        self._lap("forward_backward")
+        self.progress.phase = "gradient-sync"
+        self.grad_sync.finish()
+        self._lap("communication")
+        return loss_sum, self.optim.grad_norm(), local_bad
+
+    def _synced(self, norm: torch.Tensor, loss_sum: torch.Tensor) -> list[float]:
+        """The step's one host sync: [grad norm], or [grad norm, global loss] when the re-run guard
+        judges the loss (then the loss is reduced every step, and read in the same transfer)."""
+        if self.rerun is None or not self.rerun.needs_loss:
+            return [norm.item()]
+        return torch.cat([norm.float().reshape(1), self._reduce_loss(loss_sum)]).tolist()
+
     def train_step(self, micro_batches: list[dict], iteration: int) -> tuple[torch.Tensor, float, bool]:
         """One iteration; returns (this rank's loss sum, grad norm, whether the step was applied)."""
         for chunk in self.model_chunks:
             chunk.train()
-        self.grad_buffer.zero()
-        if self.faults is not None:
-            self.faults.hang_point(iteration)
-        mbs = self._prepare(micro_batches)
-        self.progress.phase = "forward-backward"
-        loss_sum = self.schedule(self.model_chunks, mbs, before_last_backward=self.grad_sync.start_overlap)
-        if self.faults is not None:
-            loss_sum = self.faults.corrupt_loss(iteration, 0, loss_sum)
-            self.faults.corrupt_grads(iteration, 0, [self.grad_buffer.data])
-        self.progress.phase = "gradient-sync"
-        self.grad_sync.finish()
-        norm = self.optim.grad_norm()
-        norm_value = norm.item()  # the one host sync of a step: decides whether to skip it
-        applied = math.isfinite(norm_value)
+        if self.rerun is not None:
+            self.rerun.capture()
+        self._skip_explained = False
+        loss_sum, norm, _ = self._gradients(micro_batches, iteration, attempt=0)
+        values = self._synced(norm, loss_sum)
+        applied = all(math.isfinite(v) for v in values)
+        if self.rerun is not None:
+            verdict = self.rerun.judge(values)
+            if not verdict.ok or self.rerun.always_rerun:
+                loss_sum, norm, values, applied = self._rerun(micro_batches, iteration, loss_sum, values, verdict)
+            elif applied:
+                self.rerun.accept(values)
         if applied:
             # The optimizer applies the clipping coefficient as it reads the gradients (no extra pass).
             coef = clip_coefficient(norm, self.cfg.optim.clip_grad) if self.cfg.optim.clip_grad > 0 else None
@@ -160,9 +216,43 @@ class Trainer:
             self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters), grad_coef=coef)
             if self.faults is not None:
                 self.faults.after_optimizer_step(iteration, self.params)
+        self._lap("optimizer")
         if self.moe is not None:
             self.moe.after_step(applied)
-        return loss_sum, norm_value, applied
+        return loss_sum, values[0], applied
+
+    def _rerun(self, micro_batches: list[dict], iteration: int, loss_sum: torch.Tensor, values: list[float],
+               verdict) -> tuple[torch.Tensor, torch.Tensor, list[float], bool]:
+        """Execute the iteration again from the state before it (no step was applied); returns the
+        (loss sum, norm, synced values) to keep and whether to apply the step. Raises TrainingError
+        for a persistent fault with --rerun-persistent-action stop."""
+        guard = self.rerun
+        first_loss_bad = ~torch.isfinite(loss_sum.detach().float()).all()
+        guard.restore()
+        if not verdict.ok:
+            self.grad_buffer.data.zero_()  # no NaN of the first execution stays behind (e.g. in padding)
+        loss2, norm2, local_bad = self._gradients(micro_batches, iteration, attempt=1, check_local=not verdict.ok)
+        values2 = self._synced(norm2, loss2)
+        second = guard.judge(values2)
+        if guard.stats is not None:
+            guard.stats.add(values, values2)
+        if verdict.ok:  # report_stats on a healthy step: keep the second execution if it is healthy too
+            if second.ok:
+                guard.accept(values2)
+            else:
+                self.logger.warning(f"iteration {iteration}: the second execution (--rerun-mode report_stats) "
+                                    f"failed a check ({second.detail}); step skipped")
+            return loss2, norm2, values2, second.ok
+        outcome = guard.conclude(iteration, verdict, second, first_loss_bad, local_bad, loss_sum)
+        self.logger.log_event(outcome.event())
+        if outcome.action == "stopped":
+            raise TrainingError(outcome.message() + " (--rerun-persistent-action stop)")
+        self.logger.warning(outcome.message())
+        self._skip_explained = True
+        if outcome.action == "continued":
+            guard.accept(values2)
+            return loss2, norm2, values2, True
+        return loss2, norm2, values2, False
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
@@ -232,6 +322,8 @@ class Trainer:
         ck = self.cfg.checkpoint
         if not ck.save:
             return
+        if self.weight_hash is not None:  # never save weights that the replicas disagree on
+            self._check_weight_hash(self.state.iteration)
         ckpt = self._checkpointing()
         self.progress.phase = "checkpoint"
         self.state.rng = capture_rng_state(self.tracker)
@@ -245,8 +337,8 @@ class Trainer:
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
         speed = compute_throughput(tokens, self.ctx.world_size, step_time, self.flops_per_token, self.peak_tflops)
         return {"type": "train", "iteration": iteration, "consumed_samples": self.state.consumed_samples,
-                "loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
                 "consumed_tokens": self.state.consumed_samples * self.cfg.model.seq_length,
+                "loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
                 "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu, "tflops_per_gpu": speed.tflops_per_gpu,
                 "mfu": speed.mfu, **peak_memory_stats(self.device), **self._optional_norms()}
 
@@ -338,6 +430,8 @@ class Trainer:
         interval_steps = 0
         for iteration in range(self.state.iteration + 1, t.train_iters + 1):
             self.progress.iteration, self.progress.phase = iteration, "data"
+            if self.straggler is not None:
+                self.straggler.timer.start()
             if self.faults is not None:
                 self.faults.at_iteration_start(iteration)
             micro_batches = next(batches)
@@ -355,13 +449,16 @@ class Trainer:
             else:
                 self.state.nonfinite_in_a_row += 1
                 self.state.skipped_iterations += 1
-                self.logger.warning(f"iteration {iteration}: non-finite loss or gradient norm ({norm}); step skipped")
+                if not self._skip_explained:
+                    self.logger.warning(f"iteration {iteration}: non-finite loss or gradient norm ({norm}); "
+                                        "step skipped")
                 if self.state.nonfinite_in_a_row >= cfg.optim.max_nonfinite_steps:
                     raise TrainingError(
                         f"{self.state.nonfinite_in_a_row} consecutive iterations had a non-finite loss or gradient "
                         f"(last at iteration {iteration}); stopping. The last saved checkpoint is intact. "
                         "Try a lower --lr, a longer --lr-warmup-iters or --clip-grad 1.0.")
             self.result.grad_norms[iteration] = norm
+            self._resilience_checks(iteration)
             if iteration % cfg.log.log_interval == 0 or iteration == t.train_iters:
                 losses = self._reduce_loss(torch.stack([x.float().reshape(()) for x in interval_losses]).sum())
                 if self.device.type == "cuda":
@@ -374,6 +471,8 @@ class Trainer:
                 record = self._log_record(iteration, mean_loss, norm, lr, step_time)
                 if self.moe is not None:  # every rank: the MoE metrics are reduced over ranks
                     record.update(self.moe.metrics())
+                if self.rerun is not None and self.rerun.stats is not None:
+                    record.update(self.rerun.stats.pop())
                 self.logger.log_train(record)
                 interval_losses, interval_steps = [], 0
                 interval_start = time.perf_counter()
@@ -397,6 +496,31 @@ class Trainer:
             if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
                                         or self.state.iteration % cfg.checkpoint.save_interval != 0):
                 self.save()
+
+    def _resilience_checks(self, iteration: int) -> None:
+        """The straggler report and the weight-hash check when due (every rank: each gathers over the world)."""
+        if self.straggler is not None and self.straggler.due(iteration):
+            report = self.straggler.report(iteration)
+            if report is not None:
+                self.logger.log_event(report.event())
+                if report.ranks:
+                    self.logger.warning(report.message(self.straggler.threshold))
+                if self.cfg.log.straggler_minmax_count:
+                    self.logger.info(report.minmax_line(self.cfg.log.straggler_minmax_count))
+        interval = self.cfg.train.check_weight_hash_across_dp_replicas_interval
+        if self.weight_hash is not None and iteration % interval == 0:
+            self._check_weight_hash(iteration)
+
+    def _check_weight_hash(self, iteration: int) -> None:
+        """Compare the data-parallel replicas' weights; TrainingError on a mismatch (nothing is saved)."""
+        if self._weights_checked_at == iteration:
+            return
+        self._finish_param_gather()
+        verdict = self.weight_hash.check(iteration)
+        self._weights_checked_at = iteration
+        if verdict.mismatch:
+            self.logger.log_event(verdict.event())
+            raise TrainingError(mismatch_message(verdict, self.cfg.train.weight_hash_mismatch == "restart"))
 
     def _evaluate_and_log(self, iteration: int) -> None:
         loss = self.evaluate()
