@@ -283,11 +283,35 @@ def load_for_inference(load_dir: str | Path, device: torch.device | str = "cpu",
     return model, tokenizer
 
 
+#: Keys of a saved tokenizer's description that name its files.
+_TOKENIZER_FILE_KEYS = ("tokenizer_model", "path", "vocab_file", "merge_file")
+
+
+def _tokenizer_files_stay_inside(tok_dir: Path) -> None:
+    """A checkpoint's tokenizer may only name files of its own directory (never /etc/... or ../..)."""
+    import json
+
+    from meshtron.checkpoint.checksums import safe_relative_name
+    from meshtron.data.tokenizers import META_FILE as TOKENIZER_META
+
+    try:
+        meta = json.loads((tok_dir / TOKENIZER_META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # missing or unreadable: load_tokenizer says so
+    if not isinstance(meta, dict):
+        return
+    for key in _TOKENIZER_FILE_KEYS:
+        name = meta.get(key)
+        if isinstance(name, str) and name not in (".", "") and not safe_relative_name(name):
+            raise CheckpointError(f"{tok_dir / TOKENIZER_META}: {key} {name!r} is not a file inside {tok_dir}")
+
+
 def read_checkpoint_tokenizer(ckpt_dir: Path):
     """The tokenizer saved in a checkpoint; CheckpointError naming the directory when it cannot be read."""
     from meshtron.data.tokenizers import load_tokenizer
 
     tok_dir = ckpt_dir / TOKENIZER_DIR
+    _tokenizer_files_stay_inside(tok_dir)
     try:
         return load_tokenizer(tok_dir)
     except CheckpointError:

@@ -8,6 +8,7 @@ match, and the readers themselves are what is tested.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -19,12 +20,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from ckpt_helpers import build_chunks, make_optimizer
-from meshtron.checkpoint import CheckpointError, load_checkpoint, load_for_inference
+from ckpt_helpers import build_chunks, make_optimizer, tiny_config
+from meshtron.checkpoint import CheckpointError, load_checkpoint, load_for_inference, save_checkpoint
 from meshtron.checkpoint.convert import convert_main, meshtron_to_hf
 from meshtron.checkpoint.dcp_reader import TensorOnlyLoadPlanner, read_dcp_metadata, unpickle_index
 from meshtron.cli import main as meshtron_main
+from meshtron.data.tokenizers import ByteTokenizer
 from meshtron.parallel.context import ParallelContext
+from meshtron.training.state import TrainingState
 from tamper import CodeRunner, code_running_pickle, reseal, saved_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,8 +126,6 @@ def test_code_running_tensor_file_is_refused(tmp_path):
     ckpt, cfg = saved_checkpoint(tmp_path / "c")
     marker = tmp_path / "marker"
     evil = ckpt / "__9_0.distcp"
-    buf = code_running_pickle(marker)
-    import io
     blob = io.BytesIO()
     torch.save(CodeRunner(marker), blob)
     evil.write_bytes(blob.getvalue())
@@ -137,7 +138,7 @@ def test_code_running_tensor_file_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"reading tensors from .* failed") as info:
         load_checkpoint(str(ckpt), chunks, optimizer, ctx, cfg)
     assert "weights_only" in str(info.value) or "Unsupported global" in str(info.value)
-    assert not marker.exists() and buf
+    assert not marker.exists()
 
 
 def test_code_running_rng_file_is_refused(tmp_path):
@@ -208,3 +209,16 @@ def test_cli_generate_and_convert_refuse_code(cli_checkpoint, tmp_path, capsys):
     assert convert_main(["--to", "hf", "--input", str(save), "--output", str(tmp_path / "hf")]) == 2
     _one_error_line(capsys.readouterr().err, index)
     assert not marker.exists()
+
+
+def test_checkpoint_tokenizer_may_not_name_files_outside_it(tmp_path):
+    cfg = tiny_config(vocab_size=258, tokenizer_type="ByteTokenizer")
+    ctx = ParallelContext()
+    save_checkpoint(str(tmp_path), TrainingState(iteration=1), build_chunks(cfg, ctx), None, ctx, cfg,
+                    tokenizer=ByteTokenizer())
+    ckpt = tmp_path / "iter_0000001"
+    described = ckpt / "tokenizer" / "meshtron_tokenizer.json"
+    described.write_text('{"tokenizer_type": "HuggingFaceTokenizer", "path": "/etc/passwd"}')
+    reseal(ckpt)
+    with pytest.raises(CheckpointError, match=r"path '/etc/passwd' is not a file inside"):
+        load_for_inference(ckpt)
