@@ -34,7 +34,7 @@ def test_crash_restart_gives_the_uninterrupted_losses(tmp_path):
 
 
 def test_crash_without_restarts_fails_and_names_the_rank(tmp_path):
-    result = meshtron_train(tiny_job("--inject-fault", "crash:1:3", "--hang-timeout-seconds", "5"), timeout=180)
+    result = meshtron_train(tiny_job("--inject-fault", "crash:1:2", "--hang-timeout-seconds", "5"), timeout=180)
     assert result.returncode != 0
     launcher_line = [line for line in result.stderr.splitlines() if "worker process(es) failed" in line]
     assert launcher_line and "rank 1" in launcher_line[-1], result.stderr[-3000:]
