@@ -12,8 +12,8 @@ Two steps, run in this order by :func:`validate_config`:
   involved and what would be valid.
 
 Both need neither torch nor model code: this module imports only the schema
-(:mod:`meshtron.config`), the error (:mod:`meshtron.errors`), the launcher's flag checks and the
-integer layer partition (:mod:`meshtron.pipeline.partition`). Only the CUDA probe behind an
+(:mod:`meshtron.config`), the error (:mod:`meshtron.errors`), the launcher's and the resilience
+features' flag checks and the integer layer partition (:mod:`meshtron.pipeline.partition`). Only the CUDA probe behind an
 unset ``--device`` (or ``--device cuda``) asks torch, and a missing torch means no CUDA.
 
 Which module owns which rule (each rule lives in one place; the others call it):
@@ -29,6 +29,8 @@ Which module owns which rule (each rule lives in one place; the others call it):
   interleaved schedule: :mod:`meshtron.pipeline.partition`, called from here with integers;
 - the launcher flags (``--nnodes``, ``--node-rank``, ``--master-port``, ...):
   :func:`meshtron.launcher.check_launcher`, called from here;
+- the hang, restart, fault-drill, straggler, re-run and weight-hash flags:
+  :mod:`meshtron.resilience.checks` and :mod:`meshtron.resilience.detection_checks`, called from here;
 - facts known only later (the GPUs on the node, a checkpoint's contents, a dataset's tokens): the
   launcher, :mod:`meshtron.checkpoint` and :mod:`meshtron.data`, when they read them.
 """

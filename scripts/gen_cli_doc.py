@@ -54,6 +54,7 @@ Which module owns which rule:
 | model shape; sizes against the shape; world size = TP x CP x DP x PP; experts against EP (and ETP = TP); batch sizes; precision; recomputation; optimizer and schedule; data, tokenizer, checkpoint and logging paths | `meshtron.validation` (the process groups reuse its world-size rule) |
 | layers over pipeline stages and virtual stages; micro-batches of the interleaved schedule | `meshtron.pipeline.partition` (plain integers, called by validation) |
 | `--nnodes`, `--node-rank`, `--master-port` and the other launcher flags | `meshtron.launcher.check_launcher` (called by validation) |
+| the hang, restart, fault-drill, straggler, re-run and weight-hash flags | `meshtron.resilience.checks`, `meshtron.resilience.detection_checks` (called by validation) |
 | facts known only later: GPUs on the node, a checkpoint's contents, a dataset's tokens | the launcher, `meshtron.checkpoint`, `meshtron.data` |
 """
 
