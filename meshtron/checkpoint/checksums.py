@@ -104,7 +104,10 @@ def check_file(ckpt_dir: Path, name: str, entry: Any) -> Optional[str]:
     actual = path.stat().st_size
     if actual != entry["bytes"]:
         return f"{path} has {actual} bytes, the checkpoint recorded {entry['bytes']} (truncated or overwritten)"
-    size, crc = crc32_file(path)
+    try:
+        size, crc = crc32_file(path)
+    except OSError as err:
+        return f"cannot read {path}: {err.strerror or err}"
     if size != entry["bytes"]:
         return f"{path} changed while it was being checked"
     if crc != entry[ALGORITHM]:

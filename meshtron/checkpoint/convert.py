@@ -26,7 +26,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtron.checkpoint import hf
 from meshtron.checkpoint.dcp_reader import read_dcp_metadata, safe_dcp_load
-from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
+from meshtron.checkpoint.errors import (
+    CheckpointError, CheckpointSaveError, describe_dcp_failure, describe_os_error, is_disk_full,
+)
 from meshtron.checkpoint.load import read_checkpoint_tokenizer, resolve_checkpoint
 from meshtron.checkpoint.metadata import (
     TOKENIZER_DIR, checkpoint_meta, compare_tensors, config_yaml, model_signature, read_config, read_meta,
@@ -304,15 +306,33 @@ def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture:
         raise CheckpointError(f"{ckpt_dir}: the embedding has {vocab} rows but the metadata says vocabulary "
                               f"{meta['model']['vocab_size']}")
     hf_tensors = {hf.meshtron_to_hf_name(name): t for name, t in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    write_hf_tensors(hf_tensors, out, max_shard_bytes)
-    eos, bos = _export_tokenizer(ckpt_dir, out, notices)
-    dtype_name = DTYPE_NAMES.get(next(iter(tensors.values())).dtype, "float32")
-    config = hf.hf_config(cfg.model, vocab, architecture, dtype_name, eos, bos)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    gen = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_hf_tensors(hf_tensors, out, max_shard_bytes)
+        eos, bos = _export_tokenizer(ckpt_dir, out, notices)
+        dtype_name = DTYPE_NAMES.get(next(iter(tensors.values())).dtype, "float32")
+        config = hf.hf_config(cfg.model, vocab, architecture, dtype_name, eos, bos)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        gen = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+    except (OSError, CheckpointError) as err:
+        _remove_partial_output(out, created)  # --output was empty or absent: nothing of the user's is lost
+        if isinstance(err, CheckpointError):
+            raise
+        needed = sum(t.numel() * t.element_size() for t in hf_tensors.values())
+        cause = "no space left on device" if is_disk_full(err) else describe_os_error(err)
+        raise CheckpointSaveError(f"writing {out} failed: {cause} (the export needs about {needed / 1e9:.2f} GB); "
+                                  "the partial export was removed") from None
     return out
+
+
+def _remove_partial_output(out: Path, created: bool) -> None:
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+    elif out.is_dir():
+        for entry in out.iterdir():
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------

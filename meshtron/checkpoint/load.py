@@ -44,6 +44,9 @@ def resolve_checkpoint(path: str | Path) -> Optional[Path]:
     p = Path(path)
     if (p / META_FILE).is_file():
         return p
+    if p.exists() and not p.is_dir():
+        raise CheckpointError(f"{p} is a file, not a checkpoint directory (give the --save directory or one "
+                              "iter_N directory)")
     if not p.is_dir():
         return None
     iteration = layout.read_latest(p)

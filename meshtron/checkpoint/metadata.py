@@ -177,6 +177,8 @@ def read_config(ckpt_dir: str | Path) -> MeshtronConfig:
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{f} is not valid YAML ({first}): the checkpoint is damaged") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {f}: {err.strerror or err}") from None
     if not isinstance(values, dict):
         raise CheckpointError(f"{f} holds a YAML {type(values).__name__}, not a mapping of settings")
     try:

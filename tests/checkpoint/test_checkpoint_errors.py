@@ -253,3 +253,47 @@ def test_damaged_hf_index_is_one_line(tmp_path, capsys):
     (src / "model.safetensors.index.json").write_text('{"weight_map": {"a": "../../etc/passwd"}}')
     line = _convert_error(capsys, src, tmp_path / "out")
     assert "model.safetensors.index.json names '../../etc/passwd'" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# More of the same kind.
+# ---------------------------------------------------------------------------------------------
+
+def test_load_naming_a_file_is_refused(first_checkpoint):
+    path, cfg, ctx, chunks, optimizer = first_checkpoint
+    not_a_dir = path / "iter_0000001" / "config.yaml"
+    with pytest.raises(CheckpointError, match=rf"{not_a_dir} is a file, not a checkpoint directory"):
+        load_checkpoint(str(not_a_dir), chunks, optimizer, ctx, cfg)
+
+
+def test_unreadable_checkpoint_file_is_one_line(first_checkpoint, monkeypatch):
+    path, cfg, ctx, chunks, optimizer = first_checkpoint
+    from meshtron.checkpoint import checksums
+
+    real = checksums.crc32_file
+
+    def crc32_file(p):
+        if str(p).endswith("__0_0.distcp"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(p))
+        return real(p)
+
+    monkeypatch.setattr(checksums, "crc32_file", crc32_file)
+    with pytest.raises(CheckpointError, match=r"is corrupt: cannot read .*__0_0\.distcp: Permission denied") as info:
+        load_checkpoint(str(path), chunks, optimizer, ctx, cfg)
+    assert "\n" not in str(info.value)
+
+
+def test_export_to_a_full_disk_removes_the_partial_export(first_checkpoint, monkeypatch, capsys):
+    path = first_checkpoint[0]
+    import safetensors.torch
+
+    def full(tensors, filename, metadata=None):
+        pathlib.Path(filename).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = path.parent / "exported"
+    assert convert_main(["--to", "hf", "--input", str(path), "--output", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no space left on device" in err[0] and "needs about" in err[0], err
+    assert not out.exists()
