@@ -28,26 +28,27 @@ SMALL = ["--device", "cpu", "--num-layers", "4", "--hidden-size", "48", "--num-a
          "--ffn-hidden-size", "100", "--seq-length", "16", "--vocab-size", str(VOCAB), "--ddp-bucket-size", "3000",
          "--micro-batch-size", "1"]
 
-WORLD2 = {
-    "dp2": SMALL + ["--global-batch-size", "2"],
-    "dp2-distopt-bf16-offload": SMALL + ["--global-batch-size", "2", "--use-distributed-optimizer", "--bf16",
+# Four gloo ranks (one spawn keeps the test short): DP=4, TP=2 x DP=2, EP=2 over DP=4 (expert-DP groups of
+# two), PP=2 x DP=2.
+LAYOUTS = {
+    "dp4": SMALL + ["--global-batch-size", "4"],
+    "dp4-distopt-bf16-offload": SMALL + ["--global-batch-size", "4", "--use-distributed-optimizer", "--bf16",
                                          "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.3"],
-    "dp2-distopt-fp32-bf16-grads": SMALL + ["--global-batch-size", "2", "--use-distributed-optimizer",
+    "dp4-distopt-fp32-bf16-grads": SMALL + ["--global-batch-size", "4", "--use-distributed-optimizer",
                                             "--grad-reduce-in-bf16"],
-    "tp2-sp-replicated-kv": SMALL + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                     "--group-query-attention", "--num-query-groups", "1",
-                                     "--untie-embeddings-and-output-weights", "--global-batch-size", "1"],
-    "moe-ep2-distopt": SMALL + ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-                                "--moe-router-enable-expert-bias", "--use-distributed-optimizer",
-                                "--global-batch-size", "2"],
-}
-WORLD4 = {
+    "tp2-sp-replicated-kv-dp2": SMALL + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                         "--group-query-attention", "--num-query-groups", "1",
+                                         "--untie-embeddings-and-output-weights", "--global-batch-size", "2"],
+    "moe-ep2-dp4-distopt": SMALL + ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size",
+                                    "2", "--moe-router-enable-expert-bias", "--use-distributed-optimizer",
+                                    "--global-batch-size", "4"],
     "pp2-dp2-distopt-tied": SMALL + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                                      "--global-batch-size", "4"],
     "pp2-interleaved-dp2": SMALL + ["--pipeline-model-parallel-size", "2",
                                     "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4",
                                     "--bf16"],
 }
+WORLD = 4
 
 
 def _config(argv: list[str], world: int):
@@ -117,21 +118,17 @@ def _check(layouts: dict, world: int) -> None:
             assert _planned(argv, world, rank) == per_layout[name], f"{name}, rank {rank}"
 
 
-def test_planned_ranks_allocate_what_two_real_ranks_allocate():
-    _check(WORLD2, 2)
-
-
-def test_planned_ranks_allocate_what_four_real_ranks_allocate():
-    _check(WORLD4, 4)
+def test_planned_ranks_allocate_what_real_ranks_allocate():
+    _check(LAYOUTS, WORLD)
 
 
 def test_the_layouts_exercise_padding_offload_and_experts():
     """The cases above are not trivial: shard padding, a host part, expert parameters, model buffers."""
-    offload = rank_memory(_config(WORLD2["dp2-distopt-bf16-offload"], 2), VOCAB, 2, 1)
+    offload = rank_memory(_config(LAYOUTS["dp4-distopt-bf16-offload"], WORLD), VOCAB, WORLD, 3)
     assert offload.padding_numel > 0 and offload.optimizer.host_bytes > 0 and offload.optimizer.device_bytes > 0
-    moe = rank_memory(_config(WORLD2["moe-ep2-distopt"], 2), VOCAB, 2, 0)
+    moe = rank_memory(_config(LAYOUTS["moe-ep2-dp4-distopt"], WORLD), VOCAB, WORLD, 0)
     assert 0 < moe.expert_parameters < moe.parameters and moe.model_buffers > 0
-    first, last = (rank_memory(_config(WORLD4["pp2-dp2-distopt-tied"], 4), VOCAB, 4, r) for r in (0, 2))
+    first, last = (rank_memory(_config(LAYOUTS["pp2-dp2-distopt-tied"], WORLD), VOCAB, WORLD, r) for r in (0, 2))
     assert first.pipeline_message == 16 * 1 * 48 * 4 and first.parameters != last.parameters
 
 
@@ -161,16 +158,16 @@ def test_llama3_405b_plans_in_seconds():
 
 
 def test_meshtron_plan_dry_run_prints_the_chosen_ranks(capsys):
-    argv = ["plan", "--dry-run", "--world-size", "4", "--ranks", "0,last", "--json"] + WORLD4["pp2-dp2-distopt-tied"]
+    argv = ["plan", "--dry-run", "--world-size", "4", "--ranks", "0,last", "--json"] + LAYOUTS["pp2-dp2-distopt-tied"]
     assert main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["rank"] for r in rows] == [0, 3]
-    assert rows[0]["parameters"] == _planned(WORLD4["pp2-dp2-distopt-tied"], 4, 0)["parameters"]
+    assert rows[0]["parameters"] == _planned(LAYOUTS["pp2-dp2-distopt-tied"], 4, 0)["parameters"]
     assert rows[1]["estimated_peak"] > rows[1]["device_total"] > 0
 
 
 def test_train_dry_run_prints_the_plan_and_creates_no_process_group(capsys):
-    argv = ["train", "--dry-run", "--nproc-per-node", "4"] + WORLD4["pp2-dp2-distopt-tied"]
+    argv = ["train", "--dry-run", "--nproc-per-node", "4"] + LAYOUTS["pp2-dp2-distopt-tied"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "on 4 ranks" in out and "rank 0 (" in out and "rank 3 (" in out
