@@ -65,6 +65,8 @@ COMPAT_TOPIC = "Megatron compatibility"
 
 #: Without --model and without any of these, the "tiny" preset is applied.
 SHAPE_FIELDS: tuple[str, ...] = ("num_layers", "hidden_size", "num_attention_heads")
+#: Any of these says where the data comes from (so the quick-start job's defaults do not apply).
+DATA_FIELDS: tuple[str, ...] = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "mock_data")
 DEFAULT_PRESET = "tiny"
 
 #: Help groups of `meshtron train --help`, in order.
@@ -339,6 +341,7 @@ class TrainArgs:
     config: MeshtronConfig
     given: dict[str, Any]   # {field: value} given in the YAML file or on the command line
     config_file: Optional[str] = None
+    quickstart_defaults: tuple[str, ...] = ()  # the quick-start settings that no flag overrode
 
 
 def build_config(argv: Sequence[str]) -> MeshtronConfig:
@@ -360,22 +363,42 @@ def parse_train_args(argv: Sequence[str]) -> TrainArgs:
     from_yaml = load_yaml_config(config_file) if config_file else {}
 
     given = {**from_yaml, **flags}
-    if not argv:  # the quick-start job (README): tiny model, built-in corpus, checkpoint, sample
-        from meshtron.presets import QUICKSTART
-
-        given = dict(QUICKSTART)
+    base = quickstart_base(given, config_file)
     cfg = MeshtronConfig()
-    preset = given.get("model")
+    preset = given.get("model", base.get("model"))
     if preset is None and not any(name in given for name in SHAPE_FIELDS):
         preset = DEFAULT_PRESET
     if preset is not None:
         apply_preset(cfg.model, preset)
-    for name, value in given.items():
+    for name, value in {**base, **given}.items():
         if name != "model":
             cfg.set(name, copy.deepcopy(value))
     if cfg.checkpoint.use_checkpoint_args:
         _apply_checkpoint_model_args(cfg, given)
-    return TrainArgs(cfg, given, config_file)
+    return TrainArgs(cfg, given, config_file, tuple(name for name in base if name not in given))
+
+
+def quickstart_base(given: dict[str, Any], config_file: Optional[str]) -> dict[str, Any]:
+    """The quick-start job's settings (README) when neither a model, nor data, nor a config file is given;
+    otherwise nothing. Flags then override them one by one, so that ``meshtron train --train-iters 50`` is the
+    quick-start job with 50 iterations, not a different job."""
+    from meshtron.presets import QUICKSTART
+
+    chooses_model = "model" in given or "use_checkpoint_args" in given or any(n in given for n in SHAPE_FIELDS)
+    chooses_data = any(name in given for name in DATA_FIELDS)
+    return {} if config_file or chooses_model or chooses_data else dict(QUICKSTART)
+
+
+def quickstart_notice(args: TrainArgs) -> Optional[str]:
+    """The one line that says which quick-start defaults a run uses (None when it uses none)."""
+    if not args.quickstart_defaults:
+        return None
+    from meshtron.presets import QUICKSTART
+
+    shown = ", ".join(f"{flag_name(name)} {QUICKSTART[name]}" if name != "model" else f"--model {QUICKSTART[name]}"
+                      for name in args.quickstart_defaults)
+    return (f"{PROG} train: note: no --model, data or --config given: the quick-start job's defaults apply "
+            f"({shown}); each flag given overrides one of them")
 
 
 def _apply_checkpoint_model_args(cfg: MeshtronConfig, given: dict) -> None:
@@ -528,6 +551,9 @@ def train_main(argv: Sequence[str]) -> int:
         if not _is_rank_zero():
             return 2  # every rank has the same config: rank 0 alone says what is wrong
         raise
+    notice = quickstart_notice(args)
+    if notice is not None and _is_rank_zero():
+        print(notice, file=sys.stderr)
     run_training = _load_entry("train", "meshtron.training.trainer", "run_training")
     return _run_worker(cfg, world_size, run_training)
 

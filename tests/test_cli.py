@@ -271,6 +271,26 @@ def test_tiny_preset_is_the_default() -> None:
     assert explicit.model.model is None and explicit.model.normalization == "LayerNorm"
 
 
+def test_quickstart_defaults_stay_put_when_one_flag_is_added(capsys: pytest.CaptureFixture) -> None:
+    from meshtron.cli import parse_train_args, quickstart_notice
+    from meshtron.presets import QUICKSTART
+
+    plain, one_flag = build_config([]), build_config(["--train-iters", "50"])
+    for section in ("model", "train", "optim", "checkpoint", "log"):
+        a, b = getattr(plain, section), getattr(one_flag, section)
+        differing = {k for k in vars(a) if getattr(a, k) != getattr(b, k)}
+        assert differing == ({"train_iters"} if section == "train" else set()), section
+    assert one_flag.train.train_iters == 50 and one_flag.model.seq_length == QUICKSTART["seq_length"]
+    assert one_flag.checkpoint.save == QUICKSTART["save"]
+    notice = quickstart_notice(parse_train_args(["--train-iters", "50", "--save", "elsewhere"]))
+    assert "--seq-length 256" in notice and "--train-iters" not in notice and "--save" not in notice
+    # a model, data or a config file describes another job: the quick-start settings stay out of it
+    for argv in (["--mock-data"], ["--model", "gpt2-small"], ["--num-layers", "2"], ["--data-path", "x"]):
+        args = parse_train_args(argv)
+        assert args.quickstart_defaults == () and quickstart_notice(args) is None, argv
+        assert args.config.train.train_iters != QUICKSTART["train_iters"], argv
+
+
 def test_yaml_shape_disables_default_preset(tmp_path: Path) -> None:
     config = write(tmp_path / "run.yaml", "num_layers: 2\n")
     assert build_config(["--config", config]).model.model is None
@@ -522,9 +542,12 @@ def test_train_passes_a_validated_config(monkeypatch: pytest.MonkeyPatch, capsys
     seen = _fake_trainer(monkeypatch, lambda cfg: object())
     assert main(["train", "--micro-batch-size", "4", "--use-flash-attn"]) == 0
     (cfg,) = seen
-    assert (cfg.train.device, cfg.train.global_batch_size, cfg.model.model) == ("cpu", 4, "tiny")
-    assert capsys.readouterr().err == ("meshtron train: note: --use-flash-attn: Accepted for Megatron compatibility "
-                                       "(flash/cuDNN attention is the default on CUDA).\n")
+    # the quick-start job with micro batches of 4: its global batch of 8 stays
+    assert (cfg.train.device, cfg.train.global_batch_size, cfg.model.model) == ("cpu", 8, "tiny")
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("meshtron train: note: --use-flash-attn: Accepted for Megatron compatibility "
+                      "(flash/cuDNN attention is the default on CUDA).")
+    assert err[1].startswith("meshtron train: note: no --model, data or --config given") and len(err) == 2
 
 
 @pytest.mark.parametrize("error,code", [(ConfigError("--data-path: x.bin does not exist"), 2),
@@ -538,7 +561,7 @@ def test_train_errors_during_the_run(monkeypatch: pytest.MonkeyPatch, capsys: py
     fail.__module__ = __name__  # the module whose TrainingError counts as a user-facing error
     monkeypatch.setattr(cli, "_load_entry", lambda *a: fail)
     assert main(["train"]) == code
-    assert capsys.readouterr().err == f"meshtron train: error: {error}\n"
+    assert capsys.readouterr().err.splitlines()[-1] == f"meshtron train: error: {error}"
 
 
 def test_validation_error_is_reported_by_rank_zero_only(monkeypatch: pytest.MonkeyPatch,
