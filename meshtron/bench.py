@@ -153,6 +153,7 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
         _sync(dev)
         start = time.perf_counter()
         trainer.train_step(batches, it)
+        trainer.periodic_checks(it)  # straggler report and weight-hash check, when their flags ask
         _sync(dev)
         times.append(time.perf_counter() - start)
     step = statistics.median(times[warmup:])

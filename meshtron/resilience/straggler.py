@@ -67,14 +67,21 @@ class SectionTimer:
         self._last_event: Optional[torch.cuda.Event] = None
         self._pending: list[list[tuple[int, torch.cuda.Event, torch.cuda.Event]]] = []  # CUDA: per step
         self._pool: list[torch.cuda.Event] = []
+        self._open = False
 
     def _event(self) -> torch.cuda.Event:
         event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
+    @property
+    def open(self) -> bool:
+        """Whether a step is open (the trainer opens one itself when its caller did not)."""
+        return self._open
+
     def start(self) -> None:
         """Open a step (its first section)."""
+        self._open = True
         if self.cuda:
             self._pending.append([])
             self._last_event = self._event()
@@ -82,8 +89,9 @@ class SectionTimer:
             self._rows.append([0.0] * len(SECTIONS))
             self._last_wall = time.perf_counter()
 
-    def lap(self, section: str) -> None:
-        """Close the running section, adding its time to ``section`` of the current step."""
+    def lap(self, section: str, last: bool = False) -> None:
+        """Close the running section, adding its time to ``section`` of the current step (``last``: and the step)."""
+        self._open = not last
         index = SECTIONS.index(section)
         if self.cuda:
             event = self._event()

@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from meshtron.build import build_model_chunks
 from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
 from meshtron.memory_report import record_memory
@@ -31,7 +32,7 @@ from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context import ParallelContext, context_from_config
 from meshtron.parallel.cp_split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
-from meshtron.pipeline import build_model_chunks, get_schedule, is_data_rank
+from meshtron.pipeline import get_schedule, is_data_rank
 from meshtron.pipeline.batches import broadcast_from_last_stage, eval_batches, train_batches
 from meshtron.pipeline.balance import pipeline_balance_hint
 from meshtron.resilience.faults import FaultInjector
@@ -91,8 +92,6 @@ class Trainer:
         self.tracker = RNGTracker(t.seed, ctx.tp_rank, ctx.pp_rank, self.device)
         self.tracker.seed_default()
         self.model_chunks = build_model_chunks(cfg, ctx, self.vocab_size, self.tracker, self.dtype)
-        for chunk in self.model_chunks:
-            chunk.set_cp_comm_type(cfg.parallel.cp_comm_type)
         self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
         self.optim = build_optimization(cfg, ctx, self.model_chunks)
         self.grad_buffer, self.grad_sync, self.optimizer = (self.optim.grad_buffer, self.optim.grad_sync,
@@ -151,10 +150,10 @@ class Trainer:
             dist.all_reduce(loss, group=self.ctx.dp_cp_group)
         return broadcast_from_last_stage(loss, self.ctx)
 
-    def _lap(self, section: str) -> None:
+    def _lap(self, section: str, last: bool = False) -> None:
         """Close a straggler-timing section (nothing without --log-straggler-interval)."""
         if self.straggler is not None:
-            self.straggler.timer.lap(section)
+            self.straggler.timer.lap(section, last)
 
     def _gradients(self, micro_batches: list[dict], iteration: int, attempt: int,
                    check_local: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -197,6 +196,8 @@ class Trainer:
         """One iteration; returns (this rank's loss sum, grad norm, whether the step was applied)."""
         for chunk in self.model_chunks:
             chunk.train()
+        if self.straggler is not None and not self.straggler.timer.open:
+            self.straggler.timer.start()  # a caller outside the training loop (meshtron bench)
         if self.rerun is not None:
             self.rerun.capture()
         self._skip_explained = False
@@ -216,7 +217,7 @@ class Trainer:
             self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters), grad_coef=coef)
             if self.faults is not None:
                 self.faults.after_optimizer_step(iteration, self.params)
-        self._lap("optimizer")
+        self._lap("optimizer", last=True)
         if self.moe is not None:
             self.moe.after_step(applied)
         return loss_sum, values[0], applied
@@ -242,6 +243,7 @@ class Trainer:
             else:
                 self.logger.warning(f"iteration {iteration}: the second execution (--rerun-mode report_stats) "
                                     f"failed a check ({second.detail}); step skipped")
+                self._skip_explained = True
             return loss2, norm2, values2, second.ok
         outcome = guard.conclude(iteration, verdict, second, first_loss_bad, local_bad, loss_sum)
         self.logger.log_event(outcome.event())
@@ -458,7 +460,7 @@ class Trainer:
                         f"(last at iteration {iteration}); stopping. The last saved checkpoint is intact. "
                         "Try a lower --lr, a longer --lr-warmup-iters or --clip-grad 1.0.")
             self.result.grad_norms[iteration] = norm
-            self._resilience_checks(iteration)
+            self.periodic_checks(iteration)
             if iteration % cfg.log.log_interval == 0 or iteration == t.train_iters:
                 losses = self._reduce_loss(torch.stack([x.float().reshape(()) for x in interval_losses]).sum())
                 if self.device.type == "cuda":
@@ -497,7 +499,7 @@ class Trainer:
                                         or self.state.iteration % cfg.checkpoint.save_interval != 0):
                 self.save()
 
-    def _resilience_checks(self, iteration: int) -> None:
+    def periodic_checks(self, iteration: int) -> None:
         """The straggler report and the weight-hash check when due (every rank: each gathers over the world)."""
         if self.straggler is not None and self.straggler.due(iteration):
             report = self.straggler.report(iteration)

@@ -22,8 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--vocab-size", "128", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--eval-interval", "0", "--log-interval", "1", "--hang-timeout-seconds", "0"]
-#: The detection features every run of these tests turns on (so that the clean run serves them all).
-DETECTION = ["--log-straggler-interval", "4", "--straggler-threshold", "3",
+#: The detection features every run of these tests turns on (so that the clean run serves them all). The
+#: straggler threshold is high because the test machine's cores are shared: a tiny step can be several times
+#: slower on one process for a while; the injected 0.3 s sleep is hundreds of times the data section.
+DETECTION = ["--log-straggler-interval", "4", "--straggler-threshold", "10",
              "--check-weight-hash-across-dp-replicas-interval", "2"]
 
 
