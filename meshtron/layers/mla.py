@@ -148,10 +148,12 @@ class MultiLatentAttention(nn.Module):
         k_pe = k_pe.view(s, b, 1, dr)
         if rope is not None:
             q_pe, k_pe = apply_rope(q_pe, *rope), apply_rope(k_pe, *rope)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(s, b, n, dr)], dim=-1)
-        # [s, b, n, d] -> [b, n, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        # [s, b, n, d] -> [b, n, s, d], concatenated in that order: inductor's attention-pattern
+        # rewrite (torch 2.13) fails to compile permuted views of the concatenations.
+        bnsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
+        q = torch.cat([bnsd(q_nope), bnsd(q_pe)], dim=-1)
+        k = torch.cat([bnsd(k_nope), bnsd(k_pe).expand(b, n, s, dr)], dim=-1)
+        v = bnsd(v)
         if cache is not None:
             k, v, mask = cache.update(k, v)
         p = self.dropout if self.training else 0.0
