@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import zlib
 from pathlib import Path
@@ -201,7 +202,7 @@ class GPTDataset:
         """Refuse, before allocating, a request whose index arrays cannot fit in memory."""
         layout = self._layout()
         positions = layout["document_index"][0][0]
-        need = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in layout.values())
+        need = sum(math.prod(shape) * dt.itemsize for shape, dt in layout.values())
         need += positions * 12  # the temporary lengths and stream offsets of the build
         have = available_memory()
         if have is None or need <= have:
