@@ -58,6 +58,35 @@ Which module owns which rule:
 | facts known only later: GPUs on the node, a checkpoint's contents, a dataset's tokens | the launcher, `meshtron.checkpoint`, `meshtron.data` |
 """
 
+#: The last section of docs/cli.md: what a run's exit code says (DESIGN.md section 11).
+EXIT_CODES = """
+## Exit codes and signals
+
+| Code | Meaning |
+|---|---|
+| 0 | Training finished, or stopped as asked: `--exit-interval`, `--exit-duration-in-mins`, or SIGTERM with `--exit-signal-handler` once every rank has saved its checkpoint. |
+| 1 | A failure while running: repeated non-finite losses, a rank that lost its peer, a failed save, or a bug (then with its traceback). |
+| 2 | Bad input: a flag, a file, a dataset or a checkpoint that does not fit; also when it is found on one rank only after the process groups exist (the line names the rank: `[rank 3] ...`). |
+| 128+n | Ended by signal n: 130 for Ctrl-C (SIGINT), 143 for SIGTERM without `--exit-signal-handler`, 137 for SIGKILL (e.g. the out-of-memory killer). |
+
+One process and the `--nproc-per-node` launcher give the same codes. The launcher returns 0 when every
+worker finished, 2 when any worker found bad input (the other workers' failures follow from it), else the
+first failed worker's code, a death by signal n counted as 128+n. A signal the launcher receives
+(SIGTERM, SIGINT, SIGHUP, SIGQUIT) is forwarded to its workers by torch.distributed.run; the launcher then
+exits 0 when each of them saved and exited cleanly (SIGTERM with `--exit-signal-handler`), else 128+n,
+with one line and no traceback. Between the forwarded signal and SIGKILL the workers have
+`TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds (default 30): set it above the time one iteration and a save take.
+Under plain `torchrun` each worker exits with the same codes; torchrun's own exit code and output are its own.
+
+Without `--exit-signal-handler`, SIGTERM ends a worker at once; `latest` still names the last complete
+checkpoint. Every other way out (the end of training, an error, bad input, Ctrl-C, the signal handler's save)
+tears down in order before the interpreter exits: the data prefetch threads are joined, an asynchronous save
+in flight is waited for, the process groups are destroyed (subgroups first, the default group last) and
+collected, so that no communication thread outlives the interpreter, and the output is flushed. Each step is
+bounded by `--distributed-timeout-minutes`, so that a dead peer cannot hang the exit; a step that runs out
+makes the process leave at once with its exit code.
+"""
+
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
@@ -86,6 +115,7 @@ def render() -> str:
         for spec in specs:
             help_text = spec.help.replace("%%", "%")  # argparse-escaped percent signs
             out.append(f"| {_flags(spec)} | {_default(spec)} | {_cell(help_text)} |\n")
+    out.append(EXIT_CODES)
     return "".join(out)
 
 
