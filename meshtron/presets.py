@@ -7,6 +7,7 @@ config; flags given by the user are applied afterwards and win.
 from __future__ import annotations
 
 from meshtron.config import ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads
+from meshtron.layers.mla import mla_parameter_counts
 
 _GPT2 = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
              vocab_size=50257, seq_length=1024, max_position_embeddings=1024, norm_epsilon=1e-5,
@@ -113,13 +114,17 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
 
     attn_w = H * nq * d + 2 * H * nkv * d + nq * d * H
     attn_b = (nq * d + 2 * nkv * d if qkv_bias else 0) + (H if bias else 0)
+    attn_other = attn_b + (2 * norm_params * d // H if m.qk_layernorm else 0)
+    if m.multi_latent_attention:
+        attn_w, attn_all = mla_parameter_counts(m)
+        attn_other = attn_all - attn_w
     mlp_in = 2 * F if m.swiglu else F
     dense_w = H * mlp_in + F * H
     dense_b = (mlp_in + H) if bias else 0
 
     total = matmul = 0
     for layer in range(L):
-        total += attn_w + attn_b + 2 * norm_params + (2 * norm_params * d // H if m.qk_layernorm else 0)
+        total += attn_w + attn_other + 2 * norm_params
         matmul += attn_w
         if is_moe_layer(m, layer):
             Fe = m.moe_ffn_hidden_size or F

@@ -140,6 +140,11 @@ class SelfAttention(nn.Module):
         """Width of the rotary tables: the whole head rotates."""
         return head_dim(cfg)
 
+    @staticmethod
+    def head_dims(cfg: ModelConfig) -> tuple[int, int]:
+        """(query/key, value) head dims."""
+        return head_dim(cfg), head_dim(cfg)
+
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 mask: Optional[torch.Tensor], cache: Optional["KVCache"] = None) -> torch.Tensor:
         nq, ng, d = self.nq_local, self.ng_local, self.d

@@ -1,8 +1,8 @@
 """The attention variants a transformer layer can use, keyed by name, and how a config picks one.
 
 Each class takes ``(cfg, ctx, prefix, sequence_parallel)``, is called as
-``attention(x, rope, mask, cache)`` and gives the width of its rotary tables as the
-static method ``rope_dim(cfg)``.
+``attention(x, rope, mask, cache)``, and gives as static methods the width of its rotary
+tables (``rope_dim(cfg)``) and its (query/key, value) head dims (``head_dims(cfg)``, for FLOPs).
 """
 
 from __future__ import annotations

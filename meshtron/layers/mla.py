@@ -126,6 +126,11 @@ class MultiLatentAttention(nn.Module):
         """Width of the rotary tables: the positional part of each head."""
         return cfg.qk_pos_emb_head_dim
 
+    @staticmethod
+    def head_dims(cfg: ModelConfig) -> tuple[int, int]:
+        """(query/key, value) head dims."""
+        return cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+
     def _latents(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
         """(query latent or None, key/value latent, shared rotary key) of the whole sequence, in the TP region."""
         q_lat, kv_lat, k_pe = torch.split(self.down(x), [self.q_rank, self.kv_rank, self.dr], dim=-1)

@@ -25,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from meshtron.config import ConfigError, ModelConfig, head_dim
+from meshtron.config import ConfigError, ModelConfig
+from meshtron.layers.attention_kinds import attention_class
 from meshtron.presets import count_parameters
 
 #: Dense (no structured sparsity) bf16 tensor-core peaks in TFLOP/s, matched against
@@ -48,17 +49,20 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float, str], ...] = (
 
 
 def flops_per_token(model_cfg: ModelConfig, vocab_size: int) -> float:
-    """Training model FLOPs per token: ``6*N + 12*L*A*S`` (forward + backward, no recomputation).
+    """Training model FLOPs per token: ``6*N + 6*L*S*heads*(d_qk + d_v)`` (forward + backward, no recomputation).
 
     ``vocab_size`` is the tokenizer's (unpadded) vocabulary: the padding rows that make the
     output layer divisible by ``--make-vocab-size-divisible-by`` x TP are not useful work.
-    ``A`` is query heads x head dim (the hidden size unless ``--kv-channels`` changes it).
+    The second term is the scores (query/key head dim ``d_qk``) and the weighted values (``d_v``);
+    with equal head dims ``d`` it is DESIGN.md's ``12*L*A*S``, ``A`` = heads x d. Multi-latent
+    attention has d_qk = --qk-head-dim + --qk-pos-emb-head-dim and d_v = --v-head-dim.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     n_matmul = count_parameters(model_cfg, vocab_size)["matmul"]
-    attn_width = model_cfg.num_attention_heads * head_dim(model_cfg)
-    return float(6 * n_matmul + 12 * model_cfg.num_layers * attn_width * model_cfg.seq_length)
+    d_qk, d_v = attention_class(model_cfg).head_dims(model_cfg)
+    heads, L, S = model_cfg.num_attention_heads, model_cfg.num_layers, model_cfg.seq_length
+    return float(6 * n_matmul + 6 * L * S * heads * (d_qk + d_v))
 
 
 def peak_tflops_for_name(device_name: str) -> Optional[float]:

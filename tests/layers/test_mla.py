@@ -205,3 +205,81 @@ def test_compiled_layers_with_tensor_and_sequence_parallelism_match_one_process(
     failures = compiled_layout_failures("cpu", "gloo", rtol=1e-5, atol=1e-6,
                                         cases_by_name={"mla-tp2-sp": (model, dict(tp=2, sp=True), True)})
     assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------------------- counts, CLI
+@pytest.mark.parametrize("q_lora,bias", [(12, False), (None, True)])
+def test_parameter_counts_match_the_built_model(q_lora, bias):
+    from meshtron.presets import count_parameters
+
+    cfg = mla_cfg(q_lora_rank=q_lora, disable_bias_linear=not bias, normalization="LayerNorm" if bias else "RMSNorm")
+    model = GPTModel(cfg, ParallelContext(), 96)  # meta device: canonical shapes only
+    shapes = {p.name: p.full_shape for q in model.parameters() for p in spec_of(q).pieces}
+    numel = {name: torch.Size(shape).numel() for name, shape in shapes.items()}
+    # Matmul weights: every 2-D tensor but the input embedding (the output layer is its own, untied).
+    matmul = sum(n for name, n in numel.items() if len(shapes[name]) == 2 and name != "embedding.word_embeddings.weight")
+    counts = count_parameters(cfg, 96)
+    assert counts["total"] == sum(numel.values())
+    assert counts["matmul"] == matmul
+
+
+def test_flops_count_mla_matmuls_and_attention_by_head_dims():
+    from meshtron.training.metrics import flops_per_token
+
+    # DeepSeek-V3's attention shapes, by hand.
+    H, n, rq, rkv, dn, dr, dv, L, S, V, F = 7168, 128, 1536, 512, 128, 64, 128, 2, 4096, 129280, 18432
+    cfg = mla_cfg(num_layers=L, hidden_size=H, num_attention_heads=n, ffn_hidden_size=F, seq_length=S,
+                  q_lora_rank=rq, kv_lora_rank=rkv, qk_head_dim=dn, qk_pos_emb_head_dim=dr, v_head_dim=dv)
+    attention = H * rq + rq * n * (dn + dr) + H * (rkv + dr) + rkv * n * (dn + dv) + n * dv * H
+    assert attention == 187_105_280
+    matmul = L * (attention + 3 * H * F) + V * H
+    assert flops_per_token(cfg, V) == 6 * matmul + 6 * L * S * n * ((dn + dr) + dv)
+
+
+def test_train_command_runs_mla_and_reports_its_flops(tmp_path, monkeypatch):
+    import json
+
+    from meshtron.cli import main
+    from meshtron.training.metrics import flops_per_token
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    metrics = tmp_path / "metrics.jsonl"
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+             "--seq-length", "16", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+             "--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16", "--qk-head-dim", "6",
+             "--qk-pos-emb-head-dim", "4", "--v-head-dim", "5", "--rotary-scaling-factor", "4"]
+    run = ["--vocab-size", "96", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2",
+           "--train-iters", "3", "--log-interval", "1", "--device", "cpu", "--no-compile", "--eval-iters", "0",
+           "--metrics-file", str(metrics)]
+    assert main(["train", *flags, *run]) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r for r in records if r["type"] == "train"]
+    assert len(train) == 3 and all(r["loss"] > 0 for r in train)
+    cfg = mla_cfg(num_layers=2, seq_length=16, normalization="RMSNorm", rotary_scaling_factor=4.0)
+    expected = flops_per_token(cfg, 96)
+    for r in train:
+        assert r["tflops_per_gpu"] * 1e12 / r["tokens_per_sec_per_gpu"] == pytest.approx(expected, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("change,flag", [
+    (dict(group_query_attention=True, num_query_groups=2), "--group-query-attention"),
+    (dict(position_embedding_type="learned_absolute"), "--position-embedding-type"),
+    (dict(qk_pos_emb_head_dim=3), "--qk-pos-emb-head-dim"),
+    (dict(kv_lora_rank=0), "--kv-lora-rank"),
+    (dict(q_lora_rank=0), "--q-lora-rank"),
+    (dict(qk_layernorm=True), "--qk-layernorm"),
+    (dict(multi_latent_attention=False, rope_type="yarn"), "--rope-type"),
+    (dict(use_rope_scaling=True), "--use-rope-scaling"),
+])
+def test_bad_mla_settings_name_the_flag(change, flag):
+    cfg = MeshtronConfig(model=mla_cfg(vocab_size=96, **change))
+    with pytest.raises(ConfigError, match=flag):
+        validate_config(cfg)
+
+
+def test_mla_heads_must_divide_over_tensor_parallel_ranks():
+    cfg = MeshtronConfig(model=mla_cfg(vocab_size=96, num_attention_heads=6, hidden_size=36))
+    cfg.parallel.tensor_model_parallel_size = 4
+    with pytest.raises(ConfigError, match="--num-attention-heads"):
+        validate_config(cfg, world_size=4)
