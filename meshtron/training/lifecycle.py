@@ -128,19 +128,22 @@ class RunLifecycle:
         self.quiet_interrupt = quiet_interrupt
         self.signal_received: Optional[int] = None
         self.exit_code: Optional[int] = None
+        self._interrupt_raises = False  # True while the body runs: a Ctrl-C then stops it
 
     def run(self, body: Callable[[], Optional[int]]) -> int:
         """``body()`` (an int result is its exit code), then the teardown; returns the exit code."""
         previous = self._install_interrupt_handler()
         try:
             try:
+                self._interrupt_raises = True
                 result = body()
+                self._interrupt_raises = False
                 code = result if isinstance(result, int) else EXIT_OK
             except BaseException as err:  # noqa: BLE001 - every exit path ends here, in order
+                self._interrupt_raises = False  # from here a Ctrl-C is noted, the teardown goes on
                 code = self._report(err)
             # The exception, its traceback and the frames holding the run's objects are gone here, so
             # that the collection in shutdown_distributed() can free the process groups.
-            self._ignore_interrupts()
             if not shutdown_distributed(self.timeout_s):
                 print(f"{self.prog}: warning: {self._where()}the teardown did not finish within "
                       f"{self.timeout_s:g}s (--distributed-timeout-minutes); exiting now", file=sys.stderr)
@@ -184,13 +187,8 @@ class RunLifecycle:
     def _on_interrupt(self, signum: int, frame) -> None:
         first = self.signal_received is None
         self.signal_received = signum
-        if first:
+        if first and self._interrupt_raises:
             raise KeyboardInterrupt
-
-    def _ignore_interrupts(self) -> None:
-        """From here on a Ctrl-C is noted but does not interrupt the teardown."""
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, lambda signum, frame: setattr(self, "signal_received", signum))
 
     def _install_interrupt_handler(self):
         if threading.current_thread() is not threading.main_thread():
