@@ -106,6 +106,7 @@ from typing import Iterable, Optional
 from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads,
                              padded_vocab_size)
 from meshtron.layers.cross_entropy import chunk_size  # the fused loss's chunk rule
+from meshtron.layers.mla import mla_rank_parameters
 from meshtron.validation import layout_from_config
 
 GIB = 2**30
@@ -249,6 +250,8 @@ def layer_parameters(m: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
         dense += qkv_out
     if not m.disable_bias_linear:
         dense += h  # output-projection bias (row-parallel: replicated)
+    if m.multi_latent_attention:
+        dense = mla_rank_parameters(m, tp)
     dense += 2 * (h if m.normalization == "RMSNorm" else 2 * h)
     expert = 0.0
     if _is_moe_layer(m, layer):

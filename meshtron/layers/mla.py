@@ -69,6 +69,15 @@ def mla_parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     return matmul, matmul + others
 
 
+def mla_rank_parameters(cfg: ModelConfig, tp: int) -> float:
+    """Parameters of one MLA layer held by one tensor-parallel rank (down projections and norms replicated)."""
+    matmul, total = mla_parameter_counts(cfg)
+    n, H, rq = cfg.num_attention_heads, cfg.hidden_size, cfg.q_lora_rank
+    dq, dkv, dv = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.qk_head_dim + cfg.v_head_dim, cfg.v_head_dim
+    per_head = n * (dq * rq if rq else dq * H) + n * dkv * cfg.kv_lora_rank + H * n * dv  # split over TP
+    return total - per_head + per_head / tp
+
+
 class MultiLatentAttention(nn.Module):
     """Multi-latent self-attention of one layer (``prefix`` is its canonical name)."""
 

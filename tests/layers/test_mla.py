@@ -283,3 +283,17 @@ def test_mla_heads_must_divide_over_tensor_parallel_ranks():
     cfg.parallel.tensor_model_parallel_size = 4
     with pytest.raises(ConfigError, match="--num-attention-heads"):
         validate_config(cfg, world_size=4)
+
+
+@pytest.mark.parametrize("q_lora", [12, None])
+def test_memory_estimate_counts_one_ranks_mla_parameters(q_lora):
+    from meshtron.layers.mla import MultiLatentAttention
+    from meshtron.memory import _mlp_params, layer_parameters
+
+    cfg = mla_cfg(q_lora_rank=q_lora, disable_bias_linear=False)
+    with torch.device("meta"):
+        local = sum(p.numel() for p in MultiLatentAttention(cfg, ParallelContext(tp=2, tp_rank=1), "a", False)
+                    .parameters())
+    dense, _ = layer_parameters(cfg, 0, tp=2)
+    norms = 2 * cfg.hidden_size  # the layer's two RMSNorm weights
+    assert dense == local + norms + _mlp_params(cfg, cfg.ffn_hidden_size, 2)
