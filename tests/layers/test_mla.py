@@ -297,3 +297,18 @@ def test_memory_estimate_counts_one_ranks_mla_parameters(q_lora):
     dense, _ = layer_parameters(cfg, 0, tp=2)
     norms = 2 * cfg.hidden_size  # the layer's two RMSNorm weights
     assert dense == local + norms + _mlp_params(cfg, cfg.ffn_hidden_size, 2)
+
+
+def test_incremental_decoding_with_the_kv_cache_matches_the_full_forward():
+    cfg = mla_cfg(**YARN)
+    model = GPTModel(cfg, ParallelContext(), 96)
+    initialize_parameters(model, 2, torch.device("cpu"), torch.float32)
+    model.eval()
+    tokens = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(tokens)
+        caches: dict = {}
+        steps = [model(tokens[:, :6], caches=caches)]
+        for i in range(6, 9):
+            steps.append(model(tokens[:, i:i + 1], caches=caches, position_offset=i))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
