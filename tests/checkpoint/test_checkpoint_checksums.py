@@ -147,7 +147,7 @@ def _two_rank_worker(rank: int, world: int, root: str) -> str:
 
     from meshtron.parallel.context import build_groups
 
-    cfg = tiny_config()
+    cfg = tiny_config(num_layers=2)
     ctx = build_groups(1, 1, 1, 1, torch.device("cpu"))
     chunks = build_chunks(cfg, ctx)
     optimizer, _ = make_optimizer(cfg, chunks)
