@@ -248,10 +248,11 @@ def latest_checkpoint_config(load_dir: str | Path) -> Optional[MeshtronConfig]:
 def build_empty_model(cfg: MeshtronConfig, vocab_size: int, device: torch.device, dtype: torch.dtype,
                       ctx: Optional[ParallelContext] = None) -> nn.Module:
     """A whole (one-stage, one-device) GPTModel, ready to receive a checkpoint."""
-    from meshtron.build import build_stage
+    from meshtron.layers.moe import moe_mlp_factory
+    from meshtron.model import GPTModel
 
     ctx = ctx or ParallelContext(device=device)
-    model = build_stage(cfg, ctx, vocab_size)
+    model = GPTModel(cfg.model, ctx, vocab_size, make_mlp=moe_mlp_factory(cfg))
     initialize_parameters(model, 0, device, dtype)  # every value is then overwritten by the checkpoint
     return model
 
