@@ -409,7 +409,12 @@ def _apply_checkpoint_model_args(cfg: MeshtronConfig, given: dict) -> None:
 
     if not cfg.checkpoint.load:
         raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint whose configuration to use)")
-    saved = latest_checkpoint_config(cfg.checkpoint.load)
+    from meshtron.checkpoint.errors import CheckpointError
+
+    try:
+        saved = latest_checkpoint_config(cfg.checkpoint.load)
+    except CheckpointError as err:  # a damaged config.yaml: bad input like any other, named in one line
+        raise ConfigError(f"--use-checkpoint-args: {err}") from None
     if saved is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")
     for f in dataclasses.fields(ModelConfig):

@@ -573,3 +573,12 @@ def test_validation_error_is_reported_by_rank_zero_only(monkeypatch: pytest.Monk
     monkeypatch.setenv("RANK", "0")
     assert main(["train", "--tensor-model-parallel-size", "4"]) == 2
     assert "world size 6 is not divisible" in capsys.readouterr().err
+
+
+def test_use_checkpoint_args_with_a_damaged_checkpoint_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
+                                                                  ) -> None:
+    (tmp_path / "latest").write_text("not a number\n")
+    assert main(["train", "--load", str(tmp_path), "--use-checkpoint-args"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meshtron train: error: --use-checkpoint-args: ")
+    assert "should hold an iteration number" in err[0]
