@@ -543,9 +543,13 @@ def train_main(argv: Sequence[str]) -> int:
         world = (launcher.planned_world_size(cfg.parallel) if launcher.should_launch(cfg.parallel)
                  else launcher.env_world_size())
         return _load_entry("train", "meshtron.planning.cli", "dry_run")(cfg, world)
+    from meshtron.slurm import adopt_slurm_environment, check_not_doubly_launched
+
     if launcher.should_launch(cfg.parallel):
+        check_not_doubly_launched(os.environ, cfg.parallel.nproc_per_node)
         launcher.check_before_launch(cfg)  # errors once, here, rather than in every worker
         return launcher.launch(cfg.parallel, argv)
+    adopt_slurm_environment()  # srun with one task per GPU: rank, world size and master from SLURM's variables
     world_size = launcher.env_world_size()
     if _is_rank_zero():
         for line in compat_notices(args):
