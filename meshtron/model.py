@@ -77,7 +77,8 @@ class GPTModel(nn.Module):
     """One pipeline stage of the transformer (the whole model when ``layer_ids`` covers every layer).
 
     Parameters are created on the meta device; call
-    :func:`meshtron.parallel.sharding.initialize_parameters` to materialise them.
+    :func:`meshtron.parallel.sharding.initialize_parameters` to materialise them. A run builds its
+    stages through :mod:`meshtron.build`, which makes every choice the configuration implies.
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, vocab_size: int,
@@ -88,7 +89,8 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ctx = ctx
-        self.set_cp_comm_type(cp_comm_type)
+        check_comm_type(cp_comm_type)  # how CP attention exchanges keys and values (--cp-comm-type)
+        self.cp_comm_type = cp_comm_type
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, ctx.tp)
         self.pre_process, self.post_process = pre_process, post_process
@@ -119,11 +121,6 @@ class GPTModel(nn.Module):
         self.use_rope = cfg.position_embedding_type == "rope"
         self.rope_dim = attention_class(cfg).rope_dim(cfg)
         self.rope_scale = rope_table_scale(cfg)
-
-    def set_cp_comm_type(self, comm_type: str) -> None:
-        """How context-parallel attention exchanges keys and values (--cp-comm-type: p2p or allgather)."""
-        check_comm_type(comm_type)
-        self.cp_comm_type = comm_type
 
     def set_rng_tracker(self, tracker: RNGTracker) -> None:
         for module in self.modules():
@@ -202,8 +199,3 @@ class GPTModel(nn.Module):
         total, losses = linear_cross_entropy(x.reshape(s * b, h), weight, flat_labels, flat_weight, vocab_start,
                                              valid_cols, group)
         return total, losses.view(s, b).t()
-
-
-def build_model(cfg: ModelConfig, ctx: ParallelContext, vocab_size: int, **kwargs) -> GPTModel:
-    """Construct a (meta-device) model stage; see :class:`GPTModel`."""
-    return GPTModel(cfg, ctx, vocab_size, **kwargs)

@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshtron.build import build_stage
 from meshtron.checkpoint import finalize_async_saves, last_save_timings, load_checkpoint, save_checkpoint
 from meshtron.checkpoint.coordination import checkpoint_group
 from meshtron.checkpoint.verify import verify_checkpoint
 from meshtron.config import MeshtronConfig
-from meshtron.model import GPTModel
 from meshtron.optim.factory import build_optimization
-from meshtron.parallel.context import build_parallel_context
+from meshtron.parallel.context import ParallelContext, build_parallel_context
 from meshtron.parallel.sharding import initialize_parameters
 from meshtron.presets import apply_preset
 from meshtron.training.state import TrainingState
@@ -87,6 +87,24 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def bench_config(preset: str, tp: int, seq_length: int, distributed_optimizer: bool, world: int,
+                 device: str = "cuda") -> MeshtronConfig:
+    """The validated run configuration the benchmark trains and checkpoints (bf16, mock data)."""
+    cfg = MeshtronConfig()
+    apply_preset(cfg.model, preset)
+    for key, value in dict(seq_length=seq_length, bf16=True, device=device, mock_data=True,
+                           tensor_model_parallel_size=tp, micro_batch_size=1,
+                           use_distributed_optimizer=distributed_optimizer).items():
+        cfg.set(key, value)
+    validate_config(cfg, world)
+    return cfg
+
+
+def bench_model(cfg: MeshtronConfig, ctx: ParallelContext) -> torch.nn.Module:
+    """The whole model on the meta device, built as training builds it (experts for a MoE preset)."""
+    return build_stage(cfg, ctx, cfg.model.vocab_size)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m meshtron.checkpoint.bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama3-8b")
@@ -99,17 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hash-bench-gb", type=float, default=1.0, help="bytes per checksum in the hash speed test")
     args = p.parse_args(argv)
 
-    cfg = MeshtronConfig()
-    apply_preset(cfg.model, args.model)
-    for key, value in dict(seq_length=args.seq_length, bf16=True, device="cuda", mock_data=True,
-                           tensor_model_parallel_size=args.tp, micro_batch_size=1,
-                           use_distributed_optimizer=args.distributed_optimizer).items():
-        cfg.set(key, value)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate_config(cfg, world)
+    cfg = bench_config(args.model, args.tp, args.seq_length, args.distributed_optimizer,
+                       int(os.environ.get("WORLD_SIZE", "1")))
     ctx = build_parallel_context(tp=args.tp, device="cuda")
     lead = ctx.rank == 0
-    model = GPTModel(cfg.model, ctx, cfg.model.vocab_size)
+    model = bench_model(cfg, ctx)
     initialize_parameters(model, cfg.train.seed, ctx.device, torch.bfloat16)
     optim = build_optimization(cfg, ctx, [model])
     optimizer = optim.optimizer

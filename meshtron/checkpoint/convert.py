@@ -36,7 +36,6 @@ from meshtron.checkpoint.metadata import (
 from meshtron.checkpoint.pieces import MODEL_PREFIX, LocalChunk, model_key, to_state_dict
 from meshtron.checkpoint.verify import verify_checkpoint
 from meshtron.checkpoint.writer import SaveJob, quiet_single_process_notice, write_and_publish
-from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import spec_of
 from meshtron.training.state import TrainingState
@@ -215,10 +214,9 @@ def _config_from_file(config_file: Path, notices: list[str]):
 
 def _check_complete(cfg, shapes: dict[str, tuple]) -> None:
     """Every tensor the model needs is present with the configured shape."""
-    from meshtron.layers.moe import moe_mlp_factory
+    from meshtron.build import build_stage
 
-    # on the meta device: no memory
-    model = GPTModel(cfg.model, ParallelContext(), cfg.model.vocab_size, make_mlp=moe_mlp_factory(cfg))
+    model = build_stage(cfg, ParallelContext(), cfg.model.vocab_size)  # on the meta device: no memory
     required = {piece.name: tuple(piece.full_shape) for _, p in model.named_parameters() for piece in spec_of(p).pieces}
     diffs = compare_tensors(shapes, required)
     if diffs:

@@ -248,11 +248,10 @@ def latest_checkpoint_config(load_dir: str | Path) -> Optional[MeshtronConfig]:
 def build_empty_model(cfg: MeshtronConfig, vocab_size: int, device: torch.device, dtype: torch.dtype,
                       ctx: Optional[ParallelContext] = None) -> nn.Module:
     """A whole (one-stage, one-device) GPTModel, ready to receive a checkpoint."""
-    from meshtron.layers.moe import moe_mlp_factory
-    from meshtron.model import GPTModel
+    from meshtron.build import build_stage
 
     ctx = ctx or ParallelContext(device=device)
-    model = GPTModel(cfg.model, ctx, vocab_size, make_mlp=moe_mlp_factory(cfg))
+    model = build_stage(cfg, ctx, vocab_size)
     initialize_parameters(model, 0, device, dtype)  # every value is then overwritten by the checkpoint
     return model
 

@@ -51,7 +51,7 @@ from meshtron.planning.fake_context import group_rank, planned_context, without_
 
 def build_stage(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int) -> list[nn.Module]:
     """This rank's model chunks, built by the run's own model builder (the one import of it here)."""
-    from meshtron.pipeline import build_model_chunks
+    from meshtron.build import build_model_chunks
 
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     tracker = RNGTracker(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, torch.device("cpu"))

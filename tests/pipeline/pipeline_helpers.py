@@ -8,13 +8,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from meshtron.build import build_model_chunks
 from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization
 from meshtron.parallel.context import ParallelContext, build_groups
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import gather_canonical, iter_pieces
-from meshtron.pipeline import ScheduleStats, build_model_chunks, get_schedule
+from meshtron.pipeline import ScheduleStats, get_schedule
 from meshtron.pipeline.batches import broadcast_from_last_stage, empty_micro_batches
 
 VOCAB = 96

@@ -63,7 +63,7 @@ def _allocated(rank: int, world: int, layouts: dict) -> dict:
     from meshtron.optim.factory import build_optimization
     from meshtron.parallel.context import build_groups
     from meshtron.parallel.random import RNGTracker
-    from meshtron.pipeline import build_model_chunks
+    from meshtron.build import build_model_chunks
 
     out = {}
     for name, argv in layouts.items():

@@ -1,0 +1,93 @@
+"""The one place a model stage is built: from the run's configuration to ready-to-train chunks.
+
+Every construction of a :class:`~meshtron.model.GPTModel` outside the tests goes through here
+(training, checkpoint loading and conversion, the benchmarks, the memory planner), so each choice
+the configuration makes about the model is made once:
+
+* the MLP of each layer: mixture of experts when ``--num-experts`` is set, dense otherwise;
+* ``--cp-comm-type``, ``--sequence-parallel`` and activation recomputation, at construction;
+* after construction (:func:`prepare_stage`), in this order: layout-independent initialisation,
+  the RNG tracker, FP8 linears, the tensor-parallel communication overlap, regional compilation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from meshtron.config import MeshtronConfig
+from meshtron.layers.fp8 import enable_fp8
+from meshtron.layers.linear import set_tp_comm_overlap
+from meshtron.layers.moe import moe_mlp_factory
+from meshtron.model import GPTModel
+from meshtron.parallel import comm
+from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.random import RNGTracker
+from meshtron.parallel.sharding import initialize_parameters
+from meshtron.pipeline import check_stage_count
+from meshtron.validation import layout_from_config
+
+__all__ = ["build_model_chunks", "build_stage", "prepare_stage", "recompute_layer_ids"]
+
+
+def recompute_layer_ids(cfg: MeshtronConfig, layer_ids: Sequence[int]) -> list[int]:
+    """Layers run under full activation recomputation in one model chunk (``block``: its first N)."""
+    t = cfg.train
+    if t.recompute_granularity != "full":
+        return []
+    if t.recompute_method == "block":
+        return list(layer_ids)[: t.recompute_num_layers]
+    return list(layer_ids)
+
+
+def build_stage(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int,
+                layer_ids: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True,
+                make_mlp=None) -> GPTModel:
+    """One model stage on the meta device, shaped by ``cfg`` (the whole model by default).
+
+    ``make_mlp`` overrides the MLP choice (tests); by default it is the mixture-of-experts layer
+    when ``--num-experts`` is set and the dense MLP otherwise.
+    """
+    ids = list(range(cfg.model.num_layers)) if layer_ids is None else list(layer_ids)
+    return GPTModel(cfg.model, ctx, vocab_size, layer_ids=ids, pre_process=pre_process, post_process=post_process,
+                    sequence_parallel=cfg.parallel.sequence_parallel,
+                    recompute_layers=recompute_layer_ids(cfg, ids),
+                    selective_recompute=cfg.train.recompute_granularity == "selective",
+                    make_mlp=make_mlp if make_mlp is not None else moe_mlp_factory(cfg),
+                    cp_comm_type=cfg.parallel.cp_comm_type)
+
+
+def prepare_stage(model: GPTModel, cfg: MeshtronConfig, ctx: ParallelContext, tracker: RNGTracker,
+                  dtype: torch.dtype) -> GPTModel:
+    """Materialise a built stage for training: initial values, RNG tracker, FP8, TP overlap, compile."""
+    initialize_parameters(model, cfg.train.seed, ctx.device, dtype)
+    model.set_rng_tracker(tracker)
+    if cfg.train.fp8_format:
+        enable_fp8(model, cfg.train.fp8_format, cfg.train.fp8_recipe)
+    set_tp_comm_overlap(model, cfg.parallel.tp_comm_overlap)
+    if cfg.train.compile:
+        comm.set_micro_pipelined_tp(cfg.parallel.async_tensor_parallel, ctx.tp_group)
+        for layer in model.layers.values():
+            layer.compile()
+    return model
+
+
+def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int, tracker: RNGTracker,
+                       dtype: torch.dtype, make_mlp=None) -> list[nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), initialised and ready to train.
+
+    Chunk ``v`` of pipeline rank ``p`` holds the layers of :func:`~meshtron.validation.layout_from_config`;
+    the embedding is on chunk 0 of stage 0, the output layer and loss on the last chunk of the last stage.
+    """
+    layout = layout_from_config(cfg)
+    check_stage_count(layout, ctx)
+    chunks: list[nn.Module] = []
+    for v in range(layout.virtual_stages):
+        model = build_stage(cfg, ctx, vocab_size, layout.layers(ctx.pp_rank, v),
+                            pre_process=layout.has_embedding(ctx.pp_rank, v),
+                            post_process=layout.has_loss(ctx.pp_rank, v), make_mlp=make_mlp)
+        chunks.append(prepare_stage(model, cfg, ctx, tracker, dtype))
+    return chunks
+
