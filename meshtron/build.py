@@ -8,6 +8,9 @@ the configuration makes about the model is made once:
 * ``--cp-comm-type``, ``--sequence-parallel`` and activation recomputation, at construction;
 * after construction (:func:`prepare_stage`), in this order: layout-independent initialisation,
   the RNG tracker, FP8 linears, the tensor-parallel communication overlap, regional compilation.
+It also holds :func:`gpt_forward_step`, the forward step the pipeline schedules call: it is the
+only code that knows GPTModel's keyword arguments and its ``(loss sum, per-token losses)`` output,
+so :mod:`meshtron.pipeline` never imports the model.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import initialize_parameters
 from meshtron.pipeline import check_stage_count
+from meshtron.pipeline.schedules import MicroBatch
 from meshtron.validation import layout_from_config
 
-__all__ = ["build_model_chunks", "build_stage", "prepare_stage", "recompute_layer_ids"]
+__all__ = ["build_model_chunks", "build_stage", "gpt_forward_step", "prepare_stage", "recompute_layer_ids"]
 
 
 def recompute_layer_ids(cfg: MeshtronConfig, layer_ids: Sequence[int]) -> list[int]:
@@ -91,3 +95,18 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
         chunks.append(prepare_stage(model, cfg, ctx, tracker, dtype))
     return chunks
 
+
+def gpt_forward_step(chunk: nn.Module, micro_batch: MicroBatch,
+                     hidden: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Forward one micro-batch through a GPTModel stage, in the schedules' contract.
+
+    Returns ``(output hidden states, None)`` on a stage without the loss, and ``(None, summed weighted
+    loss)`` on the one with it (GPTModel's per-token losses are not needed by the schedule).
+    """
+    out = chunk(tokens=micro_batch.get("tokens"), position_ids=micro_batch.get("position_ids"),
+                labels=micro_batch.get("labels"), loss_weight=micro_batch.get("loss_weight"),
+                document_ids=micro_batch.get("document_ids"), hidden=hidden)
+    if chunk.post_process:
+        loss_sum, _per_token = out
+        return None, loss_sum
+    return out, None

@@ -22,7 +22,7 @@ from meshtron.pipeline.partition import PipelineLayout, check_micro_batches, par
 
 if TYPE_CHECKING:
     from meshtron.parallel.context import ParallelContext
-    from meshtron.pipeline.schedules import ScheduleStats
+    from meshtron.pipeline.schedules import ForwardStep, ScheduleStats
 
 __all__ = ["PipelineLayout", "ScheduleStats", "check_micro_batches", "check_stage_count", "get_schedule",
            "is_data_rank", "layout_from_config", "partition_layers"]
@@ -44,12 +44,14 @@ def check_stage_count(layout: PipelineLayout, ctx: ParallelContext) -> None:
                           f"with {ctx.pp} pipeline stages")
 
 
-def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext) -> Callable:
+def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: ForwardStep) -> Callable:
     """The forward/backward schedule: ``schedule(model_chunks, micro_batches, forward_only=False,
-    before_last_backward=None) -> summed weighted loss`` (a tensor; zero on stages without the loss).
+    on_chunk_grads_ready=None) -> summed weighted loss`` (a tensor; zero on stages without the loss).
 
+    ``forward_step`` runs one micro-batch through one model chunk
+    (:data:`~meshtron.pipeline.schedules.ForwardStep`; GPTModel's is :func:`meshtron.build.gpt_forward_step`).
     One stage: no pipelining. Several: 1F1B, or interleaved 1F1B with virtual stages; the
-    returned callable carries this rank's point-to-point communicator.
+    returned callable carries ``forward_step`` and this rank's point-to-point communicator.
     """
     import torch
 
@@ -58,7 +60,7 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext) -> Callable:
     from meshtron.validation import layout_from_config
 
     if ctx.pp == 1:
-        return forward_backward_no_pipelining
+        return functools.partial(forward_backward_no_pipelining, forward_step=forward_step)
     layout = layout_from_config(cfg)
     check_stage_count(layout, ctx)
     t = cfg.train
@@ -66,7 +68,8 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext) -> Callable:
         check_micro_batches(t.global_batch_size // (t.micro_batch_size * ctx.dp), ctx.pp, layout.virtual_stages)
     dtype = torch.bfloat16 if t.bf16 else torch.float32
     p2p = PipelineP2P(ctx, activation_shape(cfg, ctx), dtype, ctx.device)
-    return functools.partial(forward_backward_pipelining, p2p=p2p, overlap_p2p=cfg.parallel.overlap_p2p_comm)
+    return functools.partial(forward_backward_pipelining, forward_step=forward_step, p2p=p2p,
+                             overlap_p2p=cfg.parallel.overlap_p2p_comm)
 
 
 def is_data_rank(ctx: ParallelContext, cfg: Optional[MeshtronConfig] = None) -> bool:

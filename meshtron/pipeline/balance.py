@@ -14,7 +14,6 @@ from typing import Optional
 
 from meshtron.config import MeshtronConfig
 from meshtron.validation import layout_from_config
-from meshtron.training.metrics import flops_per_token
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,10 @@ class SplitSuggestion:
 
 def output_layer_cost(cfg: MeshtronConfig, vocab_size: int) -> float:
     """FLOPs of the output layer and loss per token, in units of one transformer layer's."""
+    # Imported here: the FLOPs count reads the attention kind's head dims from the layers, and importing
+    # the pipeline package must not load the model's layers.
+    from meshtron.training.metrics import flops_per_token
+
     m = cfg.model
     total = flops_per_token(m, vocab_size)
     output = 6.0 * m.hidden_size * vocab_size

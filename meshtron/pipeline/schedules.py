@@ -25,6 +25,11 @@ the receiver at the same tick. Every exchange therefore has its
 counterparts at the same tick on the neighbours, and by induction over ticks the
 batched exchanges can never wait on each other in a cycle (no deadlock, for NCCL's
 blocking groups as for gloo).
+
+The schedules never call a model themselves: the caller supplies a ``forward_step`` (Megatron-LM's
+``forward_step_func`` contract, adapted) and, for data-parallel overlap, ``on_chunk_grads_ready``
+(see :data:`ForwardStep` and :data:`GradsReady`). So this module knows neither a model's keyword
+arguments nor its outputs, and a stage with other outputs or extra losses needs no change here.
 """
 
 from __future__ import annotations
@@ -42,19 +47,35 @@ from meshtron.pipeline.partition import check_micro_batches
 MicroBatch = dict
 Unit = tuple[int, int]  # (model chunk on this rank, micro-batch)
 
+#: ``forward_step(chunk, micro_batch, hidden) -> (output, loss_sum)``: run one micro-batch through one
+#: model chunk (``hidden``: the previous stage's output, None on the first chunk of the first stage).
+#: A chunk without the loss returns ``(output, None)``, the output sent to the next stage; the chunk
+#: with the loss returns ``(None, loss_sum)``, the scalar whose backward the schedule runs and whose
+#: detached values it sums.
+ForwardStep = Callable[[nn.Module, MicroBatch, Optional[torch.Tensor]],
+                       tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
 
-def run_stage(model: nn.Module, mb: MicroBatch, hidden: Optional[torch.Tensor] = None):
-    """Forward one micro-batch through a model stage."""
-    return model(tokens=mb.get("tokens"), position_ids=mb.get("position_ids"), labels=mb.get("labels"),
-                 loss_weight=mb.get("loss_weight"), document_ids=mb.get("document_ids"), hidden=hidden)
+#: ``on_chunk_grads_ready(chunk)``: called right before the last backward pass of model chunk
+#: ``chunk`` (an index into this rank's chunks), after which that chunk's gradients are final: where
+#: its data-parallel reduction may start overlapping the remaining compute.
+GradsReady = Callable[[int], None]
+
+
+def _stage_tensor(output: Optional[torch.Tensor], loss_sum: Optional[torch.Tensor], has_loss: bool) -> torch.Tensor:
+    """What a forward pass hands on: its loss sum on the loss stage, its output elsewhere."""
+    wanted = loss_sum if has_loss else output
+    if wanted is None:
+        raise ValueError("forward_step must return (None, loss_sum) on the chunk that computes the loss and "
+                         f"(output, None) on the others; this chunk {'has' if has_loss else 'has no'} loss")
+    return wanted
 
 
 def forward_backward_no_pipelining(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
-                                   forward_only: bool = False,
-                                   before_last_backward: Optional[Callable[[], None]] = None) -> torch.Tensor:
+                                   forward_only: bool = False, on_chunk_grads_ready: Optional[GradsReady] = None,
+                                   *, forward_step: ForwardStep) -> torch.Tensor:
     """Run every micro-batch forward (and backward); return the summed weighted loss (detached).
 
-    ``before_last_backward`` runs just before the last micro-batch's backward pass, which
+    ``on_chunk_grads_ready(0)`` runs just before the last micro-batch's backward pass, which
     is where data-parallel gradient reduction may start overlapping with compute.
     """
     model = model_chunks[0]
@@ -62,10 +83,10 @@ def forward_backward_no_pipelining(model_chunks: Sequence[nn.Module], micro_batc
     n = len(micro_batches)
     for i, mb in enumerate(micro_batches):
         with torch.set_grad_enabled(not forward_only):
-            loss_sum, _ = run_stage(model, mb)
+            loss_sum = _stage_tensor(*forward_step(model, mb, None), has_loss=True)
         if not forward_only:
-            if i == n - 1 and before_last_backward is not None:
-                before_last_backward()
+            if i == n - 1 and on_chunk_grads_ready is not None:
+                on_chunk_grads_ready(0)
             loss_sum.backward()
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
     return total
@@ -343,8 +364,8 @@ class _PendingTransfers:
 
 
 def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
-             p2p: PipelineP2P, forward_only: bool = False,
-             before_last_backward: Optional[Callable[[], None]] = None,
+             p2p: PipelineP2P, forward_step: ForwardStep, forward_only: bool = False,
+             on_chunk_grads_ready: Optional[GradsReady] = None,
              stats: Optional[ScheduleStats] = None, overlap_p2p: bool = False) -> torch.Tensor:
     """Execute one rank's plan; return its summed weighted loss (zero on ranks without the loss).
 
@@ -357,14 +378,12 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
     output_grads: dict[Unit, torch.Tensor] = {}
     input_grads: dict[Unit, torch.Tensor] = {}
     total: Optional[torch.Tensor] = None
-    last_backward = max((i for i, s in enumerate(plan) if isinstance(s, Compute) and s.backward), default=-1)
-    # With several model chunks, each chunk's gradients are final after its own last backward: the data-parallel
-    # reduction of that chunk can start then (``before_last_backward(chunk)``), not only at the very end.
+    # Each chunk's gradients are final after its own last backward: the data-parallel reduction of that
+    # chunk can start then, not only at the very end (with one chunk, that is this rank's last backward).
     chunk_last_backward = {}
     for i, s in enumerate(plan):
         if isinstance(s, Compute) and s.backward:
             chunk_last_backward[s.chunk] = i
-    per_chunk = virtual > 1
     stats = stats if stats is not None else ScheduleStats()
     pending = _PendingTransfers(poll=p2p.device.type == "cuda") if overlap_p2p else None
     for index, step in enumerate(plan):
@@ -395,12 +414,12 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
         if pending is not None:
             pending.wait_for("grad" if step.backward else "input", unit)
         if not step.backward:
-            with torch.set_grad_enabled(not forward_only):
-                out = run_stage(model, micro_batches[step.micro_batch], hidden=inputs.get(unit))
-            stats.forwards += 1
             is_loss = stage == stages - 1 and step.chunk == virtual - 1
+            with torch.set_grad_enabled(not forward_only):
+                out = _stage_tensor(*forward_step(model, micro_batches[step.micro_batch], inputs.get(unit)),
+                                    has_loss=is_loss)
+            stats.forwards += 1
             if is_loss:
-                out = out[0]  # (weighted loss sum, per-token losses)
                 total = out.detach() if total is None else total + out.detach()
             if forward_only:
                 inputs.pop(unit, None)
@@ -410,11 +429,8 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
             outputs[unit] = out
             stats.max_in_flight = max(stats.max_in_flight, len(outputs))
         else:
-            if before_last_backward is not None:
-                if per_chunk and index == chunk_last_backward.get(step.chunk):
-                    before_last_backward(step.chunk)
-                elif not per_chunk and index == last_backward:
-                    before_last_backward()
+            if on_chunk_grads_ready is not None and index == chunk_last_backward[step.chunk]:
+                on_chunk_grads_ready(step.chunk)
             out = outputs.pop(unit)
             torch.autograd.backward(out, grad_tensors=output_grads.pop(unit, None))
             x = inputs.pop(unit, None)
@@ -430,18 +446,17 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
 
 
 def forward_backward_pipelining(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
-                                forward_only: bool = False,
-                                before_last_backward: Optional[Callable[[], None]] = None, *,
-                                p2p: PipelineP2P, stats: Optional[ScheduleStats] = None,
+                                forward_only: bool = False, on_chunk_grads_ready: Optional[GradsReady] = None, *,
+                                forward_step: ForwardStep, p2p: PipelineP2P, stats: Optional[ScheduleStats] = None,
                                 overlap_p2p: bool = False) -> torch.Tensor:
     """1F1B (one model chunk per rank) or interleaved 1F1B (several) over ``micro_batches``.
 
-    Returns the summed weighted loss on the last stage, zero elsewhere. ``before_last_backward``
-    runs right before this rank's last backward pass; with interleaving it runs once per model
-    chunk, as ``before_last_backward(chunk)``, right before that chunk's last backward, after
-    which that chunk's gradients are final (GradientSync.start_overlap takes that argument).
+    Returns the summed weighted loss on the last stage, zero elsewhere. ``on_chunk_grads_ready(chunk)``
+    runs once per model chunk, right before that chunk's last backward, after which that chunk's
+    gradients are final (``GradientSync.start_overlap`` takes that argument).
     ``overlap_p2p`` (``--overlap-p2p-comm``): see :func:`run_plan`.
     """
     plan = pipeline_plans(p2p.stages, len(model_chunks), len(micro_batches), forward_only,
                           OVERLAPPED_BACKWARD_TICKS if overlap_p2p else 1)[p2p.stage]
-    return run_plan(plan, model_chunks, micro_batches, p2p, forward_only, before_last_backward, stats, overlap_p2p)
+    return run_plan(plan, model_chunks, micro_batches, p2p, forward_step, forward_only, on_chunk_grads_ready,
+                    stats, overlap_p2p)

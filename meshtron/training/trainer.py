@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from meshtron.build import build_model_chunks
+from meshtron.build import build_model_chunks, gpt_forward_step
 from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
 from meshtron.memory_report import record_memory
@@ -96,7 +96,7 @@ class Trainer:
         self.optim = build_optimization(cfg, ctx, self.model_chunks)
         self.grad_buffer, self.grad_sync, self.optimizer = (self.optim.grad_buffer, self.optim.grad_sync,
                                                             self.optim.optimizer)
-        self.schedule = get_schedule(cfg, ctx)
+        self.schedule = get_schedule(cfg, ctx, gpt_forward_step)
         # Router-loss weighting, expert-bias updates and MoE metrics (None for dense models).
         self.moe = (MoETrainingHooks(self.model_chunks, ctx, self.num_micro_batches, cfg.model)
                     if cfg.model.num_experts else None)
@@ -171,7 +171,7 @@ class Trainer:
         # A checked re-run does not overlap the reduction with the backward pass, so that this rank's
         # own gradients can be read before they are summed.
         overlap = None if check_local else self.grad_sync.start_overlap
-        loss_sum = self.schedule(self.model_chunks, mbs, before_last_backward=overlap)
+        loss_sum = self.schedule(self.model_chunks, mbs, on_chunk_grads_ready=overlap)
         if self.faults is not None:
             loss_sum = self.faults.corrupt_loss(iteration, attempt, loss_sum)
             self.faults.corrupt_grads(iteration, attempt, [self.grad_buffer.data])

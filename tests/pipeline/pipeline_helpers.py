@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from meshtron.build import build_model_chunks
+from meshtron.build import build_model_chunks, gpt_forward_step
 from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization
@@ -102,7 +102,7 @@ def train_and_collect(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int
     tracker.seed_default()
     chunks = build_model_chunks(cfg, ctx, VOCAB, tracker, torch.float32)
     optim = build_optimization(cfg, ctx, chunks)
-    schedule = get_schedule(cfg, ctx)
+    schedule = get_schedule(cfg, ctx, gpt_forward_step)
     extra = {}
     stats = ScheduleStats()
     if ctx.pp > 1:
@@ -113,7 +113,7 @@ def train_and_collect(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int
             chunk.train()
         optim.grad_buffer.zero()
         mbs = rank_micro_batches(cfg, ctx, it)
-        loss = schedule(chunks, mbs, before_last_backward=optim.grad_sync.start_overlap,
+        loss = schedule(chunks, mbs, on_chunk_grads_ready=optim.grad_sync.start_overlap,
                         **(extra if it == 0 else {}))
         optim.grad_sync.finish()
         if it == 0 and not cfg.parallel.use_distributed_optimizer:  # (which keeps only its shard of them)

@@ -120,4 +120,4 @@ def test_get_schedule_rejects_a_micro_batch_count_interleaving_cannot_run():
     cfg.parallel.virtual_pipeline_model_parallel_size = 2
     cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 3
     with pytest.raises(ConfigError, match="--global-batch-size"):
-        get_schedule(cfg, ParallelContext(pp=2))
+        get_schedule(cfg, ParallelContext(pp=2), forward_step=lambda chunk, micro_batch, hidden: (hidden, None))
