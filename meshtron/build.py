@@ -15,6 +15,7 @@ so :mod:`meshtron.pipeline` never imports the model.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -28,12 +29,13 @@ from meshtron.model import GPTModel
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.random import RNGTracker
-from meshtron.parallel.sharding import initialize_parameters
+from meshtron.parallel.sharding import canonical_shapes, initialize_parameters
 from meshtron.pipeline import check_stage_count
 from meshtron.pipeline.schedules import MicroBatch
 from meshtron.validation import layout_from_config
 
-__all__ = ["build_model_chunks", "build_stage", "gpt_forward_step", "prepare_stage", "recompute_layer_ids"]
+__all__ = ["build_model_chunks", "build_stage", "built_parameter_count", "gpt_forward_step", "prepare_stage",
+           "recompute_layer_ids"]
 
 
 def recompute_layer_ids(cfg: MeshtronConfig, layer_ids: Sequence[int]) -> list[int]:
@@ -94,6 +96,13 @@ def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: in
                             post_process=layout.has_loss(ctx.pp_rank, v), make_mlp=make_mlp)
         chunks.append(prepare_stage(model, cfg, ctx, tracker, dtype))
     return chunks
+
+
+def built_parameter_count(cfg: MeshtronConfig, vocab_size: Optional[int] = None) -> int:
+    """Parameters of the whole model as :func:`build_stage` builds it (on the meta device: nothing is
+    allocated), counted from its canonical tensors, so padding and tied copies count once."""
+    model = build_stage(cfg, ParallelContext(), vocab_size if vocab_size is not None else cfg.model.vocab_size)
+    return sum(math.prod(shape) for shape in canonical_shapes([model]).values())
 
 
 def gpt_forward_step(chunk: nn.Module, micro_batch: MicroBatch,

@@ -179,6 +179,20 @@ def spec_buffers(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     return ((name, b) for name, b in model.named_buffers() if getattr(b, SPEC_ATTR, None) is not None)
 
 
+def canonical_shapes(models: Iterable[nn.Module]) -> dict[str, tuple]:
+    """Every canonical tensor the parameters of ``models`` are cut from: name -> full (unpadded) shape.
+
+    Each tensor is listed once, however many pieces, chunks or tied copies hold it: the facts of the
+    architecture (parameter counts, checkpoint contents) read from the model as built.
+    """
+    shapes: dict[str, tuple] = {}
+    for model in models:
+        for param in model.parameters():
+            for piece in spec_of(param).pieces:
+                shapes.setdefault(piece.name, tuple(piece.full_shape))
+    return shapes
+
+
 def iter_pieces(model: nn.Module, which: str = "param") -> Iterable[tuple[Piece, torch.Tensor, ShardSpec]]:
     """Yield (piece, local slice, spec) for every piece of every parameter (``which`` = param or grad)."""
     for _, param in model.named_parameters():
