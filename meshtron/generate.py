@@ -79,12 +79,14 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    parser.add_argument("--no-verify-checkpoint", action="store_true",
+                        help="load without checking the checkpoint's files against the checksums in its manifest")
     args = parser.parse_args(argv)
     from meshtron.checkpoint import CheckpointError, load_for_inference
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        model, tokenizer = load_for_inference(args.load, device)
+        model, tokenizer = load_for_inference(args.load, device, verify=not args.no_verify_checkpoint)
     except CheckpointError as err:
         print(f"meshtron generate: error: {err}", file=sys.stderr)
         return 2

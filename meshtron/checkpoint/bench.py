@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hash-bench-gb", type=float, default=1.0, help="bytes per checksum in the hash speed test")
     args = p.parse_args(argv)
 
-    cfg = bench_config(args.model, args.tp, args.seq_length, args.distributed_optimizer,
-                       int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = bench_config(args.model, args.tp, args.seq_length, args.distributed_optimizer, world)
     ctx = build_parallel_context(tp=args.tp, device="cuda")
     lead = ctx.rank == 0
     model = bench_model(cfg, ctx)

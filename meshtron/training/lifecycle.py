@@ -168,12 +168,13 @@ class RunLifecycle:
             if not self.quiet_interrupt and self.rank == 0:
                 print(f"{self.prog}: interrupted", file=sys.stderr)
             return signal_exit_code(self.signal_received)
-        if isinstance(err, self.bad_input):
+        if isinstance(err, self.bad_input + self.failures):
             print(f"{self.prog}: error: {self._where()}{err}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if isinstance(err, self.failures):
-            print(f"{self.prog}: error: {self._where()}{err}", file=sys.stderr)
-            return EXIT_FAILURE
+            # An error class may say its own code (a checkpoint that failed to save is a failure, exit 1,
+            # although checkpoint errors are bad input by default).
+            default = EXIT_BAD_INPUT if isinstance(err, self.bad_input) else EXIT_FAILURE
+            code = getattr(err, "exit_code", default)
+            return code if isinstance(code, int) else default
         if _is_peer_lost(err):
             print(f"{self.prog}: error: {self._where()}lost contact with another rank: {_first_line(err)}",
                   file=sys.stderr)

@@ -63,3 +63,6 @@ def test_damaged_checkpoint_is_refused_by_train_and_generate(runs, tmp_path, cap
         assert meshtron_main(["train", *TRAIN, "--load", str(save), "--no-verify-checkpoint"]) == 0
     warnings = [r.getMessage() for r in caplog.records if "--no-verify-checkpoint" in r.getMessage()]
     assert len(warnings) == 1 and str(save) in warnings[0], warnings
+    capsys.readouterr()
+    assert meshtron_main(["generate", "--load", str(save), "--prompt", "x", "--device", "cpu", "--max-new-tokens",
+                          "2", "--no-verify-checkpoint"]) == 0
