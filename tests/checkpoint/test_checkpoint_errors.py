@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from ckpt_helpers import build_chunks, make_optimizer, tiny_config
+from ckpt_helpers import build_chunks, tiny_config
 from meshtron.checkpoint import CheckpointError, finalize_async_saves, load_checkpoint, load_for_inference
 from meshtron.checkpoint import save_checkpoint
 from meshtron.checkpoint import layout as ckpt_layout
@@ -57,16 +57,6 @@ def fill_disk_for(monkeypatch, suffix: str, room: int = 1000) -> None:
         return FullDisk(f, room, self) if "w" in mode and self.name.endswith(suffix) else f
 
     monkeypatch.setattr(pathlib.Path, "open", open_)
-
-
-@pytest.fixture
-def first_checkpoint(tmp_path):
-    cfg = tiny_config()
-    ctx = ParallelContext()
-    chunks = build_chunks(cfg, ctx)
-    optimizer, _ = make_optimizer(cfg, chunks)
-    save_checkpoint(str(tmp_path), TrainingState(iteration=1), chunks, optimizer, ctx, cfg)
-    return tmp_path, cfg, ctx, chunks, optimizer
 
 
 def _save_fails(path, cfg, ctx, chunks, optimizer, use_async: bool) -> str:

@@ -84,16 +84,6 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path, use_async):
     assert read_latest(save_dir) == 2 and not list(save_dir.glob("*.tmp"))
 
 
-@pytest.fixture
-def first_checkpoint(tmp_path):
-    cfg = tiny_config()
-    ctx = ParallelContext()
-    chunks = build_chunks(cfg, ctx)
-    optimizer, _ = make_optimizer(cfg, chunks)
-    save_checkpoint(str(tmp_path), TrainingState(iteration=1), chunks, optimizer, ctx, cfg)
-    return tmp_path, cfg, ctx, chunks, optimizer
-
-
 def test_failed_verification_keeps_latest(first_checkpoint, monkeypatch):
     path, cfg, ctx, chunks, optimizer = first_checkpoint
     monkeypatch.setattr(writer, "verify_tensor_files", lambda d: [f"data file {d}/__0_0.distcp is missing"])
