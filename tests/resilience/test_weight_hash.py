@@ -22,7 +22,9 @@ def test_bitflip_on_one_of_three_replicas_is_caught_at_the_next_check(tmp_path) 
     assert run.returncode == 1
     assert run.of_type("weight_hash") == [{"type": "weight_hash", "iteration": 4, "ranks": [1], "majority": True}]
     errors = [line for line in run.stderr.splitlines() if "error: [rank" in line]
-    assert len(errors) == 3 and all("iteration 4" in e and "rank(s) 1 differ" in e for e in errors)
+    # Every rank finds the mismatch; the launcher may stop the last ones before they print (torchrun ends a job's
+    # other workers as soon as one has exited with an error).
+    assert 1 <= len(errors) <= 3 and all("iteration 4" in e and "rank(s) 1 differ" in e for e in errors), errors
     # Iteration 2's checkpoint is the last one: none is written from the corrupt state at iteration 4.
     assert (ck / "latest").read_text().strip().endswith("2")
 
