@@ -106,7 +106,7 @@ from typing import Iterable, Optional
 from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads,
                              padded_vocab_size)
 from meshtron.layers.cross_entropy import chunk_size  # the fused loss's chunk rule
-from meshtron.layers.mla_counts import mla_rank_parameters
+from meshtron.accounting import mla_rank_parameters
 from meshtron.validation import layout_from_config
 
 GIB = 2**30

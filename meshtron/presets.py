@@ -7,7 +7,7 @@ config; flags given by the user are applied afterwards and win.
 from __future__ import annotations
 
 from meshtron.config import ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads
-from meshtron.layers.mla_counts import mla_parameter_counts
+from meshtron.accounting import mla_parameter_counts
 
 _GPT2 = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
              vocab_size=50257, seq_length=1024, max_position_embeddings=1024, norm_epsilon=1e-5,

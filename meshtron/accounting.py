@@ -1,6 +1,7 @@
-"""Parameter counts of one multi-latent attention layer, from the configuration alone.
+"""Parameter arithmetic from the configuration alone (today: one multi-latent attention layer).
 
-Plain arithmetic, no torch: ``meshtron presets`` and the memory estimate use it without importing the layer code.
+Plain arithmetic, no torch and no layer code: ``meshtron presets``, the configuration check and the memory
+estimate use it without importing the layers.
 :class:`meshtron.layers.mla.MultiLatentAttention` builds exactly these tensors (tests/layers/test_mla.py checks it).
 """
 
