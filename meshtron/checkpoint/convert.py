@@ -18,7 +18,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -31,7 +31,8 @@ from meshtron.checkpoint.errors import (
 )
 from meshtron.checkpoint.load import read_checkpoint_tokenizer, resolve_checkpoint
 from meshtron.checkpoint.metadata import (
-    TOKENIZER_DIR, checkpoint_meta, compare_tensors, config_yaml, model_signature, read_config, read_meta,
+    TOKENIZER_DIR, checkpoint_meta, compare_tensors, config_yaml, model_signature, read_config, read_json_file,
+    read_meta,
 )
 from meshtron.checkpoint.pieces import MODEL_PREFIX, LocalChunk, model_key, to_state_dict
 from meshtron.checkpoint.verify import verify_checkpoint
@@ -66,18 +67,6 @@ def _require_empty(out: Path, flag: str = "--output") -> None:
 # ---------------------------------------------------------------------------------------------
 # Hugging Face files.
 # ---------------------------------------------------------------------------------------------
-
-def read_json_file(path: Path, what: str = "") -> Any:
-    """A JSON file of a Hugging Face directory; CheckpointError naming it when it is missing or not JSON."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing{what}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err})") from None
-    except OSError as err:
-        raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
-
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of one safetensors file; CheckpointError naming it when it is truncated or not safetensors."""

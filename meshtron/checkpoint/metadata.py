@@ -187,17 +187,24 @@ def read_config(ckpt_dir: str | Path) -> MeshtronConfig:
         raise CheckpointError(f"{f} holds a setting this meshtron cannot use: {err}") from None
 
 
+def read_json_file(path: Path, missing: str = "", invalid: str = "") -> Any:
+    """A JSON file's value; CheckpointError naming the file when it is missing (message + ``missing``), not JSON
+    (+ ``invalid``) or unreadable."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing{missing}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}){invalid}") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+
+
 def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     """The checkpoint's ``meshtron_checkpoint.json``, checked for a known format."""
     f = Path(ckpt_dir) / META_FILE
-    try:
-        meta = json.loads(f.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{f} is missing: {ckpt_dir} is not a complete meshtron checkpoint") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{f} is not valid JSON ({err}): the checkpoint is damaged") from None
-    except OSError as err:
-        raise CheckpointError(f"cannot read {f}: {err.strerror or err}") from None
+    meta = read_json_file(f, missing=f": {ckpt_dir} is not a complete meshtron checkpoint",
+                          invalid=": the checkpoint is damaged")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{f} holds a JSON {type(meta).__name__}, not a checkpoint manifest")
     version = meta.get("version")
