@@ -36,6 +36,8 @@ from meshtron.data.cache import dist_state, is_writable_dir, save_npy_atomic, st
     write_text_atomic
 from meshtron.data.errors import DataError
 from meshtron.data.indexed_dataset import IndexedDataset
+from meshtron.errors import ConfigError
+from meshtron.validation import parse_split as validate_split
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +48,15 @@ ARRAY_NAMES = ("document_index", "sample_index", "shuffle_index")
 GIB = float(1 << 30)
 
 
-def parse_split(split: str, flag: str = "--split") -> list[float]:
-    """``"969,30,1"`` (or ``"969/30/1"``, or fewer numbers) -> three fractions that sum to 1."""
-    text = str(split).replace("/", ",")
+def parse_split(split: str) -> list[float]:
+    """``"969,30,1"`` (or ``"969/30/1"``, or fewer numbers) -> three fractions that sum to 1. The syntax and its
+    errors are the configuration check's (:func:`meshtron.validation.parse_split`)."""
     try:
-        parts = [float(x) for x in text.split(",") if x.strip() != ""]
-    except ValueError:
-        raise DataError(f"{flag} {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1") from None
-    if (not parts or len(parts) > 3 or not all(np.isfinite(parts)) or any(p < 0 for p in parts)
-            or sum(parts) <= 0):
-        raise DataError(f"{flag} {split!r}: expected up to three non-negative numbers with a positive sum, e.g. 969,30,1")
-    parts += [0.0] * (3 - len(parts))
-    w = np.asarray(parts, dtype=np.float64)
-    return (w / np.sum(w)).tolist()  # normalised as Megatron-Core normalises
+        weights = validate_split(str(split))
+    except ConfigError as err:  # as every data-path problem: a DataError (itself a ConfigError)
+        raise DataError(str(err)) from None
+    total = sum(weights)
+    return [w / total for w in weights]  # normalised as Megatron-Core normalises
 
 
 def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
