@@ -255,9 +255,11 @@ def _append_record(path: str, row: dict, flags: list[str]) -> None:
 
     from meshtron.planning.measured import bench_record, load_records
 
+    # MESHTRON_COMMIT names the code when the tree was copied without its git history (a benchmark host).
+    commit = os.environ.get("MESHTRON_COMMIT") or None
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip() or None
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                          text=True, check=True).stdout.strip() or None
     except (OSError, subprocess.CalledProcessError):
         commit = None
     kind = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
