@@ -77,6 +77,9 @@ def prepare_stage(model: GPTModel, cfg: MeshtronConfig, ctx: ParallelContext, tr
         comm.set_micro_pipelined_tp(cfg.parallel.async_tensor_parallel, ctx.tp_group)
         for layer in model.layers.values():
             layer.compile()
+        if hasattr(model, "mtp"):  # the same regions as the main layers
+            for depth in model.mtp.layers:
+                depth.transformer_layer.compile()
     return model
 
 
@@ -110,11 +113,15 @@ def gpt_forward_step(chunk: nn.Module, micro_batch: MicroBatch,
     """Forward one micro-batch through a GPTModel stage, in the schedules' contract.
 
     Returns ``(output hidden states, None)`` on a stage without the loss, and ``(None, summed weighted
-    loss)`` on the one with it (GPTModel's per-token losses are not needed by the schedule).
+    loss)`` on the one with it (GPTModel's per-token losses are not needed by the schedule). With the
+    multi-token prediction fields of a training micro-batch, that loss's backward pass carries the
+    prediction depths' objective too, while its value (what the schedule sums and logs) is the main loss.
     """
     out = chunk(tokens=micro_batch.get("tokens"), position_ids=micro_batch.get("position_ids"),
                 labels=micro_batch.get("labels"), loss_weight=micro_batch.get("loss_weight"),
-                document_ids=micro_batch.get("document_ids"), hidden=hidden)
+                document_ids=micro_batch.get("document_ids"), hidden=hidden,
+                mtp_tokens=micro_batch.get("mtp_tokens"), mtp_labels=micro_batch.get("mtp_labels"),
+                mtp_loss_weight=micro_batch.get("mtp_loss_weight"))
     if chunk.post_process:
         loss_sum, _per_token = out
         return None, loss_sum

@@ -136,6 +136,12 @@ class ModelConfig:
                                                      "from (the best by the sum of their top topk/this scores).")
     moe_shared_expert_overlap: bool = compat(False, "meshtron runs the shared experts after the routed experts' "
                                                     "dispatch, not overlapped")
+    # Multi-token prediction (DeepSeek-V3; docs/models.md).
+    mtp_num_layers: Optional[int] = opt(None, "Multi-token prediction: this many extra prediction depths on the last "
+                                              "pipeline stage, depth k predicting the token k+1 positions ahead "
+                                              "(each one transformer layer sharing the embedding and output layer).")
+    mtp_loss_scaling_factor: float = opt(0.1, "Weight of the multi-token prediction loss: the objective adds this "
+                                              "times the mean over depths of their losses.")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from meshtron.layers.context_parallel import check_comm_type, context_parallel_i
 from meshtron.layers.cross_entropy import linear_cross_entropy
 from meshtron.layers.embedding import VocabParallelEmbedding
 from meshtron.layers.mlp import MLP
+from meshtron.layers.mtp import MTPBlock, attach_loss, mtp_depths
 from meshtron.layers.norm import Norm
 from meshtron.layers.recompute import run_with_recompute
 from meshtron.layers.rotary import inverse_frequencies, rope_table_scale, rope_tables
@@ -40,9 +41,9 @@ class TransformerLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int, sequence_parallel: bool,
-                 mlp: Optional[nn.Module] = None):
+                 mlp: Optional[nn.Module] = None, prefix: Optional[str] = None):
         super().__init__()
-        prefix = f"layers.{index}"
+        prefix = prefix or f"layers.{index}"  # a multi-token prediction depth's layer has its own name
         self.sequence_parallel = sequence_parallel
         self.input_norm = Norm(f"{prefix}.input_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon,
                                sequence_parallel)
@@ -118,6 +119,8 @@ class GPTModel(nn.Module):
                     self.output_weight = new_param(ShardSpec((shard(
                         name, (vocab_size, cfg.hidden_size), 0, ctx.tp_rank, ctx.tp, std=cfg.init_method_std,
                         padded_size=self.padded_vocab),), extra={"tied_copy": tied}))
+                if mtp_depths(cfg):
+                    self.mtp = self._build_mtp(cfg, ctx, make_mlp, selective_recompute)
         self.use_rope = cfg.position_embedding_type == "rope"
         self.rope_dim = attention_class(cfg).rope_dim(cfg)
         self.rope_scale = rope_table_scale(cfg)
@@ -127,9 +130,41 @@ class GPTModel(nn.Module):
             if hasattr(module, "tracker"):
                 module.tracker = tracker
 
+    def _build_mtp(self, cfg: ModelConfig, ctx: ParallelContext, make_mlp, selective_recompute: bool) -> MTPBlock:
+        """The multi-token prediction depths (last stage). Each depth's transformer layer is of the kind
+        of the main model's last layer (its MLP: MoE or dense), as in Megatron-Core; full recomputation
+        applies to it when it applies to every layer of the stage."""
+        sp, last = self.sequence_parallel, cfg.num_layers - 1
+
+        def make_layer(k: int) -> TransformerLayer:
+            prefix = f"mtp.layers.{k}.transformer_layer"
+            mlp = make_mlp(cfg, ctx, last, sp, prefix=f"{prefix}.mlp") if make_mlp else None
+            layer = TransformerLayer(cfg, ctx, last, sp, mlp, prefix=prefix)
+            layer.recompute = "full" if full else "selective" if selective_recompute else None
+            return layer
+
+        stage_layers = {int(key) for key in self.layers}
+        full = bool(self.recompute_layers) and stage_layers <= self.recompute_layers
+
+        # Tied embeddings: the last stage's copy of the output layer is the embedding's copy as well.
+        if not self.pre_process and cfg.untie_embeddings_and_output_weights:
+            # The input embedding on a stage without it: a copy whose gradient is summed with the first
+            # stage's (as the tied output layer's copy).
+            self.mtp_embedding_weight = new_param(ShardSpec((shard(
+                "embedding.word_embeddings.weight", (self.vocab_size, cfg.hidden_size), 0, ctx.tp_rank, ctx.tp,
+                std=cfg.init_method_std, padded_size=self.padded_vocab),), extra={"tied_copy": True}))
+        return MTPBlock(cfg, ctx, sp, make_layer)
+
     @property
     def output_projection(self) -> torch.Tensor:
         return self.output_weight if hasattr(self, "output_weight") else self.embedding.weight
+
+    @property
+    def input_embedding_weight(self) -> torch.Tensor:
+        """The word embeddings on this stage: the embedding's own, or (last stage) its copy."""
+        if self.pre_process:
+            return self.embedding.weight
+        return self.mtp_embedding_weight if hasattr(self, "mtp_embedding_weight") else self.output_weight
 
     def _rope(self, seq: int, position_ids: Optional[torch.Tensor], device, dtype, offset: int = 0):
         if not self.use_rope:
@@ -142,7 +177,9 @@ class GPTModel(nn.Module):
     def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_weight: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-                caches: Optional[dict] = None, position_offset: int = 0):
+                caches: Optional[dict] = None, position_offset: int = 0,
+                mtp_tokens: Optional[torch.Tensor] = None, mtp_labels: Optional[torch.Tensor] = None,
+                mtp_loss_weight: Optional[torch.Tensor] = None):
         """Run this stage.
 
         First stage: ``tokens`` [batch, seq]; other stages: ``hidden`` from the previous stage.
@@ -150,6 +187,9 @@ class GPTModel(nn.Module):
         (:func:`meshtron.parallel.cp_split.split_micro_batch`); positions default to those tokens'.
         Last stage with ``labels``: returns (sum of loss_weight * token loss, token losses [batch, seq]).
         Last stage without labels: logits [batch, seq, vocab]. Other stages: hidden [seq, batch, hidden].
+        With ``mtp_labels`` (training with multi-token prediction, fields of
+        :func:`meshtron.layers.mtp.add_mtp_inputs`) the loss sum's backward pass also carries the
+        multi-token prediction objective; its value stays the main loss.
         """
         cp = self.ctx.cp
         if cp > 1 and position_ids is None:  # the global positions of this CP rank's two chunks
@@ -179,10 +219,19 @@ class GPTModel(nn.Module):
             x = layer(x, rope, mask, cache)
         if not self.post_process:
             return x
-        return self.output(x, labels, loss_weight)
+        out = self.output(x, labels, loss_weight)
+        if mtp_labels is None or labels is None or not hasattr(self, "mtp"):
+            return out  # generation and evaluation ignore the prediction depths
+        per_depth = self.mtp(x, mtp_tokens, mtp_labels, mtp_loss_weight, self.input_embedding_weight, self._head,
+                             rope, mask)
+        total, losses = out
+        return attach_loss(total, self.mtp.objective(per_depth)), losses
 
     def output(self, x: torch.Tensor, labels: Optional[torch.Tensor], loss_weight: Optional[torch.Tensor]):
-        x = self.final_norm(x)
+        return self._head(self.final_norm(x), labels, loss_weight)
+
+    def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor], loss_weight: Optional[torch.Tensor]):
+        """The output layer (and loss with ``labels``) on normed hidden states [seq, batch, hidden]."""
         group = self.ctx.tp_group
         x = (comm.gather_from_sequence(x, group, grad_is_partial=True) if self.sequence_parallel
              else comm.copy_to_tp(x, group))

@@ -101,6 +101,7 @@ def check(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     _check_model(cfg.model)
     _check_precision_and_recompute(cfg)
     _check_parallel(cfg)
+    _check_mtp(cfg)
     if world_size is not None:
         dp = data_parallel_size(cfg, world_size)
         _check_experts_over_ranks(cfg, dp)
@@ -227,6 +228,33 @@ def check_finite(cfg: MeshtronConfig) -> None:
 # ---------------------------------------------------------------------------------------------
 # Model shape.
 # ---------------------------------------------------------------------------------------------
+
+def _check_mtp(cfg: MeshtronConfig) -> None:
+    """Multi-token prediction (--mtp-num-layers): depths, loss weight, and the layouts it runs under."""
+    m, p = cfg.model, cfg.parallel
+    if m.mtp_num_layers is None:
+        return
+    if isinstance(m.mtp_num_layers, bool) or not isinstance(m.mtp_num_layers, int) or m.mtp_num_layers < 0:
+        raise ConfigError(f"--mtp-num-layers must be a whole number >= 0 (0 or unset: no multi-token prediction), "
+                          f"got {m.mtp_num_layers!r}")
+    if m.mtp_num_layers == 0:
+        return
+    f = m.mtp_loss_scaling_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+        raise ConfigError(f"--mtp-loss-scaling-factor must be a finite number > 0 (Megatron's default 0.1), got {f!r}")
+    if m.mtp_num_layers >= m.seq_length:
+        raise ConfigError(f"--mtp-num-layers ({m.mtp_num_layers}) must be smaller than --seq-length "
+                          f"({m.seq_length}): depth k predicts the token k+1 positions ahead")
+    tp = p.tensor_model_parallel_size
+    if tp > 1 and m.hidden_size % tp:
+        raise ConfigError(f"--mtp-num-layers: --hidden-size ({m.hidden_size}) must be divisible by "
+                          f"--tensor-model-parallel-size ({tp}) (the projection of each depth is split over it)")
+    if p.pipeline_model_parallel_size > 1 and m.untie_embeddings_and_output_weights:
+        raise ConfigError("--mtp-num-layers with --untie-embeddings-and-output-weights and "
+                          "--pipeline-model-parallel-size > 1 is not supported yet: the last stage's copy of the "
+                          "input embedding would need its gradient summed with the first stage's; tie the "
+                          "embeddings or run the model on one pipeline stage")
+
 
 def _resolve_model(m: ModelConfig) -> None:
     if m.use_rotary_position_embeddings:

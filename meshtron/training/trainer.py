@@ -25,6 +25,7 @@ import torch.distributed as dist
 from meshtron.build import build_model_chunks, gpt_forward_step
 from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
+from meshtron.layers.mtp import MTPMetrics, add_mtp_inputs, mtp_depths, weigh_mtp_loss
 from meshtron.memory_report import record_memory
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization, weights_norm
@@ -100,6 +101,9 @@ class Trainer:
         # Router-loss weighting, expert-bias updates and MoE metrics (None for dense models).
         self.moe = (MoETrainingHooks(self.model_chunks, ctx, self.num_micro_batches, cfg.model)
                     if cfg.model.num_experts else None)
+        # Multi-token prediction: its inputs are added to training micro-batches, its loss logged apart.
+        self.mtp_depths = mtp_depths(cfg.model)
+        self.mtp = MTPMetrics(self.model_chunks, ctx, self.mtp_depths) if self.mtp_depths else None
         self.state = TrainingState()
         self.result = TrainingResult()
         self.params_norm = weights_norm(self.model_chunks, ctx) if cfg.log.log_params_norm else None
@@ -125,9 +129,12 @@ class Trainer:
         token's loss weight (mask / loss tokens of the whole global batch, over DP x CP)."""
         return self._weigh_loss(self._to_rank(micro_batches))
 
-    def _to_rank(self, micro_batches: list[dict]) -> list[dict]:
-        """The micro-batches on the device, cut to this CP rank's part of the sequence."""
-        return [split_micro_batch(_to_device(mb, self.device), self.ctx.cp, self.ctx.cp_rank) for mb in micro_batches]
+    def _to_rank(self, micro_batches: list[dict], training: bool = False) -> list[dict]:
+        """The micro-batches on the device, cut to this CP rank's part of the sequence. ``training``: with
+        the multi-token prediction inputs, built from the whole sequence before the cut."""
+        depths = self.mtp_depths if training else 0
+        return [split_micro_batch(add_mtp_inputs(_to_device(mb, self.device), depths), self.ctx.cp, self.ctx.cp_rank)
+                for mb in micro_batches]
 
     def _weigh_loss(self, mbs: list[dict]) -> list[dict]:
         """Replace each loss mask by token weights: mask / loss tokens of the global batch (one all-reduce)."""
@@ -140,6 +147,7 @@ class Trainer:
         inv = 1.0 / count.clamp(min=1.0)
         for mb in mbs:
             mb["loss_weight"] = mb.pop("loss_mask").float() * inv
+        weigh_mtp_loss(mbs, self.ctx.dp_cp_group)  # the same for each prediction depth's positions
         return mbs
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -161,7 +169,7 @@ class Trainer:
         re-run); returns (this rank's loss sum, the global gradient norm, both on device, and with
         ``check_local`` whether this rank's own loss or gradients were non-finite before the reduction)."""
         self.grad_buffer.zero()
-        mbs = self._to_rank(micro_batches)
+        mbs = self._to_rank(micro_batches, training=True)
         self._lap("data")
         if self.faults is not None:
             self.faults.hang_point(iteration)
@@ -473,6 +481,8 @@ class Trainer:
                 record = self._log_record(iteration, mean_loss, norm, lr, step_time)
                 if self.moe is not None:  # every rank: the MoE metrics are reduced over ranks
                     record.update(self.moe.metrics())
+                if self.mtp is not None:  # every rank, likewise
+                    record.update(self.mtp.metrics(interval_steps))
                 if self.rerun is not None and self.rerun.stats is not None:
                     record.update(self.rerun.stats.pop())
                 self.logger.log_train(record)

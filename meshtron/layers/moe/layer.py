@@ -54,9 +54,9 @@ class MoELayer(Fp32BufferModule):
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer_index: int, sequence_parallel: bool,
-                 grouped_gemm: Optional[bool] = None):
+                 grouped_gemm: Optional[bool] = None, prefix: Optional[str] = None):
         super().__init__()
-        prefix = f"layers.{layer_index}.mlp"
+        prefix = prefix or f"layers.{layer_index}.mlp"  # another name for a multi-token prediction layer's MLP
         E = cfg.num_experts
         if E % ctx.ep:
             raise ConfigError(f"--num-experts ({E}) must be divisible by --expert-model-parallel-size ({ctx.ep})")
@@ -136,13 +136,14 @@ class MoELayer(Fp32BufferModule):
         return attach_aux_loss(y, sum(losses), self.aux_loss_scale)
 
 
-def make_moe_mlp(cfg: ModelConfig, ctx: ParallelContext, layer_index: int, sequence_parallel: bool
-                 ) -> Optional[nn.Module]:
+def make_moe_mlp(cfg: ModelConfig, ctx: ParallelContext, layer_index: int, sequence_parallel: bool,
+                 prefix: Optional[str] = None) -> Optional[nn.Module]:
     """The ``make_mlp`` hook of :class:`meshtron.model.GPTModel`: an MoE layer where
-    :func:`meshtron.config.is_moe_layer` says so, else None (the dense MLP)."""
+    :func:`meshtron.config.is_moe_layer` says so, else None (the dense MLP). ``prefix`` names its
+    parameters (default ``layers.{layer_index}.mlp``)."""
     if not is_moe_layer(cfg, layer_index):
         return None
-    return MoELayer(cfg, ctx, layer_index, sequence_parallel)
+    return MoELayer(cfg, ctx, layer_index, sequence_parallel, prefix=prefix)
 
 
 def moe_mlp_factory(cfg: MeshtronConfig) -> Optional[MakeMLP]:
