@@ -101,6 +101,7 @@ def check(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     _check_model(cfg.model)
     _check_precision_and_recompute(cfg)
     _check_parallel(cfg)
+    _check_pipeline_schedule(cfg)
     _check_mtp(cfg)
     if world_size is not None:
         dp = data_parallel_size(cfg, world_size)
@@ -409,6 +410,33 @@ def _check_parallel(cfg: MeshtronConfig) -> None:
         raise ConfigError("--distributed-backend nccl needs --device cuda (use gloo on CPU)")
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
+
+
+def _check_pipeline_schedule(cfg: MeshtronConfig) -> None:
+    """--pipeline-schedule against the virtual stages and the features the zero-bubble schedule cannot defer."""
+    p, t = cfg.parallel, cfg.train
+    schedule = p.pipeline_schedule
+    if schedule is None:
+        return
+    known = ("1f1b", "interleaved", "zero-bubble-h1")
+    if schedule not in known:
+        raise ConfigError(f"--pipeline-schedule {schedule!r} is not known; choose one of {', '.join(known)}")
+    virtual = p.virtual_pipeline_model_parallel_size or 1
+    if schedule == "interleaved" and virtual == 1:
+        raise ConfigError("--pipeline-schedule interleaved needs virtual stages: give "
+                          "--virtual-pipeline-model-parallel-size > 1 or --num-layers-per-virtual-pipeline-stage")
+    if schedule != "interleaved" and virtual > 1:
+        raise ConfigError(f"--pipeline-schedule {schedule} runs one model chunk per pipeline rank, but "
+                          f"--virtual-pipeline-model-parallel-size is {virtual}: use --pipeline-schedule interleaved "
+                          f"or drop the virtual stages")
+    if schedule == "zero-bubble-h1":
+        if t.fp8_format:
+            raise ConfigError(f"--pipeline-schedule zero-bubble-h1 cannot defer the weight gradients of FP8 linear "
+                              f"layers: drop --fp8-format {t.fp8_format} or use --pipeline-schedule 1f1b")
+        if t.compile:
+            raise ConfigError("--pipeline-schedule zero-bubble-h1 needs eager layers (compiled layers cannot hand "
+                              "their weight-gradient matmuls to the schedule): add --no-compile, or use "
+                              "--pipeline-schedule 1f1b")
 
 
 def _check_experts(cfg: MeshtronConfig) -> None:

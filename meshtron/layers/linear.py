@@ -6,6 +6,15 @@ the output stays sharded. RowParallelLinear splits the input features: each rank
 computes a partial product that is summed over TP (all-reduce, or reduce-scatter
 to sequence shards with sequence parallelism). A column layer followed by a row
 layer needs one collective in each direction.
+
+Weight-gradient deferral (zero-bubble pipeline schedules): a layer given a weight-gradient store
+(``layer.wgrad_store``, set by :func:`meshtron.pipeline.zero_bubble.attach_weight_grad_store`) runs,
+while the store is enabled, a matmul whose backward computes only the input gradient (and the bias
+gradient) and hands the weight-gradient GEMM to the store as a closure over (input, output
+gradient); the schedule runs it later, in a W pass. The weight then enters that matmul detached, so
+the backward never touches the parameter's gradient; the store accumulates it through the usual
+path (the parameter's gradient hooks, hence the fp32 gradient buffers). Tensor-parallel
+communication in backward is unchanged, in the input-gradient pass. FP8 layers never defer.
 """
 
 from __future__ import annotations
@@ -24,10 +33,51 @@ from meshtron.parallel.sharding import Piece, ShardSpec, new_param
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            fp8_format: Optional[str], fp8_recipe: str) -> torch.Tensor:
+            fp8_format: Optional[str], fp8_recipe: str, wgrad_store=None) -> torch.Tensor:
     if fp8_format is None:
+        if _defers(wgrad_store, weight):
+            return _LinearDeferredWeightGrad.apply(x, weight.detach(), bias, (wgrad_store, weight))
         return F.linear(x, weight, bias)
     return fp8_linear(x, weight, bias, fp8_format, fp8_recipe)
+
+
+def _defers(wgrad_store, weight: torch.Tensor) -> bool:
+    """Whether this forward's backward leaves its weight gradient to ``wgrad_store``."""
+    return wgrad_store is not None and wgrad_store.enabled and weight.requires_grad and torch.is_grad_enabled()
+
+
+def weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dL/dW of ``y = x W^T``: the output gradient's rows times the input's rows, over every token."""
+    return grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+def _hand_over_weight_grad(deferral: tuple, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """Give the weight-gradient GEMM to the store, to run in this micro-batch's W pass."""
+    store, weight = deferral
+    store.defer(weight, lambda: weight_grad(grad_out, x))
+
+
+class _LinearDeferredWeightGrad(torch.autograd.Function):
+    """``x W^T + b`` whose backward computes the input and bias gradients and defers the weight's.
+
+    ``weight`` is the parameter detached (the backward must not produce its gradient); ``deferral``
+    is (store, parameter), a non-tensor argument, so autograd keeps no edge to the parameter.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, deferral):
+        ctx.save_for_backward(x, weight)
+        ctx.deferral, ctx.has_bias = deferral, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_input = grad_out @ weight if ctx.needs_input_grad[0] else None
+        _hand_over_weight_grad(ctx.deferral, grad_out, x)
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(dim=0) if ctx.has_bias else None
+        return grad_input, None, grad_bias, None
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -37,11 +87,16 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     parallelism, reduce-scatter) asynchronously, then computes the weight gradient while the
     collective runs. With sequence parallelism only the local shard of the input is saved and
     re-gathered in backward (overlapped with the input-gradient matmul), as Megatron does.
+
+    ``deferral``: None, or (weight-gradient store, parameter) with ``weight`` the parameter detached:
+    the input is still gathered and the input gradient reduced here, and the weight-gradient GEMM
+    goes to the store (see the module docstring).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, deferral=None):
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        ctx.deferral = deferral
         total = comm.all_gather_dim0(x, group) if sequence_parallel else x
         ctx.save_for_backward(x, weight)
         return F.linear(total, weight, bias)
@@ -58,9 +113,13 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         reduced = (comm.reduce_scatter_dim0_async(grad_input, group) if sp
                    else comm.all_reduce_async(grad_input, group))
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = flat_grad.t() @ total.reshape(-1, total.shape[-1])
+        if ctx.deferral is None:
+            grad_weight = flat_grad.t() @ total.reshape(-1, total.shape[-1])
+        else:  # the GEMM runs in the W pass; the gathered input is kept for it
+            grad_weight = None
+            _hand_over_weight_grad(ctx.deferral, grad_out, total)
         grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
-        return comm.wait(reduced), grad_weight, grad_bias, None, None
+        return comm.wait(reduced), grad_weight, grad_bias, None, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -80,6 +139,7 @@ class ColumnParallelLinear(nn.Module):
         self.fp8_format: Optional[str] = None  # set by meshtron.layers.fp8.enable_fp8
         self.fp8_recipe = "tensorwise"
         self.overlap_backward_comm = True  # set by set_tp_comm_overlap (--no-tp-comm-overlap)
+        self.wgrad_store = None  # a zero-bubble schedule's weight-gradient store (see the module docstring)
         self.weight = new_param(ShardSpec(tuple(weight_pieces), 0, tp_replicated=tp_replicated, grad_sync=grad_sync))
         self.bias = (new_param(ShardSpec(tuple(bias_pieces), 0, tp_replicated=tp_replicated, grad_sync=grad_sync))
                      if bias_pieces else None)
@@ -98,10 +158,13 @@ class ColumnParallelLinear(nn.Module):
             return column_sequence_parallel_fp8(x, self.weight, self.bias, self.group,
                                                 gradient_dtype(self.fp8_format))
         if gathers_here and self.overlap_backward_comm and self.fp8_format is None:
+            if _defers(self.wgrad_store, self.weight):
+                return _ColumnParallelMatmul.apply(x, self.weight.detach(), self.bias, self.group,
+                                                   self.sequence_parallel, (self.wgrad_store, self.weight))
             return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if not prepared:
             x = self.prepare_input(x)
-        return _linear(x, self.weight, self.bias, self.fp8_format, self.fp8_recipe)
+        return _linear(x, self.weight, self.bias, self.fp8_format, self.fp8_recipe, self.wgrad_store)
 
 
 class RowParallelLinear(nn.Module):
@@ -113,6 +176,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.fp8_format: Optional[str] = None  # set by meshtron.layers.fp8.enable_fp8
         self.fp8_recipe = "tensorwise"
+        self.wgrad_store = None  # a zero-bubble schedule's weight-gradient store (see the module docstring)
         self.weight = new_param(ShardSpec((weight_piece,), 0))
         # The bias is added after the reduction, so every TP rank holds all of it.
         self.bias = (new_param(ShardSpec((bias_piece,), 0, tp_replicated=True,
@@ -123,7 +187,7 @@ class RowParallelLinear(nn.Module):
         if comm._size(self.group) > 1 and _sequence_parallel_fp8(self):
             y = row_sequence_parallel_fp8(x, self.weight, self.group, gradient_dtype(self.fp8_format))
             return y if self.bias is None else y + self.bias
-        y = _linear(x, self.weight, None, self.fp8_format, self.fp8_recipe)
+        y = _linear(x, self.weight, None, self.fp8_format, self.fp8_recipe, self.wgrad_store)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence(y, self.group)
         else:

@@ -50,8 +50,10 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: Forwar
 
     ``forward_step`` runs one micro-batch through one model chunk
     (:data:`~meshtron.pipeline.schedules.ForwardStep`; GPTModel's is :func:`meshtron.build.gpt_forward_step`).
-    One stage: no pipelining. Several: 1F1B, or interleaved 1F1B with virtual stages; the
-    returned callable carries ``forward_step`` and this rank's point-to-point communicator.
+    One stage: no pipelining. Several: 1F1B, interleaved 1F1B with virtual stages, or the
+    ``--pipeline-schedule`` named (ZB-H1: :mod:`meshtron.pipeline.zero_bubble`); the returned
+    callable carries ``forward_step``, this rank's point-to-point communicator and, for ZB-H1, the
+    weight-gradient store its backward passes defer into.
     """
     import torch
 
@@ -68,8 +70,14 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: Forwar
         check_micro_batches(t.global_batch_size // (t.micro_batch_size * ctx.dp), ctx.pp, layout.virtual_stages)
     dtype = torch.bfloat16 if t.bf16 else torch.float32
     p2p = PipelineP2P(ctx, activation_shape(cfg, ctx), dtype, ctx.device)
+    schedule = cfg.parallel.pipeline_schedule
+    extra = {}
+    if schedule == "zero-bubble-h1":
+        from meshtron.pipeline.zero_bubble import WeightGradStore
+
+        extra["wgrad_store"] = WeightGradStore()
     return functools.partial(forward_backward_pipelining, forward_step=forward_step, p2p=p2p,
-                             overlap_p2p=cfg.parallel.overlap_p2p_comm)
+                             overlap_p2p=cfg.parallel.overlap_p2p_comm, schedule=schedule, **extra)
 
 
 def is_data_rank(ctx: ParallelContext, cfg: Optional[MeshtronConfig] = None) -> bool:

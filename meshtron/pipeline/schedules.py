@@ -16,6 +16,9 @@ in the order of one of Megatron-LM's schedules:
   chunk order; ``2 (PP - r - 1) + (V - 1) PP`` warm-up forwards. Rank ``r`` holds at
   most that plus one chunk-forwards of activations (each ``1/V`` of its layers).
   Bubble: ``(PP - 1) / (V M)``.
+* ZB-H1 (``--pipeline-schedule zero-bubble-h1``, one chunk): each backward splits into B (input
+  gradient) and W (weight gradients, :class:`WeightGrad`), W deferred to fill the bubbles; see
+  :mod:`meshtron.pipeline.zero_bubble`. Bubble ``(PP - 1) / (3 M)`` when F, B and W last as long.
 
 Where the point-to-point exchanges go is derived from those orders by a lock-step
 simulation (:func:`build_plans`): at each tick every free rank starts its next pass if
@@ -34,15 +37,19 @@ arguments nor its outputs, and a stage with other outputs or extra losses needs 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 from meshtron.pipeline.p2p import PipelineP2P, free_output
 from meshtron.pipeline.partition import check_micro_batches
+
+if TYPE_CHECKING:
+    from meshtron.pipeline.zero_bubble import WeightGradStore
 
 MicroBatch = dict
 Unit = tuple[int, int]  # (model chunk on this rank, micro-batch)
@@ -121,7 +128,23 @@ class Exchange:
     recv_next: Optional[Unit] = None
 
 
-Step = Union[Compute, Exchange]
+@dataclass(frozen=True)
+class WeightGrad:
+    """The W pass of a zero-bubble schedule: the deferred weight gradients of one micro-batch's
+    backward through one of this rank's chunks (local work: it neither sends nor receives)."""
+
+    chunk: int
+    micro_batch: int
+
+    @property
+    def unit(self) -> Unit:
+        return (self.chunk, self.micro_batch)
+
+
+Step = Union[Compute, Exchange, WeightGrad]
+
+#: ``--pipeline-schedule`` values (None: 1F1B, or interleaved 1F1B with virtual stages).
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble-h1")
 
 
 def one_f_one_b_order(stages: int, stage: int, num_micro_batches: int, forward_only: bool = False) -> list[Compute]:
@@ -169,6 +192,8 @@ def interleaved_order(stages: int, stage: int, virtual: int, num_micro_batches: 
 
 def _message(stage: int, c: Compute, stages: int, virtual: int) -> Optional[tuple[int, Compute]]:
     """(receiving stage, the pass that consumes it) of the tensor ``c`` produces, if it leaves the rank."""
+    if isinstance(c, WeightGrad):
+        return None
     if not c.backward:
         if stage == stages - 1 and c.chunk == virtual - 1:
             return None  # the loss
@@ -184,6 +209,8 @@ def _message(stage: int, c: Compute, stages: int, virtual: int) -> Optional[tupl
 
 def _needs_message(stage: int, c: Compute, stages: int, virtual: int) -> bool:
     """Whether pass ``c`` consumes a tensor from another stage (input activation or output gradient)."""
+    if isinstance(c, WeightGrad):
+        return False
     if c.backward:
         return not (stage == stages - 1 and c.chunk == virtual - 1)
     return not (stage == 0 and c.chunk == 0)
@@ -203,9 +230,9 @@ OVERLAPPED_BACKWARD_TICKS = 2
 
 
 def _simulate(orders: Sequence[Sequence[Compute]], virtual: int,
-              backward_ticks: int = 1) -> tuple[list[list[Step]], int]:
-    """Run every rank's passes in lock-step ticks (a forward takes one, a backward
-    ``backward_ticks``); return the plans and the number of ticks.
+              backward_ticks: int = 1, forward_ticks: int = 1, weight_ticks: int = 1) -> tuple[list[list[Step]], int]:
+    """Run every rank's passes in lock-step ticks (a forward takes ``forward_ticks``, a backward
+    ``backward_ticks``, a W pass ``weight_ticks``); return the plans and the number of ticks.
 
     A pass starts at the first tick at which its rank is free and its input has arrived (was sent
     at an earlier tick); its output is sent at its last tick. Each rank's plan lists, tick by tick,
@@ -231,7 +258,11 @@ def _simulate(orders: Sequence[Sequence[Compute]], virtual: int,
             plans[s].append(c)
             position[s] += 1
             started = True
-            end = tick + (backward_ticks if c.backward else 1) - 1
+            if isinstance(c, WeightGrad):
+                duration = weight_ticks
+            else:
+                duration = backward_ticks if c.backward else forward_ticks
+            end = tick + duration - 1
             free_at[s] = end + 1
             message = _message(s, c, stages, virtual)
             if message is not None:
@@ -250,36 +281,77 @@ def _simulate(orders: Sequence[Sequence[Compute]], virtual: int,
     return plans, max([tick] + free_at)
 
 
-def _orders(stages: int, virtual: int, num_micro_batches: int, forward_only: bool) -> list[list[Compute]]:
+def _orders(stages: int, virtual: int, num_micro_batches: int, forward_only: bool,
+            schedule: Optional[str] = None) -> list[list[Step]]:
+    schedule = _schedule_name(schedule, virtual)
+    if schedule == "zero-bubble-h1":
+        from meshtron.pipeline.zero_bubble import zero_bubble_h1_order
+
+        return [zero_bubble_h1_order(stages, s, num_micro_batches, forward_only) for s in range(stages)]
     if virtual > 1:
         check_micro_batches(num_micro_batches, stages, virtual)
         return [interleaved_order(stages, s, virtual, num_micro_batches, forward_only) for s in range(stages)]
     return [one_f_one_b_order(stages, s, num_micro_batches, forward_only) for s in range(stages)]
 
 
+def _schedule_name(schedule: Optional[str], virtual: int) -> str:
+    """The schedule a name stands for (None: the one the virtual stages imply), checked against them."""
+    if schedule is None:
+        return "interleaved" if virtual > 1 else "1f1b"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if (schedule == "interleaved") != (virtual > 1):
+        raise ValueError(f"pipeline schedule {schedule!r} with {virtual} model chunk(s) per rank: interleaved "
+                         f"takes several, the others one")
+    return schedule
+
+
 @functools.lru_cache(maxsize=64)
 def pipeline_plans(stages: int, virtual: int, num_micro_batches: int, forward_only: bool,
-                   backward_ticks: int = 1) -> tuple[tuple[Step, ...], ...]:
-    """Every rank's plan (passes and exchanges, in order) for one iteration."""
-    plans = build_plans(_orders(stages, virtual, num_micro_batches, forward_only), virtual, backward_ticks)
+                   backward_ticks: int = 1, schedule: Optional[str] = None) -> tuple[tuple[Step, ...], ...]:
+    """Every rank's plan (passes and exchanges, in order) for one iteration.
+
+    ``schedule``: a ``--pipeline-schedule`` value (None: 1F1B or interleaved, by ``virtual``). The
+    zero-bubble plans are placed for passes of equal length (B and W each about a forward), whatever
+    ``backward_ticks``.
+    """
+    name = _schedule_name(schedule, virtual)
+    orders = _orders(stages, virtual, num_micro_batches, forward_only, name)
+    plans = build_plans(orders, virtual, 1 if name == "zero-bubble-h1" else backward_ticks)
     return tuple(tuple(plan) for plan in plans)
 
 
-def simulated_bubble(stages: int, virtual: int, num_micro_batches: int, backward_ticks: int = 1) -> float:
+def simulated_bubble(stages: int, virtual: int, num_micro_batches: int, backward_ticks: int = 1,
+                     schedule: Optional[str] = None) -> float:
     """Idle time over busy time of the lock-step simulation (a backward lasting ``backward_ticks``
-    forwards, exchanges completing at once): ``(PP - 1) / (V * M)`` for both schedules."""
-    _, ticks = _simulate(_orders(stages, virtual, num_micro_batches, False), virtual, backward_ticks)
-    busy = (1 + backward_ticks) * virtual * num_micro_batches
+    forwards, exchanges completing at once): ``(PP - 1) / (V * M)`` for 1F1B and interleaved.
+
+    ``schedule``: a ``--pipeline-schedule`` value (None: by ``virtual``, as above). For
+    ``zero-bubble-h1`` the backward's ``backward_ticks`` split evenly into B and W, and the bubble
+    is ``(PP - 1) / ((1 + backward_ticks) M)``: a third of 1F1B's for ``backward_ticks=2``.
+    """
+    name = _schedule_name(schedule, virtual)
+    orders = _orders(stages, virtual, num_micro_batches, False, name)
+    if name == "zero-bubble-h1":  # ticks doubled so that B and W are whole ticks: F 2, B and W backward_ticks each
+        _, ticks = _simulate(orders, virtual, backward_ticks, forward_ticks=2, weight_ticks=backward_ticks)
+        busy = 2 * (1 + backward_ticks) * virtual * num_micro_batches
+    else:
+        _, ticks = _simulate(orders, virtual, backward_ticks)
+        busy = (1 + backward_ticks) * virtual * num_micro_batches
     return (ticks - busy) / busy
 
 
 def max_in_flight(plan: Sequence[Step]) -> int:
-    """Most (chunk, micro-batch) forwards whose backward has not run yet, over a plan."""
+    """Most (chunk, micro-batch) forwards whose backward has not run yet, over a plan (with W
+    passes: whose W has not run yet, as a micro-batch's activations live until its W)."""
+    split = any(isinstance(step, WeightGrad) for step in plan)
     held = peak = 0
     for step in plan:
-        if isinstance(step, Compute):
-            held += -1 if step.backward else 1
+        if isinstance(step, Compute) and not step.backward:
+            held += 1
             peak = max(peak, held)
+        elif isinstance(step, WeightGrad) or (isinstance(step, Compute) and not split):
+            held -= 1
     return peak
 
 
@@ -292,6 +364,8 @@ class ScheduleStats:
     forwards: int = 0
     backwards: int = 0
     exchanges: int = 0
+    weight_grads: int = 0  # W passes (zero-bubble schedules)
+    deferred_gemms: int = 0  # weight-gradient GEMMs those W passes ran
 
 
 class _Transfer:
@@ -366,11 +440,19 @@ class _PendingTransfers:
 def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
              p2p: PipelineP2P, forward_step: ForwardStep, forward_only: bool = False,
              on_chunk_grads_ready: Optional[GradsReady] = None,
-             stats: Optional[ScheduleStats] = None, overlap_p2p: bool = False) -> torch.Tensor:
+             stats: Optional[ScheduleStats] = None, overlap_p2p: bool = False,
+             wgrad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """Execute one rank's plan; return its summed weighted loss (zero on ranks without the loss).
 
     ``overlap_p2p``: post each exchange without waiting; wait for a received tensor only right
     before the pass that consumes it (so a rank never stalls for a transfer that it does not need yet).
+
+    ``wgrad_store`` (plans with W passes): each B runs collecting into it, each W computes that
+    micro-batch's deferred weight gradients. ``on_chunk_grads_ready(chunk)`` still comes right
+    before the chunk's last B, when its other parameters receive their last gradient; the W passes
+    that follow (those of the micro-batches whose W the rank kept in hand) run their GEMMs at once
+    but accumulate the per-parameter sums only at the chunk's last W, so every parameter receives
+    exactly one gradient after the reduction was armed, and a bucket starts only once complete.
     """
     stages, stage, virtual = p2p.stages, p2p.stage, len(model_chunks)
     inputs: dict[Unit, torch.Tensor] = {}  # received stage inputs, kept for their gradient
@@ -380,13 +462,26 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
     total: Optional[torch.Tensor] = None
     # Each chunk's gradients are final after its own last backward: the data-parallel reduction of that
     # chunk can start then, not only at the very end (with one chunk, that is this rank's last backward).
-    chunk_last_backward = {}
+    chunk_last_backward, chunk_last_weight = {}, {}
     for i, s in enumerate(plan):
         if isinstance(s, Compute) and s.backward:
             chunk_last_backward[s.chunk] = i
+        elif isinstance(s, WeightGrad):
+            chunk_last_weight[s.chunk] = i
+    if chunk_last_weight and wgrad_store is None:
+        raise ValueError("a plan with W passes needs the weight-gradient store its B passes defer into")
+    awaiting_w: set[Unit] = set()  # forwarded micro-batches whose activations live until their W
     stats = stats if stats is not None else ScheduleStats()
     pending = _PendingTransfers(poll=p2p.device.type == "cuda") if overlap_p2p else None
     for index, step in enumerate(plan):
+        if isinstance(step, WeightGrad):
+            hold = on_chunk_grads_ready is not None and index > chunk_last_backward[step.chunk]
+            stats.deferred_gemms += wgrad_store.compute(step.unit, hold=hold)
+            if hold and index == chunk_last_weight[step.chunk]:
+                wgrad_store.accumulate_held()
+            awaiting_w.discard(step.unit)
+            stats.weight_grads += 1
+            continue
         if isinstance(step, Exchange):
             send_next = outputs[step.send_next] if step.send_next is not None else None
             send_prev = input_grads.pop(step.send_prev) if step.send_prev is not None else None
@@ -427,12 +522,15 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
                     outputs[unit] = out  # until it is sent
                 continue
             outputs[unit] = out
-            stats.max_in_flight = max(stats.max_in_flight, len(outputs))
+            if wgrad_store is not None:
+                awaiting_w.add(unit)
+            stats.max_in_flight = max(stats.max_in_flight, len(outputs) + len(awaiting_w - outputs.keys()))
         else:
             if on_chunk_grads_ready is not None and index == chunk_last_backward[step.chunk]:
                 on_chunk_grads_ready(step.chunk)
             out = outputs.pop(unit)
-            torch.autograd.backward(out, grad_tensors=output_grads.pop(unit, None))
+            with wgrad_store.collecting(unit) if wgrad_store is not None else contextlib.nullcontext():
+                torch.autograd.backward(out, grad_tensors=output_grads.pop(unit, None))
             x = inputs.pop(unit, None)
             if x is not None:  # a stage whose output ignores its input still owes the previous one a gradient
                 input_grads[unit] = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -448,15 +546,38 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
 def forward_backward_pipelining(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
                                 forward_only: bool = False, on_chunk_grads_ready: Optional[GradsReady] = None, *,
                                 forward_step: ForwardStep, p2p: PipelineP2P, stats: Optional[ScheduleStats] = None,
-                                overlap_p2p: bool = False) -> torch.Tensor:
-    """1F1B (one model chunk per rank) or interleaved 1F1B (several) over ``micro_batches``.
+                                overlap_p2p: bool = False, schedule: Optional[str] = None,
+                                wgrad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
+    """1F1B (one model chunk per rank), interleaved 1F1B (several) or ZB-H1 over ``micro_batches``.
 
     Returns the summed weighted loss on the last stage, zero elsewhere. ``on_chunk_grads_ready(chunk)``
     runs once per model chunk, right before that chunk's last backward, after which that chunk's
-    gradients are final (``GradientSync.start_overlap`` takes that argument).
-    ``overlap_p2p`` (``--overlap-p2p-comm``): see :func:`run_plan`.
+    gradients are final (``GradientSync.start_overlap`` takes that argument; with W passes see
+    :func:`run_plan`). ``overlap_p2p`` (``--overlap-p2p-comm``): see :func:`run_plan`.
+    ``schedule``: a ``--pipeline-schedule`` value (None: by the number of chunks); ``zero-bubble-h1``
+    needs ``wgrad_store``, which this call gives to the chunks' linear layers and enables for a
+    training iteration.
     """
+    name = _schedule_name(schedule, len(model_chunks))
     plan = pipeline_plans(p2p.stages, len(model_chunks), len(micro_batches), forward_only,
-                          OVERLAPPED_BACKWARD_TICKS if overlap_p2p else 1)[p2p.stage]
-    return run_plan(plan, model_chunks, micro_batches, p2p, forward_step, forward_only, on_chunk_grads_ready,
-                    stats, overlap_p2p)
+                          OVERLAPPED_BACKWARD_TICKS if overlap_p2p else 1, name)[p2p.stage]
+    if name != "zero-bubble-h1":
+        return run_plan(plan, model_chunks, micro_batches, p2p, forward_step, forward_only, on_chunk_grads_ready,
+                        stats, overlap_p2p)
+    from meshtron.pipeline.zero_bubble import attach_weight_grad_store
+
+    if wgrad_store is None:
+        raise ValueError("the zero-bubble schedule needs a WeightGradStore")
+    attach_weight_grad_store(model_chunks, wgrad_store)
+    wgrad_store.enabled = not forward_only
+    try:
+        total = run_plan(plan, model_chunks, micro_batches, p2p, forward_step, forward_only, on_chunk_grads_ready,
+                         stats, overlap_p2p, wgrad_store if not forward_only else None)
+    except BaseException:
+        wgrad_store.discard()  # a failed iteration's deferred GEMMs must not reach the next one
+        raise
+    finally:
+        wgrad_store.enabled = False
+    if wgrad_store.pending_units():
+        raise RuntimeError(f"the zero-bubble plan left the W passes of {wgrad_store.pending_units()} undone")
+    return total
