@@ -1,4 +1,5 @@
-"""``meshtron convert``: Hugging Face Llama/Mistral/Mixtral <-> meshtron checkpoints.
+"""``meshtron convert``: Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE/DeepSeek-V2/V3 <-> meshtron
+checkpoints.
 
 ``meshtron convert --from hf --input HF_DIR --output CKPT`` reads ``config.json``,
 the safetensors weights (one file or an index of shards) and the tokenizer
@@ -155,7 +156,8 @@ def _hf_tokenizer(directory: Path, notices: list[str]):
 
 def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optional[torch.dtype] = None,
                    notices: Optional[list[str]] = None) -> Path:
-    """Convert a Hugging Face Llama/Mistral directory into a meshtron checkpoint (iteration 0); returns its path."""
+    """Convert a Hugging Face model directory (a family of :data:`hf.ARCHITECTURES`) into a meshtron checkpoint
+    (iteration 0); returns its path. DeepSeek-V3's multi-token prediction layers are skipped with a notice."""
     quiet_single_process_notice()
     notices = notices if notices is not None else []
     src, out = Path(input_dir), Path(output_dir)
@@ -163,10 +165,15 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
     if not config_file.is_file():
         raise CheckpointError(f"--input {src}: config.json not found (expected a Hugging Face model directory)")
     _require_empty(out)
-    cfg = _config_from_file(config_file, notices)
-    chunks = []
+    cfg, values = _config_from_file(config_file, notices)
+    interleave = hf.rope_interleaved(values)
+    chunks, extra_layers = [], set()
     for hf_name, tensor in read_hf_tensors(src).items():
-        for name, part in hf.hf_to_meshtron_tensors(hf_name, tensor):
+        layer = hf.hf_layer_index(hf_name)
+        if values.get("model_type") == "deepseek_v3" and layer is not None and layer >= cfg.model.num_layers:
+            extra_layers.add(layer)  # DeepSeek-V3's multi-token prediction modules follow the last layer
+            continue
+        for name, part in hf.hf_to_meshtron_tensors(hf_name, tensor, cfg.model, interleave):
             if not cfg.model.untie_embeddings_and_output_weights and name == "output.weight":
                 continue  # tied: the output layer is the embedding
             # contiguous copies: a slice of a fused expert tensor must not carry the whole storage along
@@ -174,6 +181,9 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
             if t.untyped_storage().nbytes() > t.numel() * t.element_size():
                 t = t.clone()
             chunks.append(LocalChunk(model_key(name), tuple(t.shape), (0,) * t.dim(), t))
+    if extra_layers:
+        notices.append(f"skipped the multi-token prediction layer(s) {sorted(extra_layers)} (model.layers.N with N >= "
+                       f"num_hidden_layers {cfg.model.num_layers}): they are not imported")
     _check_complete(cfg, {c.key[len(MODEL_PREFIX):]: c.global_shape for c in chunks})
     tokenizer = _hf_tokenizer(src, notices)
     meta = checkpoint_meta(TrainingState(), model_signature(cfg.model, cfg.model.vocab_size),
@@ -186,12 +196,13 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
 
 
 def _config_from_file(config_file: Path, notices: list[str]):
-    """The meshtron configuration a ``config.json`` describes; CheckpointError naming the file otherwise."""
+    """(the meshtron configuration a ``config.json`` describes, its values); CheckpointError naming the file
+    otherwise."""
     values = read_json_file(config_file)
     if not isinstance(values, dict):
         raise CheckpointError(f"{config_file} holds a JSON {type(values).__name__}, not a model configuration")
     try:
-        return hf.config_from_hf(values, notices)
+        return hf.config_from_hf(values, notices), values
     except CheckpointError as err:
         raise CheckpointError(f"{config_file}: {err.summary.removeprefix('config.json: ')}", err.differences) \
             from None
@@ -204,9 +215,11 @@ def _config_from_file(config_file: Path, notices: list[str]):
 def _check_complete(cfg, shapes: dict[str, tuple]) -> None:
     """Every tensor the model needs is present with the configured shape."""
     from meshtron.build import build_stage
+    from meshtron.parallel.sharding import spec_buffers
 
     model = build_stage(cfg, ParallelContext(), cfg.model.vocab_size)  # on the meta device: no memory
-    required = {piece.name: tuple(piece.full_shape) for _, p in model.named_parameters() for piece in spec_of(p).pieces}
+    state = [p for _, p in model.named_parameters()] + [b for _, b in spec_buffers(model)]  # + expert biases
+    required = {piece.name: tuple(piece.full_shape) for p in state for piece in spec_of(p).pieces}
     diffs = compare_tensors(shapes, required)
     if diffs:
         raise CheckpointError("the Hugging Face weights do not match their config.json", diffs)
@@ -273,8 +286,8 @@ def _export_tokenizer(ckpt_dir: Path, out: Path, notices: list[str]) -> tuple[Op
 def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture: Optional[str] = None,
                    dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 * 10**9,
                    notices: Optional[list[str]] = None, verify: bool = True) -> Path:
-    """Write a meshtron checkpoint as a Hugging Face ``LlamaForCausalLM``/``MistralForCausalLM``/
-    ``MixtralForCausalLM`` directory (``architecture`` None: mixtral for MoE checkpoints, else llama).
+    """Write a meshtron checkpoint as a Hugging Face model directory of ``architecture`` (a key of
+    :data:`hf.ARCHITECTURES`; None: :func:`hf.default_architecture` picks it from the model).
     ``verify``: check the checkpoint's files against their checksums first."""
     notices = notices if notices is not None else []
     out = Path(output_dir)
@@ -292,7 +305,7 @@ def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture:
     if meta.get("model", {}).get("vocab_size") not in (None, vocab):
         raise CheckpointError(f"{ckpt_dir}: the embedding has {vocab} rows but the metadata says vocabulary "
                               f"{meta['model']['vocab_size']}")
-    hf_tensors = {hf.meshtron_to_hf_name(name): t for name, t in tensors.items()}
+    hf_tensors = hf.meshtron_to_hf_tensors(tensors, cfg.model, architecture)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -338,7 +351,8 @@ def _size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshtron convert",
-        description="Convert between Hugging Face Llama/Mistral/Mixtral models and meshtron checkpoints. meshtron "
+        description="Convert between Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE/DeepSeek-V2/V3 "
+                    "models and meshtron checkpoints. meshtron "
                     "checkpoints load into any parallel layout as they are: no resharding step is needed.")
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from", dest="source", choices=("hf",),
@@ -351,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="convert the weights to this type "
                                                                         "(default: keep the stored type)")
     p.add_argument("--hf-architecture", choices=sorted(hf.ARCHITECTURES), default=None,
-                   help="with --to hf: the Hugging Face model class to write (default: mixtral for a "
-                        "mixture-of-experts checkpoint, llama otherwise)")
+                   help="with --to hf: the Hugging Face model class to write (default: deepseek_v3, or "
+                        "deepseek_v2 with softmax routing, for multi-latent attention; qwen3_moe or mixtral for a "
+                        "mixture of experts with or without query/key norms; qwen3, qwen2 or llama otherwise)")
     p.add_argument("--max-shard-size", type=_size, default=5 * 10**9,
                    help="with --to hf: largest safetensors file, e.g. 5GB (default)")
     p.add_argument("--no-verify-checkpoint", action="store_true",

@@ -30,12 +30,16 @@ from typing import Any, Optional
 
 import torch
 
+from meshtron.checkpoint import hf_moe
 from meshtron.checkpoint.errors import CheckpointError
+from meshtron.layers import mla_hf
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_NAMES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+_NAMES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+          "qwen3_moe": "Qwen3-MoE", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}
 
 _LAYER_MAP = {
     "input_layernorm.weight": "input_norm.weight",
@@ -64,10 +68,15 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Mixtral as saved on the hub (and by save_pretrained in transformers 4 and 5).
 _HF_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])\.weight$")
 _HF_ROUTER = re.compile(r"^(?:block_sparse_moe|mlp)\.gate\.weight$")
+# DeepSeek-V2/V3 and Qwen3-MoE as saved: per-expert SwiGLU projections, shared experts, V3's expert bias.
+_HF_EXPERT_PROJ = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_HF_SHARED = re.compile(r"^mlp\.shared_experts\.(gate|up|down)_proj\.weight$")
+_HF_EXPERT_BIAS = "mlp.gate.e_score_correction_bias"
 # transformers 5's fused in-memory expert tensors, [E, 2F, H] (gate rows, then up rows) and [E, H, F].
 _HF_FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 _HF_FUSED_DOWN = "mlp.experts.down_proj"
 _MESHTRON_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)\.weight$")
+_MESHTRON_SHARED = re.compile(r"^mlp\.shared_experts\.(gate|up|down)\.weight$")
 _MESHTRON_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LAYER_MAP_BACK = {v: k for k, v in _LAYER_MAP.items()}
 _GLOBAL_MAP_BACK = {v: k for k, v in _GLOBAL_MAP.items()}
@@ -88,18 +97,37 @@ def hf_to_meshtron_name(name: str) -> Optional[str]:
             return f"layers.{layer}.{_LAYER_MAP[rest]}"
         if _HF_ROUTER.match(rest):
             return f"layers.{layer}.mlp.router.weight"
+        if rest == _HF_EXPERT_BIAS:
+            return f"layers.{layer}.mlp.router.expert_bias"
         expert = _HF_EXPERT.match(rest)
         if expert:
             return f"layers.{layer}.mlp.experts.{expert.group(1)}.{_EXPERT_MAP[expert.group(2)]}.weight"
+        expert = _HF_EXPERT_PROJ.match(rest)
+        if expert:
+            return f"layers.{layer}.mlp.experts.{expert.group(1)}.{expert.group(2)}.weight"
+        shared = _HF_SHARED.match(rest)
+        if shared:
+            return f"layers.{layer}.mlp.shared_experts.{shared.group(1)}.weight"
+        if rest.startswith("self_attn.") and rest[len("self_attn."):] in mla_hf.HF_TO_MESHTRON:
+            return f"layers.{layer}.attention.{mla_hf.HF_TO_MESHTRON[rest[len('self_attn.'):]]}"
     raise CheckpointError(f"unexpected tensor {name!r} in the Hugging Face checkpoint (supported: Llama, "
-                          "Mistral and Mixtral without biases, Qwen2 with query/key/value biases, dense Qwen3)")
+                          "Mistral and Mixtral without biases, Qwen2 with query/key/value biases, dense Qwen3, "
+                          "Qwen3-MoE, DeepSeek-V2/V3)")
 
 
-def hf_to_meshtron_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def hf_layer_index(name: str) -> Optional[int]:
+    """The decoder layer a Hugging Face tensor belongs to (``model.layers.N.``), None for global tensors."""
+    m = _HF_LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def hf_to_meshtron_tensors(name: str, tensor: torch.Tensor, model: Optional[ModelConfig] = None,
+                           rope_interleave: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Canonical meshtron (name, tensor) pairs of one Hugging Face tensor.
 
     One pair for most tensors, none for derived buffers, and one per expert projection for
-    transformers 5's fused Mixtral expert tensors.
+    transformers 5's fused expert tensors. Multi-latent attention tensors need ``model`` (their
+    shapes) and ``rope_interleave`` (DeepSeek's interleaved rotary rows, see :mod:`meshtron.layers.mla_hf`).
     """
     m = _HF_LAYER.match(name)
     if m and m.group(2) in (_HF_FUSED_GATE_UP, _HF_FUSED_DOWN):
@@ -117,25 +145,68 @@ def hf_to_meshtron_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, t
             out += [(f"{prefix}.{e}.gate.weight", gate), (f"{prefix}.{e}.up.weight", up)]
         return out
     canonical = hf_to_meshtron_name(name)
-    return [] if canonical is None else [(canonical, tensor)]
+    if canonical is None:
+        return []
+    if ".attention." in canonical and model is not None and model.multi_latent_attention:
+        short = canonical.split(".attention.", 1)[1]
+        tensor = mla_hf.attention_from_hf({mla_hf.MESHTRON_TO_HF[short]: tensor}, model, rope_interleave)[short]
+    return [(canonical, tensor)]
 
 
-def meshtron_to_hf_name(name: str) -> str:
-    """Hugging Face name of a canonical meshtron tensor."""
+def rope_interleaved(hf: dict) -> bool:
+    """Whether a ``config.json``'s rotary rows are in DeepSeek's interleaved order (V2 always, V3 by
+    ``rope_interleave``, default true)."""
+    kind = hf.get("model_type")
+    return kind == "deepseek_v2" or (kind == "deepseek_v3" and bool(hf.get("rope_interleave", True)))
+
+
+def meshtron_to_hf_name(name: str, architecture: str = "llama") -> str:
+    """Hugging Face name of a canonical meshtron tensor in ``architecture``'s layout."""
     if name in _GLOBAL_MAP_BACK:
         return _GLOBAL_MAP_BACK[name]
     m = _MESHTRON_LAYER.match(name)
     if m:
         layer, rest = m.group(1), m.group(2)
-        if rest in _LAYER_MAP_BACK:
+        mixtral = architecture == "mixtral"
+        if rest.startswith("attention.") and architecture in hf_moe.DEEPSEEK:
+            short = rest[len("attention."):]
+            if short in mla_hf.MESHTRON_TO_HF:
+                return f"model.layers.{layer}.self_attn.{mla_hf.MESHTRON_TO_HF[short]}"
+        elif rest in _LAYER_MAP_BACK:
             return f"model.layers.{layer}.{_LAYER_MAP_BACK[rest]}"
         if rest == "mlp.router.weight":
-            return f"model.layers.{layer}.block_sparse_moe.gate.weight"
+            return f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}.gate.weight"
+        if rest == "mlp.router.expert_bias" and architecture == "deepseek_v3":
+            return f"model.layers.{layer}.{_HF_EXPERT_BIAS}"
         expert = _MESHTRON_EXPERT.match(rest)
-        if expert:
+        if expert and mixtral:
             return (f"model.layers.{layer}.block_sparse_moe.experts.{expert.group(1)}."
                     f"{_EXPERT_MAP_BACK[expert.group(2)]}.weight")
-    raise CheckpointError(f"tensor {name!r} has no Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3 equivalent")
+        if expert:
+            return f"model.layers.{layer}.mlp.experts.{expert.group(1)}.{expert.group(2)}_proj.weight"
+        shared = _MESHTRON_SHARED.match(rest)
+        if shared and architecture in hf_moe.DEEPSEEK:
+            return f"model.layers.{layer}.mlp.shared_experts.{shared.group(1)}_proj.weight"
+    raise CheckpointError(f"tensor {name!r} has no Hugging Face {_NAMES.get(architecture, architecture)} "
+                          "equivalent")
+
+
+def meshtron_to_hf_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig,
+                           architecture: str) -> dict[str, torch.Tensor]:
+    """Every canonical meshtron tensor under its Hugging Face name, in ``architecture``'s layout (DeepSeek:
+    rotary rows interleaved; a zero ``e_score_correction_bias`` where a V3 router has no expert bias)."""
+    out = {}
+    for name, t in tensors.items():
+        if architecture in hf_moe.DEEPSEEK and ".attention." in name:
+            short = name.split(".attention.", 1)[1]
+            if short in mla_hf.MESHTRON_TO_HF:
+                t = next(iter(mla_hf.attention_to_hf({short: t}, model, rope_interleave=True).values()))
+        out[meshtron_to_hf_name(name, architecture)] = t
+        if architecture == "deepseek_v3" and name.endswith(".mlp.router.weight"):
+            bias = name.replace(".router.weight", ".router.expert_bias")
+            if bias not in tensors:  # transformers' V3 router always has one; zero changes nothing
+                out[meshtron_to_hf_name(bias, architecture)] = torch.zeros(t.shape[0], dtype=torch.float32)
+    return out
 
 
 def _rope_settings(hf: dict) -> tuple[float, Optional[dict]]:
@@ -169,10 +240,11 @@ def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
                               "biases)")
     heads, kv = int(hf["num_attention_heads"]), int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    theta, scaling = _rope_settings(hf)
+    # DeepSeek's YaRN is read by hf_moe.deepseek_rope
+    theta, scaling = _rope_settings(hf) if kind not in hf_moe.DEEPSEEK else (10000.0, None)
     max_pos = int(hf.get("max_position_embeddings", 4096))
     window = hf.get("sliding_window")
-    if kind in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if kind in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window size that applies only with use_sliding_window
     if window is not None and int(window) < max_pos:
         notices.append(f"config.json: sliding_window {window}: meshtron attends over the whole context, which "
@@ -187,13 +259,17 @@ def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), disable_bias_linear=True,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)), vocab_size=int(hf["vocab_size"]),
-        add_qkv_bias=kind == "qwen2", qk_layernorm=kind == "qwen3",
+        add_qkv_bias=kind == "qwen2", qk_layernorm=kind in ("qwen3", "qwen3_moe"),
     )
     if scaling is not None:
         values["rope_scaling_factor"] = float(scaling["factor"])
         values["rope_original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
     if kind == "mixtral":
         values.update(_mixtral_settings(hf, notices))
+    elif kind == "qwen3_moe":
+        values.update(hf_moe.qwen3_moe_settings(hf, notices))
+    elif kind in hf_moe.DEEPSEEK:
+        values.update(hf_moe.deepseek_settings(hf, kind, notices))
     cfg = MeshtronConfig()
     for key, value in values.items():
         cfg.set(key, value)
@@ -236,10 +312,14 @@ def _moe_problems(m: ModelConfig) -> list[str]:
 
 
 def default_architecture(m: ModelConfig) -> str:
-    """The Hugging Face architecture to export to when none is named: mixtral for MoE, qwen3 with
-    query/key head norms, qwen2 with query/key/value biases, else llama."""
+    """The Hugging Face architecture to export to when none is named: for multi-latent attention
+    deepseek_v2 with softmax routing and deepseek_v3 otherwise; for MoE qwen3_moe with query/key head
+    norms, else mixtral; dense: qwen3 with query/key head norms, qwen2 with query/key/value biases,
+    else llama."""
+    if m.multi_latent_attention:
+        return "deepseek_v2" if m.num_experts and m.moe_router_score_function == "softmax" else "deepseek_v3"
     if m.num_experts:
-        return "mixtral"
+        return "qwen3_moe" if m.qk_layernorm else "mixtral"
     if m.qk_layernorm:
         return "qwen3"
     return "qwen2" if m.add_qkv_bias else "llama"
@@ -248,6 +328,8 @@ def default_architecture(m: ModelConfig) -> str:
 def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
     """Raise CheckpointError listing what the Hugging Face ``architecture`` cannot represent."""
     problems = []
+    if architecture not in ARCHITECTURES:
+        raise CheckpointError(f"--hf-architecture {architecture!r} is not one of {', '.join(ARCHITECTURES)}")
     if m.normalization != "RMSNorm":
         problems.append(f"--normalization {m.normalization} (Llama uses RMSNorm)")
     if not m.swiglu:
@@ -261,18 +343,24 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
         problems.append("no --add-qkv-bias (Qwen2 has biases on the query/key/value projections: export as llama)")
     if architecture != "qwen2" and m.add_qkv_bias:
         problems.append("--add-qkv-bias (query/key/value biases: export with --hf-architecture qwen2)")
-    if architecture == "qwen3" and not m.qk_layernorm:
+    if architecture in ("qwen3", "qwen3_moe") and not m.qk_layernorm:
         problems.append("no --qk-layernorm (Qwen3 normalises each query and key head)")
-    if architecture != "qwen3" and m.qk_layernorm:
-        problems.append("--qk-layernorm (query/key head norms: export with --hf-architecture qwen3)")
-    if architecture == "mixtral":
+    if architecture not in ("qwen3", "qwen3_moe") and m.qk_layernorm:
+        problems.append("--qk-layernorm (query/key head norms: export with --hf-architecture qwen3 or qwen3_moe)")
+    if m.multi_latent_attention and architecture not in hf_moe.DEEPSEEK:
+        problems.append("--multi-latent-attention (multi-latent attention: export with --hf-architecture "
+                        "deepseek_v3 or deepseek_v2)")
+    if architecture in hf_moe.DEEPSEEK or architecture == "qwen3_moe":
+        problems += hf_moe.export_problems(m, architecture)
+    elif architecture == "mixtral":
         if not m.num_experts:
             problems.append("no --num-experts (Mixtral is a mixture of experts: export a dense model as llama or "
                             "mistral)")
         else:
             problems += _moe_problems(m)
     elif m.num_experts:
-        problems.append("mixture of experts (--num-experts: export it with --hf-architecture mixtral)")
+        problems.append("mixture of experts (--num-experts: export it with --hf-architecture mixtral, qwen3_moe, "
+                        "deepseek_v2 or deepseek_v3)")
     if problems:
         name = _NAMES.get(architecture, architecture)
         raise CheckpointError(f"this checkpoint cannot be written as a Hugging Face {name} model", problems)
@@ -280,8 +368,8 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
 
 def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: str,
               eos_id: Optional[int], bos_id: Optional[int]) -> dict:
-    """A ``config.json`` for ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``MixtralForCausalLM`` (read by
-    transformers 4 and 5)."""
+    """A ``config.json`` for the Hugging Face ``architecture`` (a key of :data:`ARCHITECTURES`; read by
+    transformers 4 and 5, the DeepSeek and Qwen3-MoE ones by transformers 5)."""
     theta = float(m.rotary_base)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     rope_scaling = None
@@ -315,6 +403,14 @@ def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: st
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
     }
+    if architecture in hf_moe.DEEPSEEK:
+        for key in ("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters"):
+            del cfg[key]
+        cfg.update(hf_moe.deepseek_config(m, architecture), **hf_moe.moe_config(m, architecture))
+        return cfg
+    if architecture == "qwen3_moe":
+        cfg.update(hf_moe.qwen3_attention_config(m), **hf_moe.moe_config(m, architecture))
+        return cfg
     if architecture == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif architecture in ("qwen2", "qwen3"):

@@ -57,18 +57,38 @@ def model_signature(m: ModelConfig, vocab_size: Optional[int]) -> dict[str, Any]
     }
     if m.position_embedding_type == "learned_absolute":
         sig["max_position_embeddings"] = m.max_position_embeddings or m.seq_length
+    if m.qk_layernorm:
+        sig["qk_layernorm"] = True
+    if m.multi_latent_attention:  # MLA's shapes; kv_channels and num_query_groups do not apply
+        sig.update(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                   qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim)
     if m.num_experts:
         sig["moe_ffn_hidden_size"] = m.moe_ffn_hidden_size or ffn_size(m)
         sig["moe_shared_expert_intermediate_size"] = m.moe_shared_expert_intermediate_size
         sig["moe_layer_freq"] = m.moe_layer_freq
+        sig.update(_routing_signature(m))
     return sig
+
+
+_ROUTING_FIELDS = ("moe_first_dense_layers", "moe_router_score_function", "moe_router_pre_softmax",
+                   "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+                   "moe_router_topk_scaling_factor")
+#: signature fields written only when they differ from these values (older checkpoints lack them)
+_OMITTED_DEFAULTS = {"qk_layernorm": False, "multi_latent_attention": False,
+                     **{key: getattr(ModelConfig(), key) for key in _ROUTING_FIELDS}}
+
+
+def _routing_signature(m: ModelConfig) -> dict[str, Any]:
+    """The routing fields that differ from the defaults: a model trained to route one way does not load
+    into a run that routes another (checkpoints of default routing keep their old signature)."""
+    return {key: getattr(m, key) for key in _ROUTING_FIELDS if getattr(m, key) != _OMITTED_DEFAULTS[key]}
 
 
 def compare_signatures(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """One line per model field that differs (saved checkpoint vs this run)."""
     out = []
     for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
+        a, b = saved.get(key, _OMITTED_DEFAULTS.get(key)), current.get(key, _OMITTED_DEFAULTS.get(key))
         if a != b:
             out.append(f"{key} ({flag_name(key)}): checkpoint {a!r}, this run {b!r}")
     return out
