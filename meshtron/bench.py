@@ -184,11 +184,11 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
         fwd = timed(lambda: trainer.schedule(trainer.model_chunks, [dict(m) for m in mbs], forward_only=True))
 
         def fwd_bwd():
-            trainer.grad_buffer.zero()
+            trainer.dp_strategy.zero()
             trainer.schedule(trainer.model_chunks, [dict(m) for m in mbs])
 
         fwdbwd = timed(fwd_bwd)
-        comm = timed(trainer.grad_sync.finish) if ctx.dp * ctx.cp > 1 else 0.0
+        comm = timed(trainer.dp_strategy.finish) if ctx.dp * ctx.cp > 1 else 0.0
     kernels = None
     if profile_comm:  # one more step under the profiler: communication kernels and what compute hides
         from meshtron.profiling import profile_communication

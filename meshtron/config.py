@@ -167,6 +167,14 @@ class ParallelConfig:
     expert_tensor_parallel_size: Optional[int] = opt(None, "Tensor-parallel size inside experts (default: TP).")
     sequence_parallel: bool = opt(False, "Sequence parallelism for norms/dropout (needs TP > 1).")
     use_distributed_optimizer: bool = opt(False, "Shard fp32 optimizer state over data-parallel ranks (ZeRO-1).")
+    data_parallel_sharding_strategy: Optional[str] = opt(
+        None, "What is sharded over data-parallel (x context-parallel) ranks: no_shard; optim (optimizer state, "
+              "= --use-distributed-optimizer, ZeRO-1); optim_grads (and gradients, reduce-scattered as backward "
+              "produces them, ZeRO-2); optim_grads_params (and weights, gathered per layer before its forward "
+              "and backward, ZeRO-3). Default: optim with --use-distributed-optimizer, else no_shard.",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    use_megatron_fsdp: bool = opt(False, "Alias of --data-parallel-sharding-strategy optim_grads_params (meshtron "
+                                         "shards with its own implementation, not Megatron-FSDP's).")
     overlap_grad_reduce: bool = opt(False, "Overlap the data-parallel gradient reduction with backward.")
     overlap_param_gather: bool = opt(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
     ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient-reduction bucket (default max(40M, 1M*DP)).")
@@ -303,6 +311,13 @@ class TrainConfig:
     recompute_method: Optional[str] = opt(None, "Which layers to recompute with --recompute-granularity full.",
                                           choices=("uniform", "block"))
     recompute_num_layers: int = opt(1, "Layers per recomputed chunk (uniform) or recomputed layers (block).")
+    offload_activations: bool = opt(False, "Keep what each transformer layer saves for its backward in pinned host "
+                                           "memory between its forward and backward (copies on a side stream, "
+                                           "overlapped with compute; every model chunk's last layer keeps its "
+                                           "own). For long sequences, where recomputation costs more than the "
+                                           "copies.", aliases=("--fine-grained-activation-offloading",))
+    offload_modules: list = compat([], "with --offload-activations meshtron offloads everything a layer saves for "
+                                       "its backward, the inputs of all of these modules included", nargs="+")
     compile: Optional[bool] = opt(None, "torch.compile each transformer layer (default on CUDA).")
     eval_interval: int = opt(100, "Evaluate on the validation split every N iterations (0 disables).")
     eval_iters: int = opt(10, "Validation iterations per evaluation.")
@@ -346,8 +361,8 @@ class TrainConfig:
     fp8_amax_history_len: Optional[int] = opt(None, _DELAYED_SCALING_REFUSED)
     fp8_amax_compute_algo: Optional[str] = opt(None, _DELAYED_SCALING_REFUSED,
                                                  choices=("max", "most_recent"))
-    use_torch_fsdp2: bool = opt(False, "Not supported: meshtron shards optimizer state with "
-                                       "--use-distributed-optimizer (ZeRO-1), not parameters.")
+    use_torch_fsdp2: bool = opt(False, "Alias of --data-parallel-sharding-strategy optim_grads_params (meshtron "
+                                       "shards with its own implementation, not torch's FSDP2).")
     rampup_batch_size: list = opt([], "Not supported: batch-size ramp-up.", nargs="+")
     manual_gc: bool = opt(False, "Turn Python's automatic garbage collection off during training and collect at fixed "
                                  "iterations instead, so that ranks do not pause at different times.")

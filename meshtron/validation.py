@@ -408,8 +408,45 @@ def _check_parallel(cfg: MeshtronConfig) -> None:
     _check_experts(cfg)
     if p.distributed_backend == "nccl" and cfg.train.device == "cpu":
         raise ConfigError("--distributed-backend nccl needs --device cuda (use gloo on CPU)")
-    if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
-        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
+    _check_sharding_strategy(cfg)
+
+
+def _check_sharding_strategy(cfg: MeshtronConfig) -> None:
+    """--data-parallel-sharding-strategy, its aliases and what each strategy composes with."""
+    from meshtron.optim.accounting import sharding_strategy
+
+    p, t = cfg.parallel, cfg.train
+    explicit = p.data_parallel_sharding_strategy
+    aliases = [f for f, on in (("--use-megatron-fsdp", p.use_megatron_fsdp), ("--use-torch-fsdp2", t.use_torch_fsdp2))
+               if on]
+    if explicit is not None and explicit not in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+        raise ConfigError(f"--data-parallel-sharding-strategy must be no_shard, optim, optim_grads or "
+                          f"optim_grads_params, got {explicit!r}")
+    if aliases and explicit not in (None, "optim_grads_params"):
+        raise ConfigError(f"{aliases[0]} means --data-parallel-sharding-strategy optim_grads_params, which "
+                          f"contradicts --data-parallel-sharding-strategy {explicit}; drop one of them")
+    if explicit == "no_shard" and p.use_distributed_optimizer:
+        raise ConfigError("--use-distributed-optimizer shards the optimizer state, which contradicts "
+                          "--data-parallel-sharding-strategy no_shard; drop one of them")
+    strategy = sharding_strategy(cfg)
+    if p.overlap_param_gather:
+        if strategy == "optim" and not p.overlap_grad_reduce:
+            raise ConfigError("--overlap-param-gather needs --overlap-grad-reduce with the distributed optimizer")
+        if strategy not in ("optim", "optim_grads"):
+            raise ConfigError(f"--overlap-param-gather needs --use-distributed-optimizer (or "
+                              f"--data-parallel-sharding-strategy optim / optim_grads); with {strategy} "
+                              + ("there is no weight all-gather" if strategy == "no_shard" else
+                                 "each layer's gather is always prefetched and overlapped")
+                              + ": drop --overlap-param-gather")
+    if strategy != "optim_grads_params":
+        return
+    flag = "--data-parallel-sharding-strategy optim_grads_params" + (f" ({aliases[0]})" if aliases else "")
+    if t.fp8_format is not None:
+        raise ConfigError(f"{flag} with --fp8-format is not supported yet (FP8 layers keep quantized copies of "
+                          f"weights that are freed between uses); use optim_grads, or drop --fp8-format")
+    if t.compile or (t.compile is None and t.device == "cuda"):
+        raise ConfigError(f"{flag} with --compile is not supported yet (the per-layer gather and free run in "
+                          f"module hooks that a compiled layer would trace); add --no-compile or use optim_grads")
 
 
 def _check_pipeline_schedule(cfg: MeshtronConfig) -> None:
@@ -581,6 +618,13 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
                           "--sequence-parallel with --tensor-model-parallel-size > 1")
     if t.recompute_method and t.recompute_granularity != "full":
         raise ConfigError(f"--recompute-method {t.recompute_method} needs --recompute-granularity full")
+    if t.offload_activations and t.recompute_granularity == "full":
+        # A fully recomputed layer saves only its input, inside the recomputation's own saved-tensor hooks.
+        raise ConfigError("--offload-activations with --recompute-granularity full would move nothing: a fully "
+                          "recomputed layer keeps only its input; use one of them, or --recompute-granularity "
+                          "selective with --offload-activations")
+    if t.offload_modules and not t.offload_activations:
+        raise ConfigError("--offload-modules needs --offload-activations (or --fine-grained-activation-offloading)")
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     if t.recompute_granularity and tp > 1 and (m.attention_dropout > 0 or
                                                 (m.hidden_dropout > 0 and cfg.parallel.sequence_parallel)):
@@ -599,10 +643,6 @@ def _check_unsupported_megatron_flags(cfg: MeshtronConfig) -> None:
         flag = "--fp8-amax-history-len" if t.fp8_amax_history_len is not None else "--fp8-amax-compute-algo"
         raise ConfigError(f"{flag} configures delayed FP8 scaling, which meshtron does not implement: it scales "
                           f"from current values (--fp8-recipe tensorwise or rowwise); drop {flag}")
-    if t.use_torch_fsdp2:
-        raise ConfigError("--use-torch-fsdp2 is not supported: meshtron shards the optimizer state with "
-                          "--use-distributed-optimizer (add --optimizer-cpu-offload, or tensor/pipeline "
-                          "parallelism, when the model does not fit)")
     if t.rampup_batch_size:
         raise ConfigError("--rampup-batch-size is not supported: train with a fixed --global-batch-size")
     for flag, value in (("--loss-scale", t.loss_scale), ("--initial-loss-scale", t.initial_loss_scale)):

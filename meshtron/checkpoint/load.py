@@ -202,10 +202,12 @@ def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx
     has_optim = bool(meta.get("optimizer", {}).get("present"))
     want_optim = optimizer is not None and load_optim and has_optim
     check_compatibility(ckpt_dir, meta, saved, model_chunks, cfg, group, want_optim)
-    if hasattr(optimizer, "finish_param_gather"):
+    if optimizer is not None:
         optimizer.finish_param_gather()  # a gather landing later would overwrite the loaded weights
 
     load_model_tensors(model_chunks, ckpt_dir, group, no_dist, md)
+    if optimizer is not None:
+        optimizer.weights_written()  # sharded weights: the shards take the loaded values
     if want_optim:
         _load_optimizer(optimizer, ckpt_dir, group, int(meta["optimizer"]["step_count"]), md)
     elif optimizer is not None:

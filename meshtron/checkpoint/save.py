@@ -64,8 +64,8 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
     rank = coordination.rank()
     meta = build_meta(state, model_chunks, optimizer, ctx, cfg, tokenizer is not None, save_rng)
     rng = (state.rng if state.rng is not None else capture_rng_state()) if save_rng else None
-    if hasattr(optimizer, "finish_param_gather"):
-        optimizer.finish_param_gather()  # weights still being all-gathered must land before they are read
+    if optimizer is not None:
+        optimizer.finish_param_gather()  # weights still being all-gathered (or sharded) must be whole to be read
     job = SaveJob(save_dir=Path(save_dir), iteration=int(state.iteration), rank=rank, state_dict={}, meta=meta,
                   config_text=config_yaml(cfg), rng=rng_bytes(rng) if rng is not None else None, group=group,
                   tokenizer=tokenizer if rank == 0 else None, retain=retain)

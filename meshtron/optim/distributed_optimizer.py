@@ -30,11 +30,10 @@ import torch.nn as nn
 from meshtron.config import OptimConfig
 from meshtron.optim.buckets import BufferLayout
 from meshtron.optim.collectives import all_gather_single
-from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.offload import Segment, split_for_offload
 from meshtron.optim.optimizer import no_weight_decay
-from meshtron.optim.param_buffer import ParamBuffer, ParamGather
 from meshtron.optim.segment_adam import SegmentAdamW
+from meshtron.optim.shards import CompactShards
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -44,8 +43,9 @@ def owned_range(layout: BufferLayout, bucket_index: int, shard: bool, rank: Opti
     return bucket.shard_range(rank) if shard else (bucket.start, bucket.end)
 
 
-def owned_segments(layout: BufferLayout, shard: bool) -> list[Segment]:
-    """The pieces of parameters inside this rank's owned ranges, in buffer order."""
+def owned_segments(layout: BufferLayout, shard: bool, compact: Optional[CompactShards] = None) -> list[Segment]:
+    """The pieces of parameters inside this rank's owned ranges, in buffer order. ``compact``: their
+    ``buffer_offset`` addresses the compact shard tensors (the sharded strategies) instead of the full buffer."""
     out: list[Segment] = []
     for bucket in layout.buckets:
         lo, hi = owned_range(layout, bucket.index, shard)
@@ -53,23 +53,28 @@ def owned_segments(layout: BufferLayout, shard: bool) -> list[Segment]:
             start, n = layout.offsets[i]
             a, b = max(start, lo), min(start + n, hi)
             if b > a:
-                out.append(Segment(i, a - start, a, b - a, not no_weight_decay(layout.params[i])))
+                where = a if compact is None else compact.compact_offset(bucket.index, a)
+                out.append(Segment(i, a - start, where, b - a, not no_weight_decay(layout.params[i])))
     return out
 
 
 class DistributedOptimizer:
     """AdamW on this rank's shards of the flat buffers, then an all-gather of the weights."""
 
-    def __init__(self, layout: BufferLayout, grad_buffer: GradBuffer, param_buffer: ParamBuffer,
-                 param_gather: ParamGather, cfg: OptimConfig, shard: bool = True, offload_fraction: float = 0.0):
+    def __init__(self, layout: BufferLayout, grad_data: torch.Tensor, param_data: torch.Tensor,
+                 param_gather: "WeightGather", cfg: OptimConfig, shard: bool = True, offload_fraction: float = 0.0,
+                 compact: Optional[CompactShards] = None):
+        """``grad_data`` / ``param_data``: the flat gradient and weight tensors the segments address (the
+        full buffers, or with ``compact`` this rank's compact shards); ``param_gather`` brings the
+        updated shards to every rank (:class:`meshtron.optim.strategy.WeightGather`)."""
         self.layout = layout
         self.params: list[nn.Parameter] = layout.params
-        self.grad_buffer, self.param_buffer, self.param_gather = grad_buffer, param_buffer, param_gather
+        self.grad_data, self.param_data, self.param_gather = grad_data, param_data, param_gather
         self.shard = shard
-        self.segments = owned_segments(layout, shard)
+        self.segments = owned_segments(layout, shard, compact)
         device_segments, host_segments = split_for_offload(self.segments, offload_fraction)
-        self.host_parts = [SegmentAdamW(host_segments, grad_buffer.data, param_buffer.data, cfg, host=True)]
-        self.device_parts = [SegmentAdamW(device_segments, grad_buffer.data, param_buffer.data, cfg)]
+        self.host_parts = [SegmentAdamW(host_segments, grad_data, param_data, cfg, host=True)]
+        self.device_parts = [SegmentAdamW(device_segments, grad_data, param_data, cfg)]
         self.parts = self.device_parts + self.host_parts
         # For every parameter: [(partition, position)] of its segments, in parameter-offset order.
         self._where: list[list[tuple[SegmentAdamW, int]]] = [[] for _ in self.params]
@@ -105,8 +110,13 @@ class DistributedOptimizer:
             self.param_gather.start()
 
     def finish_param_gather(self) -> None:
-        """Wait for the weights' all-gather (call before reading weights outside a forward pass)."""
-        self.param_gather.wait_all()
+        """Make the full weights readable outside a forward pass: wait for the weights' all-gather (with
+        sharded weights: gather every bucket)."""
+        self.param_gather.materialize()
+
+    def weights_written(self) -> None:
+        """The weights were written outside the optimizer (a checkpoint load): keep the shards in step."""
+        self.param_gather.commit()
 
     # ----------------------------------------------------------------------------------- sizes
     @property
@@ -158,7 +168,7 @@ class DistributedOptimizer:
         self.param_gather.wait_all()
         param = self.params[index]
         keys = STATE_KEYS if self._has_state else ("master",)
-        device = self.grad_buffer.data.device
+        device = self.grad_data.device
         lo, hi = self._param_range(index)
         mine = torch.zeros(len(keys), hi - lo, dtype=torch.float32, device=device)
         for part, pos in self._where[index]:

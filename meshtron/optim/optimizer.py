@@ -144,6 +144,12 @@ class MixedPrecisionAdamW:
                 state["step"] = torch.zeros((), dtype=torch.float32,
                                             device=m.device if fused else torch.device("cpu"))
 
+    def finish_param_gather(self) -> None:
+        """Nothing to wait for: the parameters are the weights (the TrainingOptimizer interface)."""
+
+    def weights_written(self) -> None:
+        """Nothing to copy: the masters follow the weights through load_state_tensors."""
+
     def set_step_count(self, step: int) -> None:
         self._host_step = None
         for m in self.masters:

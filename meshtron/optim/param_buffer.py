@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from meshtron.optim.buckets import BufferLayout
 from meshtron.optim.collectives import all_gather_single
+from meshtron.optim.shards import CompactShards
 
 
 class ParamBuffer:
@@ -87,10 +88,17 @@ class ParamGather:
     """
 
     def __init__(self, layout: BufferLayout, buffer: ParamBuffer, model_chunks: Sequence[nn.Module],
-                 overlap: bool = False):
+                 overlap: bool = False, shards: Optional[CompactShards] = None):
+        """``shards`` (``optim_grads``): the optimizer writes this rank's weights into a compact shard tensor
+        (``shard_data``, laid out by ``shards``), which the all-gather reads; without it, into the buffer itself."""
         self.layout = layout
         self.buffer = buffer
         self.overlap = overlap
+        self.shards = shards
+        self.shard_data: Optional[torch.Tensor] = None
+        if shards is not None:
+            self.shard_data = torch.empty(shards.numel, dtype=buffer.dtype, device=buffer.data.device)
+            self.commit()
         self._handles: dict[int, object] = {}
         # Launch order: the order buckets are first needed in a forward pass, learnt from the first
         # overlapped forward; until then, the reverse of the layout (the forward order of parameters).
@@ -120,8 +128,7 @@ class ParamGather:
             group = bucket.reduce.group
             if group is None:
                 continue
-            s, e = bucket.shard_range()
-            work = all_gather_single(self.buffer.data[bucket.start:bucket.end], self.buffer.data[s:e], group,
+            work = all_gather_single(self.buffer.data[bucket.start:bucket.end], self._shard_of(b), group,
                                      async_op=self.overlap)
             if self.overlap:
                 self._handles[b] = work
@@ -139,8 +146,30 @@ class ParamGather:
             self._order = self._first_uses + [b for b in self._order if b not in seen]
             self._learning = False
 
+    def _shard_of(self, b: int) -> torch.Tensor:
+        if self.shards is None:
+            s, e = self.layout.buckets[b].shard_range()
+            return self.buffer.data[s:e]
+        lo, hi = self.shards.range_of(b)
+        return self.shard_data[lo:hi]
+
     def wait_all(self) -> None:
         self.wait(list(self._handles))
+
+    def materialize(self) -> None:
+        """Make the full weights readable outside a forward pass (waits for pending gathers)."""
+        self.wait_all()
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """After the weights were written outside the optimizer: copy this rank's part into the shards."""
+        self.wait_all()
+        if self.shards is None:
+            return  # the optimizer's shards are views of the buffer
+        for b, bucket in enumerate(self.layout.buckets):
+            s, e = bucket.shard_range()
+            lo, hi = self.shards.range_of(b)
+            self.shard_data[lo:hi].copy_(self.buffer.data[s:e])
 
     @property
     def pending(self) -> int:

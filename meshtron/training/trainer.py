@@ -95,8 +95,8 @@ class Trainer:
         self.model_chunks = build_model_chunks(cfg, ctx, self.vocab_size, self.tracker, self.dtype)
         self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
         self.optim = build_optimization(cfg, ctx, self.model_chunks)
-        self.grad_buffer, self.grad_sync, self.optimizer = (self.optim.grad_buffer, self.optim.grad_sync,
-                                                            self.optim.optimizer)
+        # The data-parallel strategy owns the gradients, their reduction and the weights' gather.
+        self.dp_strategy, self.optimizer = self.optim.strategy, self.optim.optimizer
         self.schedule = get_schedule(cfg, ctx, gpt_forward_step)
         # Router-loss weighting, expert-bias updates and MoE metrics (None for dense models).
         self.moe = (MoETrainingHooks(self.model_chunks, ctx, self.num_micro_batches, cfg.model)
@@ -168,7 +168,7 @@ class Trainer:
         """Forward, backward and gradient reduction of one execution of an iteration (``attempt`` 0, or a
         re-run); returns (this rank's loss sum, the global gradient norm, both on device, and with
         ``check_local`` whether this rank's own loss or gradients were non-finite before the reduction)."""
-        self.grad_buffer.zero()
+        self.dp_strategy.zero()
         mbs = self._to_rank(micro_batches, training=True)
         self._lap("data")
         if self.faults is not None:
@@ -178,18 +178,18 @@ class Trainer:
         self.progress.phase = "forward-backward"
         # A checked re-run does not overlap the reduction with the backward pass, so that this rank's
         # own gradients can be read before they are summed.
-        overlap = None if check_local else self.grad_sync.start_overlap
+        overlap = None if check_local else self.dp_strategy.start_overlap
         loss_sum = self.schedule(self.model_chunks, mbs, on_chunk_grads_ready=overlap)
         if self.faults is not None:
             loss_sum = self.faults.corrupt_loss(iteration, attempt, loss_sum)
-            self.faults.corrupt_grads(iteration, attempt, [self.grad_buffer.data])
+            self.faults.corrupt_grads(iteration, attempt, self.dp_strategy.gradient_tensors())
         local_bad = None
         if check_local:
-            self.grad_buffer.zero_unwritten()
-            local_bad = local_nonfinite(loss_sum, [self.grad_buffer.view_of(i) for i in range(len(self.params))])
+            # Strategies that reduce gradients as they arrive have no unreduced ones: the loss is checked.
+            local_bad = local_nonfinite(loss_sum, self.dp_strategy.local_gradients() or [])
         self._lap("forward_backward")
         self.progress.phase = "gradient-sync"
-        self.grad_sync.finish()
+        self.dp_strategy.finish()
         self._lap("communication")
         return loss_sum, self.optim.grad_norm(), local_bad
 
@@ -239,7 +239,7 @@ class Trainer:
         first_loss_bad = ~torch.isfinite(loss_sum.detach().float()).all()
         guard.restore()
         if not verdict.ok:
-            self.grad_buffer.data.zero_()  # no NaN of the first execution stays behind (e.g. in padding)
+            self.dp_strategy.clear_gradients()  # no NaN of the first execution stays behind (e.g. in padding)
         loss2, norm2, local_bad = self._gradients(micro_batches, iteration, attempt=1, check_local=not verdict.ok)
         values2 = self._synced(norm2, loss2)
         second = guard.judge(values2)
@@ -355,7 +355,7 @@ class Trainer:
     def _finish_param_gather(self) -> None:
         """Complete the weights before reading them outside a forward pass: with --overlap-param-gather
         the last step's all-gathers may still be in flight."""
-        getattr(self.optimizer, "finish_param_gather", lambda: None)()
+        self.optimizer.finish_param_gather()
 
     def _optional_norms(self) -> dict:
         """--log-params-norm and --log-num-zeros-in-grad (collectives: every rank logs)."""
