@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 from meshtron import __version__
 from meshtron.config import SECTIONS, ConfigError, MeshtronConfig, flag_name
 from meshtron.launcher import LAUNCHER_FIELDS, launcher_option_strings
-from meshtron.presets import PRESETS, apply_preset, count_parameters
+from meshtron.presets import PRESETS, PUBLISHED_ACTIVE, apply_preset, count_parameters
 from meshtron.validation import validate_config
 
 PROG = "meshtron"
@@ -45,7 +45,7 @@ COMMANDS: dict[str, str] = {
     "bench": "Run a matrix of benchmark configurations and print a table.",
     "plot": "Draw figures from metrics files (loss, throughput, stragglers) or bench rows.",
     "doctor": "Check every device's and link's speed before a job; name the slow ones (exit 1).",
-    "plan": "Exact static memory of chosen ranks of a layout, without GPUs (--dry-run).",
+    "plan": "Plan a run without GPUs: search layouts (--gpus N), exact static memory (--dry-run), --calibrate.",
 }
 
 #: commands implemented in other modules: command -> (module, function taking the remaining arguments).
@@ -622,12 +622,15 @@ def preset_rows() -> list[dict[str, Any]]:
     for name, (_, published, source) in PRESETS.items():
         m = ModelConfig()
         apply_preset(m, name)
-        params = count_parameters(m)["total"]
+        counts = count_parameters(m)
+        params = counts["total"]
         rows.append({
             "name": name, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
             "num_attention_heads": m.num_attention_heads, "num_query_groups": num_kv_heads(m),
             "ffn_hidden_size": ffn_size(m), "num_experts": m.num_experts, "moe_router_topk": m.moe_router_topk,
             "vocab_size": m.vocab_size, "params": params, "published_params": published,
+            "active_params": counts["active"] if m.num_experts else None,
+            "published_active_params": PUBLISHED_ACTIVE.get(name, (None,))[0],
             "diff_percent": None if not published else 100.0 * (params - published) / published,
             "source": source,
         })
@@ -646,7 +649,8 @@ def presets_main(argv: Sequence[str]) -> int:
     if opts.json:
         print(json.dumps(rows, indent=2))
         return 0
-    header = ("name", "layers", "hidden", "heads/kv", "ffn", "experts", "vocab", "params", "published", "diff")
+    header = ("name", "layers", "hidden", "heads/kv", "ffn", "experts", "vocab", "params", "published", "diff",
+              "active", "published active")
     table = [header]
     for r in rows:
         experts = f"{r['num_experts']} top-{r['moe_router_topk']}" if r["num_experts"] else "-"
@@ -657,11 +661,15 @@ def presets_main(argv: Sequence[str]) -> int:
             str(r["vocab_size"] or "-"), params,
             _human(r["published_params"]) if r["published_params"] else "-",
             f"{r['diff_percent']:+.2f}%" if r["diff_percent"] is not None else "-",
+            _human(r["active_params"]) if r["active_params"] else "-",
+            _human(r["published_active_params"]) if r["published_active_params"] else "-",
         ))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
     print("* without embeddings: the vocabulary comes from the tokenizer.")
+    print("active: the parameters one token uses (MoE: its top-k routed experts), input embedding included "
+          "(DeepSeek-V2/V3 publish theirs without it); MFU counts the FLOPs of these only.")
     return 0
 
 

@@ -25,6 +25,14 @@ _QWEN25 = dict(_LLAMA, add_qkv_bias=True, seq_length=4096, rotary_base=1e6, norm
 _QWEN3 = dict(_LLAMA, qk_layernorm=True, kv_channels=128, vocab_size=151936, seq_length=4096,
               max_position_embeddings=40960, rotary_base=1e6, norm_epsilon=1e-6)
 
+# DeepSeek-V2/V3: multi-latent attention (128 + 64 rotary query/key dims, 128 value dims, key/value latent of
+# 512), YaRN x40 over an original 4096-token context, RMSNorm eps 1e-6, one MoE layout.
+_DEEPSEEK = dict(_LLAMA, group_query_attention=False, multi_latent_attention=True, kv_lora_rank=512,
+                 qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, rope_type="yarn", rotary_base=10000.0,
+                 rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+                 yarn_original_max_position_embeddings=4096, seq_length=4096, max_position_embeddings=163840,
+                 norm_epsilon=1e-6)
+
 #: name -> (ModelConfig fields, published parameter count, where the number comes from)
 PRESETS: dict[str, tuple[dict, int | None, str]] = {
     "tiny": (dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -87,6 +95,41 @@ PRESETS: dict[str, tuple[dict, int | None, str]] = {
                               moe_shared_expert_intermediate_size=2816, moe_first_dense_layers=1,
                               moe_aux_loss_coeff=0.001),
                          16_375_728_128, "DeepSeekMoE 16B (16.4B in the paper, 2.8B activated)"),
+    # Multi-latent attention without a query latent, 64 routed experts of 1408 (top-6, softmax weights kept
+    # unnormalised) plus 2 shared, layer 0 dense, YaRN x40. Shapes: deepseek-ai/DeepSeek-V2-Lite config.json.
+    "deepseek-v2-lite": (dict(_DEEPSEEK, vocab_size=102400, num_layers=27, hidden_size=2048, num_attention_heads=16,
+                              ffn_hidden_size=10944, q_lora_rank=None, num_experts=64, moe_ffn_hidden_size=1408,
+                              moe_router_topk=6, moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=2816,
+                              moe_first_dense_layers=1, mscale=0.707, mscale_all_dim=0.707,
+                              moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.001),
+                         15_706_484_224, "DeepSeek-V2-Lite: 15.7B, 2.4B activated"),
+    # 256 routed experts of 2048 (top-8 of sigmoid scores with an expert bias, 4 of 8 groups, x2.5) plus 1
+    # shared, first 3 layers dense. Shapes: deepseek-ai/DeepSeek-V3 config.json, without its MTP module.
+    "deepseek-v3": (dict(_DEEPSEEK, vocab_size=129280, num_layers=61, hidden_size=7168, num_attention_heads=128,
+                         ffn_hidden_size=18432, q_lora_rank=1536, num_experts=256, moe_ffn_hidden_size=2048,
+                         moe_router_topk=8, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                         moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+                         moe_shared_expert_intermediate_size=2048, moe_first_dense_layers=3,
+                         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.0001),
+                    671_026_404_352, "DeepSeek-V3: 671B, 37B activated (main model; the hub's 685B adds the 14B "
+                                     "multi-token prediction module)"),
+    # Every layer MoE: 128 experts, top-8, weights renormalised over the 8 (norm_topk_prob); no shared
+    # experts. Shapes: Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json.
+    "qwen3-30b-a3b": (dict(_QWEN3, num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                           ffn_hidden_size=6144, num_experts=128, moe_ffn_hidden_size=768, moe_router_topk=8,
+                           moe_aux_loss_coeff=0.001), 30_532_122_624, "Qwen3-30B-A3B: 30.5B, 3.3B activated"),
+    "qwen3-235b-a22b": (dict(_QWEN3, num_layers=94, hidden_size=4096, num_attention_heads=64, num_query_groups=4,
+                             ffn_hidden_size=12288, num_experts=128, moe_ffn_hidden_size=1536, moe_router_topk=8,
+                             moe_aux_loss_coeff=0.001), 235_093_634_560, "Qwen3-235B-A22B: 235B, 22B activated"),
+}
+
+#: Activated parameters as the model cards publish them (rounded), and whether that figure counts the input
+#: embedding: DeepSeek-V2/V3's figures leave it out (DeepSeek-V2-Lite: 2.66B with it, 2.45B without), the
+#: DeepSeekMoE and Qwen3 figures count it. ``count_parameters(...)["active"]`` always counts it.
+PUBLISHED_ACTIVE: dict[str, tuple[int, bool]] = {
+    "deepseek-moe-16b": (2_800_000_000, True), "deepseek-v2-lite": (2_400_000_000, False),
+    "deepseek-v3": (37_000_000_000, False), "qwen3-30b-a3b": (3_300_000_000, True),
+    "qwen3-235b-a22b": (22_000_000_000, True),
 }
 
 
@@ -101,9 +144,11 @@ def apply_preset(cfg: ModelConfig, name: str) -> None:
 def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str, int]:
     """Parameter counts computed from the shape, without building the model.
 
-    Returns ``total`` (every parameter), ``matmul`` (the weights a token passes through in
-    matrix multiplications: attention, MLP/active experts, router and output layer; not the
-    input embedding, norms or biases; used for FLOPs) and ``embedding``.
+    Returns ``total`` (every parameter), ``active`` (the parameters one token uses: ``total`` less
+    the experts it is not routed to, the "activated" count of MoE model cards; ``total`` for dense
+    models), ``matmul`` (the weights a token passes through in matrix multiplications: attention,
+    MLP/active experts, router and output layer; not the input embedding, norms or biases; used
+    for FLOPs) and ``embedding``.
     """
     V = vocab_size if vocab_size is not None else (m.vocab_size or 0)
     H, L, d = m.hidden_size, m.num_layers, head_dim(m)
@@ -122,7 +167,7 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
     dense_w = H * mlp_in + F * H
     dense_b = (mlp_in + H) if bias else 0
 
-    total = matmul = 0
+    total = matmul = inactive = 0
     for layer in range(L):
         total += attn_w + attn_other + 2 * norm_params
         matmul += attn_w
@@ -137,6 +182,7 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
                 shared = H * (2 * Fs if m.swiglu else Fs) + Fs * H
             total += m.num_experts * (expert_w + expert_b) + router + shared
             matmul += m.moe_router_topk * expert_w + router + shared
+            inactive += (m.num_experts - m.moe_router_topk) * (expert_w + expert_b)
         else:
             total += dense_w + dense_b
             matmul += dense_w
@@ -147,7 +193,7 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
     if m.untie_embeddings_and_output_weights:
         total += V * H
     matmul += V * H  # the output layer, tied or not
-    return {"total": total, "matmul": matmul, "embedding": embedding}
+    return {"total": total, "matmul": matmul, "embedding": embedding, "active": total - inactive}
 
 
 #: What `meshtron train` does with no arguments: the tiny preset on the built-in corpus, a few minutes on
