@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from meshtron.config import MeshtronConfig
+from meshtron.layers.activation_offload import ActivationOffloader
 from meshtron.layers.fp8 import enable_fp8
 from meshtron.layers.linear import set_tp_comm_overlap
 from meshtron.layers.moe import moe_mlp_factory
@@ -73,6 +74,8 @@ def prepare_stage(model: GPTModel, cfg: MeshtronConfig, ctx: ParallelContext, tr
     if cfg.train.fp8_format:
         enable_fp8(model, cfg.train.fp8_format, cfg.train.fp8_recipe)
     set_tp_comm_overlap(model, cfg.parallel.tp_comm_overlap)
+    if cfg.train.offload_activations:
+        model.activation_offloader = ActivationOffloader(model, ctx.device)
     if cfg.train.compile:
         comm.set_micro_pipelined_tp(cfg.parallel.async_tensor_parallel, ctx.tp_group)
         for layer in model.layers.values():

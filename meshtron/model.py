@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from meshtron.config import ModelConfig, padded_vocab_size
 from meshtron.layers.attention import KVCache, attention_mask_from_documents
+from meshtron.layers.activation_offload import ActivationOffloader
 from meshtron.layers.attention_kinds import attention_class
 from meshtron.layers.context_parallel import check_comm_type, context_parallel_inputs
 from meshtron.layers.cross_entropy import linear_cross_entropy
@@ -111,6 +112,8 @@ class GPTModel(nn.Module):
             for key, layer in self.layers.items():
                 layer.recompute = ("full" if int(key) in self.recompute_layers
                                    else "selective" if selective_recompute else None)
+            # Set by meshtron.build with --offload-activations: moves the layers' saved tensors to host memory.
+            self.activation_offloader: Optional[ActivationOffloader] = None
             if post_process:
                 self.final_norm = Norm("final_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sp)
                 tied = not cfg.untie_embeddings_and_output_weights
@@ -214,9 +217,7 @@ class GPTModel(nn.Module):
             mask = context_parallel_inputs(self.ctx, self.cp_comm_type, document_ids)
         else:
             mask = attention_mask_from_documents(document_ids) if document_ids is not None else None
-        for key, layer in self.layers.items():
-            cache = caches.setdefault(key, KVCache()) if caches is not None else None
-            x = layer(x, rope, mask, cache)
+        x = self._run_layers(x, rope, mask, caches)
         if not self.post_process:
             return x
         out = self.output(x, labels, loss_weight)
@@ -226,6 +227,21 @@ class GPTModel(nn.Module):
                              rope, mask)
         total, losses = out
         return attach_loss(total, self.mtp.objective(per_depth)), losses
+
+    def _run_layers(self, x: torch.Tensor, rope, mask, caches: Optional[dict]) -> torch.Tensor:
+        offloader, previous = self.activation_offloader, None
+        last = len(self.layers) - 1
+        for i, (key, layer) in enumerate(self.layers.items()):
+            cache = caches.setdefault(key, KVCache()) if caches is not None else None
+            if offloader is None or cache is not None:
+                x = layer(x, rope, mask, cache)
+                continue
+            # The chunk's last layer keeps its activations: its backward follows at once.
+            with offloader.layer(offload=i < last) as group:
+                x = layer(x, rope, mask, cache)
+            offloader.fetch_when_backward_reaches(x, group, previous)
+            previous = group
+        return x
 
     def output(self, x: torch.Tensor, labels: Optional[torch.Tensor], loss_weight: Optional[torch.Tensor]):
         return self._head(self.final_norm(x), labels, loss_weight)

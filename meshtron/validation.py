@@ -625,6 +625,13 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
                           "selective with --offload-activations")
     if t.offload_modules and not t.offload_activations:
         raise ConfigError("--offload-modules needs --offload-activations (or --fine-grained-activation-offloading)")
+    if t.offload_activations and t.recompute_granularity == "full":
+        # A fully recomputed layer saves only its input, inside the recomputation's own saved-tensor hooks.
+        raise ConfigError("--offload-activations with --recompute-granularity full would move nothing: a fully "
+                          "recomputed layer keeps only its input; use one of them, or --recompute-granularity "
+                          "selective with --offload-activations")
+    if t.offload_modules and not t.offload_activations:
+        raise ConfigError("--offload-modules needs --offload-activations (or --fine-grained-activation-offloading)")
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     if t.recompute_granularity and tp > 1 and (m.attention_dropout > 0 or
                                                 (m.hidden_dropout > 0 and cfg.parallel.sequence_parallel)):
