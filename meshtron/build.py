@@ -75,7 +75,7 @@ def prepare_stage(model: GPTModel, cfg: MeshtronConfig, ctx: ParallelContext, tr
         enable_fp8(model, cfg.train.fp8_format, cfg.train.fp8_recipe)
     set_tp_comm_overlap(model, cfg.parallel.tp_comm_overlap)
     if cfg.train.offload_activations:
-        model.activation_offloader = ActivationOffloader(model, ctx.device)
+        model.activation_offloader = ActivationOffloader(model, ctx.device, cfg.train.offload_activations_num_layers)
     if cfg.train.compile:
         comm.set_micro_pipelined_tp(cfg.parallel.async_tensor_parallel, ctx.tp_group)
         for layer in model.layers.values():

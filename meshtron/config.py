@@ -316,13 +316,9 @@ class TrainConfig:
                                            "overlapped with compute; every model chunk's last layer keeps its "
                                            "own). For long sequences, where recomputation costs more than the "
                                            "copies.", aliases=("--fine-grained-activation-offloading",))
-    offload_modules: list = compat([], "with --offload-activations meshtron offloads everything a layer saves for "
-                                       "its backward, the inputs of all of these modules included", nargs="+")
-    offload_activations: bool = opt(False, "Keep what each transformer layer saves for its backward in pinned host "
-                                           "memory between its forward and backward (copies on a side stream, "
-                                           "overlapped with compute; every model chunk's last layer keeps its "
-                                           "own). For long sequences, where recomputation costs more than the "
-                                           "copies.", aliases=("--fine-grained-activation-offloading",))
+    offload_activations_num_layers: Optional[int] = opt(None, "With --offload-activations: only the first N layers "
+                                                              "of each model chunk offload (default: all but its "
+                                                              "last).", aliases=("--cpu-offloading-num-layers",))
     offload_modules: list = compat([], "with --offload-activations meshtron offloads everything a layer saves for "
                                        "its backward, the inputs of all of these modules included", nargs="+")
     compile: Optional[bool] = opt(None, "torch.compile each transformer layer (default on CUDA).")

@@ -230,14 +230,12 @@ class GPTModel(nn.Module):
 
     def _run_layers(self, x: torch.Tensor, rope, mask, caches: Optional[dict]) -> torch.Tensor:
         offloader, previous = self.activation_offloader, None
-        last = len(self.layers) - 1
         for i, (key, layer) in enumerate(self.layers.items()):
             cache = caches.setdefault(key, KVCache()) if caches is not None else None
             if offloader is None or cache is not None:
                 x = layer(x, rope, mask, cache)
                 continue
-            # The chunk's last layer keeps its activations: its backward follows at once.
-            with offloader.layer(offload=i < last) as group:
+            with offloader.layer(offload=offloader.offloads(i, len(self.layers))) as group:
                 x = layer(x, rope, mask, cache)
             offloader.fetch_when_backward_reaches(x, group, previous)
             previous = group

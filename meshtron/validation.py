@@ -623,13 +623,10 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
         raise ConfigError("--offload-activations with --recompute-granularity full would move nothing: a fully "
                           "recomputed layer keeps only its input; use one of them, or --recompute-granularity "
                           "selective with --offload-activations")
-    if t.offload_modules and not t.offload_activations:
-        raise ConfigError("--offload-modules needs --offload-activations (or --fine-grained-activation-offloading)")
-    if t.offload_activations and t.recompute_granularity == "full":
-        # A fully recomputed layer saves only its input, inside the recomputation's own saved-tensor hooks.
-        raise ConfigError("--offload-activations with --recompute-granularity full would move nothing: a fully "
-                          "recomputed layer keeps only its input; use one of them, or --recompute-granularity "
-                          "selective with --offload-activations")
+    if t.offload_activations_num_layers is not None and (not t.offload_activations
+                                                         or t.offload_activations_num_layers < 1):
+        raise ConfigError("--offload-activations-num-layers needs --offload-activations and a value of at least 1, "
+                          f"got {t.offload_activations_num_layers}")
     if t.offload_modules and not t.offload_activations:
         raise ConfigError("--offload-modules needs --offload-activations (or --fine-grained-activation-offloading)")
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size

@@ -59,12 +59,15 @@ class OffloadGroup:
 class ActivationOffloader:
     """Offloads the saved activations of the layers of one model chunk (see the module docstring).
 
+    ``num_layers``: how many of the chunk's first layers offload (default: all but the last).
     ``min_bytes``: tensors smaller than this stay on the device (default 1 MiB on CUDA, 0 on CPU).
-    ``stats``: bytes and tensors moved so far (for tests and the memory report).
+    ``offloaded_bytes`` / ``offloaded_tensors``: what has been moved so far (tests, reports).
     """
 
-    def __init__(self, module: nn.Module, device: torch.device, min_bytes: Optional[int] = None) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, num_layers: Optional[int] = None,
+                 min_bytes: Optional[int] = None) -> None:
         self.device = device
+        self.num_layers = num_layers
         self.cuda = device.type == "cuda"
         self.min_bytes = (DEFAULT_MIN_BYTES if self.cuda else 0) if min_bytes is None else min_bytes
         self._stream = torch.cuda.Stream(device) if self.cuda else None
@@ -80,6 +83,12 @@ class ActivationOffloader:
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
     # -- forward ------------------------------------------------------------------------------------
+
+    def offloads(self, position: int, count: int) -> bool:
+        """Whether the chunk's layer at ``position`` (of ``count``) offloads: never the last one, whose
+        backward follows its forward at once; with ``num_layers``, only that many of the first ones."""
+        limit = count - 1 if self.num_layers is None else min(self.num_layers, count - 1)
+        return position < limit
 
     @contextlib.contextmanager
     def layer(self, offload: bool = True) -> Iterator[OffloadGroup]:

@@ -78,6 +78,14 @@ def test_parameters_and_the_last_layer_stay_on_the_device():
     assert offloader._pack(weight.detach().clone(), group) is group.saved[0]  # an activation-like copy moves
 
 
+def test_num_layers_limits_the_offloaded_layers():
+    offloader = ActivationOffloader(torch.nn.Linear(2, 2), torch.device("cpu"), num_layers=2)
+    assert [offloader.offloads(i, 4) for i in range(4)] == [True, True, False, False]
+    assert [offloader.offloads(i, 2) for i in range(2)] == [True, False]  # never a chunk's last layer
+    every = ActivationOffloader(torch.nn.Linear(2, 2), torch.device("cpu"))
+    assert [every.offloads(i, 3) for i in range(3)] == [True, True, False]
+
+
 def test_a_second_read_of_an_offloaded_activation_is_refused():
     model, _ = _model(True)
     tokens = torch.randint(0, 96, (1, 16))
@@ -101,6 +109,7 @@ def test_compiled_layers_offload_their_saved_tensors_too():
 
 @pytest.mark.parametrize("change,match", [
     (dict(recompute_granularity="full"), "would move nothing"),
+    (dict(offload_activations_num_layers=0), "--offload-activations-num-layers needs"),
 ])
 def test_bad_combinations_name_the_flags(change, match):
     cfg = MeshtronConfig(model=tiny(vocab_size=96))
