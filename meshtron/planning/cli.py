@@ -1,5 +1,8 @@
 """``meshtron plan``: what chosen ranks of a layout would hold, without GPUs or process groups.
 
+``meshtron plan --model PRESET --gpus N ...`` searches layouts (:mod:`meshtron.planning.search_cli`);
+``meshtron plan --calibrate --out FILE`` measures a device profile (:mod:`meshtron.planning.calibrate`).
+
 ``meshtron plan --dry-run [meshtron train flags] --world-size N [--ranks 0,last] [--json]`` builds the
 model stage of each chosen global rank on the meta device and prints its exact static memory
 (:mod:`meshtron.planning.static_memory`: parameters, gradient buffer, optimizer state on device and
@@ -137,10 +140,26 @@ def print_plan(cfg: MeshtronConfig, world_size: int, ranks: Sequence[int], as_js
 def plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshtron plan", allow_abbrev=False,
-        description="Static memory of chosen ranks of a layout (exact, from meta-device stages) and their "
-                    "activation estimate, without GPUs. Takes every `meshtron train` flag.")
+        description="Plan a run without GPUs. With --gpus N: search every layout of the model on N GPUs and print "
+                    "the fastest that fit, with their `meshtron train` command lines. Without it (--dry-run): "
+                    "static memory of chosen ranks of the layout the train flags describe (exact, from "
+                    "meta-device stages) and their activation estimate. --calibrate: measure this device's "
+                    "rates into a profile. Takes every `meshtron train` flag.")
     parser.add_argument("--dry-run", action="store_true",
-                        help="plan the layout the train flags describe (the one mode so far; the default)")
+                        help="plan the layout the train flags describe (the default without --gpus)")
+    parser.add_argument("--gpus", type=int, default=None, help="search the layouts of the model on this many GPUs")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink in one node (search)")
+    parser.add_argument("--gpu", default=None, help="built-in device profile: H100 (default), H200 or B200")
+    parser.add_argument("--profile", default=None, metavar="FILE", help="device profile JSON (from --calibrate)")
+    parser.add_argument("--headroom", type=float, default=0.1,
+                        help="fraction of device memory kept free beyond the estimate (search; default 0.1)")
+    parser.add_argument("--top", type=int, default=5, help="layouts to print (search)")
+    parser.add_argument("--no-fp8", dest="fp8", action="store_false", help="search bf16 layouts only")
+    parser.add_argument("--compare", default=None, metavar="TP=a,PP=b,...",
+                        help="also show the best layout with these sizes (TP, CP, PP, EP, VPP) and how it compares")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this device's matmul, attention, bandwidth and collective rates into a profile")
+    parser.add_argument("--out", default=None, metavar="FILE", help="where --calibrate writes its profile JSON")
     parser.add_argument("--world-size", type=int, default=None,
                         help="GPUs of the run (default TP x CP x PP, i.e. DP=1)")
     parser.add_argument("--ranks", default="0,last", help="global ranks to plan: 0,5,last | first | all")
@@ -153,6 +172,14 @@ def plan_main(argv: Sequence[str]) -> int:
     from meshtron.cli import parse_train_args
 
     args, train_argv = plan_parser().parse_known_args(list(argv))
+    if args.calibrate:
+        from meshtron.planning.calibrate import calibrate_main
+
+        return calibrate_main(args.out, args.json)
+    if args.gpus is not None:
+        from meshtron.planning.search_cli import search_main
+
+        return search_main(args, train_argv)
     cfg = parse_train_args(train_argv).config
     p = cfg.parallel
     world = (args.world_size if args.world_size is not None

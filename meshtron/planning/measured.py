@@ -118,3 +118,56 @@ def memory_errors(records: Iterable[dict]) -> list[PeakComparison]:
 
 def worst(errors: Iterable[PeakComparison]) -> Optional[PeakComparison]:
     return max(errors, key=lambda e: abs(e.relative), default=None)
+
+
+def superseded_ids(records: Iterable[dict]) -> set[str]:
+    """Ids of rows that a later record measured again (its ``replaces``)."""
+    return {r["replaces"] for r in records if r.get("replaces")}
+
+
+def timed_records(records: list[dict]) -> list[dict]:
+    """The records with a measured throughput that no later record replaces."""
+    gone = superseded_ids(records)
+    return [r for r in records if r.get("tokens_per_sec_per_gpu") and r["id"] not in gone]
+
+
+def measured_step_s(record: dict, cfg) -> float:
+    """The record's step time: tokens of a step over its tokens per second (per GPU x GPUs)."""
+    t = cfg.train
+    tokens = t.global_batch_size * cfg.model.seq_length
+    return tokens / (record["tokens_per_sec_per_gpu"] * record["gpu_count"])
+
+
+@dataclass(frozen=True)
+class StepComparison:
+    """The step-time model against one measured row."""
+
+    id: str
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def relative(self) -> float:
+        """(predicted - measured) / measured: negative when the model is too fast."""
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def record_links(record: dict):
+    """The links of a record's machine: every measured row so far ran on one node."""
+    from meshtron.planning.step_time import Links
+
+    return Links(gpus_per_node=max(8, record["gpu_count"]))
+
+
+def step_errors(records: list[dict], profile, configs: Optional[dict] = None) -> list[StepComparison]:
+    """:func:`meshtron.planning.step_time.predict_step` on every timed record (``configs``: id -> config cache)."""
+    from meshtron.planning.step_time import predict_step
+
+    out = []
+    for r in timed_records(records):
+        cfg = configs[r["id"]] if configs is not None and r["id"] in configs else record_config(r)
+        if configs is not None:
+            configs[r["id"]] = cfg
+        pred = predict_step(cfg, r["gpu_count"], profile, links=record_links(r))
+        out.append(StepComparison(r["id"], measured_step_s(r, cfg), pred.step_s))
+    return out
