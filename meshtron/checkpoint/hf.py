@@ -17,6 +17,11 @@ transformers 5's fused in-memory layout (``mlp.experts.gate_up_proj`` [E, 2F, H]
 ``mlp.experts.down_proj`` [E, H, F], ``mlp.gate.weight``) is read as well. Exports use
 the per-expert names, which transformers 4 and 5 both load.
 
+Qwen3-MoE (``Qwen3MoeForCausalLM``: dense Qwen3's attention, experts under ``mlp.experts.E.{gate,up,down}_proj``)
+and DeepSeek-V2/V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``: multi-latent attention named by
+:mod:`meshtron.layers.mla_hf`, shared experts, V3's expert bias) take their configuration and routing from
+:mod:`meshtron.checkpoint.hf_moe`; their fused transformers-5 expert tensors are read as Mixtral's.
+
 Routing: Mixtral takes the softmax over all experts, keeps the top k and renormalises
 them; this equals meshtron's default softmax router (top k of the logits, softmax over
 those k), since softmax preserves the order and the renormalised probabilities are
@@ -32,8 +37,8 @@ import torch
 
 from meshtron.checkpoint import hf_moe
 from meshtron.checkpoint.errors import CheckpointError
-from meshtron.layers import mla_hf
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
+from meshtron.layers import mla_hf
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
