@@ -95,10 +95,6 @@ class ParamGather:
         self.buffer = buffer
         self.overlap = overlap
         self.shards = shards
-        self.shard_data: Optional[torch.Tensor] = None
-        if shards is not None:
-            self.shard_data = torch.empty(shards.numel, dtype=buffer.dtype, device=buffer.data.device)
-            self.commit()
         self._handles: dict[int, object] = {}
         # Launch order: the order buckets are first needed in a forward pass, learnt from the first
         # overlapped forward; until then, the reverse of the layout (the forward order of parameters).
@@ -113,6 +109,10 @@ class ParamGather:
                     buckets = sorted({layout.bucket_of_param[index_of[id(p)]] for p in params if id(p) in index_of})
                     if buckets:
                         self._hooks.append(module.register_forward_pre_hook(self._pre_hook(buckets)))
+        self.shard_data: Optional[torch.Tensor] = None
+        if shards is not None:
+            self.shard_data = torch.empty(shards.numel, dtype=buffer.dtype, device=buffer.data.device)
+            self.commit()
 
     def _pre_hook(self, buckets: list[int]):
         def hook(module, args):

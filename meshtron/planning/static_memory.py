@@ -22,6 +22,10 @@ Per rank:
   ``--use-distributed-optimizer`` for this rank's shard of every bucket; with
   ``--optimizer-cpu-offload`` the first ``--optimizer-offload-fraction`` of them on the host, plus
   the host's pinned staging copies of their gradients and weights;
+- with ``--data-parallel-sharding-strategy optim_grads`` the gradients are this rank's fp32 shard of
+  every bucket (the full-size buckets exist only while backward reduces them), and the weights the
+  full buffer plus the compact shard the optimizer writes; with ``optim_grads_params`` the weights
+  are that shard only (one layer's buckets are gathered while it runs; :mod:`meshtron.optim.strategy`);
 - model buffers (router expert biases, MoE counters) and one pipeline message (the activation a stage
   sends, and the gradient it receives, per transfer).
 
@@ -39,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from meshtron.config import MeshtronConfig
+from meshtron.optim.accounting import sharding_strategy
 from meshtron.optim.buckets import BufferLayout, ReduceGroup
 from meshtron.optim.distributed_optimizer import owned_segments
 from meshtron.optim.factory import buffer_layout
@@ -132,7 +137,7 @@ def _segment_state(segments: Sequence[Segment], on_host: bool, weights_fp32: boo
 def optimizer_state(cfg: MeshtronConfig, layout: BufferLayout, weights_fp32: bool, grad_bytes: int,
                     weight_bytes: int) -> OptimizerState:
     """The optimizer state ``meshtron.optim.factory.build_optimization`` creates for ``layout``'s rank."""
-    opt, shard = cfg.optim, cfg.parallel.use_distributed_optimizer
+    opt, shard = cfg.optim, sharding_strategy(cfg) != "no_shard"
     offload = opt.optimizer_offload_fraction if opt.optimizer_cpu_offload else 0.0
     if not shard and offload <= 0.0:  # MixedPrecisionAdamW: every parameter, on the device
         n = sum(p.numel() for p in layout.params)
@@ -179,15 +184,22 @@ def rank_memory(cfg: MeshtronConfig, vocab_size: int, world_size: int, rank: int
     grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
     numel = sum(q.numel() for q in params)
     expert = sum(q.numel() for q in params if spec_of(q).expert)
-    flat_weights = p.use_distributed_optimizer or (cfg.optim.optimizer_cpu_offload
-                                                   and cfg.optim.optimizer_offload_fraction > 0.0)
+    strategy = sharding_strategy(cfg)
+    flat_weights = strategy != "no_shard" or (cfg.optim.optimizer_cpu_offload
+                                              and cfg.optim.optimizer_offload_fraction > 0.0)
+    # The sharded strategies (meshtron.optim.strategy) keep this rank's shard of every bucket compactly.
+    shard_numel = sum(b.shard_size for b in layout.buckets)
+    weights_numel = {"optim_grads": layout.numel + shard_numel, "optim_grads_params": shard_numel}.get(
+        strategy, layout.numel if flat_weights else numel)
+    grad_numel = shard_numel if strategy in ("optim_grads", "optim_grads_params") else layout.numel
+    grad_bytes_kept = 4 if strategy in ("optim_grads", "optim_grads_params") else grad_bytes  # fp32 shards
     buffers = sum(b.numel() * b.element_size() for chunk in chunks for b in chunk.buffers())
     coordinates = {"tp": ctx.tp_rank, "cp": ctx.cp_rank, "dp": ctx.dp_rank, "pp": ctx.pp_rank, "ep": ctx.ep_rank,
                    "expert_dp": ctx.expert_dp_rank}
     return RankMemory(
         rank=rank, coordinates=coordinates, parameters=numel, expert_parameters=expert,
-        weights=(layout.numel if flat_weights else numel) * weight_bytes,
+        weights=weights_numel * weight_bytes,
         param_buffer_numel=layout.numel if flat_weights else None,
-        grad_buffer_numel=layout.numel, gradients=layout.numel * grad_bytes,
+        grad_buffer_numel=grad_numel, gradients=grad_numel * grad_bytes_kept,
         optimizer=optimizer_state(cfg, layout, weights_fp32, grad_bytes, weight_bytes),
         model_buffers=buffers, pipeline_message=pipeline_message_bytes(cfg, ctx), buckets=len(layout.buckets))
