@@ -56,8 +56,14 @@ FAMILIES = {
     "deepseek_v3": (transformers.DeepseekV3ForCausalLM, deepseek_v3_config),
     "deepseek_v2": (transformers.DeepseekV2ForCausalLM, deepseek_v2_config),
     "qwen3_moe": (transformers.Qwen3MoeForCausalLM, qwen3_moe_config),
-    "qwen3_moe_unnormalised": (transformers.Qwen3MoeForCausalLM, lambda: qwen3_moe_config(norm_topk_prob=False)),
 }
+
+
+def test_qwen3_moe_without_norm_topk_prob_keeps_the_softmax_weights():
+    """norm_topk_prob false is --moe-router-pre-softmax (the path DeepSeek-V2's round trip checks against
+    transformers); true is the default router."""
+    assert hf.config_from_hf(qwen3_moe_config(norm_topk_prob=False).to_dict(), []).model.moe_router_pre_softmax
+    assert not hf.config_from_hf(qwen3_moe_config().to_dict(), []).model.moe_router_pre_softmax
 
 
 def random_model(cls, config, seed: int = 0):
