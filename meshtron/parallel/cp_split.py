@@ -24,7 +24,7 @@ from meshtron.config import ConfigError
 # Per-token tensors of a micro-batch, laid out [micro-batch, seq] (or [micro-batch, seq, depth]: the
 # multi-token prediction fields of meshtron.layers.mtp): they are split along dim 1.
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids",
-                 "mtp_tokens", "mtp_labels", "mtp_loss_mask", "mtp_loss_weight")
+                 "mtp_tokens", "mtp_labels", "mtp_loss_mask")
 
 
 def check_sequence_split(seq_length: int, cp: int) -> None:

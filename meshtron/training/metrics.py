@@ -56,12 +56,14 @@ def flops_per_token(model_cfg: ModelConfig, vocab_size: int) -> float:
     The second term is the scores (query/key head dim ``d_qk``) and the weighted values (``d_v``);
     with equal head dims ``d`` it is DESIGN.md's ``12*L*A*S``, ``A`` = heads x d. Multi-latent
     attention has d_qk = --qk-head-dim + --qk-pos-emb-head-dim and d_v = --v-head-dim.
+    Multi-token prediction adds per depth one layer, its projection [2H -> H] and the output layer again.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     n_matmul = count_parameters(model_cfg, vocab_size)["matmul"]
     d_qk, d_v = attention_class(model_cfg).head_dims(model_cfg)
-    heads, L, S = model_cfg.num_attention_heads, model_cfg.num_layers, model_cfg.seq_length
+    heads, S = model_cfg.num_attention_heads, model_cfg.seq_length
+    L = model_cfg.num_layers + (model_cfg.mtp_num_layers or 0)  # a prediction depth's layer attends too
     return float(6 * n_matmul + 6 * L * S * heads * (d_qk + d_v))
 
 
