@@ -168,7 +168,8 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
     dense_b = (mlp_in + H) if bias else 0
 
     total = matmul = inactive = 0
-    for layer in range(L):
+    mtp = m.mtp_num_layers or 0  # each prediction depth: one layer of the last layer's kind (meshtron.layers.mtp)
+    for layer in list(range(L)) + [L - 1] * mtp:
         total += attn_w + attn_other + 2 * norm_params
         matmul += attn_w
         if is_moe_layer(m, layer):
@@ -193,6 +194,8 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
     if m.untie_embeddings_and_output_weights:
         total += V * H
     matmul += V * H  # the output layer, tied or not
+    total += mtp * (2 * H * H + 3 * norm_params)  # per depth: eh_proj, enorm, hnorm, final norm
+    matmul += mtp * (2 * H * H + V * H)  # eh_proj and the shared output layer once more
     return {"total": total, "matmul": matmul, "embedding": embedding, "active": total - inactive}
 
 
