@@ -1,0 +1,170 @@
+"""Through the trainer: every --data-parallel-sharding-strategy trains the one-process model.
+
+Four gloo processes run a tiny model (fp32, weight decay, gradient clipping below the
+first steps' norms) under each strategy and layout, log the losses and gradient norms of
+one process to 1e-5, and save a final checkpoint whose layout-free tensors (weights, fp32
+masters and Adam moments) equal the one-process run's. A ZeRO-3 checkpoint resumes under
+TP=2 with the distributed optimizer, and the reverse, continuing the one-process run. Each
+rank also checks that the weights, gradients and optimizer state it allocated equal what
+the static memory model predicts for it. One launch serves every case.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from meshtron.config import MeshtronConfig
+from tests.distributed.launch import run_distributed
+
+ITERS = 4
+WORLD = 4
+
+
+def _config(save=None, load=None, iters=ITERS, **parallel) -> MeshtronConfig:
+    cfg = MeshtronConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.seq_length = 4, 32, 4, 64, 16
+    m.vocab_size, m.make_vocab_size_divisible_by, m.hidden_dropout, m.attention_dropout = 96, 8, 0.0, 0.0
+    m.normalization, m.swiglu, m.position_embedding_type = "RMSNorm", True, "rope"
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size, t.train_iters, t.seed, t.device = 1, 8, iters, 5, "cpu"
+    t.eval_interval, t.eval_iters, t.compile, t.generate_sample = 1000, 0, False, False
+    cfg.data.mock_data, cfg.data.num_workers = True, 0
+    o = cfg.optim
+    o.lr, o.lr_warmup_iters, o.adam_eps, o.weight_decay, o.clip_grad, o.adam_beta2 = 1e-2, 0, 1e-5, 0.1, 0.3, 0.95
+    o.lr_decay_style = "constant"  # a run stopped halfway follows the same schedule (resume cases)
+    cfg.log.log_interval, cfg.log.quiet, cfg.log.progress_bar = 1, True, False
+    ck = cfg.checkpoint
+    ck.save, ck.load, ck.save_interval = save, load, (iters if save else None)
+    for key, value in parallel.items():
+        cfg.set(key, value)
+    return cfg
+
+
+def _measured_vs_planned(trainer) -> dict:
+    """This rank's allocated weight / gradient / optimizer bytes and the static memory model's figures."""
+    from meshtron.planning.static_memory import rank_memory
+
+    planned = rank_memory(trainer.cfg, trainer.vocab_size, trainer.ctx.world_size, trainer.ctx.rank)
+    got = trainer.dp_strategy.allocated()
+    state = trainer.optimizer.state_bytes()["device"] if hasattr(trainer.optimizer, "state_bytes") else None
+    return {"weights": (got.weights, planned.weights), "gradients": (got.gradients, planned.gradients),
+            "optimizer": (state, planned.optimizer.device_bytes if state is not None else None)}
+
+
+def _run(cfg: MeshtronConfig):
+    from meshtron.training.trainer import Trainer, run_training
+
+    memory = {}
+    original = Trainer.close
+
+    def close(self):  # record the allocations after training (the Adam moments exist from the first step)
+        memory.update(_measured_vs_planned(self))
+        original(self)
+
+    Trainer.close = close
+    try:
+        result = run_training(cfg)
+    finally:
+        Trainer.close = original
+    return result.train_losses, result.grad_norms, memory
+
+
+def _worker(rank: int, world: int, cases: list) -> list:
+    return [_run(_config(**kwargs)) for _, kwargs in cases]
+
+
+def _checkpoint_tensors(directory: str) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = directory.rstrip("/") + ".tensors.pt"  # beside the checkpoint, not a checkpoint directory
+    if not os.path.exists(path):
+        dcp_to_torch_save(directory, path)
+    return {k: v for k, v in torch.load(path, weights_only=False).items()
+            if isinstance(v, torch.Tensor) and (k.startswith("model.") or k.startswith("optim."))}
+
+
+def _latest(root: str) -> str:
+    return os.path.join(root, sorted(d for d in os.listdir(root)
+                                     if d.startswith("iter_") and os.path.isdir(os.path.join(root, d)))[-1])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    pytest.importorskip("meshtron.data.mock")
+    from meshtron.training.trainer import run_training
+
+    root = str(tmp_path_factory.mktemp("sharding"))
+    os.environ.pop("WORLD_SIZE", None)
+    ref_dir = os.path.join(root, "ref")
+    ref = run_training(_config(save=ref_dir))
+    half = ITERS // 2
+    cases = [
+        ("dp4_optim_grads_offload", dict(data_parallel_sharding_strategy="optim_grads", optimizer_cpu_offload=True,
+                                         optimizer_offload_fraction=0.5)),
+        ("dp4_zero3", dict(data_parallel_sharding_strategy="optim_grads_params", recompute_granularity="full",
+                           recompute_method="uniform", recompute_num_layers=1)),
+        ("tp2dp2_zero3", dict(data_parallel_sharding_strategy="optim_grads_params", tensor_model_parallel_size=2,
+                              sequence_parallel=True)),
+        ("pp2v2dp2_zero3", dict(use_torch_fsdp2=True, pipeline_model_parallel_size=2,
+                                virtual_pipeline_model_parallel_size=2)),
+        ("cp2dp2_zero3", dict(use_megatron_fsdp=True, context_parallel_size=2)),
+        # Resume between strategies: ZeRO-3 (DP=4) -> TP=2 x DP=2 distributed optimizer, and the reverse.
+        ("zero3_save", dict(use_megatron_fsdp=True, iters=half, save=os.path.join(root, "z3"))),
+        ("tp2_load", dict(tensor_model_parallel_size=2, use_distributed_optimizer=True,
+                          load=os.path.join(root, "z3"))),
+        ("tp2_save", dict(tensor_model_parallel_size=2, iters=half, save=os.path.join(root, "tp2"))),
+        ("zero3_load", dict(use_megatron_fsdp=True, load=os.path.join(root, "tp2"),
+                            save=os.path.join(root, "z3_final"))),
+    ]
+    for name, kwargs in cases:
+        if "save" not in kwargs and "load" not in kwargs:
+            kwargs["save"] = os.path.join(root, name)
+    results = run_distributed(_worker, WORLD, cases, timeout=400)
+    return root, ref, ref_dir, {name: [r[i] for r in results] for i, (name, _) in enumerate(cases)}
+
+
+def _assert_logs(per_rank, ref, iterations) -> None:
+    for rank, (losses, norms, _) in enumerate(per_rank):
+        for it in iterations:
+            assert losses[it] == pytest.approx(ref.train_losses[it], rel=1e-5), f"rank {rank} iteration {it} loss"
+            assert norms[it] == pytest.approx(ref.grad_norms[it], rel=1e-5), f"rank {rank} iteration {it} norm"
+
+
+LAYOUTS = ["dp4_optim_grads_offload", "dp4_zero3", "tp2dp2_zero3", "pp2v2dp2_zero3", "cp2dp2_zero3"]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_strategy_trains_the_single_process_model(runs, name):
+    root, ref, ref_dir, results = runs
+    _assert_logs(results[name], ref, range(1, ITERS + 1))
+    want = _checkpoint_tensors(_latest(ref_dir))
+    got = _checkpoint_tensors(_latest(os.path.join(root, name)))
+    assert sorted(got) == sorted(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+
+
+def test_checkpoints_resume_across_strategies(runs):
+    root, ref, ref_dir, results = runs
+    half = ITERS // 2
+    _assert_logs(results["zero3_save"], ref, range(1, half + 1))
+    _assert_logs(results["tp2_load"], ref, range(half + 1, ITERS + 1))
+    _assert_logs(results["tp2_save"], ref, range(1, half + 1))
+    _assert_logs(results["zero3_load"], ref, range(half + 1, ITERS + 1))
+    want = _checkpoint_tensors(_latest(ref_dir))
+    got = _checkpoint_tensors(_latest(os.path.join(root, "z3_final")))
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["dp4_optim_grads_offload", "dp4_zero3", "tp2dp2_zero3", "pp2v2dp2_zero3",
+                                  "tp2_load"])
+def test_allocated_bytes_equal_the_memory_model(runs, name):
+    _, _, _, results = runs
+    for rank, (_, _, memory) in enumerate(results[name]):
+        for kind, (got, planned) in memory.items():
+            assert got == planned, f"{name} rank {rank}: {kind} allocated {got} bytes, the model predicts {planned}"
