@@ -358,6 +358,12 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             dense += m.hidden_size if m.normalization == "RMSNorm" else 2 * m.hidden_size
             if m.untie_embeddings_and_output_weights or pp > 1:
                 dense += vocab * m.hidden_size / tp
+        mtp = (m.mtp_num_layers or 0) if last else 0
+        if mtp:  # each prediction depth: a layer of the last layer's kind, eh_proj [2H -> H], three norms
+            dl, el = layer_parameters(m, m.num_layers - 1, tp, ep, etp)
+            norms = 3 * (m.hidden_size if m.normalization == "RMSNorm" else 2 * m.hidden_size)
+            dense += mtp * (dl + 2 * m.hidden_size * m.hidden_size / tp + norms)
+            expert += mtp * el
         params = dense + expert
         weights = params * w_bytes
         grads = params * g_bytes
@@ -366,6 +372,8 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         # Activations: in-flight micro-batches (1F1B) or chunk-forwards (interleaved).
         kept_and_work = [chunk_activation(layers) for layers in chunks]
         per_micro = sum(k for k, _ in kept_and_work)
+        if mtp:  # per depth: its layer, plus the embedding, the two normed inputs and their concatenation [2H]
+            per_micro += mtp * (chunk_activation([m.num_layers - 1])[0] + tokens * 5 * m.hidden_size * e / sp_div)
         working = max(w for _, w in kept_and_work)
         if v == 1:
             in_flight = float(min(pp - rank, n_micro))

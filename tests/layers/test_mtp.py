@@ -308,3 +308,18 @@ def test_bad_mtp_settings_name_the_flag(change, flag):
     cfg.data.mock_data = True
     with pytest.raises(ConfigError, match=flag):
         validate_config(cfg)
+
+
+def test_memory_estimate_holds_the_depths_on_the_last_stage():
+    from meshtron.memory import stage_estimates
+
+    base = MeshtronConfig(model=model_config(tied=True))
+    base.parallel.pipeline_model_parallel_size = 2
+    with_mtp = MeshtronConfig(model=dataclasses.replace(base.model, mtp_num_layers=1))
+    with_mtp.parallel.pipeline_model_parallel_size = 2
+    (first0, last0), (first1, last1) = stage_estimates(base, VOCAB), stage_estimates(with_mtp, VOCAB)
+    assert first1.weights == first0.weights and first1.activations == first0.activations
+    layer = count_parameters(dataclasses.replace(base.model, num_layers=1), VOCAB)["total"] - (
+        count_parameters(dataclasses.replace(base.model, num_layers=0), VOCAB)["total"])
+    assert (last1.weights - last0.weights) / (layer + 2 * 32 * 32 + 3 * 32) in (2, 4)  # bf16 or fp32 bytes
+    assert last1.activations > last0.activations
