@@ -75,7 +75,8 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: Forwar
     if schedule == "zero-bubble-h1":
         from meshtron.pipeline.zero_bubble import WeightGradStore
 
-        extra["wgrad_store"] = WeightGradStore()
+        # Only an overlapped reduction is armed by on_chunk_grads_ready, and only it needs the held sums.
+        extra["wgrad_store"] = WeightGradStore(hold_after_last_backward=cfg.parallel.overlap_grad_reduce)
     return functools.partial(forward_backward_pipelining, forward_step=forward_step, p2p=p2p,
                              overlap_p2p=cfg.parallel.overlap_p2p_comm, schedule=schedule, **extra)
 

@@ -452,7 +452,8 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
     before the chunk's last B, when its other parameters receive their last gradient; the W passes
     that follow (those of the micro-batches whose W the rank kept in hand) run their GEMMs at once
     but accumulate the per-parameter sums only at the chunk's last W, so every parameter receives
-    exactly one gradient after the reduction was armed, and a bucket starts only once complete.
+    exactly one gradient after the reduction was armed, and a bucket starts only once complete
+    (unless the store's ``hold_after_last_backward`` is off: no reduction is armed then).
     """
     stages, stage, virtual = p2p.stages, p2p.stage, len(model_chunks)
     inputs: dict[Unit, torch.Tensor] = {}  # received stage inputs, kept for their gradient
@@ -475,7 +476,8 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
     pending = _PendingTransfers(poll=p2p.device.type == "cuda") if overlap_p2p else None
     for index, step in enumerate(plan):
         if isinstance(step, WeightGrad):
-            hold = on_chunk_grads_ready is not None and index > chunk_last_backward[step.chunk]
+            hold = (wgrad_store.hold_after_last_backward and on_chunk_grads_ready is not None
+                    and index > chunk_last_backward[step.chunk])
             stats.deferred_gemms += wgrad_store.compute(step.unit, hold=hold)
             if hold and index == chunk_last_weight[step.chunk]:
                 wgrad_store.accumulate_held()

@@ -68,9 +68,15 @@ class WeightGradStore:
     The linear layers call :meth:`defer` from their backward; the schedule wraps each B in
     :meth:`collecting` and runs :meth:`compute` in each W. ``enabled`` (set by the schedule for a
     training iteration) is what makes a layer's forward choose the deferring matmul.
+
+    ``hold_after_last_backward``: whether the W passes that follow a chunk's last B hold their sums
+    until the chunk's last W (needed when ``on_chunk_grads_ready`` arms an overlapped gradient
+    reduction, ``--overlap-grad-reduce``; see :func:`~meshtron.pipeline.schedules.run_plan`). Without
+    it every W accumulates at once, in the parameter's dtype, as a plain backward would.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hold_after_last_backward: bool = True) -> None:
+        self.hold_after_last_backward = hold_after_last_backward
         self.enabled = False
         self._unit: Optional[Unit] = None
         self._deferred: dict[Unit, list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]] = {}
