@@ -23,12 +23,15 @@ ITERS = 4
 WORLD = 4
 
 
-def _config(save=None, load=None, iters=ITERS, **parallel) -> MeshtronConfig:
+def _config(save=None, load=None, iters=ITERS, moe=False, **parallel) -> MeshtronConfig:
     cfg = MeshtronConfig()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.seq_length = 4, 32, 4, 64, 16
     m.vocab_size, m.make_vocab_size_divisible_by, m.hidden_dropout, m.attention_dropout = 96, 8, 0.0, 0.0
     m.normalization, m.swiglu, m.position_embedding_type = "RMSNorm", True, "rope"
+    if moe:  # experts on layers 1-3, their weights sharded over the expert-data-parallel group
+        m.disable_bias_linear, m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk = True, 4, 16, 2
+        m.moe_first_dense_layers, m.moe_aux_loss_coeff = 1, 0.05
     t = cfg.train
     t.micro_batch_size, t.global_batch_size, t.train_iters, t.seed, t.device = 1, 8, iters, 5, "cpu"
     t.eval_interval, t.eval_iters, t.compile, t.generate_sample = 1000, 0, False, False
@@ -101,6 +104,7 @@ def runs(tmp_path_factory):
     os.environ.pop("WORLD_SIZE", None)
     ref_dir = os.path.join(root, "ref")
     ref = run_training(_config(save=ref_dir))
+    moe_ref = run_training(_config(moe=True))
     half = ITERS // 2
     cases = [
         ("dp4_optim_grads_offload", dict(data_parallel_sharding_strategy="optim_grads", optimizer_cpu_offload=True,
@@ -112,6 +116,8 @@ def runs(tmp_path_factory):
         ("pp2v2dp2_zero3", dict(use_torch_fsdp2=True, pipeline_model_parallel_size=2,
                                 virtual_pipeline_model_parallel_size=2)),
         ("cp2dp2_zero3", dict(use_megatron_fsdp=True, context_parallel_size=2)),
+        ("ep2_moe_zero3", dict(moe=True, data_parallel_sharding_strategy="optim_grads_params",
+                               expert_model_parallel_size=2)),
         # Resume between strategies: ZeRO-3 (DP=4) -> TP=2 x DP=2 distributed optimizer, and the reverse.
         ("zero3_save", dict(use_megatron_fsdp=True, iters=half, save=os.path.join(root, "z3"))),
         ("tp2_load", dict(tensor_model_parallel_size=2, use_distributed_optimizer=True,
@@ -121,10 +127,10 @@ def runs(tmp_path_factory):
                             save=os.path.join(root, "z3_final"))),
     ]
     for name, kwargs in cases:
-        if "save" not in kwargs and "load" not in kwargs:
+        if "save" not in kwargs and "load" not in kwargs and not kwargs.get("moe"):
             kwargs["save"] = os.path.join(root, name)
     results = run_distributed(_worker, WORLD, cases, timeout=400)
-    return root, ref, ref_dir, {name: [r[i] for r in results] for i, (name, _) in enumerate(cases)}
+    return root, ref, ref_dir, moe_ref, {name: [r[i] for r in results] for i, (name, _) in enumerate(cases)}
 
 
 def _assert_logs(per_rank, ref, iterations) -> None:
@@ -139,7 +145,7 @@ LAYOUTS = ["dp4_optim_grads_offload", "dp4_zero3", "tp2dp2_zero3", "pp2v2dp2_zer
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_strategy_trains_the_single_process_model(runs, name):
-    root, ref, ref_dir, results = runs
+    root, ref, ref_dir, _, results = runs
     _assert_logs(results[name], ref, range(1, ITERS + 1))
     want = _checkpoint_tensors(_latest(ref_dir))
     got = _checkpoint_tensors(_latest(os.path.join(root, name)))
@@ -149,7 +155,7 @@ def test_strategy_trains_the_single_process_model(runs, name):
 
 
 def test_checkpoints_resume_across_strategies(runs):
-    root, ref, ref_dir, results = runs
+    root, ref, ref_dir, _, results = runs
     half = ITERS // 2
     _assert_logs(results["zero3_save"], ref, range(1, half + 1))
     _assert_logs(results["tp2_load"], ref, range(half + 1, ITERS + 1))
@@ -162,9 +168,14 @@ def test_checkpoints_resume_across_strategies(runs):
 
 
 @pytest.mark.parametrize("name", ["dp4_optim_grads_offload", "dp4_zero3", "tp2dp2_zero3", "pp2v2dp2_zero3",
-                                  "tp2_load"])
+                                  "ep2_moe_zero3", "tp2_load"])
 def test_allocated_bytes_equal_the_memory_model(runs, name):
-    _, _, _, results = runs
+    _, _, _, _, results = runs
     for rank, (_, _, memory) in enumerate(results[name]):
         for kind, (got, planned) in memory.items():
             assert got == planned, f"{name} rank {rank}: {kind} allocated {got} bytes, the model predicts {planned}"
+
+
+def test_expert_weights_shard_over_the_expert_data_parallel_group(runs):
+    _, _, _, moe_ref, results = runs
+    _assert_logs(results["ep2_moe_zero3"], moe_ref, range(1, ITERS + 1))
