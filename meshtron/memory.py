@@ -93,6 +93,21 @@ Pipeline, embedding and loss
   of the experts (``2*topk*e*h``, split over TP with SP), the experts' interiors
   (``topk*e*3f_e / ETP``) and a shared expert's like a dense MLP.
 
+Activation offloading (``--offload-activations``, :mod:`meshtron.layers.activation_offload`)
+--------------------------------------------------------------------------------------------
+In each model chunk the first ``--offload-activations-num-layers`` layers (default: all but the
+chunk's last) copy what they save to pinned host memory on a side stream; tensors under 1 MiB
+stay (of the counted ones: the norms' fp32 statistics at short sequences). A copy's device memory
+is released only when the copy has run, so the device holds what the copies have not reached
+yet: the copies run at ``pcie_gbps`` of the device profile (``profile``, the built-in H200 one
+by default) behind each layer's forward, whose time comes from the step-time model
+(:mod:`meshtron.planning.step_time`). In the backward the same stream first drains that backlog,
+then fetches each layer's tensors when the backward reaches the layer after it, so a layer's and
+its predecessor's tensors are on the device together. :func:`offload_timeline` replays this
+queue; the peak is the largest of (kept activations of the layers not yet back-propagated +
+backlog + the two fetched layers) over the backward's layers, and the time the backward waits
+for a fetch is what the step-time model adds.
+
 The reported figure is for the pipeline rank with the largest total (first or last stage).
 FP8 is not modelled separately (its linears keep bf16 inputs here).
 """
@@ -110,6 +125,8 @@ from meshtron.accounting import mla_rank_parameters
 from meshtron.validation import layout_from_config
 
 GIB = 2**30
+#: Saved tensors smaller than this stay on the device with --offload-activations (activation_offload.DEFAULT_MIN_BYTES).
+OFFLOAD_MIN_BYTES = 1 << 20
 #: What ``--recompute-granularity selective`` recomputes (see the module docstring).
 SELECTIVE_MODULES: tuple[str, ...] = ("core_attn", "norm", "act")
 _KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
@@ -126,6 +143,7 @@ class MemoryEstimate:
     logits: int  # the loss: kept fp32 logits, or the fused loss's weight gradient and transient chunk
     stage: int = 0  # the pipeline rank these figures are for
     microbatches_in_flight: float = 1.0  # on that stage (fractional with interleaving)
+    offload_stall_s: float = 0.0  # --offload-activations: seconds a micro-batch's backward waits for fetches
     total: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -278,21 +296,22 @@ def _uses_bf16(cfg: MeshtronConfig) -> bool:
 
 def estimate_memory(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
                     flash_attention: bool = True, fused_loss: bool = True,
-                    selective_modules: Iterable[str] = SELECTIVE_MODULES) -> MemoryEstimate:
+                    selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None) -> MemoryEstimate:
     """Estimated training memory per GPU for ``cfg`` on ``world_size`` GPUs (see the module docstring).
 
     The figures are those of the pipeline rank with the largest total. ``vocab_size`` is the
     tokenizer's; it is padded as the model pads it. Without ``world_size`` the data-parallel
-    size is 1 (world = TP x CP x PP).
+    size is 1 (world = TP x CP x PP). ``profile`` (a :class:`meshtron.planning.profiles.DeviceProfile`,
+    default the built-in H200 one) times the host copies of ``--offload-activations``; nothing else uses it.
     """
     stages = stage_estimates(cfg, vocab_size, world_size=world_size, flash_attention=flash_attention,
-                             fused_loss=fused_loss, selective_modules=selective_modules)
+                             fused_loss=fused_loss, selective_modules=selective_modules, profile=profile)
     return max(stages, key=lambda est: est.total)
 
 
 def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
                     flash_attention: bool = True, fused_loss: bool = True,
-                    selective_modules: Iterable[str] = SELECTIVE_MODULES) -> list[MemoryEstimate]:
+                    selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None) -> list[MemoryEstimate]:
     """:func:`estimate_memory` for every pipeline rank, in rank order."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
@@ -317,7 +336,8 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
 
     w_bytes = 2 if bf16 else 4
     g_bytes = 2 if (bf16 and par.grad_reduce_in_bf16) else 4
-    o_bytes = 12 if bf16 else 8
+    o = cfg.optim  # fp32 masters (unless the weights are fp32) and Adam's moments (bf16 when asked for)
+    o_bytes = (4 if bf16 else 0) + sum(2 if d == "bf16" else 4 for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype))
     opt_gpu = 1.0 - (_offload_fraction(cfg) if cfg.optim.optimizer_cpu_offload else 0.0)
     dense_shard = dp * cp if par.use_distributed_optimizer else 1
     expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if par.use_distributed_optimizer else 1
@@ -375,6 +395,18 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         if mtp:  # per depth: its layer, plus the embedding, the two normed inputs and their concatenation [2H]
             per_micro += mtp * (chunk_activation([m.num_layers - 1])[0] + tokens * 5 * m.hidden_size * e / sp_div)
         working = max(w for _, w in kept_and_work)
+        if tr.offload_activations:
+            # Every in-flight micro-batch keeps what its layers do not offload; the one in its backward
+            # also holds the copies' backlog and two fetched layers (offload_timeline).
+            offload_kept, extra, stall = 0.0, 0.0, 0.0
+            for c, layers in enumerate(chunks):
+                timeline, kept = _offload_chunk(cfg, layers, [chunk_activation([i])[0] for i in layers],
+                                                tokens, last and c == len(chunks) - 1, vocab, profile)
+                offload_kept += kept - sum(chunk_activation([i])[0] for i in layers)
+                extra = max(extra, timeline.peak_resident - kept)
+                stall += timeline.stall_s
+            per_micro += offload_kept  # what the offloaded layers moved off the device
+            working = max(working, extra)
         if v == 1:
             in_flight = float(min(pp - rank, n_micro))
         else:
@@ -390,7 +422,8 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             logits = loss_bytes(m.hidden_size, vocab // tp, tr.micro_batch_size * m.seq_length // cp, e, fused_loss)
         out.append(MemoryEstimate(weights=round(weights), gradients=round(grads), optimizer_state=round(optim),
                                   activations=round(activations), logits=round(logits), stage=rank,
-                                  microbatches_in_flight=in_flight))
+                                  microbatches_in_flight=in_flight,
+                                  offload_stall_s=stall if tr.offload_activations else 0.0))
     return out
 
 
@@ -409,6 +442,100 @@ def loss_bytes(hidden: int, vocab_local: int, tokens: int, act_bytes: int, fused
     return 4.0 * hidden * vocab_local + chunk * vocab_local * per_element
 
 
+def _offload_chunk(cfg: MeshtronConfig, layers: list[int], saved: list[float], tokens: int, with_loss: bool,
+                   vocab: int, profile=None) -> tuple[OffloadTimeline, float]:
+    """(the copy timeline, bytes kept on the device) of one micro-batch through one chunk of layers
+    that save ``saved`` bytes each, under ``--offload-activations``."""
+    from meshtron.planning.profiles import H200
+    from meshtron.planning.step_time import Links, _head_cost, _layer_cost
+
+    profile = profile or H200
+    t = cfg.train
+    stats = 4 if cfg.model.normalization == "RMSNorm" else 8
+    small = 2 * stats * tokens if stats * tokens < OFFLOAD_MIN_BYTES else 0  # the norms' statistics stay
+    moves = offloaded_layers(cfg, len(layers))
+    offloaded = [max(0.0, b - small) if m else 0.0 for b, m in zip(saved, moves)]
+    kept = [min(b, small) if m else b for b, m in zip(saved, moves)]
+    forward, backward = [], []
+    for position, i in enumerate(layers):
+        recomputed = t.recompute_granularity == "full" and (t.recompute_method != "block"
+                                                            or position < max(1, t.recompute_num_layers))
+        cost = _layer_cost(cfg, is_moe_layer(cfg.model, i), recomputed, profile, Links())
+        forward.append(cost.forward)
+        backward.append(cost.compute - cost.forward)
+    gap = _head_cost(cfg, vocab, profile)[0] if with_loss else 0.0
+    timeline = offload_timeline(offloaded, kept, forward, backward, gap, profile.pcie_gbps * 1e9)
+    return timeline, sum(kept)
+
+
 def _offload_fraction(cfg: MeshtronConfig) -> float:
     """The share of optimizer state moved to the CPU by ``--optimizer-cpu-offload`` (0..1)."""
     return min(1.0, max(0.0, cfg.optim.optimizer_offload_fraction))
+
+
+@dataclass(frozen=True)
+class OffloadTimeline:
+    """One micro-batch of one model chunk under ``--offload-activations`` (see the module docstring)."""
+
+    peak_resident: float  # most bytes of the chunk's activations on the device at once in its backward
+    backlog: float  # bytes whose copy to the host had not run when the backward began
+    stall_s: float  # seconds the backward waits for fetches beyond its own compute
+
+
+def offload_timeline(offloaded: list[float], kept: list[float], forward_s: list[float], backward_s: list[float],
+                     gap_s: float, pcie_bytes_per_s: float) -> OffloadTimeline:
+    """Replay the side stream's copies for the layers of one chunk, in forward order.
+
+    ``offloaded[i]``: bytes layer ``i`` copies to the host (0 for a layer that keeps its own);
+    ``kept[i]``: bytes it keeps on the device; ``forward_s`` / ``backward_s``: its compute times;
+    ``gap_s``: time between the chunk's last forward and its first backward (the loss on the last
+    stage). A layer's copy starts when its forward has run and the stream is free; its device
+    memory is freed as the copy proceeds. In the backward, reaching layer ``j`` queues the fetch of
+    ``j`` and ``j - 1`` behind whatever the stream still has; ``j``'s backward starts once its fetch is done.
+    """
+    n, rate = len(offloaded), max(pcie_bytes_per_s, 1.0)
+    t, stream = 0.0, 0.0
+    copies: list[tuple[float, float, float]] = []  # (start, end, bytes) of each device-to-host copy
+    for i in range(n):
+        t += forward_s[i]
+        if offloaded[i] > 0:
+            start = max(t, stream)
+            stream = start + offloaded[i] / rate
+            copies.append((start, stream, offloaded[i]))
+
+    def backlog_at(time: float) -> float:
+        """Bytes still on the device for copies to the host unfinished at ``time`` (freed as they run)."""
+        left = 0.0
+        for start, end, size in copies:
+            if end > time:
+                left += size * min(1.0, (end - time) / (end - start))
+        return left
+
+    t += gap_s
+    backward_start, backlog = t, backlog_at(t)
+    fetched_at: dict[int, float] = {}
+    peak = 0.0
+
+    def fetch(i: int, now: float) -> None:
+        nonlocal stream
+        if 0 <= i < n and offloaded[i] > 0 and i not in fetched_at:
+            stream = max(stream, now) + offloaded[i] / rate
+            fetched_at[i] = stream
+
+    for j in range(n - 1, -1, -1):
+        fetch(j, t)
+        fetch(j - 1, t)
+        resident = sum(kept[:j + 1]) + backlog_at(t) + offloaded[j] + (offloaded[j - 1] if j > 0 else 0.0)
+        peak = max(peak, resident)
+        t = max(t, fetched_at.get(j, t)) + backward_s[j]
+    stall = max(0.0, t - backward_start - sum(backward_s))
+    return OffloadTimeline(peak_resident=peak, backlog=backlog, stall_s=stall)
+
+
+def offloaded_layers(cfg: MeshtronConfig, count: int) -> list[bool]:
+    """Which of a chunk's ``count`` layers offload (ActivationOffloader.offloads): never the last one."""
+    if not cfg.train.offload_activations:
+        return [False] * count
+    n = cfg.train.offload_activations_num_layers
+    limit = count - 1 if n is None else min(n, count - 1)
+    return [i < limit for i in range(count)]

@@ -258,3 +258,28 @@ def test_llama3_8b_figures_and_report():
     table = est.table()
     assert "total" in table and f"{est.total / 2**30:.2f} GiB" in table
     assert isinstance(est, MemoryEstimate) and math.isfinite(est.total)
+
+
+def test_offload_timeline_backlog_fetches_and_stall():
+    from meshtron.memory import offload_timeline
+
+    # Three layers of 10 bytes, the last kept; copies at 1 byte/s behind 1 s forwards. Copy 1 runs 1..11 s,
+    # copy 2 11..21 s; the backward begins at 3 s with 8 + 10 bytes not yet copied, fetches layer 1 at
+    # 21..31 s and layer 0 at 31..41 s, so its three 1 s layers end at 42 s: 36 s of waiting.
+    t = offload_timeline([10.0, 10.0, 0.0], [0.0, 0.0, 10.0], [1.0] * 3, [1.0] * 3, 0.0, 1.0)
+    assert t.backlog == 18.0
+    assert t.peak_resident == 10.0 + 18.0 + 10.0  # kept last layer + backlog + layer 1 fetched
+    assert t.stall_s == 36.0
+    fast = offload_timeline([10.0, 10.0, 0.0], [0.0, 0.0, 10.0], [1.0] * 3, [1.0] * 3, 0.0, 1e6)
+    assert fast.backlog < 1e-3 and fast.stall_s < 1e-3
+    assert fast.peak_resident == pytest.approx(10.0 + 10.0 + 0.0, rel=1e-3)  # last layer kept + layer 1 fetched
+
+
+def test_offloading_lowers_the_estimate_and_keeps_the_last_layer():
+    cfg = config("llama3-1b", seq_length=8192, micro_batch_size=1)
+    base = estimate_memory(cfg, 128256)
+    cfg.set("offload_activations", True)
+    off = estimate_memory(cfg, 128256)
+    per_layer = layer_activation_bytes(cfg.model, micro_batch=1, seq=8192)
+    assert off.activations < base.activations - 2 * per_layer
+    assert off.activations >= 2 * per_layer  # the chunk's last layer and a fetched one at least

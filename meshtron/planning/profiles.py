@@ -47,6 +47,7 @@ class DeviceProfile:
     collective_latency_us: float  # fixed cost of one collective call
     overlap_cost: float  # share of an overlapped collective's time that still slows the compute it hides behind
     async_tp_hidden: float  # share of the forward sequence-parallel communication that --async-tensor-parallel hides
+    pcie_gbps: float = 55.0  # host-device copies per direction (GB/s): --offload-activations
     source: str = ""  # where the numbers come from
     extra: dict = field(default_factory=dict)  # what a calibration measured (GEMM sizes and rates, ...)
 
@@ -65,7 +66,7 @@ _FIELDS = {f.name for f in dataclasses.fields(DeviceProfile)}
 #: the rest from measurements named in SOURCES.
 H200 = DeviceProfile(
     name="H200", memory_gib=139.8, matmul_tflops=741.0, matmul_half_gflop=6.12, fp8_matmul_speedup=1.9,
-    attention_tflops=458.1, attention_half_seq=1300.0, hbm_gbps=4800.0, hbm_efficiency=0.6651,
+    attention_tflops=560.0, attention_half_seq=2300.0, hbm_gbps=4800.0, hbm_efficiency=0.6651,
     eager_elementwise_factor=3.37, layer_overhead_us=1036.0, step_overhead_ms=15.32,
     optimizer_bytes_per_param=18.53, moe_gemm_efficiency=0.6375, nvlink_gbps=285.3, network_gbps=40.0,
     collective_latency_us=20.0, overlap_cost=0.8, async_tp_hidden=0.0847,
@@ -79,6 +80,8 @@ SOURCES: dict[str, str] = {
     "hbm_gbps": "datasheets: H200 4.8 TB/s, H100 SXM 3.35 TB/s, B200 8 TB/s",
     "nvlink_gbps": "NVLink 4 (H100/H200): 450 GB/s per direction, ~80% as NCCL bus bandwidth; NVLink 5 (B200) twice",
     "network_gbps": "one 400 Gb/s NDR InfiniBand NIC per GPU: 50 GB/s, ~80% achieved",
+    "pcie_gbps": "PCIe 5 x16 between an H100/H200/B200 SXM and its host: 64 GB/s per direction, ~55 achieved by "
+                 "pinned copies",
     "memory_gib": "nvidia-smi totals: H200 143,771 MiB, H100 81,559 MiB, B200 183,359 MiB, less ~0.6 GiB of CUDA context",
     "other": "attention rate, HBM efficiency, overheads, optimizer bytes, MoE and eager factors: fitted to "
              "measured.jsonl on H200 and assumed the same on the other GPUs",

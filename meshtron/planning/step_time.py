@@ -17,6 +17,11 @@ forward when ``--recompute-granularity`` asks for one):
   ``--tp-comm-overlap``), the context-parallel ring (behind the attention blocks), the expert
   all-to-alls (not overlapped).
 
+With ``--offload-activations`` each micro-batch's backward also waits where the host copies
+(``pcie_gbps`` per direction, on one side stream) have not caught up: the forward's copies still
+draining when the backward begins, and fetches slower than the backward of the layer after them
+(:func:`meshtron.memory.offload_timeline`).
+
 The last stage adds the output layer and the fused loss, the first the embedding. A step is
 ``M`` micro-batches of the slowest stage, stretched by the schedule's bubble (the plan-and-simulate
 executor's :func:`meshtron.pipeline.schedules.simulated_bubble`, a backward lasting two forwards),
@@ -231,7 +236,9 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
     if gran == "full":
         recompute = forward if recomputed else 0.0
     elif gran == "selective":
-        recompute = attn_fwd + (norm_elem + tokens * e * 3 * (ffn_size(m) / tp)) / hbm
+        # meshtron.layers.recompute saves every matmul's and attention kernel's output (MUST_SAVE) and
+        # recomputes the element-wise work around them: the norms, RoPE and the SwiGLU.
+        recompute = (norm_elem + tokens * e * 2 * (q_out + kv_out / 2) + tokens * e * 3 * (ffn_size(m) / tp)) / hbm
     overhead = profile.layer_overhead_us * 1e-6 * (1.5 if gran == "full" else 1.0)
     compute = forward + backward + recompute + overhead
 
@@ -343,6 +350,12 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         stage_fwd.append(sum(c.forward for c in costs))
         stage_comm.append({k: sum(c.comm_kind[k] for c in costs) for k in ("tp", "cp", "ep")})
         params_by_stage.append(_rank_parameters(cfg, layers, rank == 0, rank == pp - 1, vocab))
+    if t.offload_activations:
+        # The backward's waits for the host copies the side stream has not finished (memory.offload_timeline).
+        from meshtron.memory import stage_estimates
+
+        for rank, est in enumerate(stage_estimates(cfg, vocab, world_size=world_size, profile=profile)):
+            stage_times[rank] += est.offload_stall_s
     slowest = max(range(pp), key=lambda r: stage_times[r])
     per_micro = stage_times[slowest]
     slowest_kind = stage_comm[slowest]
