@@ -247,6 +247,17 @@ class OptimConfig:
     optimizer_offload_fraction: float = opt(1.0, "Fraction of the optimizer state offloaded with --optimizer-cpu-offload.")
     cpu_optimizer_type: str = compat("ADAM", "meshtron's CPU step is AdamW", choices=("ADAM", "adam"))
     max_nonfinite_steps: int = opt(5, "Stop after this many consecutive steps with a non-finite loss or gradient.")
+    use_precision_aware_optimizer: bool = opt(False, "Let --exp-avg-dtype / --exp-avg-sq-dtype store the Adam moments "
+                                                     "in bf16 (the step computes in fp32 and rounds what it stores): "
+                                                     "4 bytes less per parameter, with a loss curve that can differ "
+                                                     "slightly from fp32 moments (docs/precision-and-memory.md).")
+    exp_avg_dtype: str = opt("fp32", "With --use-precision-aware-optimizer: dtype of Adam's first moment.",
+                             choices=("fp32", "bf16"))
+    exp_avg_sq_dtype: str = opt("fp32", "With --use-precision-aware-optimizer: dtype of Adam's second moment.",
+                                choices=("fp32", "bf16"))
+    main_grads_dtype: str = opt("fp32", "Dtype of the gradient buffers the optimizer reads (meshtron keeps fp32).",
+                                choices=("fp32", "bf16"))
+    main_params_dtype: str = opt("fp32", "Dtype of the master weights (meshtron keeps fp32).", choices=("fp32",))
 
 
 @dataclass

@@ -594,6 +594,7 @@ def _resolve_precision_and_recompute(cfg: MeshtronConfig) -> None:
 def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
     t = cfg.train
     _check_unsupported_megatron_flags(cfg)
+    _check_precision_aware_optimizer(cfg)
     if t.recompute_activations and t.recompute_granularity != "selective":
         raise ConfigError(f"--recompute-activations means --recompute-granularity selective; it contradicts "
                           f"--recompute-granularity {t.recompute_granularity}: give one of them")
@@ -638,6 +639,21 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
     if t.recompute_num_layers < 1 or t.recompute_num_layers > cfg.model.num_layers:
         raise ConfigError(f"--recompute-num-layers must be in [1, --num-layers ({cfg.model.num_layers})], "
                           f"got {t.recompute_num_layers}")
+
+
+def _check_precision_aware_optimizer(cfg: MeshtronConfig) -> None:
+    """Adam moments below fp32 only on request, and the state kinds meshtron keeps in fp32."""
+    o = cfg.optim
+    low = [f"--{name.replace('_', '-')} {getattr(o, name)}" for name in ("exp_avg_dtype", "exp_avg_sq_dtype")
+           if getattr(o, name) != "fp32"]
+    if low and not o.use_precision_aware_optimizer:
+        raise ConfigError(f"{' and '.join(low)} needs --use-precision-aware-optimizer")
+    if o.main_grads_dtype != "fp32":
+        raise ConfigError(f"--main-grads-dtype {o.main_grads_dtype} is not implemented: meshtron accumulates and "
+                          "reduces gradients in fp32 buffers; use --main-grads-dtype fp32 (the default)")
+    if low and o.optimizer_cpu_offload:
+        raise ConfigError(f"{' and '.join(low)} with --optimizer-cpu-offload is not implemented: the host step "
+                          "keeps fp32 moments; drop one of them")
 
 
 def _check_unsupported_megatron_flags(cfg: MeshtronConfig) -> None:

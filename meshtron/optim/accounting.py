@@ -26,13 +26,14 @@ class BytesPerParameter:
 
 
 def bytes_per_parameter(weight_bytes: int = 2, grad_bytes: int = 4, state_shards: int = 1,
-                        offload_fraction: float = 0.0) -> BytesPerParameter:
+                        offload_fraction: float = 0.0, moment_bytes: float = 8.0) -> BytesPerParameter:
     """Per-parameter memory with ``weight_bytes``-byte weights, ``grad_bytes``-byte main gradients,
     optimizer state split over ``state_shards`` ranks (the data-parallel size with
-    ``--use-distributed-optimizer``, else 1) and ``offload_fraction`` of it on the host."""
+    ``--use-distributed-optimizer``, else 1), ``offload_fraction`` of it on the host, and Adam's two
+    moments in ``moment_bytes`` together (8 in fp32; 4 in bf16 with --use-precision-aware-optimizer)."""
     if state_shards < 1:
         raise ValueError(f"state_shards must be >= 1 (got {state_shards})")
-    state = (8.0 if weight_bytes == 4 else 12.0) / state_shards  # fp32 masters (unless the weights) + m + v
+    state = (moment_bytes + (0.0 if weight_bytes == 4 else 4.0)) / state_shards  # fp32 masters unless the weights
     return BytesPerParameter(float(weight_bytes), float(grad_bytes), state * (1.0 - offload_fraction),
                              state * offload_fraction)
 
@@ -55,7 +56,7 @@ def sharding_strategy(cfg) -> str:
 
 
 def strategy_bytes_per_parameter(strategy: str, weight_bytes: int = 2, grad_bytes: int = 4, dp: int = 1,
-                                 offload_fraction: float = 0.0) -> BytesPerParameter:
+                                 offload_fraction: float = 0.0, moment_bytes: float = 8.0) -> BytesPerParameter:
     """Per-parameter device memory of ``strategy`` over ``dp`` data-parallel ranks (DP x CP), between steps.
 
     ``optim_grads`` keeps the full weights plus the compact copy of its shard that the optimizer writes
@@ -65,7 +66,7 @@ def strategy_bytes_per_parameter(strategy: str, weight_bytes: int = 2, grad_byte
     if strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"unknown sharding strategy {strategy!r} (valid: {', '.join(SHARDING_STRATEGIES)})")
     shards = 1 if strategy == "no_shard" else dp
-    base = bytes_per_parameter(weight_bytes, grad_bytes, shards, offload_fraction)
+    base = bytes_per_parameter(weight_bytes, grad_bytes, shards, offload_fraction, moment_bytes)
     if strategy in ("no_shard", "optim"):
         return base
     weights = weight_bytes / dp if strategy == "optim_grads_params" else weight_bytes * (1.0 + 1.0 / dp)

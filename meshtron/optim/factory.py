@@ -16,7 +16,7 @@ from meshtron.optim.clip import GradNorm, data_copy_counted, model_copy_counted
 from meshtron.optim.distributed_optimizer import DistributedOptimizer
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.grads import GradientSync, kv_replica_params, tied_embedding_params
-from meshtron.optim.optimizer import MixedPrecisionAdamW
+from meshtron.optim.optimizer import MixedPrecisionAdamW, moment_dtypes
 from meshtron.optim.sharded_params import unit_layout
 from meshtron.optim.strategy import DataParallelStrategy, build_strategy
 from meshtron.parallel.context import ParallelContext
@@ -118,7 +118,8 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
     optimizer: Union[MixedPrecisionAdamW, DistributedOptimizer]
     if strategy.gather is not None:
         optimizer = DistributedOptimizer(layout, strategy.grad_data, strategy.param_data, strategy.gather, opt,
-                                         shard=shard, offload_fraction=offload, compact=strategy.compact)
+                                         shard=shard, offload_fraction=offload, compact=strategy.compact,
+                                         param_buffer=strategy.param_buffer)
     else:
         optimizer = MixedPrecisionAdamW(params, opt)
     if shard:  # owned shards partition the elements: each rank counts its own
@@ -131,6 +132,7 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
     norm = GradNorm(views, ctx, ctx.device)
 
     weight_bytes = params[0].element_size() if params else 2
+    moments = sum(torch.tensor([], dtype=d).element_size() for d in moment_dtypes(opt))
     accounting = strategy_bytes_per_parameter(name, weight_bytes, torch.tensor([], dtype=grad_dtype).element_size(),
-                                              ctx.dp * ctx.cp, offload)
+                                              ctx.dp * ctx.cp, offload, moments)
     return Optimization(strategy, norm, optimizer, layout, accounting)

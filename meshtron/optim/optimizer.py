@@ -20,6 +20,19 @@ from meshtron.config import OptimConfig
 from meshtron.optim import fused_adamw
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def moment_dtypes(cfg: OptimConfig) -> tuple[torch.dtype, torch.dtype]:
+    """Storage dtypes of Adam's first and second moments (``--exp-avg-dtype``, ``--exp-avg-sq-dtype``)."""
+    return _DTYPES[cfg.exp_avg_dtype], _DTYPES[cfg.exp_avg_sq_dtype]
+
+
+def low_precision_moments(cfg: OptimConfig) -> bool:
+    """Whether a moment is stored below fp32: torch's AdamW cannot step such state, meshtron's step can."""
+    return moment_dtypes(cfg) != (torch.float32, torch.float32)
+
+
 def no_weight_decay(param: torch.Tensor) -> bool:
     """Norm weights and biases (1-D tensors) are not decayed."""
     return param.dim() == 1
@@ -68,7 +81,8 @@ class MixedPrecisionAdamW:
                                        fused=fused, foreach=None if fused else True)
         self._copy_back = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
         self.cfg = cfg
-        self._kernel = fused and all(fused_adamw.available(p) for p in self.params)
+        # meshtron's step: the Triton kernel on CUDA, or its torch twin for moments below fp32.
+        self._kernel = (fused and all(fused_adamw.available(p) for p in self.params)) or low_precision_moments(cfg)
         self._host_step: Optional[int] = None  # the kernel path's step count, read from the state once
 
     def _main_grads(self) -> list[torch.Tensor]:
@@ -135,11 +149,12 @@ class MixedPrecisionAdamW:
 
     def ensure_state(self) -> None:
         """Create zeroed Adam moments (so a checkpoint can be loaded into them before any step)."""
+        avg_dtype, sq_dtype = moment_dtypes(self.cfg)
         for m in self.masters:
             state = self.inner.state[m]
             if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(m.data)
-                state["exp_avg_sq"] = torch.zeros_like(m.data)
+                state["exp_avg"] = torch.zeros_like(m.data, dtype=avg_dtype)
+                state["exp_avg_sq"] = torch.zeros_like(m.data, dtype=sq_dtype)
                 fused = self.inner.defaults.get("fused")
                 state["step"] = torch.zeros((), dtype=torch.float32,
                                             device=m.device if fused else torch.device("cpu"))

@@ -18,7 +18,7 @@ import torch.nn as nn
 from meshtron.config import OptimConfig
 from meshtron.optim import fused_adamw
 from meshtron.optim.offload import HostCopier, Segment
-from meshtron.optim.optimizer import scaled_gradients
+from meshtron.optim.optimizer import low_precision_moments, moment_dtypes, scaled_gradients
 
 
 class SegmentAdamW:
@@ -61,7 +61,9 @@ class SegmentAdamW:
                                         fused=self.fused, foreach=None if self.fused else True)
                       if groups else None)
         self.cfg = cfg
-        self.kernel = (not host) and self.inner is not None and fused_adamw.available(param_data)
+        # meshtron's step: the Triton kernel on CUDA, or its torch twin for moments below fp32.
+        self.kernel = (not host) and self.inner is not None and (fused_adamw.available(param_data)
+                                                                 or low_precision_moments(cfg))
         self.copier: Optional[HostCopier] = None
         if host and self.segments:
             self.copier = HostCopier(param_data.device)
@@ -151,11 +153,12 @@ class SegmentAdamW:
         """Create zeroed moments (and a step counter at ``step``) for segments without state."""
         if self.inner is None:
             return
+        avg_dtype, sq_dtype = moment_dtypes(self.cfg)
         for m in self.masters:
             state = self.inner.state[m]
             if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(m.data)
-                state["exp_avg_sq"] = torch.zeros_like(m.data)
+                state["exp_avg"] = torch.zeros_like(m.data, dtype=avg_dtype)
+                state["exp_avg_sq"] = torch.zeros_like(m.data, dtype=sq_dtype)
                 state["step"] = torch.full((), float(step), dtype=torch.float32,
                                            device=m.device if self.fused else torch.device("cpu"))
 
