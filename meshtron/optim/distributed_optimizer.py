@@ -63,13 +63,14 @@ class DistributedOptimizer:
 
     def __init__(self, layout: BufferLayout, grad_data: torch.Tensor, param_data: torch.Tensor,
                  param_gather: "WeightGather", cfg: OptimConfig, shard: bool = True, offload_fraction: float = 0.0,
-                 compact: Optional[CompactShards] = None):
+                 compact: Optional[CompactShards] = None, param_buffer=None):
         """``grad_data`` / ``param_data``: the flat gradient and weight tensors the segments address (the
         full buffers, or with ``compact`` this rank's compact shards); ``param_gather`` brings the
         updated shards to every rank (:class:`meshtron.optim.strategy.WeightGather`)."""
         self.layout = layout
         self.params: list[nn.Parameter] = layout.params
         self.grad_data, self.param_data, self.param_gather = grad_data, param_data, param_gather
+        self.param_buffer = param_buffer  # the full flat weights (a ParamBuffer), where the strategy has them
         self.shard = shard
         self.segments = owned_segments(layout, shard, compact)
         device_segments, host_segments = split_for_offload(self.segments, offload_fraction)

@@ -87,6 +87,7 @@ class DataParallelStrategy:
     compact: Optional[CompactShards] = None  # set when grad_data / param_data are compact shards
     grad_buffer: Optional[GradBuffer] = None  # the full gradient buffer (no_shard, optim)
     grad_sync: Optional[GradientSync] = None  # its reduction
+    param_buffer: Optional[ParamBuffer] = None  # the full flat weights (optim, optim_grads, offload)
 
     def zero(self) -> None:
         """Start an iteration's gradient accumulation."""
