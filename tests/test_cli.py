@@ -426,7 +426,7 @@ def test_presets_table(capsys: pytest.CaptureFixture) -> None:
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("llama3-8b "))
-    assert row.split() == ["llama3-8b", "32", "4096", "32/8", "14336", "-", "128256", "8.03B", "8.03B", "+0.00%"]
+    assert row.split() == ["llama3-8b", "32", "4096", "32/8", "14336", "-", "128256", "8.03B", "8.03B", "+0.00%", "-", "-"]
 
 
 def test_presets_json(capsys: pytest.CaptureFixture) -> None:
