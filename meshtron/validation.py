@@ -250,11 +250,6 @@ def _check_mtp(cfg: MeshtronConfig) -> None:
     if tp > 1 and m.hidden_size % tp:
         raise ConfigError(f"--mtp-num-layers: --hidden-size ({m.hidden_size}) must be divisible by "
                           f"--tensor-model-parallel-size ({tp}) (the projection of each depth is split over it)")
-    if p.pipeline_model_parallel_size > 1 and m.untie_embeddings_and_output_weights:
-        raise ConfigError("--mtp-num-layers with --untie-embeddings-and-output-weights and "
-                          "--pipeline-model-parallel-size > 1 is not supported yet: the last stage's copy of the "
-                          "input embedding would need its gradient summed with the first stage's; tie the "
-                          "embeddings or run the model on one pipeline stage")
 
 
 def _resolve_model(m: ModelConfig) -> None:

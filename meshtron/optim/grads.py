@@ -70,11 +70,15 @@ def kv_replica_params(model_chunks: Sequence[nn.Module]) -> dict:
 
 
 def embeddings_tied(model_chunks: Sequence[nn.Module]) -> bool:
-    """Whether the model ties its input embedding and output layer (read from the chunks' model config)."""
+    """Whether the last pipeline stage holds a copy of the word embedding whose gradient is summed with the
+    first stage's: the model ties its input embedding and output layer, or (untied, PP > 1) the multi-token
+    prediction depths read the input embedding there (read from the chunks' model config)."""
     for chunk in model_chunks:
         cfg = getattr(chunk, "cfg", None)
         if cfg is not None:
-            return not cfg.untie_embeddings_and_output_weights
+            ctx = getattr(chunk, "ctx", None)
+            mtp_copy = bool(cfg.mtp_num_layers) and ctx is not None and ctx.pp > 1
+            return not cfg.untie_embeddings_and_output_weights or mtp_copy
     return False
 
 

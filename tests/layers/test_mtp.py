@@ -1,6 +1,6 @@
 """Multi-token prediction: the objective against a plain per-position reference, parallel layouts (TP + SP,
-PP 1F1B and interleaved, CP, MoE, compiled layers) against one process, the trainer's logged ``mtp_loss``,
-validation, parameter names and counts."""
+PP 1F1B and interleaved, tied and untied, CP, MoE, compiled layers) against one process, the trainer's logged
+``mtp_loss``, untied PP=2 checkpoints resharded to PP=1 and back, validation, parameter names and counts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshtron.build import build_model_chunks, build_stage, built_parameter_count, gpt_forward_step
+from meshtron.checkpoint import load_checkpoint, save_checkpoint
 from meshtron.config import MeshtronConfig
 from meshtron.errors import ConfigError
 from meshtron.layers.mtp import add_mtp_inputs, mtp_blocks
@@ -24,11 +25,13 @@ from meshtron.optim.factory import build_optimization
 from meshtron.parallel.context import ParallelContext, build_groups
 from meshtron.parallel.cp_split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
-from meshtron.parallel.sharding import canonical_shapes, gather_canonical, initialize_parameters
+from meshtron.parallel.sharding import canonical_shapes, gather_canonical, initialize_parameters, spec_of
 from meshtron.pipeline import get_schedule
 from meshtron.pipeline.batches import broadcast_from_last_stage, empty_micro_batches
 from meshtron.presets import count_parameters
+from meshtron.training.state import TrainingState
 from meshtron.validation import validate_config
+from tests.checkpoint.ckpt_helpers import assert_same_state, canonical_state
 from tests.distributed.launch import run_distributed
 from tests.pipeline.pipeline_helpers import SEQ, VOCAB, model_config, run_config
 
@@ -134,22 +137,43 @@ def _reduced(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     return broadcast_from_last_stage(x, ctx)
 
 
-def _train(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int = 2) -> dict:
-    """Two optimizer steps: losses, depth losses, grad norms, first gradients and final parameters."""
+def _build(cfg: MeshtronConfig, ctx: ParallelContext):
+    """(model chunks, optimization, schedule) of a run, initialised from the run's seed."""
     tracker = RNGTracker(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, ctx.device)
     tracker.seed_default()
     chunks = build_model_chunks(cfg, ctx, VOCAB, tracker, torch.float32)
-    optim = build_optimization(cfg, ctx, chunks)
-    schedule = get_schedule(cfg, ctx, gpt_forward_step)
+    return chunks, build_optimization(cfg, ctx, chunks), get_schedule(cfg, ctx, gpt_forward_step)
+
+
+def _embedding_copies(chunks) -> dict[int, list[torch.Tensor]]:
+    """Every rank's word-embedding tensors (the first stage's and the last stage's copy), gathered to all and
+    grouped by the first vocabulary row they hold (tensor-parallel ranks hold different rows)."""
+    local = [(spec_of(p).pieces[0].start, p.detach().clone()) for c in chunks for p in c.parameters()
+             if spec_of(p).pieces[0].name == "embedding.word_embeddings.weight"]
+    gathered: list = [local]
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+    out: dict[int, list[torch.Tensor]] = {}
+    for part in gathered:
+        for start, t in part:
+            out.setdefault(start, []).append(t)
+    return out
+
+
+def _train(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int = 2, built=None, first: int = 0) -> dict:
+    """Optimizer steps (iterations ``first`` ...): losses, depth losses, grad norms, first gradients and final
+    parameters. ``built``: the (chunks, optimization, schedule) to continue, else a fresh run's."""
+    chunks, optim, schedule = built or _build(cfg, ctx)
     blocks = mtp_blocks(chunks)
     out: dict = {"losses": [], "mtp": [], "norms": []}
-    for it in range(iterations):
+    for it in range(first, first + iterations):
         for chunk in chunks:
             chunk.train()
         optim.grad_buffer.zero()
         loss = schedule(chunks, _micro_batches(cfg, ctx, it), on_chunk_grads_ready=optim.grad_sync.start_overlap)
         optim.grad_sync.finish()
-        if it == 0:
+        if it == first:
             out["grads"] = gather_canonical(chunks, "grad")
         norm = optim.grad_norm()
         optim.optimizer.step(cfg.optim.lr, grad_coef=clip_coefficient(norm, cfg.optim.clip_grad))
@@ -160,6 +184,10 @@ def _train(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int = 2) -> di
         out["mtp"].append(_reduced(depth, ctx).tolist())
         out["norms"].append(float(norm))
     out["params"] = gather_canonical(chunks, "param")
+    copies = _embedding_copies(chunks)
+    # Untied with PP > 1 the last stage holds a copy of the input embedding: it must stay the first stage's.
+    out["embedding_copies"] = sum(len(ts) for ts in copies.values())
+    out["copies_agree"] = all(torch.equal(t, ts[0]) for ts in copies.values() for t in ts)
     return out
 
 
@@ -170,6 +198,9 @@ LAYOUTS = {
     "pp2-interleaved": (mtp_model(), dict(pp=2, vpp=2)),
     "cp2": (mtp_model(), dict(context_parallel_size=2)),
     "dp2-untied": (mtp_model(tied=False), dict()),
+    # DeepSeek-V3's setup: the last stage's copy of the input embedding is summed with the first stage's.
+    "pp2-untied": (mtp_model(tied=False), dict(pp=2)),
+    "pp2-untied-interleaved": (mtp_model(tied=False), dict(pp=2, vpp=2)),
     "moe-tp2-sp": (moe_mtp_model(), dict(tp=2, sp=True)),
 }
 if HAS_CXX:
@@ -193,24 +224,58 @@ def _trainer_config(pp: int, metrics_file: str) -> MeshtronConfig:
     return cfg
 
 
-def _worker(rank: int, world: int, metrics_file: str) -> dict:
+def _groups(cfg: MeshtronConfig) -> ParallelContext:
+    p = cfg.parallel
+    return build_groups(p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size,
+                        p.expert_model_parallel_size, torch.device("cpu"))
+
+
+def _checkpoints(root: str) -> dict:
+    """An untied PP=2 run saves after 2 steps; PP=1 (DP=2) loads it, steps and saves; PP=2 loads that back
+    and steps. Canonical states (model and optimizer) at each point, gathered on every rank."""
+    model, kw = LAYOUTS["pp2-untied"]
+    cfg2, cfg1 = _config(model, **kw), _config(model)
+    ctx2 = _groups(cfg2)
+    built2 = _build(cfg2, ctx2)
+    _train(cfg2, ctx2, 2, built2)
+    out = {"saved": canonical_state(built2[0], built2[1].optimizer)}
+    save_checkpoint(os.path.join(root, "pp2"), TrainingState(iteration=2, consumed_samples=8), built2[0],
+                    built2[1].optimizer, ctx2, cfg2)
+    cfg1.train.seed = 99  # other initial weights: only what the checkpoint holds can make the states agree
+    ctx1 = _groups(cfg1)
+    built1 = _build(cfg1, ctx1)
+    load_checkpoint(os.path.join(root, "pp2"), built1[0], built1[1].optimizer, ctx1, cfg1)
+    out["loaded_pp1"] = canonical_state(built1[0], built1[1].optimizer)
+    _train(cfg1, ctx1, 1, built1, first=2)
+    out["pp1_step3"] = canonical_state(built1[0], built1[1].optimizer)
+    save_checkpoint(os.path.join(root, "pp1"), TrainingState(iteration=3, consumed_samples=12), built1[0],
+                    built1[1].optimizer, ctx1, cfg1)
+    cfg2.train.seed = 98
+    built_back = _build(cfg2, ctx2)
+    load_checkpoint(os.path.join(root, "pp1"), built_back[0], built_back[1].optimizer, ctx2, cfg2)
+    out["loaded_pp2"] = canonical_state(built_back[0], built_back[1].optimizer)
+    out["pp2_step4"] = _train(cfg2, ctx2, 1, built_back, first=3)
+    out["pp1_step4"] = _train(cfg1, ctx1, 1, built1, first=3)
+    return out
+
+
+def _worker(rank: int, world: int, metrics_file: str, root: str) -> dict:
     from meshtron.training.trainer import run_training
 
     out = {}
     for name, (model, kw) in LAYOUTS.items():
         cfg = _config(model, **kw)
-        p = cfg.parallel
-        ctx = build_groups(p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size,
-                           p.expert_model_parallel_size, torch.device("cpu"))
-        out[name] = _train(cfg, ctx)
+        out[name] = _train(cfg, _groups(cfg))
+    out["checkpoints"] = _checkpoints(root)
     run_training(_trainer_config(2, metrics_file))
     return out
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("mtp") / "pp2.jsonl")
-    return run_distributed(_worker, 2, path, timeout=400), path
+    root = tmp_path_factory.mktemp("mtp")
+    path = str(root / "pp2.jsonl")
+    return run_distributed(_worker, 2, path, str(root), timeout=500), path, root
 
 
 _REFS: dict = {}
@@ -218,7 +283,7 @@ _REFS: dict = {}
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_parallel_layout_matches_one_process(layouts, name):
-    results, _ = layouts
+    results, _, _ = layouts
     model, kw = LAYOUTS[name]
     key = repr(model)  # one eager one-process reference per model (compiled layers must match it too)
     if key not in _REFS:
@@ -232,6 +297,9 @@ def test_parallel_layout_matches_one_process(layouts, name):
         assert out["norms"] == pytest.approx(ref["norms"], rel=1e-5), f"rank {rank}"
         for got, want in zip(out["mtp"], ref["mtp"]):
             assert got == pytest.approx(want, rel=1e-5), f"rank {rank}"
+        assert out["copies_agree"], f"rank {rank}: the word-embedding copies differ"
+        if name.startswith("pp2-untied"):
+            assert out["embedding_copies"] == 2  # the first stage's and the last stage's copy
         for kind in ("grads", "params"):
             assert out[kind].keys() == ref[kind].keys()
             for key, want in ref[kind].items():
@@ -243,7 +311,7 @@ def test_parallel_layout_matches_one_process(layouts, name):
 def test_trainer_logs_the_main_loss_and_mtp_loss_of_one_process(layouts, tmp_path):
     from meshtron.training.trainer import run_training
 
-    _, path = layouts
+    _, path, _ = layouts
     os.environ.pop("WORLD_SIZE", None)
     ref_path = str(tmp_path / "ref.jsonl")
     run_training(_trainer_config(1, ref_path))
@@ -259,6 +327,38 @@ def test_trainer_logs_the_main_loss_and_mtp_loss_of_one_process(layouts, tmp_pat
             assert rec[key] == pytest.approx(want[key], rel=1e-5), key
         assert rec["mtp_loss"] == pytest.approx((rec["mtp_1_loss"] + rec["mtp_2_loss"]) / 2)
         assert math.isfinite(rec["mtp_loss"]) and abs(rec["mtp_loss"] - rec["loss"]) > 1e-6
+
+
+def test_untied_pp2_checkpoint_reshards_to_one_stage_and_back(layouts):
+    """The last stage's copy of the input embedding is stored once, under the embedding's name: an untied
+    PP=2 checkpoint loads into PP=1 (two processes and one) exactly, and a PP=1 one back into PP=2; the
+    steps after either load agree."""
+    import torch.distributed.checkpoint as dcp
+
+    results, _, root = layouts
+    for rank, r in enumerate(results):
+        got = r["checkpoints"]
+        assert_same_state(got["loaded_pp1"], got["saved"])
+        assert_same_state(got["loaded_pp2"], got["pp1_step3"])
+        assert not all(torch.equal(got["pp1_step3"][k], got["saved"][k]) for k in got["saved"])
+        for key, want in got["pp1_step4"]["params"].items():
+            torch.testing.assert_close(got["pp2_step4"]["params"][key], want, rtol=1e-4, atol=2e-5,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
+        assert got["pp2_step4"]["copies_agree"] and got["pp2_step4"]["embedding_copies"] == 2
+    saved = results[0]["checkpoints"]["saved"]
+    md = dcp.FileSystemReader(str(root / "pp2" / "iter_0000002")).read_metadata()
+    names = {k for k in md.state_dict_metadata if "word_embeddings" in k}
+    assert names == {f"{prefix}embedding.word_embeddings.weight"
+                     for prefix in ("model.", "optim.master.", "optim.exp_avg.", "optim.exp_avg_sq.")}
+    assert all(len(md.state_dict_metadata[k].chunks) == 1 for k in names)  # both stages' copy: written once
+
+    # One process (no process group) reads the PP=2 checkpoint into the whole model.
+    model, _ = LAYOUTS["pp2-untied"]
+    cfg = _config(model)
+    cfg.train.seed = 97
+    chunks, optim, _ = _build(cfg, ParallelContext())
+    load_checkpoint(str(root / "pp2"), chunks, optim.optimizer, ParallelContext(), cfg)
+    assert_same_state(canonical_state(chunks, optim.optimizer), saved)
 
 
 # ------------------------------------------------------------------------------------------ names, counts, flags
@@ -308,6 +408,14 @@ def test_bad_mtp_settings_name_the_flag(change, flag):
     cfg.data.mock_data = True
     with pytest.raises(ConfigError, match=flag):
         validate_config(cfg)
+
+
+def test_untied_pipeline_is_accepted():
+    """Untied embeddings with PP > 1 (DeepSeek-V3's setup): the last stage's embedding copy is summed."""
+    cfg = MeshtronConfig(model=dataclasses.replace(mtp_model(tied=False), vocab_size=VOCAB))
+    cfg.data.mock_data = True
+    cfg.parallel.pipeline_model_parallel_size = 2
+    validate_config(cfg, world_size=2)
 
 
 def test_memory_estimate_holds_the_depths_on_the_last_stage():
