@@ -196,7 +196,7 @@ class ParallelConfig:
                                                  "(interleaved 1F1B over virtual stages) or zero-bubble-h1 (ZB-H1: "
                                                  "each backward split into the input gradient and the weight "
                                                  "gradients, deferred to fill the bubble; one chunk per rank, "
-                                                 "--no-compile, no FP8). Default: interleaved with virtual stages, "
+                                                 "no FP8). Default: interleaved with virtual stages, "
                                                  "else 1f1b. Without pipeline parallelism there is no bubble and "
                                                  "the value has no effect.",
                                            choices=("1f1b", "interleaved", "zero-bubble-h1"))

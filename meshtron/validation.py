@@ -465,10 +465,6 @@ def _check_pipeline_schedule(cfg: MeshtronConfig) -> None:
         if t.fp8_format:
             raise ConfigError(f"--pipeline-schedule zero-bubble-h1 cannot defer the weight gradients of FP8 linear "
                               f"layers: drop --fp8-format {t.fp8_format} or use --pipeline-schedule 1f1b")
-        if t.compile:
-            raise ConfigError("--pipeline-schedule zero-bubble-h1 needs eager layers (compiled layers cannot hand "
-                              "their weight-gradient matmuls to the schedule): add --no-compile, or use "
-                              "--pipeline-schedule 1f1b")
 
 
 def _check_experts(cfg: MeshtronConfig) -> None:

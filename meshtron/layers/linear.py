@@ -15,6 +15,13 @@ gradient); the schedule runs it later, in a W pass. The weight then enters that 
 the backward never touches the parameter's gradient; the store accumulates it through the usual
 path (the parameter's gradient hooks, hence the fp32 gradient buffers). Tensor-parallel
 communication in backward is unchanged, in the input-gradient pass. FP8 layers never defer.
+
+In a compiled layer the deferring matmul runs outside the compiled graphs (:func:`_deferring_apply`):
+its backward's hand-over is a Python side effect that a traced backward graph cannot keep, and the
+tensors it keeps for the W pass must be tensors that autograd owns, not buffers of a compiled
+backward, which the compiler reuses (and donates the saved activations of) once their last use in
+the graph is past. So with the store enabled a compiled layer runs as compiled regions between its
+linear layers; without it (1F1B, evaluation) the layer is one graph, as before.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             fp8_format: Optional[str], fp8_recipe: str, wgrad_store=None) -> torch.Tensor:
     if fp8_format is None:
         if _defers(wgrad_store, weight):
-            return _LinearDeferredWeightGrad.apply(x, weight.detach(), bias, (wgrad_store, weight))
+            return _deferring_apply(_LinearDeferredWeightGrad, x, weight, bias, (wgrad_store, weight))
         return F.linear(x, weight, bias)
     return fp8_linear(x, weight, bias, fp8_format, fp8_recipe)
 
@@ -44,6 +51,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 def _defers(wgrad_store, weight: torch.Tensor) -> bool:
     """Whether this forward's backward leaves its weight gradient to ``wgrad_store``."""
     return wgrad_store is not None and wgrad_store.enabled and weight.requires_grad and torch.is_grad_enabled()
+
+
+@torch.compiler.disable
+def _deferring_apply(function: type[torch.autograd.Function], x: torch.Tensor, weight: torch.Tensor,
+                     *args) -> torch.Tensor:
+    """``function.apply(x, weight detached, *args)``, always eager: a graph break in a compiled layer
+    (see the module docstring), so the deferring backward runs as written and keeps autograd's tensors."""
+    return function.apply(x, weight.detach(), *args)
 
 
 def weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -159,8 +174,8 @@ class ColumnParallelLinear(nn.Module):
                                                 gradient_dtype(self.fp8_format))
         if gathers_here and self.overlap_backward_comm and self.fp8_format is None:
             if _defers(self.wgrad_store, self.weight):
-                return _ColumnParallelMatmul.apply(x, self.weight.detach(), self.bias, self.group,
-                                                   self.sequence_parallel, (self.wgrad_store, self.weight))
+                return _deferring_apply(_ColumnParallelMatmul, x, self.weight, self.bias, self.group,
+                                        self.sequence_parallel, (self.wgrad_store, self.weight))
             return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if not prepared:
             x = self.prepare_input(x)
