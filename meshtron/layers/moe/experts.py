@@ -108,13 +108,30 @@ class GroupedExperts(nn.Module):
         y = torch._grouped_mm(self._activation(h), w2.transpose(1, 2), offs=offs)
         if self.fc2_bias is not None:
             y = add_expert_bias(y, self.fc2_bias.view(self.num_local, -1), expert_of_row, self._bias_share)
-        return y.index_select(0, dest)
+        return _Unpad.apply(y, dest)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh")
+
+
+class _Unpad(torch.autograd.Function):
+    """The rows ``dest`` of the aligned groups' output. ``index_select``'s own backward would scatter the
+    gradient with an atomic ``index_add_`` (slow in bf16); every row is read once, so a plain
+    ``index_copy`` into zeros is the same gradient."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(dest)
+        ctx.rows = padded.shape[0]
+        return padded.index_select(0, dest)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (dest,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.rows, grad.shape[-1])).index_copy_(0, dest, grad), None
 
 
 class _AddExpertBias(torch.autograd.Function):
