@@ -5,7 +5,8 @@ checkpoints.
 the safetensors weights (one file or an index of shards) and the tokenizer
 files, and writes a meshtron checkpoint at iteration 0 (no optimizer state) that
 ``meshtron train --load CKPT`` (any parallel layout) and ``meshtron generate
---load CKPT`` read.
+--load CKPT`` read. DeepSeek-V3's multi-token prediction layers become the
+checkpoint's ``--mtp-num-layers`` depths unless ``--skip-mtp`` leaves them out.
 
 ``meshtron convert --to hf --input CKPT --output HF_DIR`` writes the model
 tensors of a meshtron checkpoint (written in any layout) as safetensors with a
@@ -155,9 +156,14 @@ def _hf_tokenizer(directory: Path, notices: list[str]):
 
 
 def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optional[torch.dtype] = None,
-                   notices: Optional[list[str]] = None) -> Path:
+                   notices: Optional[list[str]] = None, skip_mtp: bool = False) -> Path:
     """Convert a Hugging Face model directory (a family of :data:`hf.ARCHITECTURES`) into a meshtron checkpoint
-    (iteration 0); returns its path. DeepSeek-V3's multi-token prediction layers are skipped with a notice."""
+    (iteration 0); returns its path.
+
+    DeepSeek-V3's multi-token prediction layers (``model.layers.{num_hidden_layers + k}``, as many as
+    ``num_nextn_predict_layers``) become the checkpoint's ``mtp.layers.{k}`` depths (``--mtp-num-layers``), their
+    copies of the embedding and output layer checked equal to the model's; with ``skip_mtp``, or when the
+    weights hold none of them, they are left out with a notice (a model without ``--mtp-num-layers``)."""
     quiet_single_process_notice()
     notices = notices if notices is not None else []
     src, out = Path(input_dir), Path(output_dir)
@@ -167,22 +173,40 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
     _require_empty(out)
     cfg, values = _config_from_file(config_file, notices)
     interleave = hf.rope_interleaved(values)
-    chunks, extra_layers = [], set()
-    for hf_name, tensor in read_hf_tensors(src).items():
+    hf_tensors = read_hf_tensors(src)
+    extra_layers = sorted({layer for layer in map(hf.hf_layer_index, hf_tensors)
+                           if layer is not None and layer >= cfg.model.num_layers})
+    depths = cfg.model.mtp_num_layers or 0
+    if depths and (skip_mtp or not extra_layers):
+        cfg.model.mtp_num_layers = None
+        if not skip_mtp:
+            notices.append(f"config.json: num_nextn_predict_layers {depths}, but the weights hold no layer from "
+                           f"model.layers.{values['num_hidden_layers']} on: converted without multi-token "
+                           "prediction")
+    # DeepSeek-V3's prediction layers follow the last layer; left out when not imported
+    skipping = values.get("model_type") == "deepseek_v3" and not cfg.model.mtp_num_layers
+    chunks, seen = [], {}
+    for hf_name, tensor in hf_tensors.items():
         layer = hf.hf_layer_index(hf_name)
-        if values.get("model_type") == "deepseek_v3" and layer is not None and layer >= cfg.model.num_layers:
-            extra_layers.add(layer)  # DeepSeek-V3's multi-token prediction modules follow the last layer
-            continue
+        if skipping and layer is not None and layer >= cfg.model.num_layers:
+            continue  # the multi-token prediction layers, left out
         for name, part in hf.hf_to_meshtron_tensors(hf_name, tensor, cfg.model, interleave):
             if not cfg.model.untie_embeddings_and_output_weights and name == "output.weight":
                 continue  # tied: the output layer is the embedding
+            if name in seen:  # a prediction layer's copy of the embedding or output layer: one tensor in meshtron
+                first, kept = seen[name]
+                if part.shape != kept.shape or not torch.equal(part, kept):
+                    raise CheckpointError(f"{hf_name} differs from {first}: meshtron's multi-token prediction "
+                                          f"depths share the model's {name}")
+                continue
+            seen[name] = (hf_name, part)
             # contiguous copies: a slice of a fused expert tensor must not carry the whole storage along
             t = (part.to(dtype) if dtype is not None else part).contiguous()
             if t.untyped_storage().nbytes() > t.numel() * t.element_size():
                 t = t.clone()
             chunks.append(LocalChunk(model_key(name), tuple(t.shape), (0,) * t.dim(), t))
-    if extra_layers:
-        notices.append(f"skipped the multi-token prediction layer(s) {sorted(extra_layers)} (model.layers.N with N >= "
+    if skipping and extra_layers:
+        notices.append(f"skipped the multi-token prediction layer(s) {extra_layers} (model.layers.N with N >= "
                        f"num_hidden_layers {cfg.model.num_layers}): they are not imported")
     _check_complete(cfg, {c.key[len(MODEL_PREFIX):]: c.global_shape for c in chunks})
     tokenizer = _hf_tokenizer(src, notices)
@@ -285,10 +309,12 @@ def _export_tokenizer(ckpt_dir: Path, out: Path, notices: list[str]) -> tuple[Op
 
 def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture: Optional[str] = None,
                    dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 * 10**9,
-                   notices: Optional[list[str]] = None, verify: bool = True) -> Path:
+                   notices: Optional[list[str]] = None, verify: bool = True, skip_mtp: bool = False) -> Path:
     """Write a meshtron checkpoint as a Hugging Face model directory of ``architecture`` (a key of
     :data:`hf.ARCHITECTURES`; None: :func:`hf.default_architecture` picks it from the model).
-    ``verify``: check the checkpoint's files against their checksums first."""
+    ``verify``: check the checkpoint's files against their checksums first. Multi-token prediction depths
+    are written as DeepSeek-V3's ``model.layers.{num_layers + k}``; ``skip_mtp`` leaves them out (the only
+    way to export them to another architecture)."""
     notices = notices if notices is not None else []
     out = Path(output_dir)
     _require_empty(out)
@@ -299,8 +325,12 @@ def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture:
     meta = read_meta(ckpt_dir)
     cfg = read_config(ckpt_dir)
     architecture = architecture or hf.default_architecture(cfg.model)
-    hf.check_exportable(cfg.model, architecture)
     tensors = read_model_tensors(ckpt_dir, dtype)
+    if skip_mtp and cfg.model.mtp_num_layers:
+        notices.append(f"left out the {cfg.model.mtp_num_layers} multi-token prediction depth(s) (mtp.layers.*)")
+        cfg.model.mtp_num_layers = None
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    hf.check_exportable(cfg.model, architecture)
     vocab = int(tensors["embedding.word_embeddings.weight"].shape[0])
     if meta.get("model", {}).get("vocab_size") not in (None, vocab):
         raise CheckpointError(f"{ckpt_dir}: the embedding has {vocab} rows but the metadata says vocabulary "
@@ -370,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "mixture of experts with or without query/key norms; qwen3, qwen2 or llama otherwise)")
     p.add_argument("--max-shard-size", type=_size, default=5 * 10**9,
                    help="with --to hf: largest safetensors file, e.g. 5GB (default)")
+    p.add_argument("--skip-mtp", action="store_true",
+                   help="leave the multi-token prediction layers out: with --from hf DeepSeek-V3's "
+                        "model.layers.{num_hidden_layers + k} (imported as --mtp-num-layers depths by default), "
+                        "with --to hf the checkpoint's mtp.layers.* depths")
     p.add_argument("--no-verify-checkpoint", action="store_true",
                    help="with --to hf: read the checkpoint without checking its files against their checksums")
     return p
@@ -382,10 +416,10 @@ def convert_main(argv: list[str]) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     try:
         if args.source == "hf":
-            path = hf_to_meshtron(args.input, args.output, dtype, notices)
+            path = hf_to_meshtron(args.input, args.output, dtype, notices, skip_mtp=args.skip_mtp)
         else:
             path = meshtron_to_hf(args.input, args.output, args.hf_architecture, dtype, args.max_shard_size, notices,
-                                  verify=not args.no_verify_checkpoint)
+                                  verify=not args.no_verify_checkpoint, skip_mtp=args.skip_mtp)
     except CheckpointError as err:
         for note in notices:
             print(f"meshtron convert: note: {note}", file=sys.stderr)

@@ -39,6 +39,7 @@ from meshtron.checkpoint import hf_moe
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
 from meshtron.layers import mla_hf
+from meshtron.layers.mtp import HF_MTP_NAMES, mtp_depths
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -87,6 +88,17 @@ _LAYER_MAP_BACK = {v: k for k, v in _LAYER_MAP.items()}
 _GLOBAL_MAP_BACK = {v: k for k, v in _GLOBAL_MAP.items()}
 # Buffers some exporters include; they are recomputed from the config.
 _IGNORED_HF = re.compile(r"\.rotary_emb\.inv_freq$")
+# DeepSeek-V3's multi-token prediction layers (model.layers.{num_hidden_layers + k}): each depth's own tensors
+# (HF right side -> meshtron name after ``mtp.layers.{k}.``), the copies of the shared embedding and output
+# layer, and the decoder layer, named as a main layer's.
+_MTP_PREFIX = "mtp.layers.{k}."
+_MTP_LAYER = "transformer_layer."
+_HF_MTP_OWN = {hf: ours[len(_MTP_PREFIX):] for ours, hf in HF_MTP_NAMES.items()
+               if ours.startswith(_MTP_PREFIX) and not ours.startswith(_MTP_PREFIX + _MTP_LAYER)}
+_HF_MTP_SHARED = {hf: ours for ours, hf in HF_MTP_NAMES.items() if not ours.startswith(_MTP_PREFIX)}
+_MTP_OWN_BACK = {v: k for k, v in _HF_MTP_OWN.items()}
+_MESHTRON_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def hf_to_meshtron_name(name: str) -> Optional[str]:
@@ -134,6 +146,35 @@ def hf_to_meshtron_tensors(name: str, tensor: torch.Tensor, model: Optional[Mode
     transformers 5's fused expert tensors. Multi-latent attention tensors need ``model`` (their
     shapes) and ``rope_interleave`` (DeepSeek's interleaved rotary rows, see :mod:`meshtron.layers.mla_hf`).
     """
+    m = _HF_LAYER.match(name)
+    if m and model is not None and mtp_depths(model) and int(m.group(1)) >= model.num_layers:
+        return _mtp_from_hf(name, int(m.group(1)) - model.num_layers, m.group(2), tensor, model, rope_interleave)
+    return _layer_tensors(name, tensor, model, rope_interleave)
+
+
+def _mtp_from_hf(name: str, depth: int, rest: str, tensor: torch.Tensor, model: ModelConfig,
+                 rope_interleave: bool) -> list[tuple[str, torch.Tensor]]:
+    """meshtron pairs of a tensor of DeepSeek-V3's multi-token prediction layer ``depth`` (0-based): its own
+    norms and projection under ``mtp.layers.{depth}``, its decoder layer under ``...transformer_layer``, and
+    its copies of the embedding and output layer under the shared names (the converter checks that they
+    equal the model's)."""
+    if depth >= mtp_depths(model):
+        raise CheckpointError(f"unexpected tensor {name!r}: the model has {model.num_layers} layers and "
+                              f"{mtp_depths(model)} multi-token prediction layer(s) (num_nextn_predict_layers)")
+    prefix = _MTP_PREFIX.format(k=depth)
+    if rest in _HF_MTP_OWN:
+        return [(prefix + _HF_MTP_OWN[rest], tensor)]
+    if rest in _HF_MTP_SHARED:
+        shared = _HF_MTP_SHARED[rest]
+        tied = not model.untie_embeddings_and_output_weights
+        return [(WORD_EMBEDDING if tied else shared, tensor)]
+    main = f"layers.{model.num_layers + depth}."
+    return [(prefix + _MTP_LAYER + n[len(main):], t) for n, t in _layer_tensors(name, tensor, model, rope_interleave)]
+
+
+def _layer_tensors(name: str, tensor: torch.Tensor, model: Optional[ModelConfig],
+                   rope_interleave: bool) -> list[tuple[str, torch.Tensor]]:
+    """:func:`hf_to_meshtron_tensors` for the main model's tensors."""
     m = _HF_LAYER.match(name)
     if m and m.group(2) in (_HF_FUSED_GATE_UP, _HF_FUSED_DOWN):
         prefix = f"layers.{m.group(1)}.mlp.experts"
@@ -199,9 +240,20 @@ def meshtron_to_hf_name(name: str, architecture: str = "llama") -> str:
 def meshtron_to_hf_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig,
                            architecture: str) -> dict[str, torch.Tensor]:
     """Every canonical meshtron tensor under its Hugging Face name, in ``architecture``'s layout (DeepSeek:
-    rotary rows interleaved; a zero ``e_score_correction_bias`` where a V3 router has no expert bias)."""
+    rotary rows interleaved; a zero ``e_score_correction_bias`` where a V3 router has no expert bias;
+    DeepSeek-V3's multi-token prediction depths as ``model.layers.{num_layers + k}``, each with copies of the
+    embedding and output layer, as the released checkpoints hold them)."""
     out = {}
     for name, t in tensors.items():
+        canonical = name
+        mtp = _MESHTRON_MTP.match(name)
+        if mtp and architecture == "deepseek_v3":
+            layer, rest = model.num_layers + int(mtp.group(1)), mtp.group(2)
+            if rest in _MTP_OWN_BACK:
+                out[f"model.layers.{layer}.{_MTP_OWN_BACK[rest]}"] = t
+                continue
+            if rest.startswith(_MTP_LAYER):  # the depth's decoder layer: as a main layer of that index
+                name = f"layers.{layer}.{rest[len(_MTP_LAYER):]}"
         if architecture in hf_moe.DEEPSEEK and ".attention." in name:
             short = name.split(".attention.", 1)[1]
             if short in mla_hf.MESHTRON_TO_HF:
@@ -209,8 +261,17 @@ def meshtron_to_hf_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig,
         out[meshtron_to_hf_name(name, architecture)] = t
         if architecture == "deepseek_v3" and name.endswith(".mlp.router.weight"):
             bias = name.replace(".router.weight", ".router.expert_bias")
-            if bias not in tensors:  # transformers' V3 router always has one; zero changes nothing
+            if canonical.replace(".router.weight", ".router.expert_bias") not in tensors:
+                # transformers' V3 router always has one; zero changes nothing
                 out[meshtron_to_hf_name(bias, architecture)] = torch.zeros(t.shape[0], dtype=torch.float32)
+    if architecture == "deepseek_v3":
+        # each prediction layer of the checkpoint carries its own copy of the shared embedding and output layer
+        # (copies: safetensors stores no two names over one storage)
+        output = tensors.get("output.weight", tensors.get(WORD_EMBEDDING))
+        for k in range(mtp_depths(model)):
+            for hf_right, shared in _HF_MTP_SHARED.items():
+                out[f"model.layers.{model.num_layers + k}.{hf_right}"] = (
+                    output if shared == "output.weight" else tensors[WORD_EMBEDDING]).clone()
     return out
 
 
@@ -355,6 +416,10 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
     if m.multi_latent_attention and architecture not in hf_moe.DEEPSEEK:
         problems.append("--multi-latent-attention (multi-latent attention: export with --hf-architecture "
                         "deepseek_v3 or deepseek_v2)")
+    if mtp_depths(m) and architecture != "deepseek_v3":
+        problems.append(f"--mtp-num-layers {m.mtp_num_layers} (only DeepSeek-V3 checkpoints hold multi-token "
+                        "prediction layers: export with --hf-architecture deepseek_v3, or leave the depths out "
+                        "with --skip-mtp)")
     if architecture in hf_moe.DEEPSEEK or architecture == "qwen3_moe":
         problems += hf_moe.export_problems(m, architecture)
     elif architecture == "mixtral":

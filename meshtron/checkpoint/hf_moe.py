@@ -70,6 +70,11 @@ def deepseek_settings(hf: dict, kind: str, notices: list[str]) -> dict[str, Any]
         v_head_dim=int(hf["v_head_dim"]), norm_epsilon=eps, qk_layernorm=False, add_qkv_bias=False,
     )
     values.update(deepseek_rope(hf))
+    if kind == "deepseek_v3":
+        # the multi-token prediction layers model.layers.{layers + k} (--mtp-num-layers); the converter drops
+        # this when the weights do not hold them or the user leaves them out
+        depths = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 0)) or 0
+        values["mtp_num_layers"] = depths or None
     experts = _int(hf, "n_routed_experts")
     first_dense = min(_int(hf, "first_k_dense_replace", 0) or 0, layers)
     if not experts or first_dense >= layers:
@@ -318,6 +323,7 @@ def deepseek_config(m: ModelConfig, architecture: str) -> dict[str, Any]:
         cfg["mlp_bias"] = False
     else:
         cfg["rope_interleave"] = True  # the exporter writes the rotary rows in DeepSeek's interleaved order
+        cfg["num_nextn_predict_layers"] = int(m.mtp_num_layers or 0)  # model.layers.{num_hidden_layers + k}
     return cfg
 
 

@@ -1,5 +1,6 @@
 """Hugging Face DeepSeek-V2/V3 and Qwen3-MoE <-> meshtron: transformers' logits, identical tensors after a round
-trip, the default export architecture, skipped multi-token prediction layers, and the refusals."""
+trip, the default export architecture, DeepSeek-V3's multi-token prediction layers (imported, exported back, or
+skipped), and the refusals."""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def test_hf_moe_round_trip(tmp_path, family):
 
 def test_fused_in_memory_layout_and_mtp_layers_skipped(tmp_path, capsys):
     """transformers 5's fused expert tensors (the in-memory state dict) read as well; DeepSeek-V3's
-    multi-token prediction layer (model.layers.3 of 3 layers) is skipped with a notice."""
+    multi-token prediction layer (model.layers.3 of 3 layers) is skipped with a notice under --skip-mtp, and
+    an incomplete one is refused without it."""
     from safetensors.torch import save_file
 
     reference = random_model(transformers.DeepseekV3ForCausalLM, deepseek_v3_config())
@@ -130,10 +132,134 @@ def test_fused_in_memory_layout_and_mtp_layers_skipped(tmp_path, capsys):
     hf_in.mkdir()
     save_file(state, str(hf_in / "model.safetensors"))
     reference.config.save_pretrained(hf_in)
-    assert convert_main(["--from", "hf", "--input", str(hf_in), "--output", str(ckpt)]) == 0
+    assert convert_main(["--from", "hf", "--input", str(hf_in), "--output", str(tmp_path / "refused")]) == 2
+    assert "mtp.layers.*.enorm.weight (64,) is missing" in capsys.readouterr().err  # the prediction layer
+    assert convert_main(["--from", "hf", "--input", str(hf_in), "--output", str(ckpt), "--skip-mtp"]) == 0
     assert "skipped the multi-token prediction layer(s) [3]" in capsys.readouterr().err
+    assert read_config(ckpt / "iter_0000000").model.mtp_num_layers is None
     model, _ = load_for_inference(ckpt, "cpu")
     torch.testing.assert_close(logits(model, TOKENS), logits(reference, TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+def _deepseek_v3_with_mtp(tmp_path):
+    """A DeepSeek-V3 directory of 3 layers whose weights also hold its multi-token prediction layer
+    (model.layers.3): the decoder layer is layer 3 of another, 4-layer transformers model; enorm, hnorm,
+    eh_proj and shared_head.norm are random; embed_tokens and shared_head.head copy the model's.
+    Returns (the 3-layer model, the 4-layer one, the directory's tensors, the directory)."""
+    from safetensors.torch import save_file
+
+    from meshtron.checkpoint.convert import read_hf_tensors
+
+    cls = transformers.DeepseekV3ForCausalLM
+    reference = random_model(cls, deepseek_v3_config(num_nextn_predict_layers=1))
+    donor = random_model(cls, deepseek_v3_config(num_hidden_layers=4), seed=1)
+    reference.save_pretrained(tmp_path / "main")
+    donor.save_pretrained(tmp_path / "donor")
+    state = read_hf_tensors(tmp_path / "main")
+    state.update({k: v for k, v in read_hf_tensors(tmp_path / "donor").items() if hf.hf_layer_index(k) == 3})
+    g = torch.Generator().manual_seed(2)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        state[f"model.layers.3.{norm}.weight"] = 1 + 0.3 * torch.randn(64, generator=g)
+    state["model.layers.3.eh_proj.weight"] = 0.2 * torch.randn(64, 128, generator=g)
+    state["model.layers.3.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state["model.layers.3.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    hf_in = tmp_path / "hf"
+    hf_in.mkdir()
+    save_file(state, str(hf_in / "model.safetensors"))
+    reference.config.save_pretrained(hf_in)
+    write_tokenizer(hf_in)
+    return reference, donor, state, hf_in
+
+
+def _reference_depth_loss(reference, donor, state: dict, tokens, mtp_tokens, mtp_labels, mtp_mask) -> torch.Tensor:
+    """DeepSeek-V3's first prediction depth from transformers' pieces: h^0 (the input of the final norm),
+    eh_proj([enorm(embed(t_{i+1})); hnorm(h^0)]), the decoder layer, shared_head, and the mean cross-entropy
+    over the valid positions."""
+    seen: dict = {}
+    hooks = [reference.model.layers[0].register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True),
+             reference.model.norm.register_forward_hook(lambda m, a, out: seen.update(h0=a[0]))]
+    with torch.no_grad():
+        reference(tokens)
+        for h in hooks:
+            h.remove()
+        w = {k[len("model.layers.3."):]: v for k, v in state.items() if k.startswith("model.layers.3.")}
+        e = torch.nn.functional.embedding(mtp_tokens, w["embed_tokens.weight"])
+        x = torch.cat([_rms(e, w["enorm.weight"]), _rms(seen["h0"], w["hnorm.weight"])], -1) @ w["eh_proj.weight"].t()
+        kwargs = {k: seen[k] for k in ("position_embeddings", "attention_mask", "position_ids")}
+        out = donor.model.layers[3](x, **kwargs)
+        h1 = out[0] if isinstance(out, tuple) else out
+        depth_logits = _rms(h1, w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].t()
+        ce = torch.nn.functional.cross_entropy(depth_logits.reshape(-1, VOCAB), mtp_labels.reshape(-1),
+                                               reduction="none")
+        return (ce * mtp_mask.reshape(-1)).sum() / mtp_mask.sum()
+
+
+def test_deepseek_v3_mtp_layer_round_trip(tmp_path, capsys):
+    """DeepSeek-V3's multi-token prediction layer imports as --mtp-num-layers 1 (the depth computes what
+    DeepSeek's module computes from transformers' pieces; the main logits stay transformers') and exports back
+    to identical tensors, with num_nextn_predict_layers; a copy of the embedding that differs is refused."""
+    from meshtron.checkpoint.convert import read_hf_tensors
+    from meshtron.layers.mtp import add_mtp_inputs, mtp_blocks
+
+    reference, donor, state, hf_in = _deepseek_v3_with_mtp(tmp_path)
+    ckpt, hf_out = tmp_path / "ckpt", tmp_path / "hf_out"
+    assert convert_main(["--from", "hf", "--input", str(hf_in), "--output", str(ckpt)]) == 0
+    assert "multi-token" not in capsys.readouterr().err  # imported, not skipped
+    assert read_config(ckpt / "iter_0000000").model.mtp_num_layers == 1
+    model, _ = load_for_inference(ckpt, "cpu")
+    want = logits(reference, TOKENS)
+    torch.testing.assert_close(logits(model, TOKENS), want, rtol=1e-5, atol=1e-5)
+
+    labels = torch.cat([TOKENS[:, 1:], torch.zeros_like(TOKENS[:, :1])], 1)
+    mask = torch.ones(TOKENS.shape)
+    mask[:, -1] = 0
+    mb = add_mtp_inputs({"tokens": TOKENS, "labels": labels, "loss_mask": mask}, 1)
+    mtp_mask = mb["mtp_loss_mask"]
+    model.train()
+    with torch.no_grad():
+        model(tokens=TOKENS, labels=labels, loss_weight=mask / mask.sum(), mtp_tokens=mb["mtp_tokens"],
+              mtp_labels=mb["mtp_labels"], mtp_loss_weight=mtp_mask / mtp_mask.sum(dim=(0, 1)))
+    depth_loss = mtp_blocks([model])[0].loss_sums[0]
+    want_loss = _reference_depth_loss(reference, donor, state, TOKENS, mb["mtp_tokens"][..., 0],
+                                      mb["mtp_labels"][..., 0], mtp_mask[..., 0])
+    assert want_loss > 1  # random weights: far from a degenerate comparison
+    torch.testing.assert_close(depth_loss, want_loss, rtol=1e-5, atol=1e-5)
+
+    assert convert_main(["--to", "hf", "--input", str(ckpt), "--output", str(hf_out)]) == 0
+    assert json.loads((hf_out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    exported = read_hf_tensors(hf_out)
+    assert exported.keys() == state.keys()
+    for name, t in state.items():
+        assert torch.equal(exported[name], t), name
+    again = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_out, attn_implementation="eager").eval()
+    torch.testing.assert_close(logits(again, TOKENS), want, rtol=0, atol=0)
+
+    # --skip-mtp on export: the main model alone, num_nextn_predict_layers 0
+    assert convert_main(["--to", "hf", "--input", str(ckpt), "--output", str(tmp_path / "main_only"),
+                         "--skip-mtp"]) == 0
+    assert json.loads((tmp_path / "main_only" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert all(hf.hf_layer_index(k) in (None, 0, 1, 2) for k in read_hf_tensors(tmp_path / "main_only"))
+
+    # the prediction layer's copy of the embedding must be the embedding
+    from safetensors.torch import save_file
+
+    state["model.layers.3.embed_tokens.weight"] = state["model.layers.3.embed_tokens.weight"] + 1e-3
+    save_file(state, str(hf_in / "model.safetensors"))
+    assert convert_main(["--from", "hf", "--input", str(hf_in), "--output", str(tmp_path / "bad")]) == 2
+    assert "model.layers.3.embed_tokens.weight differs" in capsys.readouterr().err
+
+
+def test_mtp_export_to_another_architecture_is_refused():
+    import dataclasses
+
+    m = dataclasses.replace(hf.config_from_hf(qwen3_moe_config().to_dict(), []).model, mtp_num_layers=1)
+    with pytest.raises(CheckpointError) as err:
+        hf.check_exportable(m, "qwen3_moe")
+    assert "--mtp-num-layers 1" in " ".join(err.value.differences)
 
 
 def test_rotary_rows_without_interleave(tmp_path):
