@@ -445,8 +445,8 @@ def _check_sharding_strategy(cfg: MeshtronConfig) -> None:
 
 
 def _check_pipeline_schedule(cfg: MeshtronConfig) -> None:
-    """--pipeline-schedule against the virtual stages and the features the zero-bubble schedule cannot defer."""
-    p, t = cfg.parallel, cfg.train
+    """--pipeline-schedule against the virtual stages (each schedule takes one chunk per rank, or several)."""
+    p = cfg.parallel
     schedule = p.pipeline_schedule
     if schedule is None:
         return
@@ -461,10 +461,6 @@ def _check_pipeline_schedule(cfg: MeshtronConfig) -> None:
         raise ConfigError(f"--pipeline-schedule {schedule} runs one model chunk per pipeline rank, but "
                           f"--virtual-pipeline-model-parallel-size is {virtual}: use --pipeline-schedule interleaved "
                           f"or drop the virtual stages")
-    if schedule == "zero-bubble-h1":
-        if t.fp8_format:
-            raise ConfigError(f"--pipeline-schedule zero-bubble-h1 cannot defer the weight gradients of FP8 linear "
-                              f"layers: drop --fp8-format {t.fp8_format} or use --pipeline-schedule 1f1b")
 
 
 def _check_experts(cfg: MeshtronConfig) -> None:

@@ -18,11 +18,16 @@ the saved bf16 input and the weight (e4m3 throughout; it saves bf16, not FP8, ac
 
 Operand layouts follow the kernel's requirement on Hopper GPUs: the first operand row-major, the
 second column-major. Matrix dimensions must be multiples of 16.
+
+Zero-bubble schedules: with ``deferral`` = (weight-gradient store, parameter) and the weight detached
+(see meshtron.layers.linear), backward computes the input gradient and hands the weight-gradient
+scaled matmul, over the operands it would have used (tensorwise: the FP8 output gradient and input,
+transposed; rowwise: the saved input and the output gradient, quantized in the W pass), to the store.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -81,9 +86,20 @@ def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torc
                             use_fast_accum=fast_accum)
 
 
+def weight_grad_now_or_deferred(deferral: Optional[tuple], weight_grad: Callable[[], torch.Tensor]
+                                ) -> Optional[torch.Tensor]:
+    """``weight_grad()`` now (no deferral), or handed to the zero-bubble store of ``deferral`` =
+    (store, parameter) for its W pass (then None: the backward returns no weight gradient)."""
+    if deferral is None:
+        return weight_grad()
+    store, param = deferral
+    store.defer(param, weight_grad)
+    return None
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, grad_dtype):
+    def forward(ctx, x, weight, bias, grad_dtype, deferral=None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = output_dtype(x.dtype)
@@ -95,7 +111,7 @@ class _FP8Linear(torch.autograd.Function):
         # The transposed copies are what backward's matmuls take (as column-major second operands).
         ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
         ctx.shape, ctx.grad_dtype, ctx.has_bias = shape, grad_dtype, bias is not None
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.x_dtype, ctx.w_dtype, ctx.deferral = x.dtype, weight.dtype, deferral
         return y.view(*shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -105,9 +121,11 @@ class _FP8Linear(torch.autograd.Function):
         gq, gq_t, g_inv = cast_both_layouts(g2, ctx.grad_dtype)
         grad_x = scaled_mm(gq, g_inv, wq_t.t(), w_inv, output_dtype(ctx.x_dtype)).view(ctx.shape)  # [N, M] @ [M, K]
         # Straight into the weight's dtype: the matmul accumulates in fp32 and rounds once either way.
-        grad_w = scaled_mm(gq_t, g_inv, xq_t.t(), x_inv, output_dtype(ctx.w_dtype))  # [M, N] @ [N, K]
+        w_dtype = output_dtype(ctx.w_dtype)
+        grad_w = weight_grad_now_or_deferred(
+            ctx.deferral, lambda: scaled_mm(gq_t, g_inv, xq_t.t(), x_inv, w_dtype))  # [M, N] @ [N, K]
         grad_b = g2.sum(dim=0).to(ctx.w_dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def cast_both_layouts(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,7 +138,7 @@ def cast_both_layouts(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
 
 class _FP8LinearRowwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, deferral=None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = output_dtype(x.dtype)
@@ -130,7 +148,7 @@ class _FP8LinearRowwise(torch.autograd.Function):
         if bias is not None:
             y = y + bias.to(out_dtype)
         ctx.save_for_backward(x2, weight)
-        ctx.shape, ctx.has_bias = shape, bias is not None
+        ctx.shape, ctx.has_bias, ctx.deferral = shape, bias is not None, deferral
         return y.view(*shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -142,21 +160,28 @@ class _FP8LinearRowwise(torch.autograd.Function):
         gq, g_inv = quantize_rows(g2, 1)
         wq, w_inv = quantize_rows(weight, 0)
         grad_x = scaled_mm(gq, g_inv, wq, w_inv, out_dtype).view(ctx.shape)
-        # grad_W [M, K] = g^T [M, N] @ x [N, K]: g per output feature, x per input feature (over N).
-        gtq, gt_inv = quantize_rows(g2, 0)
-        xq, x_inv = quantize_rows(x2, 0)
-        grad_w = scaled_mm(gtq.t(), gt_inv.t(), xq, x_inv, out_dtype).to(weight.dtype)
+        grad_w = weight_grad_now_or_deferred(ctx.deferral, lambda: _rowwise_weight_grad(g2, x2, weight.dtype))
         grad_b = g2.float().sum(dim=0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
+
+
+def _rowwise_weight_grad(g2: torch.Tensor, x2: torch.Tensor, w_dtype: torch.dtype) -> torch.Tensor:
+    """grad_W [M, K] = g^T [M, N] @ x [N, K]: g per output feature, x per input feature (over N)."""
+    gtq, gt_inv = quantize_rows(g2, 0)
+    xq, x_inv = quantize_rows(x2, 0)
+    return scaled_mm(gtq.t(), gt_inv.t(), xq, x_inv, output_dtype(x2.dtype)).to(w_dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str,
-               recipe: str = "tensorwise") -> torch.Tensor:
+               recipe: str = "tensorwise", deferral: Optional[tuple] = None) -> torch.Tensor:
     """``F.linear`` with FP8 operands (``fmt``: "e4m3" or "hybrid"; ``recipe``: "tensorwise" or
-    "rowwise", which takes e4m3 only; see the module docstring)."""
+    "rowwise", which takes e4m3 only; see the module docstring). ``deferral``: (zero-bubble store,
+    ``weight``): the weight gradient goes to the store, and autograd sees ``weight`` detached."""
+    if deferral is not None:
+        weight = weight.detach()
     if recipe == "rowwise":
-        return _FP8LinearRowwise.apply(x, weight, bias)
-    return _FP8Linear.apply(x, weight, bias, gradient_dtype(fmt))
+        return _FP8LinearRowwise.apply(x, weight, bias, deferral)
+    return _FP8Linear.apply(x, weight, bias, gradient_dtype(fmt), deferral)
 
 
 def gradient_dtype(fmt: str) -> torch.dtype:

@@ -17,6 +17,9 @@ The weight gradient needs the gathered operand transposed ([features, all tokens
 its shard's transposed copy (written by the same cast) and backward all-gathers those, so saved
 activations shrink to 1/TP of the gathered FP8 input. Tensorwise scaling only (``--fp8-recipe rowwise``
 takes the plain path).
+
+Zero-bubble schedules (``deferral``, as in meshtron.layers.fp8): the collectives stay in the input-gradient
+pass; the gathered transposed operand is kept for the weight-gradient matmul, which the store runs later.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from meshtron.layers.fp8 import (E4M3, cast_both_layouts, output_dtype, scale_from_amax, scaled_mm,
-                                 tensor_amax)
+                                 tensor_amax, weight_grad_now_or_deferred)
 from meshtron.layers.fp8_cast import cast_transpose
 from meshtron.parallel import comm
 from meshtron.parallel.comm import Group
@@ -47,7 +50,7 @@ class _ColumnSequenceParallelFP8(torch.autograd.Function):
     the input gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, grad_dtype):
+    def forward(ctx, x, weight, bias, group, grad_dtype, deferral=None):
         scale, x_inv = _group_scale(x, E4M3, group)
         xq, xq_t = cast_transpose(x, scale, E4M3)                    # this rank's tokens
         wq, wq_t, w_inv = cast_both_layouts(weight, E4M3)
@@ -58,7 +61,7 @@ class _ColumnSequenceParallelFP8(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
         ctx.group, ctx.grad_dtype, ctx.has_bias = group, grad_dtype, bias is not None
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.x_dtype, ctx.w_dtype, ctx.deferral = x.dtype, weight.dtype, deferral
         return y
 
     @staticmethod
@@ -69,10 +72,10 @@ class _ColumnSequenceParallelFP8(torch.autograd.Function):
         grad_total = scaled_mm(gq.reshape(-1, gq.shape[-1]), g_inv, wq_t.t(), w_inv,
                                output_dtype(ctx.x_dtype)).reshape(*grad.shape[:-1], wq_t.shape[0])
         grad_x = comm.reduce_scatter_dim0_async(grad_total, ctx.group)  # overlaps the weight gradient
-        grad_w = scaled_mm(gq_t, g_inv, _finish_transpose(parts, xq_t, ctx.group).t(), x_inv,
-                           output_dtype(ctx.w_dtype))
+        total_t, w_dtype = _finish_transpose(parts, xq_t, ctx.group), output_dtype(ctx.w_dtype)
+        grad_w = weight_grad_now_or_deferred(ctx.deferral, lambda: scaled_mm(gq_t, g_inv, total_t.t(), x_inv, w_dtype))
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(dim=0).to(ctx.w_dtype) if ctx.has_bias else None
-        return comm.wait(grad_x), grad_w, grad_b, None, None
+        return comm.wait(grad_x), grad_w, grad_b, None, None, None
 
 
 class _RowSequenceParallelFP8(torch.autograd.Function):
@@ -80,13 +83,14 @@ class _RowSequenceParallelFP8(torch.autograd.Function):
     all-gather."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, grad_dtype):
+    def forward(ctx, x, weight, group, grad_dtype, deferral=None):
         xq, xq_t, x_inv = cast_both_layouts(x, E4M3)
         wq, wq_t, w_inv = cast_both_layouts(weight, E4M3)
         partial = scaled_mm(xq.reshape(-1, xq.shape[-1]), x_inv, wq.t(), w_inv, output_dtype(x.dtype),
                             fast_accum=True).reshape(*x.shape[:-1], weight.shape[0])
         ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
         ctx.group, ctx.grad_dtype, ctx.x_dtype, ctx.w_dtype = group, grad_dtype, x.dtype, weight.dtype
+        ctx.deferral = deferral
         return comm.reduce_scatter_dim0(partial, group)
 
     @staticmethod
@@ -98,18 +102,24 @@ class _RowSequenceParallelFP8(torch.autograd.Function):
         total = comm.wait(comm.all_gather_bytes_dim0_async(gq, ctx.group))  # [s, b, M], all tokens
         grad_x = scaled_mm(total.reshape(-1, total.shape[-1]), g_inv, wq_t.t(), w_inv,
                            output_dtype(ctx.x_dtype)).reshape(*total.shape[:-1], wq_t.shape[0])
-        grad_w = scaled_mm(_finish_transpose(parts, gq_t, ctx.group), g_inv, xq_t.t(), x_inv,
-                           output_dtype(ctx.w_dtype))
-        return grad_x, grad_w, None, None
+        total_t, w_dtype = _finish_transpose(parts, gq_t, ctx.group), output_dtype(ctx.w_dtype)
+        grad_w = weight_grad_now_or_deferred(ctx.deferral, lambda: scaled_mm(total_t, g_inv, xq_t.t(), x_inv, w_dtype))
+        return grad_x, grad_w, None, None, None
 
 
 def column_sequence_parallel_fp8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                 group: Group, grad_dtype: torch.dtype) -> torch.Tensor:
-    """Column-parallel FP8 linear of this rank's sequence shard ``x`` [s/tp, b, K] -> [s, b, M/tp]."""
-    return _ColumnSequenceParallelFP8.apply(x, weight, bias, group, grad_dtype)
+                                 group: Group, grad_dtype: torch.dtype, deferral: tuple | None = None) -> torch.Tensor:
+    """Column-parallel FP8 linear of this rank's sequence shard ``x`` [s/tp, b, K] -> [s, b, M/tp]
+    (``deferral``: see the module docstring; autograd then sees ``weight`` detached)."""
+    if deferral is not None:
+        weight = weight.detach()
+    return _ColumnSequenceParallelFP8.apply(x, weight, bias, group, grad_dtype, deferral)
 
 
 def row_sequence_parallel_fp8(x: torch.Tensor, weight: torch.Tensor, group: Group,
-                              grad_dtype: torch.dtype) -> torch.Tensor:
-    """Row-parallel FP8 linear without bias, reduce-scattered along the sequence: [s, b, K/tp] -> [s/tp, b, M]."""
-    return _RowSequenceParallelFP8.apply(x, weight, group, grad_dtype)
+                              grad_dtype: torch.dtype, deferral: tuple | None = None) -> torch.Tensor:
+    """Row-parallel FP8 linear without bias, reduce-scattered along the sequence: [s, b, K/tp] -> [s/tp, b, M]
+    (``deferral``: see the module docstring; autograd then sees ``weight`` detached)."""
+    if deferral is not None:
+        weight = weight.detach()
+    return _RowSequenceParallelFP8.apply(x, weight, group, grad_dtype, deferral)

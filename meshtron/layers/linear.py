@@ -14,9 +14,10 @@ gradient) and hands the weight-gradient GEMM to the store as a closure over (inp
 gradient); the schedule runs it later, in a W pass. The weight then enters that matmul detached, so
 the backward never touches the parameter's gradient; the store accumulates it through the usual
 path (the parameter's gradient hooks, hence the fp32 gradient buffers). Tensor-parallel
-communication in backward is unchanged, in the input-gradient pass. FP8 layers never defer.
+communication in backward is unchanged, in the input-gradient pass. FP8 layers defer the same way
+(their scaled matmuls take the same ``deferral``; see :mod:`meshtron.layers.fp8`).
 
-In a compiled layer the deferring matmul runs outside the compiled graphs (:func:`_deferring_apply`):
+In a compiled layer the deferring matmul runs outside the compiled graphs (:func:`_eager`):
 its backward's hand-over is a Python side effect that a traced backward graph cannot keep, and the
 tensors it keeps for the W pass must be tensors that autograd owns, not buffers of a compiled
 backward, which the compiler reuses (and donates the saved activations of) once their last use in
@@ -26,7 +27,7 @@ linear layers; without it (1F1B, evaluation) the layer is one graph, as before.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -41,10 +42,13 @@ from meshtron.parallel.sharding import Piece, ShardSpec, new_param
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             fp8_format: Optional[str], fp8_recipe: str, wgrad_store=None) -> torch.Tensor:
+    defers = _defers(wgrad_store, weight)
     if fp8_format is None:
-        if _defers(wgrad_store, weight):
-            return _deferring_apply(_LinearDeferredWeightGrad, x, weight, bias, (wgrad_store, weight))
+        if defers:
+            return _eager(_LinearDeferredWeightGrad.apply, x, weight.detach(), bias, (wgrad_store, weight))
         return F.linear(x, weight, bias)
+    if defers:
+        return _eager(fp8_linear, x, weight, bias, fp8_format, fp8_recipe, (wgrad_store, weight))
     return fp8_linear(x, weight, bias, fp8_format, fp8_recipe)
 
 
@@ -54,11 +58,10 @@ def _defers(wgrad_store, weight: torch.Tensor) -> bool:
 
 
 @torch.compiler.disable
-def _deferring_apply(function: type[torch.autograd.Function], x: torch.Tensor, weight: torch.Tensor,
-                     *args) -> torch.Tensor:
-    """``function.apply(x, weight detached, *args)``, always eager: a graph break in a compiled layer
-    (see the module docstring), so the deferring backward runs as written and keeps autograd's tensors."""
-    return function.apply(x, weight.detach(), *args)
+def _eager(call: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """``call(*args)`` (a deferring matmul), always eager: a graph break in a compiled layer (see the
+    module docstring), so its backward runs as written and keeps autograd's tensors for the W pass."""
+    return call(*args)
 
 
 def weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -169,13 +172,17 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, prepared: bool = False) -> torch.Tensor:
         gathers_here = not prepared and self.gather_input and comm._size(self.group) > 1
+        defers = _defers(self.wgrad_store, self.weight)
         if gathers_here and _sequence_parallel_fp8(self):
+            if defers:
+                return _eager(column_sequence_parallel_fp8, x, self.weight, self.bias, self.group,
+                              gradient_dtype(self.fp8_format), (self.wgrad_store, self.weight))
             return column_sequence_parallel_fp8(x, self.weight, self.bias, self.group,
                                                 gradient_dtype(self.fp8_format))
         if gathers_here and self.overlap_backward_comm and self.fp8_format is None:
-            if _defers(self.wgrad_store, self.weight):
-                return _deferring_apply(_ColumnParallelMatmul, x, self.weight, self.bias, self.group,
-                                        self.sequence_parallel, (self.wgrad_store, self.weight))
+            if defers:
+                return _eager(_ColumnParallelMatmul.apply, x, self.weight.detach(), self.bias, self.group,
+                              self.sequence_parallel, (self.wgrad_store, self.weight))
             return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if not prepared:
             x = self.prepare_input(x)
@@ -200,7 +207,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if comm._size(self.group) > 1 and _sequence_parallel_fp8(self):
-            y = row_sequence_parallel_fp8(x, self.weight, self.group, gradient_dtype(self.fp8_format))
+            deferral = (self.wgrad_store, self.weight) if _defers(self.wgrad_store, self.weight) else None
+            if deferral is not None:
+                y = _eager(row_sequence_parallel_fp8, x, self.weight, self.group, gradient_dtype(self.fp8_format),
+                           deferral)
+            else:
+                y = row_sequence_parallel_fp8(x, self.weight, self.group, gradient_dtype(self.fp8_format))
             return y if self.bias is None else y + self.bias
         y = _linear(x, self.weight, None, self.fp8_format, self.fp8_recipe, self.wgrad_store)
         if self.sequence_parallel:

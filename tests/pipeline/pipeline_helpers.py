@@ -130,6 +130,7 @@ def train_and_collect(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int
     with torch.no_grad():
         out["eval_loss"] = _reduce(schedule(chunks, rank_micro_batches(cfg, ctx, iterations), forward_only=True), ctx)
     out["max_in_flight"] = stats.max_in_flight
+    out["deferred_gemms"] = stats.deferred_gemms  # zero-bubble schedules: weight-gradient GEMMs run in W passes
     out["buckets_in_backward"] = getattr(optim.grad_sync, "buckets_started_in_backward", 0)
     out["stage"] = ctx.pp_rank
     out["tied"] = tied_copies(chunks)

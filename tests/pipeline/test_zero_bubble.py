@@ -3,9 +3,10 @@
 Without processes: its plans run every F, B and W once, each W after its B, with matched exchanges
 (no deadlock); each rank holds at most PP micro-batches; the simulated bubble is the analytic one and
 smaller than 1F1B's. In one process: the deferred weight gradients (with and without recomputation,
-with MoE, in compiled layers) equal a plain backward's. With processes: PP=2 (with DP=2 and overlapped
-gradient reduction, with TP=2 and sequence parallelism, eager and compiled) and PP=4 equal the
-one-process run in losses, gradients and parameters, and equal 1F1B on the same layout; and through the trainer, PP=2 with DP=2 and with
+with MoE, in compiled layers, FP8 with either recipe) equal a plain backward's. With processes: PP=2
+(with DP=2 and overlapped gradient reduction, with TP=2 and sequence parallelism, eager and compiled)
+and PP=4 equal the one-process run in losses, gradients and parameters, and equal 1F1B on the same
+layout, as does FP8 with TP=2 and sequence parallelism (its FP8 collectives); and through the trainer, PP=2 with DP=2 and with
 TP=2 log the losses and gradient norms of one process.
 """
 
@@ -100,11 +101,10 @@ def _cfg(**parallel) -> MeshtronConfig:
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda c: (setattr(c.train, "bf16", True), setattr(c.train, "fp8_format", "e4m3")), "--fp8-format e4m3"),
     (lambda c: setattr(c.parallel, "virtual_pipeline_model_parallel_size", 2), "--pipeline-schedule interleaved"),
     (lambda c: setattr(c.parallel, "pipeline_schedule", "interleaved"), "--virtual-pipeline-model-parallel-size"),
     (lambda c: setattr(c.parallel, "pipeline_schedule", "zbv"), "--pipeline-schedule 'zbv' is not known"),
-], ids=["fp8", "virtual-stages", "interleaved-without-virtual-stages", "unknown"])
+], ids=["virtual-stages", "interleaved-without-virtual-stages", "unknown"])
 def test_config_refuses_what_the_schedule_cannot_run(change, message, monkeypatch):
     monkeypatch.setattr("meshtron.validation._cuda_available", lambda: True)
     cfg = _cfg()
@@ -113,9 +113,10 @@ def test_config_refuses_what_the_schedule_cannot_run(change, message, monkeypatc
         validate_config(cfg, 4)
 
 
-def test_config_accepts_recomputation_experts_and_compiled_layers():
+def test_config_accepts_recomputation_experts_compiled_layers_and_fp8():
     cfg = _cfg()
     cfg.train.recompute_granularity, cfg.train.compile = "full", True
+    cfg.train.bf16, cfg.train.fp8_format = True, "hybrid"
     cfg.model = dataclasses.replace(cfg.model, num_experts=4, moe_ffn_hidden_size=16)
     validate_config(cfg, 4)
 
@@ -156,13 +157,17 @@ def _gradients(cfg: MeshtronConfig, defer: bool, hold: bool = False) -> dict:
     return {n: p.grad.clone() for n, p in chunks[0].named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("recompute,moe,compiled", [
-    (None, False, False), ("full", False, False), ("selective", True, False),
-    pytest.param(None, False, True, marks=pytest.mark.skipif(not HAS_CXX, reason="torch.compile on CPU needs g++")),
-], ids=["dense", "dense-full-recompute", "moe-selective-recompute", "dense-compiled"])
-def test_deferred_weight_gradients_equal_a_plain_backward(recompute, moe, compiled):
+@pytest.mark.parametrize("recompute,moe,compiled,fp8", [
+    (None, False, False, None), ("full", False, False, None), ("selective", True, False, None),
+    pytest.param(None, False, True, None, marks=pytest.mark.skipif(not HAS_CXX, reason="torch.compile on CPU needs g++")),
+    (None, False, False, "tensorwise"), (None, False, False, "rowwise"),
+], ids=["dense", "dense-full-recompute", "moe-selective-recompute", "dense-compiled", "fp8-tensorwise",
+        "fp8-rowwise"])
+def test_deferred_weight_gradients_equal_a_plain_backward(recompute, moe, compiled, fp8):
     cfg = run_config(_moe_model() if moe else model_config(tied=False), compile=compiled)
     cfg.train.recompute_granularity = recompute
+    if fp8:  # FP8 matmuls on fp32 weights here (the run's --bf16 is for validation only)
+        cfg.train.bf16, cfg.train.fp8_format, cfg.train.fp8_recipe = True, "e4m3", fp8
     validate_config(cfg, 1)
     plain = _gradients(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False)), defer=False)
     assert_close_dict(_gradients(cfg, defer=True), plain, "deferred", rtol=1e-6, atol=1e-7)
@@ -182,6 +187,11 @@ def _zb(cfg: MeshtronConfig) -> MeshtronConfig:
     return cfg
 
 
+def _fp8(cfg: MeshtronConfig) -> MeshtronConfig:
+    cfg.train.fp8_format = "hybrid"  # e5m2 output gradients: the gradient dtype differs from the input's
+    return cfg
+
+
 LLAMA = model_config(tied=True)
 #: Four processes, one launch: (name, config).
 WORLD_4 = [
@@ -189,11 +199,14 @@ WORLD_4 = [
     ("tp2-pp2-zb-sp", _zb(run_config(model_config(tied=False), tp=2, pp=2, sp=True, overlap_p2p_comm=True))),
     ("pp4-zb-8-micro-batches", _zb(run_config(LLAMA, pp=4))),
     ("pp2-dp2-1f1b-overlapped-grad-reduce", run_config(LLAMA, pp=2, **OVERLAP)),  # for the comparison with 1F1B
+    # FP8 (the sequence-parallel FP8 linears): its roundings depend on the TP split, so against 1F1B only.
+    ("tp2-pp2-fp8-zb-sp", _zb(_fp8(run_config(model_config(tied=False), tp=2, pp=2, sp=True)))),
+    ("tp2-pp2-fp8-1f1b-sp", _fp8(run_config(model_config(tied=False), tp=2, pp=2, sp=True))),
 ] + ([  # compiled layers: the deferring matmuls run between the compiled regions (meshtron/layers/linear.py)
     ("tp2-pp2-zb-sp-compiled", _zb(run_config(model_config(tied=False), tp=2, pp=2, sp=True, compile=True))),
 ] if HAS_CXX else [])
-ONE_F_ONE_B = {0: 3}  # zero-bubble case -> the 1F1B case of the same layout
-ZERO_BUBBLE_CASES = [i for i, (name, _) in enumerate(WORLD_4) if "-zb" in name]
+ONE_F_ONE_B = {0: 3, 4: 5}  # zero-bubble case -> the 1F1B case of the same layout
+ZERO_BUBBLE_CASES = [i for i, (name, _) in enumerate(WORLD_4) if "-zb" in name and "fp8" not in name]
 
 
 @pytest.fixture(scope="module")
@@ -231,14 +244,26 @@ def test_zero_bubble_matches_single_process(world4, index):
         assert_close_dict(out["grads"], ref["grads"], f"{where} gradient")
         assert_close_dict(out["params"], ref["params"], f"{where} parameter", rtol=1e-4, atol=1e-5)
         assert out["max_in_flight"] == min(pp, m), where  # activations held until each W
+        assert out["deferred_gemms"] == _linear_gemms(cfg, m), where
         if cfg.parallel.overlap_grad_reduce:  # reductions still start before the schedule returns
             assert out["buckets_in_backward"] > 0, where
 
 
+def _linear_gemms(cfg: MeshtronConfig, m: int) -> int:
+    """Weight-gradient GEMMs a stage defers in an iteration: its layers' four linears (QKV, output,
+    gate+up, down) for each of its ``m`` micro-batches."""
+    return 4 * cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size * m
+
+
 def test_zero_bubble_matches_one_f_one_b(world4):
     for zb, one_f_one_b in ONE_F_ONE_B.items():
+        cfg = WORLD_4[zb][1]
+        p = cfg.parallel
+        m = cfg.train.global_batch_size // (cfg.train.micro_batch_size
+                                            * (4 // (p.pipeline_model_parallel_size * p.tensor_model_parallel_size)))
         for rank, (per_rank, _) in enumerate(world4):
             got, want, where = per_rank[zb], per_rank[one_f_one_b], f"{WORLD_4[zb][0]} rank {rank} against 1F1B"
+            assert got["deferred_gemms"] == _linear_gemms(cfg, m) and want["deferred_gemms"] == 0, where
             torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-6, atol=1e-7)
             assert_close_dict(got["grads"], want["grads"], f"{where} gradient", rtol=1e-5, atol=1e-6)
             assert_close_dict(got["params"], want["params"], f"{where} parameter", rtol=1e-5, atol=1e-6)
