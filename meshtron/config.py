@@ -195,8 +195,8 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = opt(None, "Pipeline schedule: 1f1b (one model chunk per rank), interleaved "
                                                  "(interleaved 1F1B over virtual stages) or zero-bubble-h1 (ZB-H1: "
                                                  "each backward split into the input gradient and the weight "
-                                                 "gradients, deferred to fill the bubble; one chunk per rank, "
-                                                 "no FP8). Default: interleaved with virtual stages, "
+                                                 "gradients, deferred to fill the bubble; one chunk per rank). "
+                                                 "Default: interleaved with virtual stages, "
                                                  "else 1f1b. Without pipeline parallelism there is no bubble and "
                                                  "the value has no effect.",
                                            choices=("1f1b", "interleaved", "zero-bubble-h1"))
