@@ -179,11 +179,13 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            sequence_parallel: bool = False, act_bytes: int = 2,
                            recompute: Optional[str] = None, moe: bool = False, expert_tp: Optional[int] = None,
                            flash_attention: bool = True,
-                           selective_modules: Iterable[str] = SELECTIVE_MODULES) -> float:
+                           selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
 
     ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
-    or ``"full"`` (then only the layer's input is counted). See the module docstring.
+    or ``"full"`` (then only the layer's input is counted). ``fp8``: the layer's tensor-parallel
+    linears run FP8 tensorwise (they keep FP8 copies of their inputs; the per-micro-batch FP8
+    weight copies are :func:`fp8_weight_copy_bytes`). See the module docstring.
     """
     if recompute not in (None, "selective", "full"):
         raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
@@ -196,39 +198,108 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     sp_div = tp if sequence_parallel else 1
     if recompute == "full":
         return tokens * e * h / sp_div
+    lin = 1 if fp8 else e  # bytes per element of a saved linear input (FP8 copies under fp8)
 
     heads = math.ceil(m.num_attention_heads / tp)
     groups = math.ceil(num_kv_heads(m) / tp)  # fewer groups than TP ranks: groups are replicated
     stats = 4 if m.normalization == "RMSNorm" else 8
 
-    # Parts replicated over TP unless sequence parallelism splits them.
-    rep = 2 * e * h + 2 * stats
-    if "norm" not in selective:
-        rep += 2 * e * h
+    # Parts replicated over TP unless sequence parallelism splits them: the layer input and the
+    # second residual stream (the input of each norm), the norms' statistics, the norms' outputs.
+    rep = 2 * e * h + (0 if "norm" in selective else 2 * stats)
     if m.hidden_dropout > 0:
         rep += 2 * h  # bool masks
+    part = 0.0  # parts always split over TP (per-rank heads and MLP columns)
+    if selective and sequence_parallel and tp > 1:
+        # Selective recomputation keeps the output projection's matmul output, which under SP is the
+        # whole sequence's partial sum before its reduce-scatter (the collective is recomputed);
+        # ``rep`` counts that tensor as the rank's sequence shard (the second residual stream).
+        part += e * h * (1 - 1 / tp)
 
-    # Parts always split over TP (per-rank heads and MLP columns).
-    part = e * d * (2 * heads + 2 * groups)
-    if "core_attn" not in selective:
-        if flash_attention:
-            part += 4 * heads
-        else:
-            part += heads * seq * (e + ((1 + e) if m.attention_dropout > 0 else 0))
+    # Attention.
+    if m.multi_latent_attention:
+        n, dn, dr, dv = heads, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+        latent = (m.q_lora_rank or 0) + m.kv_lora_rank + dr
+        # The down projection's output (the latent norms' input, replicated like the down projection)
+        # with the norms' statistics, and the normed latents (the up projections' input).
+        rep += e * latent + stats * (2 if m.q_lora_rank else 1)
+        part += lin * latent  # gathered over the sequence under SP: whole on every TP rank
+        if "norm" not in selective:
+            rep += lin * h  # the first norm's output (the input of the down and query projections)
+        qk = n * (dn + dr)
+        # The concatenated queries and keys, the key/value projection's output (the values are a
+        # view of it), the attention output, and its [s, b, n*dv] copy, the output projection's input.
+        part += e * (2 * qk + n * (dn + dv) + n * dv) + lin * n * dv
+    else:
+        q_out, kv_out = heads * d, 2 * groups * d
+        if "norm" not in selective:
+            rep += lin * h  # the first norm's output (the QKV projection's input)
+        # The values are a view of the fused QKV output, so all of it stays; RoPE (and the head norms)
+        # write new queries and keys, which the attention kernel keeps; and the attention output.
+        part += e * (q_out + kv_out + heads * d)
+        if (m.position_embedding_type == "rope" or m.qk_layernorm) and "core_attn" not in selective:
+            part += e * (q_out + kv_out // 2)
+        if m.qk_layernorm and "norm" not in selective:
+            part += stats * (heads + groups)  # per-head statistics
+    if flash_attention:
+        part += 4 * heads  # log-sum-exp (kept by selective recomputation too: an attention output)
+    elif "core_attn" not in selective:
+        part += heads * seq * (e + ((1 + e) if m.attention_dropout > 0 else 0))
 
-    def mlp_part(width: int, divisor: int) -> float:
-        inner = (2 * width if m.swiglu else width) + (0 if "act" in selective else width)
-        return e * inner / divisor
+    # MLP.
+    def mlp_part(width: int, divisor: int, linear_fp8: bool) -> float:
+        """fc1's output (SwiGLU: gate and up) and the activation's output (fc2's input)."""
+        out = 0.0 if "act" in selective else width * (1 if linear_fp8 else e)
+        return (e * (2 * width if m.swiglu else width) + out) / divisor
 
     if moe:
         fe = m.moe_ffn_hidden_size or ffn_size(m)
-        rep += 8 * m.num_experts + 2 * m.moe_router_topk * e * h
-        part += m.moe_router_topk * mlp_part(fe, expert_tp or tp)
+        k, etp = m.moe_router_topk, expert_tp or tp
+        # The router reads the whole sequence on every TP rank: its fp32 input and logits/probabilities,
+        # the routing indices (int64: top-k choices, the sort order, its source rows, the way back).
+        part += 4 * h + 8 * m.num_experts + k * 38 + 8
+        # The experts (eager, bf16): the dispatched rows, their copy into the aligned grouped-GEMM
+        # buffer, fc1's output, SiLU's output, the SwiGLU product, and each choice's output row
+        # before the weighted sum.
+        part += k * e * 3 * h
+        inner = 2 * fe + (0 if "act" in selective else 2 * fe) if m.swiglu else fe + (0 if "act" in selective else fe)
+        part += k * e * inner / etp
         if m.moe_shared_expert_intermediate_size:
-            part += mlp_part(m.moe_shared_expert_intermediate_size, tp)
+            fs = m.moe_shared_expert_intermediate_size
+            part += lin * h + mlp_part(fs, tp, False)  # its fc1's input (the normed tokens); fc2 runs in bf16
     else:
-        part += mlp_part(ffn_size(m), tp)
+        if "norm" not in selective:
+            rep += lin * h  # the second norm's output (fc1's input)
+        part += mlp_part(ffn_size(m), tp, fp8)
     return tokens * (rep / sp_div + part)
+
+
+def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1) -> float:
+    """Bytes of the FP8 (tensorwise) weight copies one layer's linears keep per micro-batch on one TP rank.
+
+    Each FP8 linear casts its weight once per forward and keeps the transposed FP8 copy for the
+    backward's input-gradient GEMM (``meshtron.layers.fp8``): one byte per weight element of the
+    attention projections, the dense MLP and a shared expert's fc1 (the router, the routed experts
+    and the shared expert's fc2 stay in bf16).
+    """
+    h, d = m.hidden_size, head_dim(m)
+    if m.multi_latent_attention:
+        weights = mla_rank_parameters(m, tp)
+    else:
+        heads, groups = math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp)
+        weights = h * d * (heads + 2 * groups) + heads * d * h
+    if is_moe_layer(m, layer):
+        fs = m.moe_shared_expert_intermediate_size or 0
+        weights += h * (2 * fs if m.swiglu else fs) / tp
+    else:
+        f = ffn_size(m)
+        weights += h * (3 * f if m.swiglu else 2 * f) / tp
+    return float(weights)
+
+
+def _fp8_tensorwise(cfg: MeshtronConfig) -> bool:
+    """Whether the layers' linears keep FP8 inputs and weight copies (``--fp8-recipe rowwise`` keeps bf16)."""
+    return bool(cfg.train.fp8_format) and (cfg.train.fp8_recipe or "tensorwise") == "tensorwise"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,11 +413,16 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     dense_shard = dp * cp if par.use_distributed_optimizer else 1
     expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if par.use_distributed_optimizer else 1
 
+    fp8 = _fp8_tensorwise(cfg)
+
     def act(layer: int, recompute: Optional[str]) -> float:
-        return layer_activation_bytes(m, micro_batch=tr.micro_batch_size, seq=seq, tp=tp, sequence_parallel=sp,
-                                      act_bytes=e, recompute=recompute, moe=_is_moe_layer(m, layer),
-                                      expert_tp=etp, flash_attention=flash_attention,
-                                      selective_modules=selective_modules)
+        saved = layer_activation_bytes(m, micro_batch=tr.micro_batch_size, seq=seq, tp=tp, sequence_parallel=sp,
+                                       act_bytes=e, recompute=recompute, moe=_is_moe_layer(m, layer),
+                                       expert_tp=etp, flash_attention=flash_attention,
+                                       selective_modules=selective_modules, fp8=fp8)
+        if fp8 and recompute != "full":  # a checkpointed layer keeps no FP8 weight copy
+            saved += fp8_weight_copy_bytes(m, layer, tp)
+        return saved
 
     def chunk_activation(layers: list[int]) -> tuple[float, float]:
         """(bytes kept per micro-batch, extra working bytes while a recomputed chunk runs backward)."""
@@ -420,6 +496,9 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             stats = 4 if m.normalization == "RMSNorm" else 8
             activations += tokens * (2 * e * m.hidden_size + stats) / sp_div
             logits = loss_bytes(m.hidden_size, vocab // tp, tr.micro_batch_size * m.seq_length // cp, e, fused_loss)
+            if mtp:  # each prediction depth's loss keeps its own output-weight gradient (or logits) too
+                logits += mtp * (4.0 * m.hidden_size * (vocab // tp) if fused_loss
+                                 else 4.0 * tr.micro_batch_size * m.seq_length // cp * (vocab // tp))
         out.append(MemoryEstimate(weights=round(weights), gradients=round(grads), optimizer_state=round(optim),
                                   activations=round(activations), logits=round(logits), stage=rank,
                                   microbatches_in_flight=in_flight,

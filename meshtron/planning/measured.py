@@ -6,7 +6,9 @@ peak_mem_gib, est_mem_gib, argv), plus where it was measured (device_kind, gpu_c
 source: the docs/benchmarks.md section, null until the row is written there) and bookkeeping: ``id``, ``flags`` (the ``meshtron train``
 flags of the row's configuration), ``peak_mem_trusted`` (false where the peak is known to include
 memory of an earlier row of the same launch), ``note``, ``replaces`` (the id of a row this one
-corrects; rows are never deleted). A figure the source does not give is null.
+corrects; rows are never deleted). A figure the source does not give is null. Optional: ``code_changed``,
+``"<commit>: <what>"``, on a row whose flags run differently since that commit (a later row measures the code
+of today); the comparisons with the models leave such rows out and say why (:func:`left_out`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ FIELDS: dict[str, tuple[type, ...]] = {
 BENCH_EXTRAS = frozenset({"leftover_mem_gib", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "data_s",
                           "memory_sites_gib", "comm_kernel_s", "exposed_comm_kernel_s", "compute_kernel_s",
                           "comm_by_kind_s", "error"})
+#: Optional fields: present on some records only.
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"code_changed": (str,)}
+#: ``code_changed``: the commit from which the row's flags run differently, and what changed.
+CODE_CHANGED = re.compile(r"^[0-9a-f]{7,40}: \S")
 #: A peak above the memory an earlier row of the launch left behind by more than this is not trusted.
 LEFTOVER_GIB = 0.1
 LAYOUT = re.compile(r"^TP=(\d+) CP=(\d+) DP=(\d+) PP=(\d+) EP=(\d+)$")
@@ -43,7 +49,10 @@ def load_records(path: str) -> list[dict]:
 def schema_errors(record: dict, known_ids: Iterable[str] = ()) -> list[str]:
     """What is wrong with one record (empty when it is well formed)."""
     errors = [f"missing {k}" for k in FIELDS if k not in record]
-    errors += [f"unknown field {k}" for k in record if k not in FIELDS and k not in BENCH_EXTRAS]
+    errors += [f"unknown field {k}" for k in record
+               if k not in FIELDS and k not in BENCH_EXTRAS and k not in OPTIONAL_FIELDS]
+    if "code_changed" in record and not CODE_CHANGED.match(str(record["code_changed"])):
+        errors.append(f"code_changed={record['code_changed']!r} is not '<commit>: <what changed>'")
     for key, types in FIELDS.items():
         value = record.get(key)
         if key in record and not (isinstance(value, types) and not (isinstance(value, bool) and bool not in types)):
@@ -102,14 +111,30 @@ class PeakComparison:
         return (self.estimated_gib - self.measured_gib) / self.measured_gib
 
 
+def left_out(records: Iterable[dict]) -> dict[str, str]:
+    """Rows the model comparisons leave out, with the reason: measured at code that has changed since
+    (``code_changed``), or replaced by a later record (``replaces``)."""
+    records = list(records)
+    out = {r["id"]: f"code changed since: {r['code_changed']}" for r in records if r.get("code_changed")}
+    for r in records:
+        if r.get("replaces") and r["replaces"] not in out:
+            out[r["replaces"]] = f"replaced by {r['id']}"
+    return out
+
+
+def trusted_peaks(records: Iterable[dict]) -> list[dict]:
+    """The records whose peak is trusted and describes today's code (not :func:`left_out`)."""
+    records = list(records)
+    gone = left_out(records)
+    return [r for r in records if r["peak_mem_trusted"] and r["id"] not in gone]
+
+
 def memory_errors(records: Iterable[dict]) -> list[PeakComparison]:
-    """``meshtron.memory.estimate_memory`` on every record whose peak is trusted."""
+    """``meshtron.memory.estimate_memory`` on every record of :func:`trusted_peaks`."""
     from meshtron.memory import estimate_memory
 
     out = []
-    for r in records:
-        if not r["peak_mem_trusted"]:
-            continue
+    for r in trusted_peaks(records):
         cfg = record_config(r)
         est = estimate_memory(cfg, cfg.model.vocab_size, world_size=r["gpu_count"])
         out.append(PeakComparison(r["id"], r["peak_mem_gib"], est.total / 2**30))
@@ -126,8 +151,8 @@ def superseded_ids(records: Iterable[dict]) -> set[str]:
 
 
 def timed_records(records: list[dict]) -> list[dict]:
-    """The records with a measured throughput that no later record replaces."""
-    gone = superseded_ids(records)
+    """The records with a measured throughput that describe today's code (not :func:`left_out`)."""
+    gone = left_out(records)
     return [r for r in records if r.get("tokens_per_sec_per_gpu") and r["id"] not in gone]
 
 

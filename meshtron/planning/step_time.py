@@ -22,7 +22,9 @@ With ``--offload-activations`` each micro-batch's backward also waits where the 
 draining when the backward begins, and fetches slower than the backward of the layer after them
 (:func:`meshtron.memory.offload_timeline`).
 
-The last stage adds the output layer and the fused loss, the first the embedding. A step is
+The last stage adds the output layer and the fused loss, the first the embedding; each multi-token
+prediction depth (``--mtp-num-layers``) adds to the last stage a layer of the last layer's kind, an
+embedding, its [2H -> H] projection and another pass through the output layer and loss. A step is
 ``M`` micro-batches of the slowest stage, stretched by the schedule's bubble (the plan-and-simulate
 executor's :func:`meshtron.pipeline.schedules.simulated_bubble`, a backward lasting two forwards),
 plus the exposed data-parallel communication (the gradient reduce-scatter / all-reduce behind the
@@ -286,6 +288,17 @@ def _head_cost(cfg: MeshtronConfig, vocab: int, profile: DeviceProfile) -> tuple
     return loss, embed
 
 
+def _mtp_depth_cost(cfg: MeshtronConfig, layer: _LayerCost, loss: float, embed: float,
+                    profile: DeviceProfile) -> float:
+    """One multi-token prediction depth on the last stage, per micro-batch: its transformer layer (of the
+    last layer's kind), the embedding of the shifted tokens, the projection of the two normed inputs
+    [2H -> H] (forward and two backward GEMMs) and its own pass through the output layer and loss."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    tokens = t.micro_batch_size * m.seq_length / p.context_parallel_size
+    proj = 3 * gemm_seconds(2 * tokens * 2 * m.hidden_size * m.hidden_size / p.tensor_model_parallel_size, profile)
+    return layer.compute + layer.comm + embed + proj + loss
+
+
 def _rank_parameters(cfg: MeshtronConfig, layers: list[int], first: bool, last: bool, vocab: int) -> tuple[float, float]:
     """(dense, expert) parameters of one pipeline rank."""
     from meshtron.memory import layer_parameters
@@ -346,6 +359,9 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         layers = [i for c in rank_chunks for i in c]
         costs = [cost(i, recomputed(pos)) for pos, i in enumerate(layers)]
         time = sum(c.compute + c.comm for c in costs) + (loss if rank == pp - 1 else 0.0) + (embed if rank == 0 else 0.0)
+        if rank == pp - 1 and m.mtp_num_layers:
+            time += m.mtp_num_layers * _mtp_depth_cost(cfg, cost(m.num_layers - 1, recomputed(len(layers))), loss,
+                                                       embed, profile)
         stage_times.append(time)
         stage_fwd.append(sum(c.forward for c in costs))
         stage_comm.append({k: sum(c.comm_kind[k] for c in costs) for k in ("tp", "cp", "ep")})

@@ -9,13 +9,13 @@ import pytest
 from meshtron.planning.measured import load_records, memory_errors, schema_errors, worst
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "measured.jsonl")
-# Honest target: every trusted peak within 5%. Not met yet. The worst rows: d14 (llama3-1b FP8, +13.0%) and d20
-# (llama3-8b FP8 TP=2, -12.9%), FP8 rows of d73183e/8f93816, before the transposed FP8 copies were saved for the
-# backward (28107df; the same flags later peak 8-14% higher: e6, e4); MLA + MoE rows (h8, h10, -12%: MLA's
-# activations are counted as standard attention's); h14 (selective + offloading, +10.8%: the modelled copy
-# backlog); bf16 rows without recomputation are under-estimated by 4-9% (docs/planning.md).
-# The bound is the worst error rounded up, so that the test fails when the model drifts further.
-TOLERANCE = 0.14
+# Target: every trusted peak within 5%. Met by 62 of the 77 rows of today's code; the bounds are the worst
+# rows rounded up, so that the tests fail when the model drifts further (docs/planning.md, error per feature):
+# rows without activation offloading within 7% (worst g6, llama3-8b TP=2 + SP with selective recomputation,
+# -6.7%), rows with it within 11% (h14 +10.9%, h15 -6.4%: the modelled host-copy backlog), median 3.5%.
+TOLERANCE = 0.07
+OFFLOAD_TOLERANCE = 0.11
+MEDIAN_TOLERANCE = 0.035
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +55,39 @@ def test_schema_check_catches_a_bad_record(records):
 
 
 def test_memory_model_against_every_trusted_peak(records):
+    import statistics
+
+    from meshtron.planning.measured import left_out
+
+    gone = left_out(records)
+    print("left out:", "; ".join(f"{i} ({why})" for i, why in sorted(gone.items())))
     errors = memory_errors(records)
-    assert len(errors) >= 40  # the trusted rows of docs/benchmarks.md
-    bad = worst(errors)
-    print(f"worst row: {bad.id}: measured {bad.measured_gib:.1f} GiB, estimated {bad.estimated_gib:.1f} GiB "
-          f"({bad.relative:+.1%})")
-    assert abs(bad.relative) <= TOLERANCE, bad
+    assert len(errors) >= 70  # the trusted rows of today's code
+    assert not {e.id for e in errors} & set(gone)
+    offload = {r["id"] for r in records if "--offload-activations" in r["flags"]}
+    for label, rows, bound in (("without offloading", [e for e in errors if e.id not in offload], TOLERANCE),
+                               ("with offloading", [e for e in errors if e.id in offload], OFFLOAD_TOLERANCE)):
+        bad = worst(rows)
+        print(f"worst row {label}: {bad.id}: measured {bad.measured_gib:.1f} GiB, estimated "
+              f"{bad.estimated_gib:.1f} GiB ({bad.relative:+.1%}); bound {bound:.0%}")
+        assert abs(bad.relative) <= bound, bad
+    median = statistics.median(abs(e.relative) for e in errors)
+    print(f"median |error| {median:.1%} over {len(errors)} rows")
+    assert median <= MEDIAN_TOLERANCE
+
+
+def test_rows_of_changed_code_are_left_out_with_a_reason(records):
+    from meshtron.planning.measured import left_out, timed_records, trusted_peaks
+
+    gone = left_out(records)
+    # FP8 rows from before b3ecf7b (the same flags peak 8-11% higher since: e4 and e6), and rows from
+    # before the fused loss's compiled passes (0902068); c2 is also replaced by d12.
+    assert {"d12", "d14", "d20", "a6"} <= set(gone) and gone["d12"].startswith("code changed since: b3ecf7b")
+    assert "c2" in gone and "e4" not in gone
+    kept = {r["id"] for r in trusted_peaks(records)} | {r["id"] for r in timed_records(records)}
+    assert not kept & set(gone) and {"e4", "e6"} <= kept
+    bad = dict(records[0], code_changed="soon")
+    assert any("code_changed" in e for e in schema_errors(bad, [r["id"] for r in records]))
 
 
 def test_bench_record_appends_a_well_formed_record(tmp_path, records):

@@ -13,15 +13,14 @@ from meshtron.planning.measured import load_records, step_errors, timed_records
 from meshtron.planning.profiles import H100, H200, builtin_profile, load_profile
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "measured.jsonl")
-# Target: every timed row within 10%. Three rows are between 10% and 12%, each the outlier of a
-# configuration measured at several commits: a6 (llama3-1b at b108bdf, 12% slower than the same
-# configuration at every later commit), e4 (llama3-3b FP8 at 612c769, 13% faster than d12, the same
-# flags at d73183e) and d23 (llama3-8b DP=2 without overlap, one micro-batch: the exposed
-# reduce-scatter + all-gather of 8B parameters). One set of constants cannot sit within 10% of both
-# ends of a 13% spread and of the other rows; the bound is that worst row rounded up, so the test
-# fails when the model drifts further (docs/planning.md lists the error per feature).
-STEP_TOLERANCE = 0.12
-MEDIAN_TOLERANCE = 0.04
+# Target: every timed row within 10%. Rows measured at code that has changed since (``code_changed``:
+# a6 before the fused loss's compiled passes, the FP8 rows before b3ecf7b) are left out, with the reason
+# printed. Two rows of today's code are between 10% and 11%: h18 (DeepSeek-V3 width with a prediction depth,
+# -10.9%: the MLA/MoE layers of this width run slower than modelled, h9 without the depth is -6%) and e4
+# (llama3-3b FP8, +10.7%: the FP8 GEMM speed-up is capped at 1.9). The bound is the worst row rounded up,
+# so the test fails when the model drifts further (docs/planning.md lists the error per feature).
+STEP_TOLERANCE = 0.11
+MEDIAN_TOLERANCE = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +29,11 @@ def records() -> list[dict]:
 
 
 def test_step_time_against_every_timed_row(records):
+    from meshtron.planning.measured import left_out
+
+    print("left out:", "; ".join(f"{i} ({why})" for i, why in sorted(left_out(records).items())))
     errors = step_errors(records, H200)
-    assert len(errors) >= 120 and len(errors) == len(timed_records(records))
+    assert len(errors) >= 115 and len(errors) == len(timed_records(records))
     worst = max(errors, key=lambda e: abs(e.relative))
     print(f"worst row: {worst.id}: measured {worst.measured_s:.3f} s, predicted {worst.predicted_s:.3f} s "
           f"({worst.relative:+.1%}); median |error| {statistics.median(abs(e.relative) for e in errors):.1%}")
@@ -41,7 +43,7 @@ def test_step_time_against_every_timed_row(records):
 
 def test_superseded_rows_are_left_out(records):
     ids = {r["id"] for r in timed_records(records)}
-    assert "c2" not in ids and "d12" in ids  # d12 measured c2's configuration again
+    assert "c2" not in ids and "d12" not in ids and "e4" in ids  # e4 measured d12's flags at today's FP8 code
 
 
 def _search(model, gpus, seq, gbs, profile=H100, top=3, **fixed):
