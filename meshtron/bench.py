@@ -248,7 +248,7 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def _append_record(path: str, row: dict, flags: list[str]) -> None:
+def append_record(path: str, row: dict, flags: list[str]) -> None:
     """Append ``row`` to the measured-runs file with where and when it was measured."""
     import datetime
     import subprocess
@@ -314,7 +314,7 @@ def bench_main(argv: Sequence[str]) -> int:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
             if args.record and "error" not in row:
-                _append_record(args.record, row, row_argv)
+                append_record(args.record, row, row_argv)
     if rank0 and not args.json:
         print(format_table(results))
     if dist.is_initialized():

@@ -91,15 +91,15 @@ def test_rows_of_changed_code_are_left_out_with_a_reason(records):
 
 
 def test_bench_record_appends_a_well_formed_record(tmp_path, records):
-    from meshtron.bench import _append_record
+    from meshtron.bench import append_record
 
     row = {k: records[0][k] for k in ("model", "layout", "micro_batch", "global_batch", "seq", "recompute",
                                       "precision", "compile", "step_s", "tokens_per_sec_per_gpu", "tflops_per_gpu",
                                       "mfu", "peak_mem_gib", "est_mem_gib")}
     row.update(argv="--model llama3-1b", leftover_mem_gib=0.5, forward_s=0.2)
     path = str(tmp_path / "measured.jsonl")
-    _append_record(path, row, records[0]["flags"])
-    _append_record(path, dict(row, leftover_mem_gib=0.0), records[0]["flags"])
+    append_record(path, row, records[0]["flags"])
+    append_record(path, dict(row, leftover_mem_gib=0.0), records[0]["flags"])
     first, second = load_records(path)
     assert (first["id"], second["id"]) == ("r1", "r2")
     assert not schema_errors(first) and not schema_errors(second)
