@@ -6,13 +6,11 @@ prediction loss, router losses and expert load, iteration by iteration."""
 
 from __future__ import annotations
 
-import json
 import os
 
-import pytest
 
 from meshtron.config import MeshtronConfig
-from tests.distributed.launch import run_distributed
+from tests.moe.trainer_runs import assert_layouts_log_the_reference, train_records
 
 KEYS = ("loss", "grad_norm", "mtp_loss", "aux_loss", "expert_load_min", "expert_load_max")
 
@@ -49,11 +47,6 @@ def deepseek_v3_tiny(metrics_file: str, tp: int = 1, ep: int = 1, sp: bool = Fal
     return cfg
 
 
-def _records(path: str) -> dict[int, dict]:
-    with open(path) as f:
-        return {r["iteration"]: r for r in map(json.loads, f) if r["type"] == "train"}
-
-
 def _train(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[list[float]]:
     from meshtron.training.trainer import run_training
 
@@ -72,17 +65,9 @@ def test_deepseek_v3_shaped_model_under_expert_parallelism_logs_the_one_process_
     os.environ.pop("WORLD_SIZE", None)
     ref_path = str(tmp_path / "ref.jsonl")
     ref = run_training(deepseek_v3_tiny(ref_path))
-    ref_records = _records(ref_path)
+    ref_records = train_records(ref_path)
     assert sorted(ref_records) == [1, 2, 3]
     for rec in ref_records.values():
         assert all(key in rec for key in KEYS), sorted(rec)
         assert rec["mtp_loss"] > 0 and rec["aux_loss"] > 0
-    runs = [(str(tmp_path / f"{name}.jsonl"), layout) for name, layout in LAYOUTS.items()]
-    results = run_distributed(_train, 4, runs, timeout=300)
-    for i, name in enumerate(LAYOUTS):
-        for rank, per_run in enumerate(results):
-            assert per_run[i] == pytest.approx(ref.train_losses, rel=1e-5), f"{name} rank {rank}"
-        records = _records(runs[i][0])
-        for it, want in ref_records.items():
-            for key in KEYS:
-                assert records[it][key] == pytest.approx(want[key], rel=1e-5), f"{name} iteration {it} {key}"
+    assert_layouts_log_the_reference(_train, LAYOUTS, tmp_path, ref.train_losses, ref_records, KEYS)

@@ -3,13 +3,11 @@ pipeline stages, context parallelism) log the one-process losses, router losses 
 
 from __future__ import annotations
 
-import json
 import os
 
-import pytest
 
 from meshtron.config import MeshtronConfig
-from tests.distributed.launch import run_distributed
+from tests.moe.trainer_runs import assert_layouts_log_the_reference, train_records
 
 MOE_KEYS = ("aux_loss", "z_loss", "expert_load_min", "expert_load_max")
 
@@ -37,11 +35,6 @@ def _config(metrics_file: str, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 
     return cfg
 
 
-def _records(path: str) -> dict[int, dict]:
-    with open(path) as f:
-        return {r["iteration"]: r for r in map(json.loads, f) if r["type"] == "train"}
-
-
 def _train(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[dict]:
     from meshtron.training.trainer import run_training
 
@@ -62,18 +55,11 @@ def test_trainer_moe_layouts_log_the_single_process_values(tmp_path):
     os.environ.pop("WORLD_SIZE", None)
     ref_path = str(tmp_path / "ref.jsonl")
     ref = run_training(_config(ref_path))
-    ref_records = _records(ref_path)
+    ref_records = train_records(ref_path)
     assert sorted(ref_records) == [1, 2, 3]
     for rec in ref_records.values():
         assert all(key in rec for key in MOE_KEYS)
         assert rec["aux_loss"] > 0 and rec["z_loss"] > 0
         assert 0 <= rec["expert_load_min"] <= 1 <= rec["expert_load_max"] <= 4 / 2
-    runs = [(str(tmp_path / f"{name}.jsonl"), layout) for name, layout in LAYOUTS.items()]
-    results = run_distributed(_train, 4, runs, timeout=300)
-    for i, name in enumerate(LAYOUTS):
-        for rank, per_run in enumerate(results):
-            assert per_run[i] == pytest.approx(ref.train_losses, rel=1e-5), f"{name} rank {rank}"
-        records = _records(runs[i][0])
-        for it, want in ref_records.items():
-            for key in ("loss", "grad_norm") + MOE_KEYS:
-                assert records[it][key] == pytest.approx(want[key], rel=1e-5), f"{name} iteration {it} {key}"
+    assert_layouts_log_the_reference(_train, LAYOUTS, tmp_path, ref.train_losses, ref_records,
+                                     ("loss", "grad_norm") + MOE_KEYS)
