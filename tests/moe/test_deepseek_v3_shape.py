@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-
 from meshtron.config import MeshtronConfig
 from tests.moe.trainer_runs import assert_layouts_log_the_reference, train_records
 
