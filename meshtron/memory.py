@@ -26,50 +26,85 @@ Activations of one layer for one micro-batch
 --------------------------------------------
 Per token (``b*s`` tokens, ``s`` the sequence per context-parallel rank), with ``e`` bytes per
 activation element (2 in bf16, 4 in fp32), hidden ``h``, ``a`` query heads and ``g`` key/value
-groups of head dim ``d``, MLP width ``f``, the tensors autograd keeps for the backward are:
+groups of head dim ``d`` (``q = a*d``, ``k = g*d``), MLP width ``f``, the tensors the compiled
+layer keeps for the backward. They were counted on an H200 (torch 2.11, saved-tensor hooks on the
+compiled layers of llama3-3b, deepseek-moe-16b with MLA, mixtral-8x7b and a Qwen3-MoE shape), and
+agree with the counts below within 0.5% per layer:
 
 ====================================  =================  ===============
 tensor                                bytes per token    split over TP
 ====================================  =================  ===============
-input of the two norms                2*e*h              only with SP
+layer input and second residual       2*e*h              only with SP
+stream (the norms' inputs; the
+output projection's output stands
+in for the second)
 norm statistics (fp32 rstd / mean)    2*4 (RMS) 2*8 (LN) only with SP
 outputs of the norms (= inputs of     2*e*h              only with SP
 QKV and of the MLP's first matmul)
-q, k, v after RoPE                    e*d*(a + 2g)       always
-attention output (= out-proj input)   e*d*a              always
+fused QKV output (v is a view of it,  e*(q + 2k)         always
+so all of it stays)
+q and k after RoPE (new tensors)      e*(q + k)          always
+attention output                      e*q                always
 flash-attention log-sum-exp (fp32)    4*a                always
 SwiGLU input (gate and up)            2*e*f              always
 SwiGLU output (= down-proj input)     e*f                always
 two hidden-dropout masks (if p > 0)   2*h                only with SP
 ====================================  =================  ===============
 
-(RoPE keeps nothing per token: its backward needs only the cos/sin tables. A fused SwiGLU
-keeps its input and recomputes the SiLU. A GeLU MLP keeps ``e*f`` for the GeLU input instead
-of ``2*e*f``.) So without recomputation a layer keeps, with ``q = a*d`` and ``k = g*d``::
+(Without RoPE and head norms, q and k are views of the QKV output too. A fused SwiGLU keeps its
+input and recomputes the SiLU; a GeLU MLP keeps ``e*f`` for the GeLU input instead of
+``2*e*f``. ``--qk-layernorm`` adds the heads' statistics.) So without recomputation a layer keeps::
 
-    b*s * [ e*(4h + 2q + 2k + 3f) + 4a + stats + dropout ]          (SwiGLU)
+    b*s * [ e*(4h + 3q + 3k + 3f) + 4a + stats + dropout ]          (SwiGLU, RoPE)
 
-For GPT-style layers (GeLU, ``f = 4h``, ``q = k = h``, dropout on) this is
+For GPT-style layers (learned positions, GeLU, ``f = 4h``, ``q = k = h``, dropout on) this is
 ``b*s*(e*16h + 2h) = 34*b*s*h`` bytes in bf16: Korthikanti's ``sbh*34``; the ``5as/h`` term of
 their formula is absent because flash attention (SDPA's flash/cuDNN kernels, meshtron's GPU
 default) never stores the ``s x s`` attention matrix; ``flash_attention=False`` adds it back
 (softmax output ``e``, plus mask and dropout output ``1+e`` with attention dropout, per head
 per key position). For Llama-3-8B (``h=4096, q=4096, k=1024, f=14336``) the bf16 figure is
-``139,264 + 136`` bytes per token per layer, about ``34.0*h``.
+``149,504 + 136`` bytes per token per layer, about ``36.5*h``.
 
 Without sequence parallelism the "only with SP" rows are replicated on each TP rank
 (Korthikanti's ``10sbh + 24sbh/t``); with SP everything is divided by TP.
 
+Multi-latent attention (``--multi-latent-attention``; ``n`` heads of dims ``dn``/``dr``/``dv``,
+ranks ``rq``/``rkv``): the attention rows become the down projection's output and the normed
+latents (``2*e*(rq + rkv + dr)``: the first replicated like the down projection, the second
+gathered over the sequence), the concatenated queries and keys (``2*e*n*(dn + dr)``), the
+key/value projection's output (``e*n*(dn + dv)``, the values a view of it), the attention output
+and its ``[s, b, n*dv]`` copy that the output projection keeps (``2*e*n*dv``).
+
+Mixture of experts (balanced routing, no dropped tokens): a MoE layer keeps no second norm output
+(the router reads an fp32 copy, ``4*h``, of the whole sequence on every TP rank, and the experts'
+rows are gathered from it), plus the router's logits and probabilities (``8*E``) and its int64
+indices (``38*topk``), and, per routing choice, the dispatched row, its copy into the grouped GEMM's
+aligned buffer and the expert's output row before the weighted sum (``3*e*h``), fc1's output
+(``2*e*fe``), SiLU's output and the SwiGLU product (``2*e*fe``: the experts run eagerly, so SiLU's
+output is kept), the experts' part split over the expert TP size; a shared expert keeps its input
+and its MLP's ``3*e*fs``.
+
+FP8 (``--fp8-format``, tensorwise recipe, ``meshtron.layers.fp8``): the layer's tensor-parallel
+linears keep one-byte transposed FP8 copies of their inputs instead of the bf16 ones: the two norm
+outputs (``h`` each) and the SwiGLU output (``f``) cost one byte per element, not ``e``; and each
+linear keeps its FP8 weight copy for every micro-batch in flight (one byte per weight element of
+the attention projections, the dense MLP and a shared expert's fc1: :func:`fp8_weight_copy_bytes`).
+The router, the routed experts and the output layer stay in bf16. The rowwise recipe keeps bf16
+inputs and reads the weights themselves, so it is counted as bf16.
+
 Recomputation
 -------------
-- ``selective`` (cheap, memory-heavy ops recomputed, matmul outputs kept; the modules are
-  ``core_attn``, ``norm``, ``act`` by default): ``core_attn`` drops the log-sum-exp (and the
-  attention matrix without flash), ``norm`` drops the norm outputs (2*e*h), ``act`` drops the
-  SwiGLU/GeLU output (e*f).
+- ``selective`` (cheap, memory-heavy ops recomputed, matmul and attention outputs kept; the
+  modules are ``core_attn``, ``norm``, ``act`` by default): ``core_attn`` drops RoPE's queries and
+  keys (and the attention matrix without flash; the log-sum-exp is an output of the attention
+  kernel and stays), ``norm`` drops the norm outputs (2*e*h) and statistics, ``act`` drops the
+  SwiGLU/GeLU output (e*f). Under SP the output projection's matmul output is kept for the whole
+  sequence (its reduce-scatter is recomputed): ``e*h*(1 - 1/TP)`` more than its shard.
 - ``full`` keeps only each checkpointed chunk's input (``e*h`` per token, split over TP with
   SP); ``uniform`` checkpoints chunks of ``--recompute-num-layers`` layers and, during the
   backward, holds that many layers' full activations; ``block`` recomputes the first
-  ``--recompute-num-layers`` layers of each stage and keeps the rest.
+  ``--recompute-num-layers`` layers of each stage and keeps the rest. A checkpointed layer keeps
+  no FP8 weight copy.
 
 Pipeline, embedding and loss
 ----------------------------
@@ -82,16 +117,15 @@ Pipeline, embedding and loss
   with the fused loss, the gradient of the hidden states it keeps instead): ``2*e*h``; and
   the loss (reported as ``logits``). meshtron's loss (``meshtron.layers.cross_entropy``) is
   fused with the output layer and chunked over tokens: it keeps the fp32 gradient of the
-  output weight (``4*h*V/TP`` bytes) and, while it runs, one chunk's logits: fp32 logits,
-  their exponentials and the gradient in bf16 (``10`` bytes per element in bf16, ``8`` in
-  fp32, of a chunk of about 2^28 / (V/TP) tokens); V is the padded vocabulary.
+  output weight (``4*h*V/TP`` bytes) and, while it runs, one chunk's logits and their gradient
+  (``4`` bytes per element in bf16, where compiled kernels keep no fp32 copy: measured 4.0 GB for
+  8192 tokens of llama3-3b; ``20`` in fp32, eager), of a chunk of about 2^30 / (V/TP) tokens; V is
+  the padded vocabulary.
   ``fused_loss=False`` models an unfused loss instead: fp32 logits kept for the backward,
   ``4*V/TP`` bytes per token (Korthikanti's and Megatron's accounting).
 - Context parallelism divides the sequence: ``s = seq_length / CP``.
-- Mixture of experts (approximate; balanced routing, no dropped tokens): the MLP rows become
-  router logits and probabilities (fp32, ``8*E``), ``topk`` copies of each token into and out
-  of the experts (``2*topk*e*h``, split over TP with SP), the experts' interiors
-  (``topk*e*3f_e / ETP``) and a shared expert's like a dense MLP.
+- Multi-token prediction: each depth adds its layer, its inputs, and its own pass through the fused
+  loss, which keeps another fp32 gradient of the output weight.
 
 Activation offloading (``--offload-activations``, :mod:`meshtron.layers.activation_offload`)
 --------------------------------------------------------------------------------------------
@@ -109,7 +143,6 @@ backlog + the two fetched layers) over the backward's layers, and the time the b
 for a fetch is what the step-time model adds.
 
 The reported figure is for the pipeline rank with the largest total (first or last stage).
-FP8 is not modelled separately (its linears keep bf16 inputs here).
 """
 
 from __future__ import annotations

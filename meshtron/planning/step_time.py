@@ -185,10 +185,12 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
         local = n_exp / ep
         per_expert_tokens = tokens * ep * k / n_exp
         fan_in = 2 * fe if m.swiglu else fe
-        expert = local * (gemm_seconds(2 * per_expert_tokens * h * fan_in / etp, profile, False,
-                                       profile.moe_gemm_efficiency)
-                          + gemm_seconds(2 * per_expert_tokens * fe / etp * h, profile, False,
-                                         profile.moe_gemm_efficiency))
+        # One grouped GEMM per projection runs every local expert in one kernel: its rate is that of
+        # the whole product (all local experts' rows), not of one expert's.
+        expert = (gemm_seconds(2 * local * per_expert_tokens * h * fan_in / etp, profile, False,
+                               profile.moe_gemm_efficiency)
+                  + gemm_seconds(2 * local * per_expert_tokens * fe / etp * h, profile, False,
+                                 profile.moe_gemm_efficiency))
         router = gemm_seconds(2 * tokens * h * n_exp, profile)
         shared = 0.0
         if m.moe_shared_expert_intermediate_size:
