@@ -102,19 +102,73 @@ class GroupedExperts(nn.Module):
     def _grouped_forward(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          tokens_per_expert: torch.Tensor) -> torch.Tensor:
         padded, offs, dest, expert_of_row = _aligned_groups(x, tokens_per_expert)
+        return _Unpad.apply(self._grouped_mlp(padded, w1, w2, offs, expert_of_row), dest)
+
+    def _grouped_mlp(self, padded: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                     expert_of_row: torch.Tensor) -> torch.Tensor:
         h = torch._grouped_mm(padded, w1.transpose(1, 2), offs=offs)
         if self.fc1_bias is not None:
             h = add_expert_bias(h, self.fc1_bias.view(self.num_local, -1), expert_of_row)
         y = torch._grouped_mm(self._activation(h), w2.transpose(1, 2), offs=offs)
         if self.fc2_bias is not None:
             y = add_expert_bias(y, self.fc2_bias.view(self.num_local, -1), expert_of_row, self._bias_share)
-        return _Unpad.apply(y, dest)
+        return y
+
+    def uses_grouped_gemm(self, x: torch.Tensor) -> bool:
+        """Whether rows like ``x`` go through the grouped GEMM (else the loop over experts)."""
+        return self._use_grouped(x)
+
+    @torch.compiler.disable  # row counts change every step
+    def forward_assignments(self, tokens: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Every (token, choice) assignment's expert output, [T * k, H] in assignment order, for ``indices``
+        [T, k] of local experts, all kept (no expert parallelism, no capacity): the tokens are gathered
+        straight into the grouped GEMM's aligned buffer and the outputs straight out of it, one gather each
+        way instead of a permutation, a padding copy and back (:func:`assignment_slots`)."""
+        El, H = self.num_local, self.hidden
+        slot, offs, expert_of_row, total = assignment_slots(indices, El)
+        padded = _GatherToSlots.apply(tokens, slot, total, indices.shape[1])
+        y = self._grouped_mlp(padded, self.fc1_weight.view(El, -1, H), self.fc2_weight.view(El, H, -1), offs,
+                              expert_of_row)
+        return _Unpad.apply(y, slot)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh")
+
+
+def assignment_slots(indices: torch.Tensor, num_experts: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The row of the aligned grouped-GEMM buffer (:func:`aligned_layout`) of each assignment ``t * k + j``
+    (token t's j-th expert ``indices[t, j]``), in expert order and, within an expert, in assignment order;
+    with the layout's group offsets, expert of each buffer row and buffer size."""
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offs, dest, expert_of_row, total = aligned_layout(counts, flat.numel())
+    slot = torch.empty_like(dest).index_copy_(0, order, dest)
+    return slot, offs, expert_of_row, total
+
+
+class _GatherToSlots(torch.autograd.Function):
+    """The aligned buffer of :func:`assignment_slots` filled from the tokens (its padding rows zero):
+    one gather. Backward: each token's gradient is the sum over its k slots (gathered, summed in fp32)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, slot: torch.Tensor, total: int, k: int) -> torch.Tensor:
+        ctx.save_for_backward(slot)
+        ctx.k = k
+        num_tokens = tokens.shape[0]
+        source = torch.full((total,), num_tokens, dtype=torch.long, device=tokens.device)  # padding: the zero row
+        source.index_copy_(0, slot, torch.arange(slot.numel(), device=tokens.device) // k)
+        return torch.cat([tokens, tokens.new_zeros((1, tokens.shape[1]))]).index_select(0, source)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (slot,) = ctx.saved_tensors
+        per_assignment = grad.index_select(0, slot).view(-1, ctx.k, grad.shape[-1])
+        return per_assignment.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
 
 
 class _Unpad(torch.autograd.Function):
@@ -165,23 +219,32 @@ def add_expert_bias(rows: torch.Tensor, bias: torch.Tensor, expert_of_row: torch
 GROUP_ALIGN = 8
 
 
-def _aligned_groups(x: torch.Tensor, counts: torch.Tensor):
-    """Copy the row groups of ``x`` into a zero buffer where each group starts at a multiple of
-    GROUP_ALIGN rows, without a host synchronisation.
+def aligned_layout(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Where ``rows`` rows grouped by expert (``counts`` per group) go in a buffer whose groups each start
+    at a multiple of GROUP_ALIGN rows, without a host synchronisation.
 
-    Returns (padded rows, int32 group end offsets, destination of each row of ``x``, local expert of
-    each padded row). The buffer has a static size (rows + (GROUP_ALIGN - 1) x groups, rounded up);
-    the last group absorbs the slack: zero rows whose outputs are never read.
+    Returns (int32 group end offsets, destination of each row, local expert of each buffer row, buffer
+    rows). The buffer has a static size (rows + (GROUP_ALIGN - 1) x groups, rounded up); the last group
+    absorbs the slack: zero rows whose outputs are never read.
     """
-    rows, num_groups = x.shape[0], counts.numel()
+    num_groups = counts.numel()
     padded_counts = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
     shift = (torch.cumsum(padded_counts, 0) - padded_counts) - (torch.cumsum(counts, 0) - counts)
-    groups = torch.arange(num_groups, device=x.device)
-    dest = torch.arange(rows, device=x.device) + shift[torch.repeat_interleave(groups, counts, output_size=rows)]
+    groups = torch.arange(num_groups, device=counts.device)
+    dest = torch.arange(rows, device=counts.device) + shift[torch.repeat_interleave(groups, counts, output_size=rows)]
     total = -(-(rows + (GROUP_ALIGN - 1) * num_groups) // GROUP_ALIGN) * GROUP_ALIGN
     offs = torch.cumsum(padded_counts, 0).to(torch.int32)
     offs[-1] = total
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     expert_of_row = torch.repeat_interleave(groups, sizes, output_size=total)
+    return offs, dest, expert_of_row, total
+
+
+def _aligned_groups(x: torch.Tensor, counts: torch.Tensor):
+    """Copy the row groups of ``x`` into the zero buffer of :func:`aligned_layout`.
+
+    Returns (padded rows, int32 group end offsets, destination of each row of ``x``, local expert of
+    each padded row)."""
+    offs, dest, expert_of_row, total = aligned_layout(counts, x.shape[0])
     padded = x.new_zeros((total, x.shape[1])).index_copy(0, dest, x)
     return padded, offs, dest, expert_of_row

@@ -35,7 +35,7 @@ from meshtron.config import ConfigError, MeshtronConfig, ModelConfig, ffn_size, 
 from meshtron.layers.mlp import MLP
 from meshtron.layers.moe.aux_losses import attach_aux_loss
 from meshtron.layers.moe.buffers import Fp32BufferModule
-from meshtron.layers.moe.dispatcher import TokenDispatcher
+from meshtron.layers.moe.dispatcher import TokenDispatcher, weighted_sum
 from meshtron.layers.moe.experts import GroupedExperts
 from meshtron.layers.moe.router import TopKRouter
 from meshtron.parallel import comm
@@ -92,11 +92,16 @@ class MoELayer(Fp32BufferModule):
         # Experts (and shared experts) see the tokens through copy_to_tp: their input gradients are
         # partial sums over TP, all-reduced in backward.
         expert_in = comm.copy_to_tp(tokens, self.tp_group)
-        rows, per_expert, host_counts, state = self.dispatcher.dispatch(
-            expert_in, routing.indices, routing.keep, routing.capacity if self.pad_to_capacity else None)
-        out_rows = self.experts(rows, per_expert, host_counts)
         probs = comm.copy_to_tp(routing.probs, self.tp_group)
-        y = self.dispatcher.combine(out_rows, probs, state)
+        if self.dispatcher.ep == 1 and routing.keep is None and self.experts.uses_grouped_gemm(expert_in):
+            # Every assignment kept and every expert here: straight into and out of the grouped GEMM.
+            T, k = routing.indices.shape
+            y = weighted_sum(self.experts.forward_assignments(expert_in, routing.indices).view(T, k, h), probs)
+        else:
+            rows, per_expert, host_counts, state = self.dispatcher.dispatch(
+                expert_in, routing.indices, routing.keep, routing.capacity if self.pad_to_capacity else None)
+            out_rows = self.experts(rows, per_expert, host_counts)
+            y = self.dispatcher.combine(out_rows, probs, state)
         if self.shared_experts is not None:
             y = y + self._shared_partial(expert_in)
         y = y.view(-1, b, h)
