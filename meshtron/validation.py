@@ -433,15 +433,8 @@ def _check_sharding_strategy(cfg: MeshtronConfig) -> None:
                               + ("there is no weight all-gather" if strategy == "no_shard" else
                                  "each layer's gather is always prefetched and overlapped")
                               + ": drop --overlap-param-gather")
-    if strategy != "optim_grads_params":
-        return
-    flag = "--data-parallel-sharding-strategy optim_grads_params" + (f" ({aliases[0]})" if aliases else "")
-    if t.fp8_format is not None:
-        raise ConfigError(f"{flag} with --fp8-format is not supported yet (FP8 layers keep quantized copies of "
-                          f"weights that are freed between uses); use optim_grads, or drop --fp8-format")
-    if t.compile or (t.compile is None and t.device == "cuda"):
-        raise ConfigError(f"{flag} with --compile is not supported yet (the per-layer gather and free run in "
-                          f"module hooks that a compiled layer would trace); add --no-compile or use optim_grads")
+    # optim_grads_params composes with --fp8-format (the weights are gathered in their own dtype and the
+    # FP8 linears cast them per micro-batch) and with compiled layers (gathered outside the compiled call).
 
 
 def _check_pipeline_schedule(cfg: MeshtronConfig) -> None:

@@ -11,7 +11,9 @@ saved weights stay valid across a free and a re-gather (they share the storage).
 * forward: a forward pre-hook on the unit's module all-gathers its buckets (or waits for the
   prefetched gather) and starts the next unit's gather asynchronously; a forward post-hook frees
   them, and puts a hook on the module's outputs that gathers them again (and prefetches the
-  previous unit) when backward reaches the module;
+  previous unit) when backward reaches the module. A unit compiled with ``nn.Module.compile`` (whose
+  compiled region would contain its hooks) gets the same two steps around its compiled call instead,
+  run eagerly (:meth:`ShardedParams._wrap_compiled`);
 * backward: once a bucket's gradients have all arrived (:mod:`meshtron.optim.sharded_grads`),
   its weights are freed again. A forward re-run during backward (recomputation) keeps the weights
   (they are needed by the backward that follows);
@@ -141,9 +143,13 @@ class ShardedParams:
         self._handles: dict[int, object] = {}
         self._units = self._build_units(model_chunks)
         self._hooks: list = []
+        self._compiled: list[tuple[nn.Module, Callable]] = []  # (unit, its own compiled call) to restore
         for unit in self._units:
-            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
-            self._hooks.append(unit.module.register_forward_hook(self._post_forward(unit)))
+            if getattr(unit.module, "_compiled_call_impl", None) is not None:
+                self._wrap_compiled(unit)
+            else:
+                self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
+                self._hooks.append(unit.module.register_forward_hook(self._post_forward(unit)))
         self.free_all()
 
     def _build_units(self, model_chunks: Sequence[nn.Module]) -> list[_Unit]:
@@ -224,6 +230,25 @@ class ShardedParams:
             return output
         return hook
 
+    def _wrap_compiled(self, unit: _Unit) -> None:
+        """Gather and free around a unit compiled with ``nn.Module.compile``, outside its compiled region.
+
+        ``nn.Module.compile`` compiles the module's ``_call_impl``, hooks included, so forward hooks
+        would be traced (their collectives and storage resizes are graph breaks, or worse). The module's
+        call goes through ``_compiled_call_impl``: this replaces it by the same compiled function between
+        the eager gather and free, so the compiled graph sees ordinary parameters whose storage is filled
+        (the same tensors every step: no new guard fails, nothing recompiles)."""
+        module = unit.module
+        compiled = module._compiled_call_impl
+        before, after = self._pre_forward(unit), self._post_forward(unit)
+
+        def call(*args, **kwargs):
+            before(module, args)
+            return after(module, args, compiled(*args, **kwargs))
+
+        module._compiled_call_impl = call
+        self._compiled.append((module, compiled))
+
     def _pre_backward(self, unit: _Unit):
         def hook(grad):
             self.gather(unit.buckets)
@@ -267,3 +292,6 @@ class ShardedParams:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for module, compiled in self._compiled:
+            module._compiled_call_impl = compiled
+        self._compiled.clear()

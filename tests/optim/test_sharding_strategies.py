@@ -6,12 +6,16 @@ one process to 1e-5, and save a final checkpoint whose layout-free tensors (weig
 masters and Adam moments) equal the one-process run's. A ZeRO-3 checkpoint resumes under
 TP=2 with the distributed optimizer, and the reverse, continuing the one-process run. Each
 rank also checks that the weights, gradients and optimizer state it allocated equal what
-the static memory model predicts for it. One launch serves every case.
+the static memory model predicts for it. ZeRO-3 also runs with compiled layers (gathered
+outside the compiled region: no graph break, nothing compiled after the first step), with
+CPU optimizer offload, and with FP8 linears (bf16, against the one-process FP8 run). One
+launch serves every case.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -21,6 +25,9 @@ from tests.distributed.launch import run_distributed
 
 ITERS = 4
 WORLD = 4
+HAVE_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
+#: FP8 linears (their matmuls through torch._scaled_mm, which runs on the CPU too) need bf16.
+FP8 = dict(fp8_format="hybrid", bf16=True)
 
 
 def _config(save=None, load=None, iters=ITERS, moe=False, **parallel) -> MeshtronConfig:
@@ -58,22 +65,36 @@ def _measured_vs_planned(trainer) -> dict:
             "optimizer": (state, planned.optimizer.device_bytes if state is not None else None)}
 
 
+def _compile_counts() -> tuple[int, int]:
+    """(frames torch.compile has compiled, graph breaks) in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"], sum(counters["graph_break"].values())
+
+
 def _run(cfg: MeshtronConfig):
+    """(losses, grad norms, allocated vs planned bytes, frames compiled and graph breaks after each step)."""
     from meshtron.training.trainer import Trainer, run_training
 
-    memory = {}
-    original = Trainer.close
+    memory, compiles = {}, []
+    original_close, original_step = Trainer.close, Trainer.train_step
+    start = _compile_counts()
 
     def close(self):  # record the allocations after training (the Adam moments exist from the first step)
         memory.update(_measured_vs_planned(self))
-        original(self)
+        original_close(self)
 
-    Trainer.close = close
+    def train_step(self, *args, **kwargs):
+        out = original_step(self, *args, **kwargs)
+        compiles.append(tuple(now - before for now, before in zip(_compile_counts(), start)))
+        return out
+
+    Trainer.close, Trainer.train_step = close, train_step
     try:
         result = run_training(cfg)
     finally:
-        Trainer.close = original
-    return result.train_losses, result.grad_norms, memory
+        Trainer.close, Trainer.train_step = original_close, original_step
+    return result.train_losses, result.grad_norms, memory, compiles
 
 
 def _worker(rank: int, world: int, cases: list) -> list:
@@ -105,6 +126,7 @@ def runs(tmp_path_factory):
     ref_dir = os.path.join(root, "ref")
     ref = run_training(_config(save=ref_dir))
     moe_ref = run_training(_config(moe=True))
+    fp8_ref, bf16_ref = run_training(_config(**FP8)), run_training(_config(bf16=True))
     half = ITERS // 2
     cases = [
         ("dp4_optim_grads_offload", dict(data_parallel_sharding_strategy="optim_grads", optimizer_cpu_offload=True,
@@ -118,6 +140,9 @@ def runs(tmp_path_factory):
         ("cp2dp2_zero3", dict(use_megatron_fsdp=True, context_parallel_size=2)),
         ("ep2_moe_zero3", dict(moe=True, data_parallel_sharding_strategy="optim_grads_params",
                                expert_model_parallel_size=2)),
+        ("dp4_zero3_offload", dict(data_parallel_sharding_strategy="optim_grads_params", optimizer_cpu_offload=True,
+                                   optimizer_offload_fraction=0.5)),
+        ("dp4_zero3_fp8", dict(data_parallel_sharding_strategy="optim_grads_params", **FP8)),
         # Resume between strategies: ZeRO-3 (DP=4) -> TP=2 x DP=2 distributed optimizer, and the reverse.
         ("zero3_save", dict(use_megatron_fsdp=True, iters=half, save=os.path.join(root, "z3"))),
         ("tp2_load", dict(tensor_model_parallel_size=2, use_distributed_optimizer=True,
@@ -126,21 +151,26 @@ def runs(tmp_path_factory):
         ("zero3_load", dict(use_megatron_fsdp=True, load=os.path.join(root, "tp2"),
                             save=os.path.join(root, "z3_final"))),
     ]
+    if HAVE_CXX:  # torch.compile on CPU needs a C++ compiler
+        cases.append(("dp4_zero3_compiled", dict(data_parallel_sharding_strategy="optim_grads_params", compile=True)))
     for name, kwargs in cases:
-        if "save" not in kwargs and "load" not in kwargs and not kwargs.get("moe"):
+        if "save" not in kwargs and "load" not in kwargs and not kwargs.get("moe") and not kwargs.get("fp8_format"):
             kwargs["save"] = os.path.join(root, name)
     results = run_distributed(_worker, WORLD, cases, timeout=400)
-    return root, ref, ref_dir, moe_ref, {name: [r[i] for r in results] for i, (name, _) in enumerate(cases)}
+    refs = {"moe": moe_ref, "fp8": fp8_ref, "bf16": bf16_ref}
+    return root, ref, ref_dir, refs, {name: [r[i] for r in results] for i, (name, _) in enumerate(cases)}
 
 
-def _assert_logs(per_rank, ref, iterations) -> None:
-    for rank, (losses, norms, _) in enumerate(per_rank):
+def _assert_logs(per_rank, ref, iterations, rel: float = 1e-5) -> None:
+    for rank, (losses, norms, *_) in enumerate(per_rank):
         for it in iterations:
-            assert losses[it] == pytest.approx(ref.train_losses[it], rel=1e-5), f"rank {rank} iteration {it} loss"
-            assert norms[it] == pytest.approx(ref.grad_norms[it], rel=1e-5), f"rank {rank} iteration {it} norm"
+            assert losses[it] == pytest.approx(ref.train_losses[it], rel=rel), f"rank {rank} iteration {it} loss"
+            assert norms[it] == pytest.approx(ref.grad_norms[it], rel=rel), f"rank {rank} iteration {it} norm"
 
 
-LAYOUTS = ["dp4_optim_grads_offload", "dp4_zero3", "tp2dp2_zero3", "pp2v2dp2_zero3", "cp2dp2_zero3"]
+LAYOUTS = ["dp4_optim_grads_offload", "dp4_zero3", "tp2dp2_zero3", "pp2v2dp2_zero3", "cp2dp2_zero3",
+           "dp4_zero3_offload",
+           pytest.param("dp4_zero3_compiled", marks=pytest.mark.skipif(not HAVE_CXX, reason="needs a C++ compiler"))]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -168,14 +198,47 @@ def test_checkpoints_resume_across_strategies(runs):
 
 
 @pytest.mark.parametrize("name", ["dp4_optim_grads_offload", "dp4_zero3", "tp2dp2_zero3", "pp2v2dp2_zero3",
-                                  "ep2_moe_zero3", "tp2_load"])
+                                  "ep2_moe_zero3", "tp2_load", "dp4_zero3_offload"])
 def test_allocated_bytes_equal_the_memory_model(runs, name):
     _, _, _, _, results = runs
-    for rank, (_, _, memory) in enumerate(results[name]):
+    for rank, (_, _, memory, _) in enumerate(results[name]):
         for kind, (got, planned) in memory.items():
             assert got == planned, f"{name} rank {rank}: {kind} allocated {got} bytes, the model predicts {planned}"
 
 
 def test_expert_weights_shard_over_the_expert_data_parallel_group(runs):
-    _, _, _, moe_ref, results = runs
-    _assert_logs(results["ep2_moe_zero3"], moe_ref, range(1, ITERS + 1))
+    _, _, _, refs, results = runs
+    _assert_logs(results["ep2_moe_zero3"], refs["moe"], range(1, ITERS + 1))
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="torch.compile on CPU needs a C++ compiler")
+def test_zero3_gathers_outside_compiled_layers_without_recompiling(runs):
+    """The gather and free run around the compiled call: the layers compile once, whole, in the first step."""
+    _, _, _, _, results = runs
+    for rank, (_, _, _, compiles) in enumerate(results["dp4_zero3_compiled"]):
+        (first, _), (last, breaks) = compiles[0], compiles[-1]
+        assert first >= 1, f"rank {rank}: nothing was compiled"
+        assert last == first, f"rank {rank}: {last - first} frames compiled after the first step"
+        assert breaks == 0, f"rank {rank}: {breaks} graph breaks in the compiled layers"
+
+
+def test_zero3_with_fp8_linears_trains_the_single_process_fp8_model(runs):
+    """The weights are gathered in bf16 and cast to FP8 per micro-batch, as without sharding."""
+    _, _, _, refs, results = runs
+    _assert_logs(results["dp4_zero3_fp8"], refs["fp8"], range(1, ITERS + 1), rel=1e-4)
+    losses = results["dp4_zero3_fp8"][0][0]
+    assert losses[ITERS] != pytest.approx(refs["bf16"].train_losses[ITERS], rel=1e-5)  # FP8 is on
+
+
+@pytest.mark.parametrize("extra", [["--compile", "--device", "cpu"],
+                                   ["--fp8-format", "e4m3", "--bf16", "--device", "cpu"],
+                                   ["--compile", "--fp8-format", "hybrid", "--bf16", "--device", "cpu"]])
+def test_zero3_configuration_accepts_compiled_layers_and_fp8(extra):
+    from meshtron.cli import build_config
+    from meshtron.optim.accounting import sharding_strategy
+    from meshtron.validation import validate_config
+
+    cfg = build_config(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                        "--data-parallel-sharding-strategy", "optim_grads_params"] + extra)
+    validate_config(cfg, 4)
+    assert sharding_strategy(cfg) == "optim_grads_params"
