@@ -6,8 +6,8 @@ smaller than 1F1B's. In one process: the deferred weight gradients (with and wit
 with MoE, in compiled layers, FP8 with either recipe) equal a plain backward's. With processes: PP=2
 (with DP=2 and overlapped gradient reduction, with TP=2 and sequence parallelism, eager and compiled)
 and PP=4 equal the one-process run in losses, gradients and parameters, and equal 1F1B on the same
-layout, as does FP8 with TP=2 and sequence parallelism (its FP8 collectives); and through the trainer, PP=2 with DP=2 and with
-TP=2 log the losses and gradient norms of one process.
+layout; FP8 with TP=2 and sequence parallelism (its FP8 collectives) equals 1F1B; and through the
+trainer, PP=2 with DP=2 and with TP=2 log the losses and gradient norms of one process.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def _gradients(cfg: MeshtronConfig, defer: bool, hold: bool = False) -> dict:
 
 @pytest.mark.parametrize("recompute,moe,compiled,fp8", [
     (None, False, False, None), ("full", False, False, None), ("selective", True, False, None),
-    pytest.param(None, False, True, None, marks=pytest.mark.skipif(not HAS_CXX, reason="torch.compile on CPU needs g++")),
+    pytest.param(None, False, True, None,
+                 marks=pytest.mark.skipif(not HAS_CXX, reason="torch.compile on CPU needs g++")),
     (None, False, False, "tensorwise"), (None, False, False, "rowwise"),
 ], ids=["dense", "dense-full-recompute", "moe-selective-recompute", "dense-compiled", "fp8-tensorwise",
         "fp8-rowwise"])
