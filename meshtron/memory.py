@@ -119,8 +119,9 @@ Pipeline, embedding and loss
   fused with the output layer and chunked over tokens: it keeps the fp32 gradient of the
   output weight (``4*h*V/TP`` bytes) and, while it runs, one chunk's logits and their gradient
   (``4`` bytes per element in bf16, where compiled kernels keep no fp32 copy: measured 4.0 GB for
-  8192 tokens of llama3-3b; ``20`` in fp32, eager), of a chunk of about 2^30 / (V/TP) tokens; V is
-  the padded vocabulary.
+  8192 tokens of llama3-3b; ``20`` in fp32, eager), of a chunk of about 2^30 / (V/TP) tokens, and
+  with more than one chunk the previous chunk's gradient too (``e`` more per element: measured
+  1.96 GiB for llama3-3b at 4 x 4096, two chunks); V is the padded vocabulary.
   ``fused_loss=False`` models an unfused loss instead: fp32 logits kept for the backward,
   ``4*V/TP`` bytes per token (Korthikanti's and Megatron's accounting).
 - Context parallelism divides the sequence: ``s = seq_length / CP``.
@@ -532,6 +533,11 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             if mtp:  # each prediction depth's loss keeps its own output-weight gradient (or logits) too
                 logits += mtp * (4.0 * m.hidden_size * (vocab // tp) if fused_loss
                                  else 4.0 * tr.micro_batch_size * m.seq_length // cp * (vocab // tp))
+            if fused_loss:
+                # The loss's chunk lives in the forward, the working set above (a recomputed chunk's
+                # activations, the offloading's backlog and fetched layers) in the backward: never together.
+                transient = logits - 4.0 * m.hidden_size * (vocab // tp) * (1 + mtp)
+                activations -= min(working, transient)
         out.append(MemoryEstimate(weights=round(weights), gradients=round(grads), optimizer_state=round(optim),
                                   activations=round(activations), logits=round(logits), stage=rank,
                                   microbatches_in_flight=in_flight,
@@ -551,6 +557,10 @@ def loss_bytes(hidden: int, vocab_local: int, tokens: int, act_bytes: int, fused
     else:
         # fp32 (CPU, eager): logits, their fp32 copy, exponentials, softmax and the gradient.
         per_element = 5 * act_bytes
+    if tokens > chunk:
+        # From the second chunk on, the previous chunk's logits-gradient is still referenced while
+        # the next chunk's logits and gradient are computed (the loop variable is rebound only after).
+        per_element += act_bytes
     return 4.0 * hidden * vocab_local + chunk * vocab_local * per_element
 
 

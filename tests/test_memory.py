@@ -220,12 +220,15 @@ def test_activation_totals_by_hand_with_full_recompute():
     chunk_input = tokens * 2 * h
     extras = 8 * tokens + tokens * (2 * 2 * h + 4)  # token ids; final norm input + output-layer input + rstd
     est = estimate_memory(cfg, 4096)
-    assert est.activations == 2 * chunk_input + 2 * layer + extras  # 2 checkpoints + a 2-layer window
     # Fused chunked loss: fp32 output-weight gradient + one chunk (all 128 tokens) of bf16 logits and
     # their bf16 gradient.
-    assert est.logits == 4 * h * 4096 + tokens * 4096 * 4
+    loss_chunk = tokens * 4096 * 4
+    assert est.logits == 4 * h * 4096 + loss_chunk
+    # 2 checkpoints + a 2-layer window in the backward, which the loss's chunk (forward) never meets.
+    assert est.activations == 2 * chunk_input + 2 * layer + extras - min(2 * layer, loss_chunk)
     cfg.train.recompute_method, cfg.train.recompute_num_layers = "block", 1
-    assert estimate_memory(cfg, 4096).activations == chunk_input + 3 * layer + layer + extras
+    assert (estimate_memory(cfg, 4096).activations
+            == chunk_input + 3 * layer + layer + extras - min(layer, loss_chunk))
 
 
 def test_recompute_orders_totals():
@@ -258,11 +261,15 @@ def test_loss_memory_fused_and_unfused_and_fp32_doubles_activations():
     chunk = chunk_size(tokens, v)  # the fused loss's chunk of logits: two equal halves of the micro-batch
     assert chunk == tokens // 2 and chunk * v <= CHUNK_ELEMENTS
     fused = estimate_memory(cfg, v)
-    assert fused.logits == 4 * h * v + chunk * v * 4  # bf16 logits and their gradient
+    # bf16 logits and their gradient, and the first chunk's gradient still referenced in the second
+    assert fused.logits == 4 * h * v + chunk * v * 6
     assert fused.logits < estimate_memory(cfg, v, fused_loss=False).logits
+    # one chunk (8192 tokens): no earlier gradient
+    one_chunk = estimate_memory(config("llama3-1b", seq_length=4096, micro_batch_size=2), v)
+    assert one_chunk.logits == 4 * h * v + 8192 * v * 4
     cfg.train.device = "cpu"
     fp32 = estimate_memory(cfg, v)
-    assert fp32.logits == 4 * h * v + chunk * v * 20  # eager fp32 temporaries
+    assert fp32.logits == 4 * h * v + chunk * v * (20 + 4)  # eager fp32 temporaries, the earlier gradient
     assert fp32.activations > 1.9 * fused.activations
 
 

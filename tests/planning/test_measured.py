@@ -9,13 +9,14 @@ import pytest
 from meshtron.planning.measured import load_records, memory_errors, schema_errors, worst
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "measured.jsonl")
-# Target: every trusted peak within 5%. Met by 69 of the 77 rows of today's code; the bounds are the worst
-# rows rounded up, so that the tests fail when the model drifts further (docs/planning.md, error per feature):
-# rows without activation offloading within 7% (worst g6, llama3-8b TP=2 + SP with selective recomputation,
-# -6.7%), rows with it within 11% (h14 +10.9%, h15 -6.4%: the modelled host-copy backlog), median 3.5%.
-TOLERANCE = 0.07
-OFFLOAD_TOLERANCE = 0.11
-MEDIAN_TOLERANCE = 0.035
+# Target: every trusted peak within 5%. Met by 74 of the 77 rows of today's code; the bounds are the worst
+# row and the median rounded up, so that the test fails when the model drifts further (docs/planning.md,
+# error per feature). Above 5%: g6 (llama3-8b TP=2 + SP, selective, -5.5%) and c6 (llama3-3b TP=2 + SP,
+# -5.1%), TP=2 + SP rows keeping about one full-sequence [s, b, h] tensor per layer more than modelled, and
+# h14 (selective + activation offloading, +5.3%: the modelled host-copy backlog).
+TOLERANCE = 0.06
+OFFLOAD_TOLERANCE = 0.06
+MEDIAN_TOLERANCE = 0.02
 
 
 @pytest.fixture(scope="module")
