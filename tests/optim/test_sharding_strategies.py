@@ -152,7 +152,10 @@ def runs(tmp_path_factory):
                             save=os.path.join(root, "z3_final"))),
     ]
     if HAVE_CXX:  # torch.compile on CPU needs a C++ compiler
-        cases.append(("dp4_zero3_compiled", dict(data_parallel_sharding_strategy="optim_grads_params", compile=True)))
+        # Layers 0-1 recompute inside the compiled backward, layers 2-3 keep the weights it saved.
+        cases.append(("dp4_zero3_compiled", dict(data_parallel_sharding_strategy="optim_grads_params", compile=True,
+                                                 recompute_granularity="full", recompute_method="block",
+                                                 recompute_num_layers=2)))
     for name, kwargs in cases:
         if "save" not in kwargs and "load" not in kwargs and not kwargs.get("moe") and not kwargs.get("fp8_format"):
             kwargs["save"] = os.path.join(root, name)
