@@ -213,13 +213,17 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            sequence_parallel: bool = False, act_bytes: int = 2,
                            recompute: Optional[str] = None, moe: bool = False, expert_tp: Optional[int] = None,
                            flash_attention: bool = True,
-                           selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False) -> float:
+                           selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
+                           compiled: bool = True, local_experts: bool = True) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
 
     ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
     or ``"full"`` (then only the layer's input is counted). ``fp8``: the layer's tensor-parallel
     linears run FP8 tensorwise (they keep FP8 copies of their inputs; the per-micro-batch FP8
-    weight copies are :func:`fp8_weight_copy_bytes`). See the module docstring.
+    weight copies are :func:`fp8_weight_copy_bytes`). ``compiled``: the layer runs under
+    ``torch.compile`` (with SP it then keeps the gathered inputs of its column-parallel linears).
+    ``local_experts``: a MoE layer's tokens go straight into and out of the grouped GEMM's buffer
+    (every expert on this rank, no capacity; else through the token dispatcher). See the module docstring.
     """
     if recompute not in (None, "selective", "full"):
         raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
@@ -244,6 +248,12 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     if m.hidden_dropout > 0:
         rep += 2 * h  # bool masks
     part = 0.0  # parts always split over TP (per-rank heads and MLP columns)
+    # A compiled bf16 column-parallel linear under SP (linear._ColumnParallelMatmul) saves its input
+    # shard and all-gathers it again in backward; the compiler merges that all-gather with the
+    # forward's identical one and, a collective not being recomputed, keeps the gathered input: the
+    # whole sequence, ``e*h*(1 - 1/TP)`` per token more than the shard. Selective recomputation runs
+    # the collectives again (meshtron.layers.recompute); the FP8 path gathers another tensor in backward.
+    gathered = e * h * (1 - 1 / tp) if (sequence_parallel and tp > 1 and compiled and not fp8) else 0.0
     if selective and sequence_parallel and tp > 1:
         # Selective recomputation keeps the output projection's matmul output, which under SP is the
         # whole sequence's partial sum before its reduce-scatter (the collective is recomputed);
@@ -268,6 +278,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         q_out, kv_out = heads * d, 2 * groups * d
         if "norm" not in selective:
             rep += lin * h  # the first norm's output (the QKV projection's input)
+            part += gathered  # ... and the rest of its all-gathered sequence (compiled, SP, bf16)
         # The values are a view of the fused QKV output, so all of it stays; RoPE (and the head norms)
         # write new queries and keys, which the attention kernel keeps; and the attention output.
         part += e * (q_out + kv_out + heads * d)
@@ -292,10 +303,11 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         # The router reads the whole sequence on every TP rank: its fp32 input and logits/probabilities,
         # the routing indices (int64: top-k choices, the sort order, its source rows, the way back).
         part += 4 * h + 8 * m.num_experts + k * 38 + 8
-        # The experts (eager, bf16): the dispatched rows, their copy into the aligned grouped-GEMM
-        # buffer, fc1's output, SiLU's output, the SwiGLU product, and each choice's output row
-        # before the weighted sum.
-        part += k * e * 3 * h
+        # The experts (eager, bf16), per choice: the rows of the aligned grouped-GEMM buffer (fc1's
+        # input) and the output rows the weighted sum's batched matmul keeps; fc1's output, SiLU's
+        # output and the SwiGLU product. fc2's output is not kept (the unpadding saves indices only).
+        # Through the dispatcher (expert parallelism, a capacity) one more row per choice stays.
+        part += k * e * (2 if local_experts else 3) * h
         inner = 2 * fe + (0 if "act" in selective else 2 * fe) if m.swiglu else fe + (0 if "act" in selective else fe)
         part += k * e * inner / etp
         if m.moe_shared_expert_intermediate_size:
@@ -304,6 +316,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     else:
         if "norm" not in selective:
             rep += lin * h  # the second norm's output (fc1's input)
+            part += gathered  # ... and the rest of its all-gathered sequence
         part += mlp_part(ffn_size(m), tp, fp8)
     return tokens * (rep / sp_div + part)
 
@@ -448,12 +461,16 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if par.use_distributed_optimizer else 1
 
     fp8 = _fp8_tensorwise(cfg)
+    compiled = tr.compile is not False and tr.device != "cpu"  # compiled layers: the GPU default
+    # MoELayer.forward's direct path: every expert here, nothing dropped, the grouped GEMM (bf16)
+    local_experts = ep == 1 and m.moe_expert_capacity_factor is None and bf16
 
     def act(layer: int, recompute: Optional[str]) -> float:
         saved = layer_activation_bytes(m, micro_batch=tr.micro_batch_size, seq=seq, tp=tp, sequence_parallel=sp,
                                        act_bytes=e, recompute=recompute, moe=_is_moe_layer(m, layer),
                                        expert_tp=etp, flash_attention=flash_attention,
-                                       selective_modules=selective_modules, fp8=fp8)
+                                       selective_modules=selective_modules, fp8=fp8, compiled=compiled,
+                                       local_experts=local_experts)
         if fp8 and recompute != "full":  # a checkpointed layer keeps no FP8 weight copy
             saved += fp8_weight_copy_bytes(m, layer, tp)
         return saved
