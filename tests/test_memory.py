@@ -55,9 +55,16 @@ def test_tensor_parallel_without_and_with_sequence_parallel():
     m, t = gpt_layer(), 4
     no_sp = layer_activation_bytes(m, micro_batch=B, seq=S, tp=t, act_bytes=2)
     assert no_sp == B * S * (10 * H + STATS + (24 * H + 4 * A) / t)  # Korthikanti's 10sbh + 24sbh/t
-    sp = layer_activation_bytes(m, micro_batch=B, seq=S, tp=t, sequence_parallel=True, act_bytes=2)
+    eager_sp = layer_activation_bytes(m, micro_batch=B, seq=S, tp=t, sequence_parallel=True, act_bytes=2,
+                                      compiled=False)
     full = layer_activation_bytes(m, micro_batch=B, seq=S, act_bytes=2)
-    assert sp == full / t
+    assert eager_sp == full / t
+    # Compiled, each of the two column-parallel linears keeps its all-gathered input, not its shard.
+    sp = layer_activation_bytes(m, micro_batch=B, seq=S, tp=t, sequence_parallel=True, act_bytes=2)
+    assert sp == pytest.approx(full / t + B * S * 2 * 2 * H * (1 - 1 / t))
+    fp8_sp = layer_activation_bytes(m, micro_batch=B, seq=S, tp=t, sequence_parallel=True, act_bytes=2, fp8=True)
+    assert fp8_sp == layer_activation_bytes(m, micro_batch=B, seq=S, tp=t, sequence_parallel=True, act_bytes=2,
+                                            fp8=True, compiled=False)  # the FP8 path gathers another tensor
 
 
 def test_llama3_8b_swiglu_gqa_layer_by_hand():
@@ -248,7 +255,11 @@ def test_sequence_parallel_and_context_parallel_reduce_activations():
     tp2_sp = acts(tensor_model_parallel_size=2, sequence_parallel=True)
     tp1 = acts()
     assert tp2_sp.activations < tp2.activations < tp1.activations
-    assert tp2_sp.activations == pytest.approx(tp1.activations / 2, rel=1e-3)  # token ids are not split
+    cfg = config("llama3-8b", seq_length=4096)
+    tokens, layers = cfg.train.micro_batch_size * 4096, cfg.model.num_layers
+    gathered = layers * tokens * 2 * 2 * 4096 * (1 - 1 / 2)  # QKV's and fc1's all-gathered inputs (compiled)
+    # token ids are not split
+    assert tp2_sp.activations - gathered == pytest.approx(tp1.activations / 2, rel=1e-3)
     assert tp2.logits == tp2_sp.logits == tp1.logits / 2
     cp2 = acts(context_parallel_size=2)
     assert cp2.logits == tp1.logits / 2 and cp2.activations == pytest.approx(tp1.activations / 2, rel=1e-6)

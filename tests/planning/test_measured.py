@@ -9,12 +9,14 @@ import pytest
 from meshtron.planning.measured import load_records, memory_errors, schema_errors, worst
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "measured.jsonl")
-# Target: every trusted peak within 5%. Met by 74 of the 77 rows of today's code; the bounds are the worst
-# row and the median rounded up, so that the test fails when the model drifts further (docs/planning.md,
-# error per feature). Above 5%: g6 (llama3-8b TP=2 + SP, selective, -5.5%) and c6 (llama3-3b TP=2 + SP,
-# -5.1%), TP=2 + SP rows keeping about one full-sequence [s, b, h] tensor per layer more than modelled, and
-# h14 (selective + activation offloading, +5.3%: the modelled host-copy backlog).
-TOLERANCE = 0.06
+# Target: every trusted peak within 5%. Met by all but four rows of today's code (median 0.3%); the bounds
+# are the worst row and the median rounded up, so that the test fails when the model drifts further
+# (docs/planning.md, error per feature). Above 5%: h32 (llama3-3b ZeRO-3, --no-compile, -7.1%: about one bf16
+# copy of the weights that the eager optim_grads_params path keeps gathered; the sharding strategy's gathered
+# weights are not modelled), g6 (llama3-8b TP=2 + SP, selective, -5.5%: about one full-sequence [s, b, h]
+# tensor per layer more than modelled, which tensor not established) and h14 (selective + activation
+# offloading, +5.3%: the modelled host-copy backlog).
+TOLERANCE = 0.075
 OFFLOAD_TOLERANCE = 0.06
 MEDIAN_TOLERANCE = 0.02
 
@@ -82,11 +84,13 @@ def test_rows_of_changed_code_are_left_out_with_a_reason(records):
 
     gone = left_out(records)
     # FP8 rows from before b3ecf7b (the same flags peak 8-11% higher since: e4 and e6), rows from before
-    # the fused loss's compiled passes (0902068) and MoE rows from before 0d04f82; c2 is also replaced by d12.
-    assert {"d12", "d14", "d20", "a6", "h11"} <= set(gone) and gone["d12"].startswith("code changed since: b3ecf7b")
-    assert "c2" in gone and "e4" not in gone and "h19" not in gone  # h19 measured h11's flags again
+    # the fused loss's compiled passes (0902068), MoE rows from before 0d04f82 (h18 among them) and the
+    # direct grouped-GEMM path of 2aa326e (h19-h23, measured again as h24-h29); c2 is also replaced by d12.
+    assert {"d12", "d14", "d20", "a6", "h11", "h18"} <= set(gone) and gone["d12"].startswith("code changed since: b3ecf7b")
+    assert gone["h19"].startswith("code changed since: 2aa326e")
+    assert "c2" in gone and "e4" not in gone and "h24" not in gone  # h24 measured h19's flags again
     kept = {r["id"] for r in trusted_peaks(records)} | {r["id"] for r in timed_records(records)}
-    assert not kept & set(gone) and {"e4", "e6"} <= kept
+    assert not kept & set(gone) and {"e4", "e6", "h24", "h28"} <= kept
     bad = dict(records[0], code_changed="soon")
     assert any("code_changed" in e for e in schema_errors(bad, [r["id"] for r in records]))
 
