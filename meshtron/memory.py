@@ -66,7 +66,10 @@ per key position). For Llama-3-8B (``h=4096, q=4096, k=1024, f=14336``) the bf16
 ``149,504 + 136`` bytes per token per layer, about ``36.5*h``.
 
 Without sequence parallelism the "only with SP" rows are replicated on each TP rank
-(Korthikanti's ``10sbh + 24sbh/t``); with SP everything is divided by TP.
+(Korthikanti's ``10sbh + 24sbh/t``); with SP everything is divided by TP, except that a compiled bf16
+layer keeps the all-gathered inputs of its two column-parallel linears (QKV, fc1) whole: the backward's
+all-gather of the saved shard is merged with the forward's by the compiler, and a collective is not
+recomputed (``2*e*h*(1 - 1/TP)`` per token more; not with FP8 or selective recomputation).
 
 Multi-latent attention (``--multi-latent-attention``; ``n`` heads of dims ``dn``/``dr``/``dv``,
 ranks ``rq``/``rkv``): the attention rows become the down projection's output and the normed
@@ -78,8 +81,10 @@ and its ``[s, b, n*dv]`` copy that the output projection keeps (``2*e*n*dv``).
 Mixture of experts (balanced routing, no dropped tokens): a MoE layer keeps no second norm output
 (the router reads an fp32 copy, ``4*h``, of the whole sequence on every TP rank, and the experts'
 rows are gathered from it), plus the router's logits and probabilities (``8*E``) and its int64
-indices (``38*topk``), and, per routing choice, the dispatched row, its copy into the grouped GEMM's
-aligned buffer and the expert's output row before the weighted sum (``3*e*h``), fc1's output
+indices (``38*topk``), and, per routing choice, the row of the grouped GEMM's aligned buffer and the
+expert's output row that the weighted sum's batched matmul keeps (``2*e*h`` where every expert is local and
+nothing is dropped: tokens go straight into and out of the buffer; through the dispatcher, with expert
+parallelism or a capacity, one more row, ``3*e*h``), fc1's output
 (``2*e*fe``), SiLU's output and the SwiGLU product (``2*e*fe``: the experts run eagerly, so SiLU's
 output is kept), the experts' part split over the expert TP size; a shared expert keeps its input
 and its MLP's ``3*e*fs``.
