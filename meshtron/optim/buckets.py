@@ -148,7 +148,14 @@ def build_layout(chunk_params: Sequence[Sequence[nn.Parameter]], ctx: ParallelCo
         for key, members in finished:
             is_expert, isolated = key[0], key[1]
             groups.append((chunk, expert if is_expert else dense, isolated, members))
+    return place_buckets(params, groups, align)
 
+
+def place_buckets(params: Sequence[nn.Parameter], groups: Sequence[tuple[int, ReduceGroup, bool, list[int]]],
+                  align: int) -> BufferLayout:
+    """Lay out ``groups`` (chunk, reduce group, isolated, parameter indices), in this order, one bucket each,
+    in one flat buffer: members back to back, every bucket padded to a multiple of ``align`` times its
+    reduce group's size (so that each rank's shard of it is aligned)."""
     offsets: list[tuple[int, int]] = [(0, 0)] * len(params)
     buckets: list[Bucket] = []
     cursor = 0
@@ -160,7 +167,7 @@ def build_layout(chunk_params: Sequence[Sequence[nn.Parameter]], ctx: ParallelCo
         multiple = reduce.size * align
         cursor = start + -(-(cursor - start) // multiple) * multiple
         buckets.append(Bucket(len(buckets), start, cursor, members, reduce, chunk, isolated))
-    return BufferLayout(params, offsets, buckets, cursor)
+    return BufferLayout(list(params), offsets, buckets, cursor)
 
 
 def single_bucket_layout(params: Sequence[nn.Parameter], ctx: ParallelContext) -> BufferLayout:

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from meshtron.optim.buckets import Bucket, BufferLayout, DEFAULT_ALIGN, dense_group, expert_group
+from meshtron.optim.buckets import BufferLayout, DEFAULT_ALIGN, dense_group, expert_group, place_buckets
 from meshtron.optim.collectives import all_gather_single
 from meshtron.optim.shards import CompactShards, parameter_view
 from meshtron.parallel.context import ParallelContext
@@ -90,19 +90,8 @@ def unit_layout(model_chunks: Sequence[nn.Module], ctx: ParallelContext,
         key = (c, u, spec_of(p).expert, isolate(p), i if isolate(p) else -1)
         groups.setdefault(key, []).append(i)
     ordered = sorted(groups.items(), key=lambda item: -item[1][0])  # by first gradient ready
-    offsets: list[tuple[int, int]] = [(0, 0)] * len(params)
-    buckets: list[Bucket] = []
-    cursor = 0
-    for (c, _, is_expert, isolated, _), members in ordered:
-        reduce = expert if is_expert else dense
-        start = cursor
-        for i in members:
-            offsets[i] = (cursor, params[i].numel())
-            cursor += params[i].numel()
-        multiple = reduce.size * align
-        cursor = start + -(-(cursor - start) // multiple) * multiple
-        buckets.append(Bucket(len(buckets), start, cursor, members, reduce, c, isolated))
-    return BufferLayout(params, offsets, buckets, cursor)
+    return place_buckets(params, [(c, expert if is_expert else dense, isolated, members)
+                                  for (c, _, is_expert, isolated, _), members in ordered], align)
 
 
 @dataclass
