@@ -3,8 +3,16 @@
 Every layout of the model on ``N`` GPUs is enumerated: tensor parallelism (a power of two within a
 node, with sequence parallelism), context parallelism, pipeline stages (an uneven first/last stage
 where the layers do not divide) and virtual stages, expert parallelism, the data-parallel size that
-is left, the micro batch, recomputation (none, selective, full), the distributed optimizer, FP8 and
---async-tensor-parallel.
+is left, the micro batch, recomputation (none, selective, full), the data-parallel sharding strategy
+(no_shard, optim = the distributed optimizer, and where they are needed optim_grads / optim_grads_params),
+FP8, --async-tensor-parallel, the ZB-H1 pipeline schedule (PP > 1 without virtual stages) and activation
+offloading (where a layout does not fit without it, or for long sequences).
+Options that can only cost time are tried only where they may be needed, to keep the search fast: ZeRO-2
+and ZeRO-3 only with DP x CP > 1 and when the layout with ZeRO-1 does not fit but could once the gradients
+(and weights) are sharded; ZB-H1 only where 1F1B at the same layout fits; offloading only for layouts that
+do not fit without it but could once the activations leave the device, and only when no layout fits
+without it or the sequence is at least ``OFFLOAD_SEQ`` tokens. Numerics choices (``--use-precision-aware-optimizer``) are left to the user:
+given to ``meshtron plan`` they stay in the base configuration and in the memory.
 Each is given the memory of :func:`meshtron.memory.estimate_memory` (the one memory model) and the
 step time of :func:`meshtron.planning.step_time.predict_step`, both from formulas, so thousands of
 layouts take seconds. Those whose estimate plus the stated headroom exceeds the device's memory are
@@ -16,6 +24,7 @@ configuration check (:func:`meshtron.planning.cli.validate_for_plan`) on the fla
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -28,6 +37,8 @@ from meshtron.planning.step_time import Links, StepPrediction, predict_step
 
 GIB = 2**30
 RECOMPUTE = ("none", "selective", "full")
+#: Activation offloading is also tried for layouts that fit without it from this sequence length on.
+OFFLOAD_SEQ = 16384
 
 
 @dataclass(frozen=True)
@@ -42,22 +53,32 @@ class Layout:
     dp: int
     micro_batch: int
     recompute: str
-    distributed_optimizer: bool
+    sharding: str  # --data-parallel-sharding-strategy: no_shard, optim (distopt), optim_grads, optim_grads_params
     fp8: bool
     async_tp: bool = False  # --async-tensor-parallel (compiled, sequence-parallel TP)
     first_layers: Optional[int] = None  # uneven pipeline split: layers of the first and last stage
     last_layers: Optional[int] = None
+    zb_h1: bool = False  # --pipeline-schedule zero-bubble-h1 (PP > 1, no virtual stages)
+    offload: bool = False  # --offload-activations
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether the optimizer state is sharded (every strategy but no_shard)."""
+        return self.sharding != "no_shard"
 
     def describe(self) -> str:
         """``TP=2 CP=1 PP=4 (V=2) EP=1 DP=4 mbs=1 recompute=full distopt fp8``."""
         parts = [f"TP={self.tp}", f"CP={self.cp}", f"PP={self.pp}" + (f" (V={self.vpp})" if self.vpp > 1 else ""),
                  f"EP={self.ep}", f"DP={self.dp}", f"mbs={self.micro_batch}", f"recompute={self.recompute}"]
-        if self.distributed_optimizer:
-            parts.append("distopt")
+        parts += {"optim": ["distopt"], "optim_grads": ["zero2"], "optim_grads_params": ["zero3"]}.get(self.sharding, [])
         if self.fp8:
             parts.append("fp8")
         if self.async_tp:
             parts.append("async-tp")
+        if self.zb_h1:
+            parts.append("zb-h1")
+        if self.offload:
+            parts.append("offload")
         return " ".join(parts)
 
     def flags(self) -> list[str]:
@@ -76,14 +97,23 @@ class Layout:
                         "--decoder-last-pipeline-num-layers", str(self.last_layers)]
             if self.vpp > 1:
                 out += ["--virtual-pipeline-model-parallel-size", str(self.vpp)]
+            if self.zb_h1:
+                out += ["--pipeline-schedule", "zero-bubble-h1"]
         if self.ep > 1:
             out += ["--expert-model-parallel-size", str(self.ep)]
-        if self.distributed_optimizer:
+        if self.sharding == "optim":
             out += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+        elif self.sharding == "optim_grads":
+            out += ["--data-parallel-sharding-strategy", "optim_grads", "--overlap-grad-reduce",
+                    "--overlap-param-gather"]
+        elif self.sharding == "optim_grads_params":  # each layer's gather is always prefetched
+            out += ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce"]
         elif self.dp * self.cp > 1:
             out += ["--overlap-grad-reduce"]
         if self.recompute != "none":
             out += ["--recompute-granularity", self.recompute]
+        if self.offload:
+            out += ["--offload-activations"]
         if self.fp8:
             out += ["--fp8-format", "e4m3"]
         return out
@@ -107,18 +137,25 @@ class Planned:
         lay = self.layout
         return {"layout": lay.describe(), "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep,
                 "dp": lay.dp, "micro_batch": lay.micro_batch, "recompute": lay.recompute,
-                "distributed_optimizer": lay.distributed_optimizer, "fp8": lay.fp8,
+                "distributed_optimizer": lay.distributed_optimizer, "sharding": lay.sharding, "fp8": lay.fp8,
+                "async_tp": lay.async_tp, "pipeline_schedule": "zero-bubble-h1" if lay.zb_h1 else None,
+                "offload_activations": lay.offload,
                 "memory_gib": self.memory_bytes / GIB, **self.step.as_dict(), "command": " ".join(self.command)}
 
 
 @dataclass
 class SearchSpace:
-    """What the search may choose (``allow_fp8``: FP8 linears; needs a GPU with FP8 tensor cores)."""
+    """What the search may choose (``allow_fp8``: FP8 linears; needs a GPU with FP8 tensor cores;
+    ``allow_zero``: ZeRO-2/3 sharding; ``allow_zb_h1``: the ZB-H1 schedule; ``allow_offload``:
+    --offload-activations)."""
 
     max_micro_batch: int = 8  # every micro batch up to this that divides the global batch per DP rank
     recompute: Sequence[str] = RECOMPUTE
     max_virtual: int = 4
     allow_fp8: bool = True
+    allow_zero: bool = True
+    allow_zb_h1: bool = True
+    allow_offload: bool = True
     fixed: dict = field(default_factory=dict)  # e.g. {"tp": 4, "pp": 4}: only layouts with these sizes
 
 
@@ -149,7 +186,8 @@ def pipeline_split(layers: int, pp: int) -> Optional[tuple[Optional[int], Option
 
 
 def layouts(cfg: MeshtronConfig, gpus: int, gpus_per_node: int, space: SearchSpace) -> Iterator[Layout]:
-    """Every layout the search considers (sizes that divide; the configuration check runs later)."""
+    """Every base layout the search considers (sizes that divide; the configuration check runs later),
+    with no_shard or optim; :func:`variants` adds ZeRO-2/3, ZB-H1 and offloading where they may pay."""
     m, t = cfg.model, cfg.train
     gbs, seq, layers = t.global_batch_size, m.seq_length, m.num_layers
     heads, groups = m.num_attention_heads, num_kv_heads(m)
@@ -181,12 +219,58 @@ def layouts(cfg: MeshtronConfig, gpus: int, gpus_per_node: int, space: SearchSpa
                             if vpp > 1 and micro % pp:
                                 continue
                             for rec, distopt, fp8, async_tp in itertools.product(
-                                    space.recompute, (False, True) if dp * cp > 1 else (False,),
+                                    space.recompute, ("no_shard", "optim") if dp * cp > 1 else ("no_shard",),
                                     (False, True) if space.allow_fp8 else (False,),
                                     (False, True) if tp > 1 else (False,)):
                                 lay = Layout(tp, cp, pp, vpp, ep, dp, mbs, rec, distopt, fp8, async_tp, *split)
                                 if all(getattr(lay, k) == v for k, v in fixed.items()):
                                     yield lay
+
+
+def _fitting_variants(lay: Layout, estimate, limit: float, space: SearchSpace,
+                      offload_candidates: list[Layout]) -> Iterator[tuple[Layout, int]]:
+    """``lay`` and the variants of it worth trying, those that fit, with their memory.
+
+    ``estimate(layout)`` gives a :class:`meshtron.memory.MemoryEstimate` (None: not a valid layout).
+    A stronger sharding strategy only costs communication, so ZeRO-2 is tried only where ZeRO-1 does not
+    fit and sharding the gradients could make it fit, ZeRO-3 only where ZeRO-2 does not fit and sharding
+    the weights too could; ZB-H1 (more activations in flight, a smaller bubble) where the same layout fits
+    with 1F1B. Offloading also only costs time (the backward's waits for the host copies), so the
+    variants that do not fit but could without their activations on the device (not with full
+    recomputation, which keeps only each layer's input) are appended to ``offload_candidates`` for
+    :func:`search` to try when it needs them."""
+    est = estimate(lay)
+    if est is None:
+        return
+    shards = lay.dp * lay.cp
+    tried = [(lay, est)]
+    if est.total > limit and space.allow_zero and lay.sharding == "optim":
+        for strategy, saved in (("optim_grads", est.gradients), ("optim_grads_params", est.gradients + est.weights)):
+            if est.total - saved * (1 - 1 / shards) > limit:
+                continue
+            variant = dataclasses.replace(lay, sharding=strategy)
+            variant_est = estimate(variant)
+            if variant_est is None:
+                continue
+            tried.append((variant, variant_est))
+            if variant_est.total <= limit:
+                break  # ZeRO-3 would only add communication
+    for variant, variant_est in tried:
+        if variant_est.total <= limit:
+            yield from _with_zb_h1(variant, variant_est.total, estimate, limit, space)
+        elif (space.allow_offload and lay.recompute != "full" and (lay.sharding != "no_shard" or shards == 1)
+              and variant_est.total - variant_est.activations <= limit):
+            offload_candidates.append(dataclasses.replace(variant, offload=True))
+
+
+def _with_zb_h1(lay: Layout, mem: int, estimate, limit: float, space: SearchSpace) -> Iterator[tuple[Layout, int]]:
+    """``lay`` (which fits in ``mem`` bytes) and, with PP > 1 and no virtual stages, its ZB-H1 variant if it fits."""
+    yield lay, mem
+    if space.allow_zb_h1 and lay.pp > 1 and lay.vpp == 1:
+        zb = dataclasses.replace(lay, zb_h1=True)
+        zb_est = estimate(zb)
+        if zb_est is not None and zb_est.total <= limit:
+            yield zb, zb_est.total
 
 
 def apply_layout(base: MeshtronConfig, lay: Layout) -> MeshtronConfig:
@@ -200,12 +284,15 @@ def apply_layout(base: MeshtronConfig, lay: Layout) -> MeshtronConfig:
     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = lay.first_layers, lay.last_layers
     p.sequence_parallel = lay.tp > 1
     p.async_tensor_parallel = lay.async_tp
-    p.use_distributed_optimizer = lay.distributed_optimizer
+    p.use_distributed_optimizer = lay.sharding == "optim"
+    p.data_parallel_sharding_strategy = lay.sharding if lay.sharding in ("optim_grads", "optim_grads_params") else None
     p.overlap_grad_reduce = lay.dp * lay.cp > 1
-    p.overlap_param_gather = lay.distributed_optimizer
+    p.overlap_param_gather = lay.sharding in ("optim", "optim_grads")
+    p.pipeline_schedule = "zero-bubble-h1" if lay.zb_h1 else None
     t.micro_batch_size = lay.micro_batch
     t.recompute_granularity = None if lay.recompute == "none" else lay.recompute
     t.fp8_format = "e4m3" if lay.fp8 else None
+    t.offload_activations = lay.offload
     return cfg
 
 
@@ -237,17 +324,28 @@ def search(base: MeshtronConfig, base_argv: Sequence[str], gpus: int, profile: D
     vocab = base.model.vocab_size
     fitting: list[Planned] = []
     considered = 0
-    for lay in layouts(base, gpus, gpus_per_node, space):
+
+    def estimate(lay: Layout):
+        nonlocal considered
         considered += 1
-        cfg = apply_layout(base, lay)
         try:
-            mem = estimate_memory(cfg, vocab, world_size=gpus).total
+            return estimate_memory(apply_layout(base, lay), vocab, world_size=gpus, profile=profile)
         except (ConfigError, ValueError):
-            continue
-        if mem > limit:
-            continue
-        step = predict_step(cfg, gpus, profile, vocab, links)
-        fitting.append(Planned(lay, mem, step))
+            return None
+
+    def keep(lay: Layout, mem: int) -> None:
+        fitting.append(Planned(lay, mem, predict_step(apply_layout(base, lay), gpus, profile, vocab, links)))
+
+    offload_candidates: list[Layout] = []
+    for lay in layouts(base, gpus, gpus_per_node, space):
+        for variant, mem in _fitting_variants(lay, estimate, limit, space, offload_candidates):
+            keep(variant, mem)
+    if not fitting or base.model.seq_length >= OFFLOAD_SEQ:
+        for lay in offload_candidates:
+            est = estimate(lay)
+            if est is not None and est.total <= limit:
+                for variant, mem in _with_zb_h1(lay, est.total, estimate, limit, space):
+                    keep(variant, mem)
     fitting.sort(key=lambda c: -c.tokens_per_sec_per_gpu)
     chosen: list[Planned] = []
     for cand in fitting:

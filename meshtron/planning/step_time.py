@@ -26,10 +26,15 @@ The last stage adds the output layer and the fused loss, the first the embedding
 prediction depth (``--mtp-num-layers``) adds to the last stage a layer of the last layer's kind, an
 embedding, its [2H -> H] projection and another pass through the output layer and loss. A step is
 ``M`` micro-batches of the slowest stage, stretched by the schedule's bubble (the plan-and-simulate
-executor's :func:`meshtron.pipeline.schedules.simulated_bubble`, a backward lasting two forwards),
-plus the exposed data-parallel communication (the gradient reduce-scatter / all-reduce behind the
-last micro-batch's backward with ``--overlap-grad-reduce``, the parameter all-gather behind the
-first forward with ``--overlap-param-gather``, the last/first bucket always exposed), blocking
+executor's :func:`meshtron.pipeline.schedules.simulated_bubble` for the ``--pipeline-schedule``, a
+backward lasting two forwards; ZB-H1 in compiled layers adds ``ZB_H1_BREAK_US`` per linear for the
+graph break before each deferred weight-gradient GEMM), plus the exposed data-parallel communication
+by ``--data-parallel-sharding-strategy`` (the gradient reduce-scatter / all-reduce behind the last
+micro-batch's backward with ``--overlap-grad-reduce``, with ``optim_grads`` and ``optim_grads_params``
+a reduce-scatter behind every micro-batch's backward; the parameter all-gather behind the first
+forward with ``--overlap-param-gather``, the last/first bucket always exposed; with
+``optim_grads_params`` instead each layer's weights gathered before its forward and its backward,
+prefetched one layer ahead so that only the first layer's gather of each pass is exposed), blocking
 pipeline exchanges (``--no-overlap-p2p-comm``), the optimizer step by its bytes, and a fixed step
 overhead. Each collective moves its ring volume over the links its group spans: NVLink when the
 group's ranks share a node, the network otherwise (rank order TP, CP, DP, PP, fastest first).
@@ -49,6 +54,11 @@ from meshtron.planning.profiles import DeviceProfile
 ATTENTION_BACKWARD_FLOPS = 2.5
 #: Lock-step ticks of a backward pass in the bubble simulation (two GEMMs per forward GEMM).
 BACKWARD_TICKS = 2
+#: ZB-H1 in compiled layers: each linear's deferred weight-gradient GEMM runs outside the compiled backward
+#: (a graph break per linear), an estimate of the extra seconds per linear and micro-batch (not measured).
+ZB_H1_BREAK_US = 5.0
+#: Linears of a layer whose weight gradient ZB-H1 defers (QKV, projection, the two MLP projections).
+ZB_H1_LINEARS = 4
 #: Datasheet dense bf16 peaks for MFU (the same table as meshtron.training.metrics).
 DATASHEET_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0}
 
@@ -116,8 +126,9 @@ SIMULATED_MICRO_BATCHES = 64
 
 
 @functools.lru_cache(maxsize=4096)
-def bubble_fraction(stages: int, virtual: int, micro_batches: int) -> float:
-    """Idle over busy time of the schedule: the executor's own plan, simulated.
+def bubble_fraction(stages: int, virtual: int, micro_batches: int, schedule: Optional[str] = None) -> float:
+    """Idle over busy time of the schedule (``schedule``: a ``--pipeline-schedule`` value, None for the
+    default of ``virtual``): the executor's own plan, simulated.
 
     The idle ticks are those of the warm-up and cool-down, which stop growing once every rank reaches
     its steady state; so for many micro-batches the simulation runs at a multiple of ``stages`` near
@@ -133,7 +144,7 @@ def bubble_fraction(stages: int, virtual: int, micro_batches: int) -> float:
         simulated = max(2 * stages, SIMULATED_MICRO_BATCHES // stages * stages)
         if virtual > 1 or micro_batches % stages == 0:
             simulated = max(stages, simulated // stages * stages)
-    return simulated_bubble(stages, virtual, simulated, BACKWARD_TICKS) * simulated / micro_batches
+    return simulated_bubble(stages, virtual, simulated, BACKWARD_TICKS, schedule=schedule) * simulated / micro_batches
 
 
 @dataclass
@@ -353,7 +364,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
             return False
         return t.recompute_method != "block" or position < max(1, t.recompute_num_layers)
 
-    stage_times, stage_fwd, stage_comm = [], [], []
+    stage_times, stage_fwd, stage_comm, stage_layers = [], [], [], []
     kinds = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "dp": 0.0, "pp": 0.0}
     slowest_kind: dict = {}
     params_by_stage = []
@@ -364,7 +375,10 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         if rank == pp - 1 and m.mtp_num_layers:
             time += m.mtp_num_layers * _mtp_depth_cost(cfg, cost(m.num_layers - 1, recomputed(len(layers))), loss,
                                                        embed, profile)
+        if p.pipeline_schedule == "zero-bubble-h1" and t.compile:
+            time += len(layers) * ZB_H1_LINEARS * ZB_H1_BREAK_US * 1e-6
         stage_times.append(time)
+        stage_layers.append(len(layers))
         stage_fwd.append(sum(c.forward for c in costs))
         stage_comm.append({k: sum(c.comm_kind[k] for c in costs) for k in ("tp", "cp", "ep")})
         params_by_stage.append(_rank_parameters(cfg, layers, rank == 0, rank == pp - 1, vocab))
@@ -377,35 +391,53 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     slowest = max(range(pp), key=lambda r: stage_times[r])
     per_micro = stage_times[slowest]
     slowest_kind = stage_comm[slowest]
-    bubble = bubble_fraction(pp, virtual, micro)
+    bubble = bubble_fraction(pp, virtual, micro, p.pipeline_schedule)
     compute = micro * per_micro
     bubble_s = compute * bubble
     for k, v in slowest_kind.items():
         kinds[k] = micro * v
 
-    # Data-parallel gradient reduction and parameter gather (the stage with the most parameters).
+    # Data-parallel gradient reduction and parameter gather (the stage with the most parameters), by the
+    # sharding strategy (meshtron.optim.strategy): no_shard all-reduces the gradients once per step; optim
+    # reduce-scatters them once and all-gathers the updated weights once; optim_grads reduce-scatters every
+    # micro-batch's gradients (behind its backward) and gathers once; optim_grads_params reduce-scatters
+    # every micro-batch's and all-gathers each layer's weights before its forward and again before its
+    # backward, prefetched one layer ahead (so all but the first layer's gather run behind compute).
+    from meshtron.optim.accounting import sharding_strategy
+
+    strategy = sharding_strategy(cfg)
     dense, expert = max(params_by_stage, key=lambda de: de[0] + de[1])
     n_dense = dp * cp
     n_expert = max(1, dp * cp * tp // (ep * etp))
     grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
     dp_bw = links.bandwidth(profile, n_dense, tp)
-    distopt = p.use_distributed_optimizer
-    red_factor = 1.0 if distopt else 2.0
+    ep_bw = links.bandwidth(profile, n_expert, tp * ep)
+    sharded = strategy != "no_shard"
+    red_factor = 1.0 if sharded else 2.0
     grad_comm = (_ring(dense * grad_bytes, n_dense, dp_bw, latency, red_factor)
-                 + _ring(expert * grad_bytes, n_expert, links.bandwidth(profile, n_expert, tp * ep), latency, red_factor))
+                 + _ring(expert * grad_bytes, n_expert, ep_bw, latency, red_factor))
     bucket = max(40_000_000, 1_000_000 * dp) if p.ddp_bucket_size is None else p.ddp_bucket_size
     share = min(1.0, bucket / max(1.0, dense + expert))
     last_backward = per_micro - stage_fwd[slowest]
-    if p.overlap_grad_reduce and grad_comm > 0:
+    if strategy in ("optim_grads", "optim_grads_params"):
+        # Every micro-batch's reduce-scatter runs behind its own backward; the last bucket of the last one is exposed.
+        grad_exposed = grad_comm * share + micro * _overlapped(grad_comm * (1 - share), last_backward, profile)
+    elif p.overlap_grad_reduce and grad_comm > 0:
         grad_exposed = grad_comm * share + _overlapped(grad_comm * (1 - share), last_backward, profile)
     else:
         grad_exposed = grad_comm
-    gather = 0.0
-    if distopt:
-        gather = (_ring(dense * 2, n_dense, dp_bw, latency)
-                  + _ring(expert * 2, n_expert, links.bandwidth(profile, n_expert, tp * ep), latency))
+    gather = (_ring(dense * 2, n_dense, dp_bw, latency) + _ring(expert * 2, n_expert, ep_bw, latency))
+    if strategy == "optim_grads_params":
+        # Per micro-batch, two passes (forward, backward) each gather the stage's weights layer by layer.
+        first = gather / max(1, stage_layers[slowest])
+        passes = (_overlapped(gather - first, stage_fwd[slowest], profile)
+                  + _overlapped(gather - first, last_backward, profile))
+        gather = micro * (2 * first + passes) if gather > 0 else 0.0
+    elif sharded:
         if p.overlap_param_gather and gather > 0:
             gather = gather * share + _overlapped(gather * (1 - share), stage_fwd[slowest], profile)
+    else:
+        gather = 0.0
     kinds["dp"] = grad_exposed + gather
 
     if pp > 1 and not p.overlap_p2p_comm:
@@ -414,7 +446,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         kinds["pp"] = micro * virtual * 2 * (msg / bw + latency)
 
     # Optimizer: this rank's shard of the master weights, moments and gradients.
-    shard = dense / (n_dense if distopt else 1) + expert / (n_expert if distopt else 1)
+    shard = dense / (n_dense if sharded else 1) + expert / (n_expert if sharded else 1)
     optimizer = shard * profile.optimizer_bytes_per_param / (profile.hbm_gbps * 1e9 * profile.hbm_efficiency)
     overhead = profile.step_overhead_ms * 1e-3
     exposed = sum(kinds.values())
