@@ -52,6 +52,15 @@ def _int(hf: dict, key: str, default: Optional[int] = None) -> Optional[int]:
 # Hugging Face config.json -> meshtron flags.
 # ---------------------------------------------------------------------------------------------
 
+
+def _experts_per_token(hf: dict, experts: int, experts_key: str) -> int:
+    """``num_experts_per_tok``, checked against the expert count (read from ``experts_key``)."""
+    topk = _int(hf, "num_experts_per_tok")
+    if topk is None or not 1 <= topk <= experts:
+        raise CheckpointError(f"config.json: num_experts_per_tok {topk} must be between 1 and {experts_key} "
+                              f"{experts}")
+    return topk
+
 def deepseek_settings(hf: dict, kind: str, notices: list[str]) -> dict[str, Any]:
     """meshtron model fields for a DeepSeek-V2/V3 ``config.json`` (MLA, YaRN, dense first layers, MoE)."""
     if hf.get("attention_bias") or hf.get("mlp_bias"):
@@ -79,10 +88,7 @@ def deepseek_settings(hf: dict, kind: str, notices: list[str]) -> dict[str, Any]
     first_dense = min(_int(hf, "first_k_dense_replace", 0) or 0, layers)
     if not experts or first_dense >= layers:
         return values  # every layer dense
-    topk = _int(hf, "num_experts_per_tok")
-    if topk is None or not 1 <= topk <= experts:
-        raise CheckpointError(f"config.json: num_experts_per_tok {topk} must be between 1 and n_routed_experts "
-                              f"{experts}")
+    topk = _experts_per_token(hf, experts, "n_routed_experts")
     if _int(hf, "moe_layer_freq", 1) != 1:
         raise CheckpointError(f"config.json: moe_layer_freq {hf['moe_layer_freq']}: transformers makes every layer "
                               "from first_k_dense_replace on MoE")
@@ -194,10 +200,7 @@ def qwen3_moe_settings(hf: dict, notices: list[str]) -> dict[str, Any]:
     experts = _int(hf, "num_experts") or _int(hf, "num_local_experts") or 0
     if experts == 0:
         return {}
-    topk = _int(hf, "num_experts_per_tok")
-    if topk is None or not 1 <= topk <= experts:
-        raise CheckpointError(f"config.json: num_experts_per_tok {topk} must be between 1 and num_experts "
-                              f"{experts}")
+    topk = _experts_per_token(hf, experts, "num_experts")
     if _int(hf, "decoder_sparse_step", 1) != 1:
         raise CheckpointError(f"config.json: decoder_sparse_step {hf['decoder_sparse_step']} is not supported "
                               "(meshtron's --moe-layer-freq counts from layer 0, Qwen's step from layer step - 1)")
