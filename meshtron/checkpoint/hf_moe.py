@@ -61,6 +61,7 @@ def _experts_per_token(hf: dict, experts: int, experts_key: str) -> int:
                               f"{experts}")
     return topk
 
+
 def deepseek_settings(hf: dict, kind: str, notices: list[str]) -> dict[str, Any]:
     """meshtron model fields for a DeepSeek-V2/V3 ``config.json`` (MLA, YaRN, dense first layers, MoE)."""
     if hf.get("attention_bias") or hf.get("mlp_bias"):
