@@ -161,6 +161,7 @@ from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is
                              padded_vocab_size)
 from meshtron.layers.cross_entropy import chunk_size  # the fused loss's chunk rule
 from meshtron.accounting import mla_rank_parameters
+from meshtron.optim.accounting import sharding_strategy
 from meshtron.validation import layout_from_config
 
 GIB = 2**30
@@ -380,6 +381,22 @@ def _mlp_params(m: ModelConfig, width: int, tp: int) -> float:
     return weights + biases
 
 
+def _sharded_weights_and_grads(strategy: str, dense: float, expert: float, dense_shard: float,
+                               expert_shard: float, w_bytes: int, g_bytes: int) -> tuple[float, float]:
+    """Weight and gradient bytes of a rank between steps under ``strategy`` (as
+    :func:`meshtron.optim.accounting.strategy_bytes_per_parameter` counts them per parameter): ZeRO-2 keeps the
+    full weights plus the compact shard the optimizer writes, and fp32 gradient shards; ZeRO-3 keeps only
+    weight and fp32 gradient shards."""
+    params = dense + expert
+    if strategy == "optim_grads":
+        return (params * w_bytes + (dense / dense_shard + expert / expert_shard) * w_bytes,
+                (dense / dense_shard + expert / expert_shard) * 4)
+    if strategy == "optim_grads_params":
+        shards = dense / dense_shard + expert / expert_shard
+        return shards * w_bytes, shards * 4
+    return params * w_bytes, params * g_bytes
+
+
 def layer_parameters(m: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
                      expert_tp: Optional[int] = None) -> tuple[float, float]:
     """(dense, expert) parameters of one layer held by one rank."""
@@ -462,8 +479,11 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     o = cfg.optim  # fp32 masters (unless the weights are fp32) and Adam's moments (bf16 when asked for)
     o_bytes = (4 if bf16 else 0) + sum(2 if d == "bf16" else 4 for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype))
     opt_gpu = 1.0 - (_offload_fraction(cfg) if cfg.optim.optimizer_cpu_offload else 0.0)
-    dense_shard = dp * cp if par.use_distributed_optimizer else 1
-    expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if par.use_distributed_optimizer else 1
+    # --data-parallel-sharding-strategy (meshtron.optim.accounting): what is split over DP x CP (dense) and
+    # over the expert-data-parallel ranks (experts).
+    strategy = sharding_strategy(cfg)
+    dense_shard = dp * cp if strategy != "no_shard" else 1
+    expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if strategy != "no_shard" else 1
 
     fp8 = _fp8_tensorwise(cfg)
     compiled = tr.compile is not False and tr.device != "cpu"  # compiled layers: the GPU default
@@ -517,8 +537,11 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             dense += mtp * (dl + 2 * m.hidden_size * m.hidden_size / tp + norms)
             expert += mtp * el
         params = dense + expert
-        weights = params * w_bytes
-        grads = params * g_bytes
+        weights, grads = _sharded_weights_and_grads(strategy, dense, expert, dense_shard, expert_shard, w_bytes,
+                                                    g_bytes)
+        if strategy == "optim_grads_params":  # the running unit's and the prefetched unit's gathered weights
+            unit = max((sum(layer_parameters(m, i, tp, ep, etp)) for c in chunks for i in c), default=0.0)
+            weights += 2 * unit * w_bytes
         optim = (dense / dense_shard + expert / expert_shard) * o_bytes * opt_gpu
 
         # Activations: in-flight micro-batches (1F1B) or chunk-forwards (interleaved).
