@@ -3,8 +3,9 @@
 
 Runs :func:`meshtron.planning.search.search` and prints the fastest layouts that fit: memory per GPU,
 tokens/s/GPU, MFU, pipeline bubble, exposed communication and the ``meshtron train`` command line of
-each (one JSON object per layout with ``--json``). Any other ``meshtron train`` flag given is kept
-in the base configuration and in the printed command lines.
+each (one JSON object per layout with ``--json``). The flags a layout sets (parallel sizes, schedule,
+sharding strategy, recomputation, offloading, FP8: :data:`LAYOUT_FLAGS`) are refused; any other
+``meshtron train`` flag given is kept in the base configuration and in the printed command lines.
 """
 
 from __future__ import annotations
@@ -17,6 +18,31 @@ from typing import Sequence
 from meshtron.errors import ConfigError
 
 _COMPARE_KEYS = {"TP": "tp", "CP": "cp", "PP": "pp", "EP": "ep", "VPP": "vpp", "DP": "dp"}
+
+#: The flags each layout of the search sets itself (meshtron.planning.search.Layout.flags): given to the search as
+#: well, they would stay in the printed commands of layouts that chose otherwise.
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--context-parallel-size", "--pipeline-model-parallel-size",
+                "--expert-model-parallel-size", "--virtual-pipeline-model-parallel-size",
+                "--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
+                "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--sequence-parallel",
+                "--async-tensor-parallel", "--pipeline-schedule", "--data-parallel-sharding-strategy",
+                "--use-distributed-optimizer", "--use-megatron-fsdp", "--use-torch-fsdp2",
+                "--recompute-granularity", "--recompute-activations", "--offload-activations",
+                "--fine-grained-activation-offloading", "--fp8-format", "--fp8-hybrid")
+
+
+def check_no_layout_flags(train_argv: Sequence[str]) -> None:
+    """Refuse the flags the search chooses per layout (ConfigError naming them and what to do instead)."""
+    given = []
+    for token in train_argv:
+        name = token.split("=", 1)[0]
+        plain = "--" + name[len("--no-"):] if name.startswith("--no-") else name
+        if plain in LAYOUT_FLAGS and name not in given:
+            given.append(name)
+    if given:
+        raise ConfigError(f"meshtron plan chooses {', '.join(given)} for each layout itself: leave "
+                          f"{'it' if len(given) == 1 else 'them'} out (each printed command carries its layout's); "
+                          "--compare TP=4,PP=4 also ranks the best layout of given sizes, --no-fp8 leaves FP8 out")
 
 
 def parse_compare(text: str) -> dict:
@@ -44,6 +70,7 @@ def search_main(args: argparse.Namespace, train_argv: Sequence[str]) -> int:
         raise ConfigError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
     if args.top < 1:
         raise ConfigError(f"--top must be at least 1, got {args.top}")
+    check_no_layout_flags(train_argv)
     base = build_config(list(train_argv))
     if not base.model.model:
         raise ConfigError("--model PRESET is needed to search layouts (e.g. --model llama3-8b)")

@@ -161,6 +161,13 @@ def test_bad_planner_flags_name_the_flag(tmp_path):
         plan_main(["--model", "llama3-1b", "--gpus", "2"])
     with pytest.raises(ConfigError, match="--gpus"):
         plan_main(["--model", "llama3-1b", "--gpus", "0", "--global-batch-size", "8"])
+    # Flags each layout sets itself would leak into the commands of layouts that chose otherwise.
+    with pytest.raises(ConfigError, match="chooses --pipeline-schedule, --no-sequence-parallel for each layout"):
+        plan_main(["--model", "llama3-1b", "--gpus", "2", "--global-batch-size", "8", "--pipeline-schedule=1f1b",
+                   "--no-sequence-parallel"])
+    with pytest.raises(ConfigError, match="chooses --data-parallel-sharding-strategy for each layout itself"):
+        plan_main(["--model", "llama3-1b", "--gpus", "2", "--global-batch-size", "8",
+                   "--data-parallel-sharding-strategy", "optim_grads"])
 
 
 def test_zb_h1_is_ranked_above_1f1b_at_the_same_layout():
