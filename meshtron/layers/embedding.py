@@ -13,6 +13,19 @@ from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import ShardSpec, new_param, shard, whole
 
 
+def vocab_parallel_lookup(tokens: torch.Tensor, weight: torch.Tensor, vocab_start: int, group,
+                          sequence_parallel: bool) -> torch.Tensor:
+    """Word embeddings [seq, batch, hidden] of ``tokens`` [batch, seq] from this rank's block of vocabulary rows
+    ``weight`` (starting at ``vocab_start``): zeros for tokens outside the block, summed over the TP ``group``
+    (reduce-scattered to sequence shards with ``sequence_parallel``)."""
+    tokens = tokens.t()
+    if comm._size(group) == 1:
+        return F.embedding(tokens, weight)
+    outside = (tokens < vocab_start) | (tokens >= vocab_start + weight.shape[0])
+    out = F.embedding((tokens - vocab_start).masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    return comm.reduce_scatter_to_sequence(out, group) if sequence_parallel else comm.reduce_from_tp(out, group)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Each TP rank holds a contiguous block of the (padded) vocabulary's rows.
 
@@ -36,15 +49,8 @@ class VocabParallelEmbedding(nn.Module):
                                 if max_positions else None)
 
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = vocab_parallel_lookup(tokens, self.weight, self.vocab_start, self.group, self.sequence_parallel)
         tokens = tokens.t()  # [seq, batch]
-        if self.tp > 1:
-            outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.rows)
-            local = (tokens - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-            out = (comm.reduce_scatter_to_sequence(out, self.group) if self.sequence_parallel
-                   else comm.reduce_from_tp(out, self.group))
-        else:
-            out = F.embedding(tokens, self.weight)
         if self.position_weight is not None:
             pos = position_ids.t() if position_ids is not None else torch.arange(tokens.shape[0], device=tokens.device)[:, None]
             pos_emb = F.embedding(pos, self.position_weight)

@@ -34,9 +34,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from meshtron.config import ModelConfig
+from meshtron.layers.embedding import vocab_parallel_lookup
 from meshtron.layers.linear import ColumnParallelLinear
 from meshtron.layers.norm import Norm
 from meshtron.parallel import comm
@@ -44,7 +44,7 @@ from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import shard
 
 __all__ = ["HF_MTP_NAMES", "MTP_KEYS", "MTPBlock", "MTPLayer", "MTPMetrics", "add_mtp_inputs", "mtp_blocks",
-           "mtp_depths", "weigh_mtp_loss"]
+           "mtp_depths", "mtp_valid_positions", "weigh_mtp_loss"]
 
 #: Per-token fields of a training micro-batch with multi-token prediction, each ``[batch, seq, D]``.
 MTP_KEYS = ("mtp_tokens", "mtp_labels", "mtp_loss_mask")
@@ -94,33 +94,24 @@ def add_mtp_inputs(micro_batch: dict, depths: int) -> dict:
     return out
 
 
-def weigh_mtp_loss(micro_batches: Sequence[dict], group: Optional[dist.ProcessGroup]) -> None:
-    """Replace each ``mtp_loss_mask`` by ``mtp_loss_weight``: per depth, mask / valid positions of the
-    whole global batch (summed over ``group``, the data x context-parallel ranks), in place.
+def mtp_valid_positions(micro_batches: Sequence[dict]) -> Optional[torch.Tensor]:
+    """Per depth, the valid positions (loss mask) of this rank's micro-batches, [D] (None without multi-token
+    prediction); summed over the data x context-parallel ranks it is what :func:`weigh_mtp_loss` divides by."""
+    if not micro_batches or "mtp_loss_mask" not in micro_batches[0]:
+        return None
+    return sum(mb["mtp_loss_mask"].float().sum(dim=(0, 1)) for mb in micro_batches)
+
+
+def weigh_mtp_loss(micro_batches: Sequence[dict], global_positions: torch.Tensor) -> None:
+    """Replace each ``mtp_loss_mask`` by ``mtp_loss_weight``: per depth, mask / valid positions of the whole
+    global batch (``global_positions`` [D], :func:`mtp_valid_positions` summed over the data x
+    context-parallel ranks), in place.
 
     Summed over micro-batches and ranks, ``sum(weight * token loss)`` of depth k is then ``L_k``.
     """
-    if not micro_batches or "mtp_loss_mask" not in micro_batches[0]:
-        return
-    count = sum(mb["mtp_loss_mask"].float().sum(dim=(0, 1)) for mb in micro_batches)
-    if group is not None:
-        dist.all_reduce(count, group=group)
-    inv = 1.0 / count.clamp(min=1.0)
+    inv = 1.0 / global_positions.clamp(min=1.0)
     for mb in micro_batches:
         mb["mtp_loss_weight"] = mb.pop("mtp_loss_mask").float() * inv
-
-
-def _embed(tokens: torch.Tensor, weight: torch.Tensor, vocab_start: int, group, sequence_parallel: bool
-           ) -> torch.Tensor:
-    """Word embeddings [seq, batch, hidden] of ``tokens`` [batch, seq] from this rank's vocabulary rows
-    (:class:`~meshtron.layers.embedding.VocabParallelEmbedding`'s lookup and reduction)."""
-    tokens = tokens.t()
-    if comm._size(group) == 1:
-        return F.embedding(tokens, weight)
-    rows = weight.shape[0]
-    outside = (tokens < vocab_start) | (tokens >= vocab_start + rows)
-    out = F.embedding((tokens - vocab_start).masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
-    return comm.reduce_scatter_to_sequence(out, group) if sequence_parallel else comm.reduce_from_tp(out, group)
 
 
 class MTPLayer(nn.Module):
@@ -182,7 +173,7 @@ class MTPBlock(nn.Module):
         vocab_start = self.ctx.tp_rank * embedding_weight.shape[0]
         losses = []
         for k, layer in enumerate(self.layers):
-            embedded = _embed(tokens[..., k], embedding_weight, vocab_start, self.ctx.tp_group,
+            embedded = vocab_parallel_lookup(tokens[..., k], embedding_weight, vocab_start, self.ctx.tp_group,
                               self.sequence_parallel)
             hidden = layer(hidden, embedded, rope, mask)
             total, _ = head(layer.final_norm(hidden), labels[..., k], loss_weight[..., k])

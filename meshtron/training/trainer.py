@@ -25,7 +25,7 @@ import torch.distributed as dist
 from meshtron.build import build_model_chunks, gpt_forward_step
 from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
-from meshtron.layers.mtp import MTPMetrics, add_mtp_inputs, mtp_depths, weigh_mtp_loss
+from meshtron.layers.mtp import MTPMetrics, add_mtp_inputs, mtp_depths, mtp_valid_positions, weigh_mtp_loss
 from meshtron.memory_report import record_memory
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization, weights_norm
@@ -142,12 +142,16 @@ class Trainer:
             return mbs
         local = sum(mb["loss_mask"].sum() for mb in mbs)
         count = local.float().reshape(1)
+        mtp_positions = mtp_valid_positions(mbs)  # each prediction depth's, summed in the same all-reduce
+        if mtp_positions is not None:
+            count = torch.cat([count, mtp_positions])
         if self.ctx.dp_cp_group is not None:
             dist.all_reduce(count, group=self.ctx.dp_cp_group)
-        inv = 1.0 / count.clamp(min=1.0)
+        inv = 1.0 / count[:1].clamp(min=1.0)
         for mb in mbs:
             mb["loss_weight"] = mb.pop("loss_mask").float() * inv
-        weigh_mtp_loss(mbs, self.ctx.dp_cp_group)  # the same for each prediction depth's positions
+        if mtp_positions is not None:
+            weigh_mtp_loss(mbs, count[1:])
         return mbs
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:

@@ -119,13 +119,15 @@ class GroupedExperts(nn.Module):
         return self._use_grouped(x)
 
     @torch.compiler.disable  # row counts change every step
-    def forward_assignments(self, tokens: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def forward_assignments(self, tokens: torch.Tensor, indices: torch.Tensor,
+                            tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Every (token, choice) assignment's expert output, [T * k, H] in assignment order, for ``indices``
-        [T, k] of local experts, all kept (no expert parallelism, no capacity): the tokens are gathered
+        [T, k] of local experts (``tokens_per_expert`` [El]: the router's count of each), all kept (no expert
+        parallelism, no capacity): the tokens are gathered
         straight into the grouped GEMM's aligned buffer and the outputs straight out of it, one gather each
         way instead of a permutation, a padding copy and back (:func:`assignment_slots`)."""
         El, H = self.num_local, self.hidden
-        slot, offs, expert_of_row, total = assignment_slots(indices, El)
+        slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert)
         padded = _GatherToSlots.apply(tokens, slot, total, indices.shape[1])
         y = self._grouped_mlp(padded, self.fc1_weight.view(El, -1, H), self.fc2_weight.view(El, H, -1), offs,
                               expert_of_row)
@@ -138,14 +140,14 @@ class GroupedExperts(nn.Module):
         return F.gelu(h, approximate="tanh")
 
 
-def assignment_slots(indices: torch.Tensor, num_experts: int
+def assignment_slots(indices: torch.Tensor, counts: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The row of the aligned grouped-GEMM buffer (:func:`aligned_layout`) of each assignment ``t * k + j``
-    (token t's j-th expert ``indices[t, j]``), in expert order and, within an expert, in assignment order;
-    with the layout's group offsets, expert of each buffer row and buffer size."""
+    (token t's j-th expert ``indices[t, j]``; ``counts``: the assignments of each expert), in expert order
+    and, within an expert, in assignment order; with the layout's group offsets, expert of each buffer row
+    and buffer size."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
     offs, dest, expert_of_row, total = aligned_layout(counts, flat.numel())
     slot = torch.empty_like(dest).index_copy_(0, order, dest)
     return slot, offs, expert_of_row, total
