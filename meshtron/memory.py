@@ -41,21 +41,23 @@ in for the second)
 norm statistics (fp32 rstd / mean)    2*4 (RMS) 2*8 (LN) only with SP
 outputs of the norms (= inputs of     2*e*h              only with SP
 QKV and of the MLP's first matmul)
-fused QKV output (v is a view of it,  e*(q + 2k)         always
-so all of it stays)
+v (a copy out of the fused QKV       e*k                always
+output, which then goes)
 q and k after RoPE (new tensors)      e*(q + k)          always
 attention output                      e*q                always
 flash-attention log-sum-exp (fp32)    4*a                always
 SwiGLU input (gate and up)            2*e*f              always
-SwiGLU output (= down-proj input)     e*f                always
+SwiGLU output (= down-proj input)     0 (recomputed)     always
 two hidden-dropout masks (if p > 0)   2*h                only with SP
 ====================================  =================  ===============
 
-(Without RoPE and head norms, q and k are views of the QKV output too. A fused SwiGLU keeps its
-input and recomputes the SiLU; a GeLU MLP keeps ``e*f`` for the GeLU input instead of
-``2*e*f``. ``--qk-layernorm`` adds the heads' statistics.) So without recomputation a layer keeps::
+(Without RoPE and head norms, q and k are views of the QKV output, which then stays whole: ``e*(q + 2k)``.
+SwiGLU's down projection recomputes the product from gate and up in its backward
+(``linear._SwiGLUMatmul``); FP8 and zero-bubble weight-gradient deferral keep it (``e*f``, one byte per
+element in FP8). A GeLU MLP keeps ``e*f`` for the GeLU input and ``e*f`` for its output. ``--qk-layernorm``
+adds the heads' statistics.) So without recomputation a layer keeps::
 
-    b*s * [ e*(4h + 3q + 3k + 3f) + 4a + stats + dropout ]          (SwiGLU, RoPE)
+    b*s * [ e*(4h + 2q + 2k + 2f) + 4a + stats + dropout ]          (SwiGLU, RoPE)
 
 For GPT-style layers (learned positions, GeLU, ``f = 4h``, ``q = k = h``, dropout on) this is
 ``b*s*(e*16h + 2h) = 34*b*s*h`` bytes in bf16: Korthikanti's ``sbh*34``; the ``5as/h`` term of
@@ -63,7 +65,7 @@ their formula is absent because flash attention (SDPA's flash/cuDNN kernels, mes
 default) never stores the ``s x s`` attention matrix; ``flash_attention=False`` adds it back
 (softmax output ``e``, plus mask and dropout output ``1+e`` with attention dropout, per head
 per key position). For Llama-3-8B (``h=4096, q=4096, k=1024, f=14336``) the bf16 figure is
-``149,504 + 136`` bytes per token per layer, about ``36.5*h``.
+``110,592 + 136`` bytes per token per layer, about ``27*h``.
 
 Without sequence parallelism the "only with SP" rows are replicated on each TP rank
 (Korthikanti's ``10sbh + 24sbh/t``); with SP everything is divided by TP, except that a compiled bf16
@@ -220,7 +222,8 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            recompute: Optional[str] = None, moe: bool = False, expert_tp: Optional[int] = None,
                            flash_attention: bool = True,
                            selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
-                           compiled: bool = True, local_experts: bool = True) -> float:
+                           compiled: bool = True, local_experts: bool = True, deferred_wgrad: bool = False,
+                           legacy_saves: bool = False) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
 
     ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
@@ -229,7 +232,10 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     weight copies are :func:`fp8_weight_copy_bytes`). ``compiled``: the layer runs under
     ``torch.compile`` (with SP it then keeps the gathered inputs of its column-parallel linears).
     ``local_experts``: a MoE layer's tokens go straight into and out of the grouped GEMM's buffer
-    (every expert on this rank, no capacity; else through the token dispatcher). See the module docstring.
+    (every expert on this rank, no capacity; else through the token dispatcher). ``deferred_wgrad``: a
+    zero-bubble schedule defers the weight gradients (the down projection then keeps SwiGLU's product).
+    ``legacy_saves``: what layers kept before 2026-12-01's third stop (the values a view of the fused
+    QKV output, SwiGLU's product kept), to compare with rows measured then. See the module docstring.
     """
     if recompute not in (None, "selective", "full"):
         raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
@@ -277,18 +283,24 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         if "norm" not in selective:
             rep += lin * h  # the first norm's output (the input of the down and query projections)
         qk = n * (dn + dr)
-        # The concatenated queries and keys, the key/value projection's output (the values are a
-        # view of it), the attention output, and its [s, b, n*dv] copy, the output projection's input.
-        part += e * (2 * qk + n * (dn + dv) + n * dv) + lin * n * dv
+        # The concatenated queries and keys, the values (copied out of the key/value projection's output,
+        # which then goes; under selective recomputation that output is a saved matmul output and stays
+        # whole), the attention output, and its [s, b, n*dv] copy, the output projection's input.
+        kv_kept = n * dv if recompute != "selective" and not legacy_saves else n * (dn + dv)
+        part += e * (2 * qk + kv_kept + n * dv) + lin * n * dv
     else:
         q_out, kv_out = heads * d, 2 * groups * d
         if "norm" not in selective:
             rep += lin * h  # the first norm's output (the QKV projection's input)
             part += gathered  # ... and the rest of its all-gathered sequence (compiled, SP, bf16)
-        # The values are a view of the fused QKV output, so all of it stays; RoPE (and the head norms)
-        # write new queries and keys, which the attention kernel keeps; and the attention output.
-        part += e * (q_out + kv_out + heads * d)
-        if (m.position_embedding_type == "rope" or m.qk_layernorm) and "core_attn" not in selective:
+        # RoPE (and the head norms) write new queries and keys, which the attention kernel keeps, and the
+        # values are copied out of the fused QKV output, which then goes. Without either, q and k are
+        # views of it; under selective recomputation it is a saved matmul output: all of it stays. And
+        # the attention output.
+        rotated = m.position_embedding_type == "rope" or m.qk_layernorm
+        copied = rotated and recompute != "selective" and not legacy_saves
+        part += e * heads * d + e * (kv_out // 2 if copied else q_out + kv_out)
+        if rotated and "core_attn" not in selective:
             part += e * (q_out + kv_out // 2)
         if m.qk_layernorm and "norm" not in selective:
             part += stats * (heads + groups)  # per-head statistics
@@ -299,8 +311,10 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
 
     # MLP.
     def mlp_part(width: int, divisor: int, linear_fp8: bool) -> float:
-        """fc1's output (SwiGLU: gate and up) and the activation's output (fc2's input)."""
-        out = 0.0 if "act" in selective else width * (1 if linear_fp8 else e)
+        """fc1's output (SwiGLU: gate and up) and the activation's output (fc2's input: SwiGLU's
+        product is recomputed by fc2's backward unless fc2 runs in FP8)."""
+        recomputed = "act" in selective or (m.swiglu and not linear_fp8 and not deferred_wgrad and not legacy_saves)
+        out = 0.0 if recomputed else width * (1 if linear_fp8 else e)
         return (e * (2 * width if m.swiglu else width) + out) / divisor
 
     if moe:
@@ -436,22 +450,26 @@ def _uses_bf16(cfg: MeshtronConfig) -> bool:
 
 def estimate_memory(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
                     flash_attention: bool = True, fused_loss: bool = True,
-                    selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None) -> MemoryEstimate:
+                    selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None,
+                    legacy_saves: bool = False) -> MemoryEstimate:
     """Estimated training memory per GPU for ``cfg`` on ``world_size`` GPUs (see the module docstring).
 
     The figures are those of the pipeline rank with the largest total. ``vocab_size`` is the
     tokenizer's; it is padded as the model pads it. Without ``world_size`` the data-parallel
     size is 1 (world = TP x CP x PP). ``profile`` (a :class:`meshtron.planning.profiles.DeviceProfile`,
     default the built-in H200 one) times the host copies of ``--offload-activations``; nothing else uses it.
+    ``legacy_saves``: see :func:`layer_activation_bytes`.
     """
     stages = stage_estimates(cfg, vocab_size, world_size=world_size, flash_attention=flash_attention,
-                             fused_loss=fused_loss, selective_modules=selective_modules, profile=profile)
+                             fused_loss=fused_loss, selective_modules=selective_modules, profile=profile,
+                             legacy_saves=legacy_saves)
     return max(stages, key=lambda est: est.total)
 
 
 def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
                     flash_attention: bool = True, fused_loss: bool = True,
-                    selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None) -> list[MemoryEstimate]:
+                    selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None,
+                    legacy_saves: bool = False) -> list[MemoryEstimate]:
     """:func:`estimate_memory` for every pipeline rank, in rank order."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
@@ -495,7 +513,8 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                                        act_bytes=e, recompute=recompute, moe=_is_moe_layer(m, layer),
                                        expert_tp=etp, flash_attention=flash_attention,
                                        selective_modules=selective_modules, fp8=fp8, compiled=compiled,
-                                       local_experts=local_experts)
+                                       local_experts=local_experts, legacy_saves=legacy_saves,
+                                       deferred_wgrad=par.pipeline_schedule == "zero-bubble-h1")
         if fp8 and recompute != "full":  # a checkpointed layer keeps no FP8 weight copy
             saved += fp8_weight_copy_bytes(m, layer, tp)
         return saved

@@ -69,13 +69,16 @@ def test_tensor_parallel_without_and_with_sequence_parallel():
 
 def test_llama3_8b_swiglu_gqa_layer_by_hand():
     cfg = config("llama3-8b")
-    # Per token, e = 2: the two norms' inputs and outputs (4h); the fused QKV output, which the values'
-    # view keeps whole (q + 2k), RoPE's new queries and keys (q + k) and the attention output (q); the
-    # SwiGLU input and output (3f); + 4*heads (lse) + 2*4 (RMSNorm rstd). These are the tensors the
-    # compiled layer saves (counted on an H200 with saved-tensor hooks; docs/planning.md).
-    per_token = 2 * (4 * 4096 + 3 * 4096 + 3 * 1024 + 3 * 14336) + 4 * 32 + 8
-    assert per_token == 149_640
+    # Per token, e = 2: the two norms' inputs and outputs (4h); the values copied out of the fused QKV
+    # output (k), RoPE's new queries and keys (q + k) and the attention output (q); SwiGLU's input (2f:
+    # its product is recomputed by the down projection's backward); + 4*heads (lse) + 2*4 (RMSNorm rstd).
+    # These are the tensors the compiled layer saves (tests/layers/test_saved_activations.py counts them).
+    per_token = 2 * (4 * 4096 + 2 * 4096 + 2 * 1024 + 2 * 14336) + 4 * 32 + 8
+    assert per_token == 110_728
     assert layer_activation_bytes(cfg.model, micro_batch=1, seq=4096) == 4096 * per_token
+    # Before: the values were a view of the whole QKV output (q + 2k) and the product was kept (f).
+    legacy = 2 * (4 * 4096 + 3 * 4096 + 3 * 1024 + 3 * 14336) + 4 * 32 + 8
+    assert layer_activation_bytes(cfg.model, micro_batch=1, seq=4096, legacy_saves=True) == 4096 * legacy
 
 
 def test_fp8_layer_keeps_fp8_linear_inputs_and_weight_copies():
@@ -85,15 +88,15 @@ def test_fp8_layer_keeps_fp8_linear_inputs_and_weight_copies():
     h, q, k, f = 3072, 3072, 1024, 8192
     bf16 = layer_activation_bytes(m, micro_batch=1, seq=4096)
     fp8 = layer_activation_bytes(m, micro_batch=1, seq=4096, fp8=True)
-    # The four linears' inputs (two norm outputs, the attention output's copy is not saved, the SwiGLU
-    # output) are kept as one-byte FP8 copies instead of bf16: the qkv and fc1 inputs (h each) and fc2's (f).
-    assert bf16 - fp8 == 4096 * (2 * h + f)
+    # The qkv and fc1 inputs (the two norm outputs, h each) are kept as one-byte FP8 copies instead of
+    # bf16; fc2 in FP8 keeps an FP8 copy of SwiGLU's product (f), which the bf16 path recomputes.
+    assert bf16 - fp8 == 4096 * (2 * h - f)
     assert fp8_weight_copy_bytes(m, 0) == h * (q + 2 * k) + q * h + 3 * h * f  # one byte per linear weight
     cfg = config("llama3-3b", micro_batch_size=4, global_batch_size=4)
     plain = estimate_memory(cfg, 128256)
     cfg.train.fp8_format = "e4m3"
     tensorwise = estimate_memory(cfg, 128256)
-    per_layer = 4 * cfg.model.seq_length * (2 * h + f) - fp8_weight_copy_bytes(m, 0)
+    per_layer = 4 * cfg.model.seq_length * (2 * h - f) - fp8_weight_copy_bytes(m, 0)
     assert plain.activations - tensorwise.activations == m.num_layers * per_layer
     cfg.train.fp8_recipe = "rowwise"  # keeps bf16 inputs and reads the weights themselves
     assert estimate_memory(cfg, 128256).activations == plain.activations
@@ -112,8 +115,9 @@ def test_recomputation_levels_by_hand_and_ordered():
     llama = config("llama3-8b").model
     only_core = layer_activation_bytes(llama, micro_batch=B, seq=S, recompute="selective",
                                        selective_modules=("core_attn",))
-    # core_attn recomputes RoPE: the rotated queries and keys are not kept.
-    assert only_core == layer_activation_bytes(llama, micro_batch=B, seq=S) - B * S * 2 * (4096 + 1024)
+    # core_attn recomputes RoPE: the rotated queries and keys are not kept, but the QKV output (a saved
+    # matmul output) stays whole instead of the values' copy: the same bytes for Llama's q + 2k.
+    assert only_core == layer_activation_bytes(llama, micro_batch=B, seq=S)
     with pytest.raises(ValueError):
         layer_activation_bytes(m, micro_batch=B, seq=S, recompute="some")
     with pytest.raises(ValueError, match="mlp"):
@@ -295,7 +299,7 @@ def test_llama3_8b_figures_and_report():
     est = estimate_memory(cfg, 128256, world_size=2)
     total_params = count_parameters(cfg.model, 128256)["total"]
     assert est.weights == 2 * total_params and est.optimizer_state == 6 * total_params
-    assert est.activations == pytest.approx(32 * 2 * 4096 * 149_640, rel=0.01)  # 32 layers dominate
+    assert est.activations == pytest.approx(32 * 2 * 4096 * 110_728, rel=0.01)  # 32 layers dominate
     assert est.logits == 4 * 4096 * 128256 + min(2 * 4096, CHUNK_ELEMENTS // 128256) * 128256 * 4
     d = est.as_dict()
     assert d["total"] == est.total == sum(d[k] for k in ("weights", "gradients", "optimizer_state",
@@ -327,4 +331,5 @@ def test_offloading_lowers_the_estimate_and_keeps_the_last_layer():
     off = estimate_memory(cfg, 128256)
     per_layer = layer_activation_bytes(cfg.model, micro_batch=1, seq=8192)
     assert off.activations < base.activations - 2 * per_layer
-    assert off.activations >= 2 * per_layer  # the chunk's last layer and a fetched one at least
+    # The chunk's last layer and a fetched one at least (in the backward, where the loss's chunk is gone).
+    assert off.activations + off.logits >= 2 * per_layer

@@ -160,6 +160,10 @@ class SelfAttention(nn.Module):
         q = q.view(s, b, nq, d)
         k = k.view(s, b, ng, d)
         v = v.reshape(s, b, ng, d)
+        if self.training and torch.is_grad_enabled() and (rope is not None or self.q_norm is not None):
+            # RoPE and the head norms write new queries and keys; a copy of the values lets the fused
+            # projection's output go after the forward (as a view, the values would keep all of it).
+            v = v.contiguous()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:

@@ -27,11 +27,13 @@ linear layers; without it (1F1B, evaluation) the layer is one graph, as before.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from meshtron.layers.fp8 import fp8_linear, gradient_dtype
 from meshtron.layers.fp8_sequence_parallel import column_sequence_parallel_fp8, row_sequence_parallel_fp8
@@ -214,7 +216,25 @@ class RowParallelLinear(nn.Module):
             else:
                 y = row_sequence_parallel_fp8(x, self.weight, self.group, gradient_dtype(self.fp8_format))
             return y if self.bias is None else y + self.bias
-        y = _linear(x, self.weight, None, self.fp8_format, self.fp8_recipe, self.wgrad_store)
+        return self._reduce(_linear(x, self.weight, None, self.fp8_format, self.fp8_recipe, self.wgrad_store))
+
+    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``forward(silu(gate) * up)`` for fc1's output ``gate_up`` = [gate, up] (SwiGLU's fc2).
+
+        In bf16/fp32, without a weight-gradient store, the product is not kept for backward: the
+        matmul's backward recomputes it from ``gate_up``, which SiLU's and the product's own
+        gradients need anyway (one pointwise pass; the ``f``-wide product is ``2f`` bytes per token
+        that the layer no longer keeps). FP8 and deferring layers keep it (their matmuls save their
+        own copies of the input).
+        """
+        if self.fp8_format is not None or _defers(self.wgrad_store, self.weight):
+            return self(swiglu(gate_up))
+        if torch.compiler.is_compiling():
+            return self._reduce(_swiglu_matmul_compiled(gate_up, self.weight))
+        return self._reduce(_SwiGLUMatmul.apply(gate_up, self.weight))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the partial products over TP (reduce-scatter to sequence shards under SP), add the bias."""
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence(y, self.group)
         else:
@@ -222,6 +242,54 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's product ``silu(gate) * up`` of ``gate_up`` = [gate, up] along the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _recompute_all_but_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.MUST_RECOMPUTE
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _swiglu_matmul_compiled(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:class:`_SwiGLUMatmul` inside a compiled graph: the compiler would merge the backward's
+    recomputation with the forward's product and keep it, so the product is marked for recomputation
+    instead (selective activation checkpointing, which the compiler honours)."""
+    context = functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_matmuls)
+    return checkpoint(_swiglu_linear, gate_up, weight, use_reentrant=False, context_fn=context)
+
+
+def _swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(swiglu(gate_up), weight)
+
+
+class _SwiGLUMatmul(torch.autograd.Function):
+    """``swiglu(gate_up) W^T`` that saves ``gate_up`` and recomputes the product in backward.
+
+    The gradients are autograd's own formulas for the same graph (SiLU's backward, the product's,
+    the two matmuls), so they equal those of ``F.linear(swiglu(gate_up), W)``.
+    """
+
+    @staticmethod
+    def forward(ctx, gate_up, weight):
+        ctx.save_for_backward(gate_up, weight)
+        return F.linear(swiglu(gate_up), weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate_up, weight = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        silu = F.silu(gate)
+        grad_product = grad_out @ weight
+        grad_weight = weight_grad(grad_out, silu * up) if ctx.needs_input_grad[1] else None
+        grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
+        return torch.cat([grad_gate, grad_product * silu], dim=-1), grad_weight
 
 
 def _sequence_parallel_fp8(layer: nn.Module) -> bool:

@@ -135,6 +135,10 @@ class MultiLatentAttention(nn.Module):
         s, b = q.shape[0], q.shape[1]
         q_nope, q_pe = torch.split(q.view(s, b, n, dn + dr), [dn, dr], dim=-1)
         k_nope, v = torch.split(self.kv_up(kv_lat).view(s, b, n, dn + dv), [dn, dv], dim=-1)
+        if self.training and torch.is_grad_enabled():
+            # The keys are concatenated anew below; a copy of the values lets the up projection's output
+            # go after the forward (as a view, the values would keep all of it).
+            v = v.contiguous()
         k_pe = k_pe.view(s, b, 1, dr)
         if rope is not None:
             q_pe, k_pe = apply_rope(q_pe, *rope), apply_rope(k_pe, *rope)

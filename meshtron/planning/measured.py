@@ -6,7 +6,9 @@ peak_mem_gib, est_mem_gib, argv), plus where it was measured (device_kind, gpu_c
 source: the docs/benchmarks.md section, null until the row is written there) and bookkeeping: ``id``, ``flags`` (the ``meshtron train``
 flags of the row's configuration), ``peak_mem_trusted`` (false where the peak is known to include
 memory of an earlier row of the same launch), ``note``, ``replaces`` (the id of a row this one
-corrects; rows are never deleted). A figure the source does not give is null. Optional: ``code_changed``,
+corrects; rows are never deleted). A figure the source does not give is null. Optional: ``legacy_layer_saves``
+(true on rows measured while the layers kept the fused QKV output and SwiGLU's product: the memory model
+compares them with its model of that code, ``meshtron.memory.layer_activation_bytes``), ``code_changed``,
 ``"<commit>: <what>"``, on a row whose flags run differently since that commit (a later row measures the code
 of today); the comparisons with the models leave such rows out and say why (:func:`left_out`).
 """
@@ -33,7 +35,7 @@ BENCH_EXTRAS = frozenset({"leftover_mem_gib", "forward_s", "backward_s", "optimi
                           "memory_sites_gib", "comm_kernel_s", "exposed_comm_kernel_s", "compute_kernel_s",
                           "comm_by_kind_s", "error"})
 #: Optional fields: present on some records only.
-OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"code_changed": (str,)}
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"code_changed": (str,), "legacy_layer_saves": (bool,)}
 #: ``code_changed``: the commit from which the row's flags run differently, and what changed.
 CODE_CHANGED = re.compile(r"^[0-9a-f]{7,40}: \S")
 #: A peak above the memory an earlier row of the launch left behind by more than this is not trusted.
@@ -136,7 +138,8 @@ def memory_errors(records: Iterable[dict]) -> list[PeakComparison]:
     out = []
     for r in trusted_peaks(records):
         cfg = record_config(r)
-        est = estimate_memory(cfg, cfg.model.vocab_size, world_size=r["gpu_count"])
+        est = estimate_memory(cfg, cfg.model.vocab_size, world_size=r["gpu_count"],
+                              legacy_saves=bool(r.get("legacy_layer_saves")))
         out.append(PeakComparison(r["id"], r["peak_mem_gib"], est.total / 2**30))
     return out
 

@@ -1,0 +1,98 @@
+"""What a transformer layer keeps for its backward: the values copied out of the fused QKV output and
+SwiGLU's product recomputed by the down projection, with gradients unchanged, and the memory model's
+per-layer count equal to the bytes the layer actually saves (eager and compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtron.layers.linear import _SwiGLUMatmul, swiglu
+from meshtron.memory import layer_activation_bytes
+from meshtron.model import GPTModel
+from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.sharding import initialize_parameters
+from tests.checkpoint.ckpt_helpers import tiny_config
+
+SEQ, BATCH = 16, 2
+
+
+def _saved_storages(fn, *args, params) -> tuple[torch.Tensor, dict[int, int]]:
+    """``fn(*args)`` and the distinct storages its autograd graph saved (pointer -> bytes; ``params`` excluded)."""
+    storages: dict[int, int] = {}
+    skip = {p.untyped_storage().data_ptr() for p in params}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, storages
+
+
+def test_swiglu_matmul_gradients_equal_autograd_of_the_plain_graph():
+    torch.manual_seed(0)
+    gate_up = torch.randn(5, 3, 2 * 24, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(8, 24, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(5, 3, 8, dtype=torch.float64)
+    expected = F.linear(swiglu(gate_up), weight)
+    expected_grads = torch.autograd.grad(expected, (gate_up, weight), grad_out)
+    got = _SwiGLUMatmul.apply(gate_up, weight)
+    got_grads = torch.autograd.grad(got, (gate_up, weight), grad_out)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    torch.autograd.gradcheck(_SwiGLUMatmul.apply, (gate_up, weight))
+
+
+def _layer(compiled: bool, **overrides):
+    cfg = tiny_config(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                      seq_length=SEQ, **overrides)
+    model = GPTModel(cfg.model, ParallelContext(), 128, layer_ids=[0])
+    initialize_parameters(model, 1, torch.device("cpu"), torch.float32)
+    layer = model.layers["0"]
+    if compiled:
+        layer.compile()
+    return cfg, model, layer
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_layer_keeps_neither_the_fused_qkv_output_nor_the_swiglu_product(compiled):
+    """Compiled (the GPU default), the bytes a Llama-style layer saves for backward (fp32) equal the
+    memory model's count exactly; eager, no saved tensor is the fused QKV output or SwiGLU's product."""
+    cfg, model, layer = _layer(compiled)
+    x = torch.randn(SEQ, BATCH, 64, requires_grad=True)
+    rope = model._rope(SEQ, None, x.device, torch.float32)
+    tables = {t.untyped_storage().data_ptr() for t in rope}  # the model's tables, shared by every layer
+    for _ in range(2):  # the second call runs the compiled graphs
+        out, storages = _saved_storages(layer, x, rope, None, params=list(model.parameters()))
+        out.square().sum().backward()
+    per_token = {ptr: n // (SEQ * BATCH) for ptr, n in storages.items() if ptr not in tables}
+    fp32 = 4
+    assert (64 + 2 * 32) * fp32 not in per_token.values()  # QKV's output: q (4 heads) + k and v (2 groups of 16)
+    assert 96 * fp32 not in per_token.values()  # SwiGLU's product (fc1's output, 2 x 96 wide, stays)
+    assert 2 * 96 * fp32 in per_token.values()
+    if compiled:
+        expected = layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=SEQ, act_bytes=fp32, compiled=True)
+        legacy = layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=SEQ, act_bytes=fp32, compiled=True,
+                                        legacy_saves=True)
+        assert sum(storages[p] for p in per_token) == expected
+        assert legacy - expected == SEQ * BATCH * fp32 * (64 + 32 + 96)  # q and k of the QKV output, the product
+
+
+def test_compiled_and_eager_layers_give_the_same_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(SEQ, BATCH, 64)
+    results = []
+    for compiled in (False, True):
+        _, model, layer = _layer(compiled)
+        xin = x.clone().requires_grad_()
+        out = layer(xin, model._rope(SEQ, None, x.device, torch.float32), None)
+        out.square().sum().backward()
+        results.append([xin.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
