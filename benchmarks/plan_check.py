@@ -35,12 +35,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--record", default=None)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--no-fp8", action="store_true", help="search bf16 layouts only")
     args = parser.parse_args(argv[:split])
     train_argv = argv[split + 1:]
     gpus = int(os.environ.get("WORLD_SIZE", "1"))
     profile = choose_profile(args.gpu, args.profile)
     plans, considered, fitting = search(build_config(list(train_argv)), list(train_argv), gpus, profile,
-                                        top=args.top, space=SearchSpace())
+                                        top=args.top, space=SearchSpace(allow_fp8=not args.no_fp8))
     print(f"{considered} layouts, {fitting} fit; measuring the top {len(plans)}", flush=True)
     lines = []
     for plan in plans:

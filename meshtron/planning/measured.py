@@ -196,6 +196,7 @@ def step_errors(records: list[dict], profile, configs: Optional[dict] = None) ->
         cfg = configs[r["id"]] if configs is not None and r["id"] in configs else record_config(r)
         if configs is not None:
             configs[r["id"]] = cfg
-        pred = predict_step(cfg, r["gpu_count"], profile, links=record_links(r))
+        pred = predict_step(cfg, r["gpu_count"], profile, links=record_links(r),
+                            legacy_saves=bool(r.get("legacy_layer_saves")))
         out.append(StepComparison(r["id"], measured_step_s(r, cfg), pred.step_s))
     return out

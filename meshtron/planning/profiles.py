@@ -65,7 +65,7 @@ _FIELDS = {f.name for f in dataclasses.fields(DeviceProfile)}
 #: Fitted to benchmarks/measured.jsonl (one and two H200 SXM, NVLink) by ``python -m meshtron.planning.fit``;
 #: the rest from measurements named in SOURCES.
 H200 = DeviceProfile(
-    name="H200", memory_gib=139.8, matmul_tflops=741.0, matmul_half_gflop=6.12, fp8_matmul_speedup=1.9,
+    name="H200", memory_gib=139.8, matmul_tflops=741.0, matmul_half_gflop=6.12, fp8_matmul_speedup=1.775,
     attention_tflops=560.0, attention_half_seq=2300.0, hbm_gbps=4800.0, hbm_efficiency=0.6651,
     eager_elementwise_factor=3.37, layer_overhead_us=1036.0, step_overhead_ms=15.32,
     optimizer_bytes_per_param=18.53, moe_gemm_efficiency=0.6375, nvlink_gbps=285.3, network_gbps=40.0,

@@ -162,9 +162,11 @@ def _attention_dims(cfg: MeshtronConfig) -> tuple[int, int]:
     return attention_class(cfg.model).head_dims(cfg.model)
 
 
-def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: DeviceProfile, links: Links) -> _LayerCost:
+def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: DeviceProfile, links: Links,
+                legacy_saves: bool = False) -> _LayerCost:
     """Forward + backward time of one layer for one micro-batch on one rank (``recomputed``: its
-    forward runs again in the backward, ``--recompute-granularity full``)."""
+    forward runs again in the backward, ``--recompute-granularity full``; ``legacy_saves``: the layer
+    code that kept SwiGLU's product, see :func:`meshtron.memory.layer_activation_bytes`)."""
     from meshtron.accounting import mla_rank_parameters
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -182,6 +184,7 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
     latency = profile.collective_latency_us * 1e-6
     hbm = profile.hbm_gbps * 1e9 * profile.hbm_efficiency * (1.0 if t.compile else 1.0 / profile.eager_elementwise_factor)
 
+    swiglu_recompute = 0.0
     # GEMMs (forward FLOPs of each call) and the matching elementwise traffic.
     if m.multi_latent_attention:
         attn_params = mla_rank_parameters(m, tp)
@@ -221,10 +224,14 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
         fwd_gemm += mlp
         wgrad += mlp
         mlp_elem = tokens * e * 3 * f / tp
+        if m.swiglu and not fp8 and p.pipeline_schedule != "zero-bubble-h1" and not legacy_saves:
+            # fc2's backward recomputes SwiGLU's product from gate and up (linear._SwiGLUMatmul).
+            swiglu_recompute = tokens * e * 3 * f / tp
     # Norms (read + write), residual adds (two reads, one write), RoPE on q and k.
     norm_elem = tokens * e * 4 * h / rep_div
     other_elem = tokens * e * (6 * h / rep_div + 2 * (q_out + kv_out / 2))
     fwd_elem = norm_elem + other_elem + mlp_elem
+    fp8_fwd = fp8_bwd = 0.0
     if fp8 and not moe:
         # Each linear's input (forward) and output gradient (backward) cast to both FP8 layouts:
         # read bf16, write two FP8 copies; and the weights, once per micro-batch.
@@ -232,10 +239,8 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
         inputs = tokens * (2 * h + q_out + f / tp)
         grads = tokens * (q_out + kv_out + h + 2 * f / tp + h)
         weights = (h * (q_out + kv_out) + q_out * h + 3 * h * f / tp)
-        fwd_elem += 4 * inputs + 4 * weights
+        fp8_fwd = 4 * inputs + 4 * weights  # the backward reads the saved copies: it casts the gradients only
         fp8_bwd = 4 * grads
-    else:
-        fp8_bwd = 0.0
 
     d_qk, d_v = _attention_dims(cfg)
     attn_flops = t.micro_batch_size * (seq / cp) * seq * heads * (d_qk + d_v)  # causal: half of 2 * 2 * s^2 ...
@@ -244,8 +249,8 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
     attn_fwd = attn_flops / attn_rate
     attn_bwd = ATTENTION_BACKWARD_FLOPS * attn_fwd
 
-    forward = fwd_gemm + attn_fwd + fwd_elem / hbm
-    backward = fwd_gemm + wgrad + attn_bwd + (2 * fwd_elem + fp8_bwd) / hbm
+    forward = fwd_gemm + attn_fwd + (fwd_elem + fp8_fwd) / hbm
+    backward = fwd_gemm + wgrad + attn_bwd + (2 * fwd_elem + fp8_bwd + swiglu_recompute) / hbm
     recompute = 0.0
     gran = t.recompute_granularity
     if gran == "full":
@@ -332,8 +337,9 @@ def _rank_parameters(cfg: MeshtronConfig, layers: list[int], first: bool, last: 
 
 
 def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, vocab_size: Optional[int] = None,
-                 links: Links = Links()) -> StepPrediction:
-    """Predicted step time of a resolved configuration on ``world_size`` GPUs (see the module docstring)."""
+                 links: Links = Links(), legacy_saves: bool = False) -> StepPrediction:
+    """Predicted step time of a resolved configuration on ``world_size`` GPUs (see the module docstring;
+    ``legacy_saves``: for rows measured at earlier layer code, see :func:`_layer_cost`)."""
     from meshtron.memory import stage_chunks
     from meshtron.training.metrics import flops_per_token
 
@@ -355,7 +361,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     def cost(layer: int, recomputed: bool) -> _LayerCost:
         key = (is_moe_layer(m, layer), recomputed)
         if key not in cache:  # every dense (every MoE) layer costs the same
-            cache[key] = _layer_cost(cfg, key[0], recomputed, profile, links)
+            cache[key] = _layer_cost(cfg, key[0], recomputed, profile, links, legacy_saves)
         return cache[key]
 
     def recomputed(position: int) -> bool:

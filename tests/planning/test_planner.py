@@ -14,16 +14,14 @@ from meshtron.planning.measured import load_records, step_errors, timed_records
 from meshtron.planning.profiles import H100, H200, builtin_profile, load_profile
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "measured.jsonl")
-# Target: every timed row within 10%. Rows measured at code that has changed since (``code_changed``:
-# a6 before the fused loss's compiled passes, the FP8 rows before b3ecf7b, the DeepSeek/Qwen MoE rows before
-# 0d04f82, h18 among them, and before 2aa326e) are left out, with the reason printed. Two rows of today's code
-# are above 10%: h33 (llama3-3b FP8 hybrid, four micro-batches, +11.7%) and e4 (llama3-3b FP8, one micro-batch,
-# +10.7%; the same flags with three micro-batches, g14 and g18, are +7.7% and +6.1%): the FP8 layers of
-# llama3-3b run faster than modelled while the FP8 GEMM speed-up is at its 1.9 cap, and a one-micro-batch step
-# shows less per-step optimizer and overhead time than modelled. The bounds are the worst row and the median
-# rounded up, so the test fails when the model drifts further (docs/planning.md lists the error per feature).
-STEP_TOLERANCE = 0.12
-MEDIAN_TOLERANCE = 0.025
+# Target: every timed row within 10%, met: worst d23 (llama3-8b DP=2, +9.8%), median 2.5%. Rows measured at
+# code that has changed since (``code_changed``: a6 before the fused loss's compiled passes, the FP8 rows before
+# b3ecf7b, the DeepSeek/Qwen MoE rows before 0d04f82, h18 among them, and before 2aa326e) are left out, with the
+# reason printed; rows measured while the layers kept SwiGLU's product (``legacy_layer_saves``) are predicted
+# without its recomputation. The median bound is today's median rounded up, so the test fails when the model
+# drifts (docs/planning.md lists the error per feature).
+STEP_TOLERANCE = 0.10
+MEDIAN_TOLERANCE = 0.026
 
 
 @pytest.fixture(scope="module")
