@@ -53,7 +53,8 @@ two hidden-dropout masks (if p > 0)   2*h                only with SP
 
 (Without RoPE and head norms, q and k are views of the QKV output, which then stays whole: ``e*(q + 2k)``.
 SwiGLU's down projection recomputes the product from gate and up in its backward
-(``linear._SwiGLUMatmul``); FP8 and zero-bubble weight-gradient deferral keep it (``e*f``, one byte per
+(``linear._SwiGLUMatmul``), FP8 tensorwise with its casts and the weight's (so fc2 keeps no FP8 weight copy
+either); zero-bubble weight-gradient deferral and the sequence-parallel FP8 path keep it (``e*f``, one byte per
 element in FP8). A GeLU MLP keeps ``e*f`` for the GeLU input and ``e*f`` for its output. ``--qk-layernorm``
 adds the heads' statistics.) So without recomputation a layer keeps::
 
@@ -93,9 +94,11 @@ and its MLP's ``3*e*fs``.
 
 FP8 (``--fp8-format``, tensorwise recipe, ``meshtron.layers.fp8``): the layer's tensor-parallel
 linears keep one-byte transposed FP8 copies of their inputs instead of the bf16 ones: the two norm
-outputs (``h`` each) and the SwiGLU output (``f``) cost one byte per element, not ``e``; and each
-linear keeps its FP8 weight copy for every micro-batch in flight (one byte per weight element of
-the attention projections, the dense MLP and a shared expert's fc1: :func:`fp8_weight_copy_bytes`).
+outputs (``h`` each) cost one byte per element, not ``e``; SwiGLU's fc2 recomputes its input's and its
+weight's casts in backward (on the sequence-parallel FP8 path it keeps the product's one-byte copy,
+``f``, and its weight copy); and each other linear keeps its FP8 weight copy for every micro-batch in
+flight (one byte per weight element of the attention projections, fc1 and a shared expert's fc1:
+:func:`fp8_weight_copy_bytes`).
 The router, the routed experts and the output layer stay in bf16. The rowwise recipe keeps bf16
 inputs and reads the weights themselves, so it is counted as bf16.
 
@@ -222,7 +225,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            recompute: Optional[str] = None, moe: bool = False, expert_tp: Optional[int] = None,
                            flash_attention: bool = True,
                            selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
-                           compiled: bool = True, local_experts: bool = True, deferred_wgrad: bool = False,
+                           compiled: bool = True, local_experts: bool = True, fc2_keeps_product: bool = False,
                            legacy_saves: bool = False) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
 
@@ -232,11 +235,12 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     weight copies are :func:`fp8_weight_copy_bytes`). ``compiled``: the layer runs under
     ``torch.compile`` (with SP it then keeps the gathered inputs of its column-parallel linears).
     ``local_experts``: a MoE layer's tokens go straight into and out of the grouped GEMM's buffer
-    (every expert on this rank, no capacity; else through the token dispatcher). ``deferred_wgrad``: a
-    zero-bubble schedule defers the weight gradients (the down projection then keeps SwiGLU's product).
+    (every expert on this rank, no capacity; else through the token dispatcher). ``fc2_keeps_product``: the
+    down projection keeps SwiGLU's product (a zero-bubble schedule's deferred weight gradients, rowwise FP8).
     ``legacy_saves``: what layers kept before 2026-12-01's third stop (the values a view of the fused
     QKV output, SwiGLU's product kept), to compare with rows measured then. See the module docstring.
     """
+    fp8_sp_path = sequence_parallel and tp > 1  # FP8 linears cast before their sequence-parallel collectives
     if recompute not in (None, "selective", "full"):
         raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
     selective = set(selective_modules) if recompute == "selective" else set()
@@ -312,8 +316,10 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     # MLP.
     def mlp_part(width: int, divisor: int, linear_fp8: bool) -> float:
         """fc1's output (SwiGLU: gate and up) and the activation's output (fc2's input: SwiGLU's
-        product is recomputed by fc2's backward unless fc2 runs in FP8)."""
-        recomputed = "act" in selective or (m.swiglu and not linear_fp8 and not deferred_wgrad and not legacy_saves)
+        product is recomputed by fc2's backward, in FP8 with its casts, except on the sequence-parallel
+        FP8 path)."""
+        recomputed = "act" in selective or (m.swiglu and not fc2_keeps_product and not legacy_saves
+                                            and not (linear_fp8 and fp8_sp_path))
         out = 0.0 if recomputed else width * (1 if linear_fp8 else e)
         return (e * (2 * width if m.swiglu else width) + out) / divisor
 
@@ -341,13 +347,14 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     return tokens * (rep / sp_div + part)
 
 
-def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1) -> float:
+def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: bool = False) -> float:
     """Bytes of the FP8 (tensorwise) weight copies one layer's linears keep per micro-batch on one TP rank.
 
     Each FP8 linear casts its weight once per forward and keeps the transposed FP8 copy for the
     backward's input-gradient GEMM (``meshtron.layers.fp8``): one byte per weight element of the
     attention projections, the dense MLP and a shared expert's fc1 (the router, the routed experts
-    and the shared expert's fc2 stay in bf16).
+    and the shared expert's fc2 stay in bf16). ``fc2_recast``: the dense SwiGLU fc2 recasts its weight in
+    backward (``linear._swiglu_fp8_recomputed``) and keeps no copy.
     """
     h, d = m.hidden_size, head_dim(m)
     if m.multi_latent_attention:
@@ -360,7 +367,7 @@ def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1) -> float:
         weights += h * (2 * fs if m.swiglu else fs) / tp
     else:
         f = ffn_size(m)
-        weights += h * (3 * f if m.swiglu else 2 * f) / tp
+        weights += h * ((2 if fc2_recast else 3) * f if m.swiglu else 2 * f) / tp
     return float(weights)
 
 
@@ -504,6 +511,8 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if strategy != "no_shard" else 1
 
     fp8 = _fp8_tensorwise(cfg)
+    zero_bubble = par.pipeline_schedule == "zero-bubble-h1"
+    rowwise = bool(tr.fp8_format) and tr.fp8_recipe == "rowwise"
     compiled = tr.compile is not False and tr.device != "cpu"  # compiled layers: the GPU default
     # MoELayer.forward's direct path: every expert here, nothing dropped, the grouped GEMM (bf16)
     local_experts = ep == 1 and m.moe_expert_capacity_factor is None and bf16
@@ -514,9 +523,10 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                                        expert_tp=etp, flash_attention=flash_attention,
                                        selective_modules=selective_modules, fp8=fp8, compiled=compiled,
                                        local_experts=local_experts, legacy_saves=legacy_saves,
-                                       deferred_wgrad=par.pipeline_schedule == "zero-bubble-h1")
+                                       fc2_keeps_product=zero_bubble or rowwise)
         if fp8 and recompute != "full":  # a checkpointed layer keeps no FP8 weight copy
-            saved += fp8_weight_copy_bytes(m, layer, tp)
+            recast = m.swiglu and not sp and not legacy_saves and not zero_bubble
+            saved += fp8_weight_copy_bytes(m, layer, tp, fc2_recast=recast)
         return saved
 
     def chunk_activation(layers: list[int]) -> tuple[float, float]:

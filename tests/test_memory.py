@@ -89,17 +89,22 @@ def test_fp8_layer_keeps_fp8_linear_inputs_and_weight_copies():
     bf16 = layer_activation_bytes(m, micro_batch=1, seq=4096)
     fp8 = layer_activation_bytes(m, micro_batch=1, seq=4096, fp8=True)
     # The qkv and fc1 inputs (the two norm outputs, h each) are kept as one-byte FP8 copies instead of
-    # bf16; fc2 in FP8 keeps an FP8 copy of SwiGLU's product (f), which the bf16 path recomputes.
-    assert bf16 - fp8 == 4096 * (2 * h - f)
+    # bf16; fc2 recomputes SwiGLU's product (and, in FP8, its casts) in backward in both.
+    assert bf16 - fp8 == 4096 * 2 * h
+    # Where fc2 keeps the product (zero-bubble deferral; the sequence-parallel FP8 path), its FP8 copy (f).
+    kept = layer_activation_bytes(m, micro_batch=1, seq=4096, fp8=True, fc2_keeps_product=True)
+    assert kept - fp8 == 4096 * f
     assert fp8_weight_copy_bytes(m, 0) == h * (q + 2 * k) + q * h + 3 * h * f  # one byte per linear weight
+    assert fp8_weight_copy_bytes(m, 0, fc2_recast=True) == h * (q + 2 * k) + q * h + 2 * h * f  # fc2 recasts
     cfg = config("llama3-3b", micro_batch_size=4, global_batch_size=4)
     plain = estimate_memory(cfg, 128256)
     cfg.train.fp8_format = "e4m3"
     tensorwise = estimate_memory(cfg, 128256)
-    per_layer = 4 * cfg.model.seq_length * (2 * h - f) - fp8_weight_copy_bytes(m, 0)
+    per_layer = 4 * cfg.model.seq_length * 2 * h - fp8_weight_copy_bytes(m, 0, fc2_recast=True)
     assert plain.activations - tensorwise.activations == m.num_layers * per_layer
-    cfg.train.fp8_recipe = "rowwise"  # keeps bf16 inputs and reads the weights themselves
-    assert estimate_memory(cfg, 128256).activations == plain.activations
+    cfg.train.fp8_recipe = "rowwise"  # keeps bf16 inputs and reads the weights; its fc2 keeps SwiGLU's product
+    rowwise = estimate_memory(cfg, 128256).activations
+    assert rowwise - plain.activations == m.num_layers * 4 * cfg.model.seq_length * 2 * f
 
 
 def test_recomputation_levels_by_hand_and_ordered():

@@ -221,14 +221,21 @@ class RowParallelLinear(nn.Module):
     def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``forward(silu(gate) * up)`` for fc1's output ``gate_up`` = [gate, up] (SwiGLU's fc2).
 
-        In bf16/fp32, without a weight-gradient store, the product is not kept for backward: the
-        matmul's backward recomputes it from ``gate_up``, which SiLU's and the product's own
-        gradients need anyway (one pointwise pass; the ``f``-wide product is ``2f`` bytes per token
-        that the layer no longer keeps). FP8 and deferring layers keep it (their matmuls save their
-        own copies of the input).
+        Without a weight-gradient store the product is not kept for backward: the matmul's backward
+        recomputes it from ``gate_up``, which SiLU's and the product's own gradients need anyway (one
+        pointwise pass; the ``f``-wide product is ``2f`` bytes per token in bf16 that the layer no
+        longer keeps). FP8 (tensorwise, outside the sequence-parallel FP8 path) recomputes the product
+        and its FP8 casts, and the weight's, in backward (:func:`_swiglu_fp8_recomputed`): neither the
+        product's one-byte copy nor the weight's stays between forward and backward. Deferring layers,
+        rowwise FP8 and sequence-parallel FP8 keep the product (their matmuls save their own copies).
         """
-        if self.fp8_format is not None or _defers(self.wgrad_store, self.weight):
+        if _defers(self.wgrad_store, self.weight):
             return self(swiglu(gate_up))
+        if self.fp8_format is not None:
+            sp_fp8 = comm._size(self.group) > 1 and _sequence_parallel_fp8(self)
+            if sp_fp8 or self.fp8_recipe != "tensorwise":
+                return self(swiglu(gate_up))
+            return self._reduce(_swiglu_fp8_recomputed(gate_up, self.weight, self.fp8_format))
         if torch.compiler.is_compiling():
             return self._reduce(_swiglu_matmul_compiled(gate_up, self.weight))
         return self._reduce(_SwiGLUMatmul.apply(gate_up, self.weight))
@@ -254,7 +261,20 @@ def _recompute_all_but_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.MUST_RECOMPUTE
 
 
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_mm.default}
+
+
+def _swiglu_fp8_recomputed(gate_up: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``fp8_linear(swiglu(gate_up), weight)`` whose backward recomputes the product and the FP8 casts
+    of it and of the weight (the same values: same inputs, same absolute maxima) instead of keeping
+    them; only the scaled matmul's output is never recomputed."""
+    context = functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_matmuls)
+    return checkpoint(_swiglu_fp8_linear, gate_up, weight, fmt, use_reentrant=False, context_fn=context)
+
+
+def _swiglu_fp8_linear(gate_up: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    return fp8_linear(swiglu(gate_up), weight, None, fmt, "tensorwise")
 
 
 def _swiglu_matmul_compiled(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -96,3 +96,32 @@ def test_compiled_and_eager_layers_give_the_same_gradients():
         results.append([xin.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_swiglu_projection_recomputes_its_casts_with_identical_gradients(compiled):
+    """FP8 (tensorwise) fc2: the product's and the weight's FP8 copies are recomputed in backward, not kept;
+    output and gradients are bit-identical to the FP8 linear that keeps them."""
+    from meshtron.layers.fp8 import fp8_linear
+    from meshtron.layers.linear import _swiglu_fp8_recomputed
+
+    torch.manual_seed(0)
+    gate_up = torch.randn(32, 2, 2 * 96, requires_grad=True)
+    weight = torch.randn(48, 96, requires_grad=True)
+    grad_out = torch.randn(32, 2, 48)
+
+    def kept(a, w, fmt):
+        return fp8_linear(swiglu(a), w, None, fmt, "tensorwise")
+
+    results = []
+    for fn in (kept, _swiglu_fp8_recomputed):
+        fn = torch.compile(fn) if compiled else fn
+        for _ in range(2):
+            out, storages = _saved_storages(fn, gate_up, weight, "hybrid", params=[weight])
+            grads = torch.autograd.grad(out, (gate_up, weight), grad_out)
+        results.append((out, *grads, storages))
+    (*expected, kept_storages), (*got, recomputed_storages) = results
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+    assert list(recomputed_storages.values()) == [gate_up.untyped_storage().nbytes()]  # fc2's input only
+    assert len(kept_storages) > 1  # the FP8 copies of the product and the weight, their scales
