@@ -371,6 +371,19 @@ def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: b
     return float(weights)
 
 
+def fc2_recomputes_product(cfg: MeshtronConfig, legacy_saves: bool = False) -> bool:
+    """Whether SwiGLU's down projection recomputes the product (in FP8 also its and its weight's casts) in
+    backward, as ``RowParallelLinear.forward_swiglu`` decides: not under a zero-bubble schedule's deferred
+    weight gradients, rowwise FP8 or the sequence-parallel FP8 path; not in the ``legacy_saves`` layer code."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not m.swiglu or legacy_saves or p.pipeline_schedule == "zero-bubble-h1":
+        return False
+    if not t.fp8_format:
+        return True
+    sequence_parallel = p.sequence_parallel and p.tensor_model_parallel_size > 1
+    return t.fp8_recipe == "tensorwise" and not sequence_parallel
+
+
 def _fp8_tensorwise(cfg: MeshtronConfig) -> bool:
     """Whether the layers' linears keep FP8 inputs and weight copies (``--fp8-recipe rowwise`` keeps bf16)."""
     return bool(cfg.train.fp8_format) and (cfg.train.fp8_recipe or "tensorwise") == "tensorwise"
@@ -511,8 +524,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if strategy != "no_shard" else 1
 
     fp8 = _fp8_tensorwise(cfg)
-    zero_bubble = par.pipeline_schedule == "zero-bubble-h1"
-    rowwise = bool(tr.fp8_format) and tr.fp8_recipe == "rowwise"
+    fc2_recomputes = fc2_recomputes_product(cfg, legacy_saves)
     compiled = tr.compile is not False and tr.device != "cpu"  # compiled layers: the GPU default
     # MoELayer.forward's direct path: every expert here, nothing dropped, the grouped GEMM (bf16)
     local_experts = ep == 1 and m.moe_expert_capacity_factor is None and bf16
@@ -523,10 +535,9 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                                        expert_tp=etp, flash_attention=flash_attention,
                                        selective_modules=selective_modules, fp8=fp8, compiled=compiled,
                                        local_experts=local_experts, legacy_saves=legacy_saves,
-                                       fc2_keeps_product=zero_bubble or rowwise)
+                                       fc2_keeps_product=not fc2_recomputes)
         if fp8 and recompute != "full":  # a checkpointed layer keeps no FP8 weight copy
-            recast = m.swiglu and not sp and not legacy_saves and not zero_bubble
-            saved += fp8_weight_copy_bytes(m, layer, tp, fc2_recast=recast)
+            saved += fp8_weight_copy_bytes(m, layer, tp, fc2_recast=fc2_recomputes)
         return saved
 
     def chunk_activation(layers: list[int]) -> tuple[float, float]:

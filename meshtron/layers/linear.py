@@ -27,16 +27,15 @@ linear layers; without it (1F1B, evaluation) the layer is one graph, as before.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from meshtron.layers.fp8 import fp8_linear, gradient_dtype
 from meshtron.layers.fp8_sequence_parallel import column_sequence_parallel_fp8, row_sequence_parallel_fp8
+from meshtron.layers.recompute import recompute_all_but_matmuls
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import Piece, ShardSpec, new_param
@@ -237,7 +236,9 @@ class RowParallelLinear(nn.Module):
                 return self(swiglu(gate_up))
             return self._reduce(_swiglu_fp8_recomputed(gate_up, self.weight, self.fp8_format))
         if torch.compiler.is_compiling():
-            return self._reduce(_swiglu_matmul_compiled(gate_up, self.weight))
+            # The compiler would merge _SwiGLUMatmul's recomputation with the forward's product and keep
+            # it: the recomputation is forced instead.
+            return self._reduce(recompute_all_but_matmuls(_swiglu_linear, gate_up, self.weight))
         return self._reduce(_SwiGLUMatmul.apply(gate_up, self.weight))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
@@ -257,32 +258,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _recompute_all_but_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.MUST_RECOMPUTE
-
-
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten._scaled_mm.default}
-
-
 def _swiglu_fp8_recomputed(gate_up: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """``fp8_linear(swiglu(gate_up), weight)`` whose backward recomputes the product and the FP8 casts
     of it and of the weight (the same values: same inputs, same absolute maxima) instead of keeping
     them; only the scaled matmul's output is never recomputed."""
-    context = functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_matmuls)
-    return checkpoint(_swiglu_fp8_linear, gate_up, weight, fmt, use_reentrant=False, context_fn=context)
+    return recompute_all_but_matmuls(_swiglu_fp8_linear, gate_up, weight, fmt)
 
 
 def _swiglu_fp8_linear(gate_up: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.Tensor:
     return fp8_linear(swiglu(gate_up), weight, None, fmt, "tensorwise")
-
-
-def _swiglu_matmul_compiled(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """:class:`_SwiGLUMatmul` inside a compiled graph: the compiler would merge the backward's
-    recomputation with the forward's product and keep it, so the product is marked for recomputation
-    instead (selective activation checkpointing, which the compiler honours)."""
-    context = functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_matmuls)
-    return checkpoint(_swiglu_linear, gate_up, weight, use_reentrant=False, context_fn=context)
 
 
 def _swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

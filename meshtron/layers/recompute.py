@@ -40,6 +40,20 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _recompute_all_but_saved_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def recompute_all_but_matmuls(fn: Callable, *args):
+    """``fn(*args)`` whose backward recomputes everything but its matmul and attention outputs.
+
+    Unlike ``selective`` (whose other ops the compiler may still choose to keep), the recomputation is
+    forced: a compiled graph would otherwise merge a recomputation written into a backward with the
+    forward's result and keep it. ``fn`` must contain no collective (it would run again)."""
+    context = functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_saved_ops)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context)
+
+
 def run_with_recompute(fn: Callable, mode: str, *args):
     """Run ``fn(*args)`` under ``full`` or ``selective`` activation recomputation."""
     if mode == "full":

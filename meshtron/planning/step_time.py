@@ -168,6 +168,7 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
     forward runs again in the backward, ``--recompute-granularity full``; ``legacy_saves``: the layer
     code that kept SwiGLU's product, see :func:`meshtron.memory.layer_activation_bytes`)."""
     from meshtron.accounting import mla_rank_parameters
+    from meshtron.memory import fc2_recomputes_product
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
@@ -224,12 +225,10 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
         fwd_gemm += mlp
         wgrad += mlp
         mlp_elem = tokens * e * 3 * f / tp
-        if m.swiglu and p.pipeline_schedule != "zero-bubble-h1" and not legacy_saves:
-            if not fp8:  # fc2's backward recomputes SwiGLU's product from gate and up (linear._SwiGLUMatmul)
-                swiglu_recompute = tokens * e * 3 * f / tp
-            elif t.fp8_recipe == "tensorwise" and not sp:
-                # ... and, in FP8, the product's casts (read bf16, write two FP8 layouts) and the weight's.
-                swiglu_recompute = tokens * (e * 3 + 4) * f / tp + 4 * h * f / tp
+        if fc2_recomputes_product(cfg, legacy_saves):
+            # fc2's backward recomputes SwiGLU's product from gate and up; in FP8 also the product's casts
+            # (read bf16, write two FP8 layouts) and the weight's.
+            swiglu_recompute = tokens * (e * 3 + (4 if fp8 else 0)) * f / tp + (4 * h * f / tp if fp8 else 0.0)
     # Norms (read + write), residual adds (two reads, one write), RoPE on q and k.
     norm_elem = tokens * e * 4 * h / rep_div
     other_elem = tokens * e * (6 * h / rep_div + 2 * (q_out + kv_out / 2))
