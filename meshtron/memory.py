@@ -373,7 +373,7 @@ def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: b
 
 def fc2_recomputes_product(cfg: MeshtronConfig, legacy_saves: bool = False) -> bool:
     """Whether SwiGLU's down projection recomputes the product (in FP8 also its and its weight's casts) in
-    backward, as ``RowParallelLinear.forward_swiglu`` decides: not under a zero-bubble schedule's deferred
+    backward, as ``RowParallelLinear._swiglu_matmul`` decides: not under a zero-bubble schedule's deferred
     weight gradients, rowwise FP8 or the sequence-parallel FP8 path; not in the ``legacy_saves`` layer code."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if not m.swiglu or legacy_saves or p.pipeline_schedule == "zero-bubble-h1":

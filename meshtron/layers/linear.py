@@ -206,7 +206,18 @@ class RowParallelLinear(nn.Module):
                                          grad_sync="tp" if sequence_parallel else None))
                      if bias_piece is not None else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+        """``x @ weight.T`` summed over TP. With ``gate_up`` (SwiGLU's fc2), ``x`` is fc1's output
+        [gate, up] and the input of the matmul is ``silu(gate) * up`` (see :meth:`_swiglu_matmul`).
+
+        The SwiGLU variant goes through the module call too (``fc2(h, gate_up=True)``), so that the
+        forward pre-hooks that bring the weight (overlapped parameter all-gather, ZeRO-3) run first.
+        """
+        if gate_up:
+            y = self._swiglu_matmul(x)
+            if y is not None:
+                return y
+            x = swiglu(x)
         if comm._size(self.group) > 1 and _sequence_parallel_fp8(self):
             deferral = (self.wgrad_store, self.weight) if _defers(self.wgrad_store, self.weight) else None
             if deferral is not None:
@@ -217,8 +228,9 @@ class RowParallelLinear(nn.Module):
             return y if self.bias is None else y + self.bias
         return self._reduce(_linear(x, self.weight, None, self.fp8_format, self.fp8_recipe, self.wgrad_store))
 
-    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``forward(silu(gate) * up)`` for fc1's output ``gate_up`` = [gate, up] (SwiGLU's fc2).
+    def _swiglu_matmul(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+        """``forward(silu(gate) * up)`` for fc1's output ``gate_up`` = [gate, up] without keeping the
+        product, or None where the product must be formed and kept (the plain forward then runs).
 
         Without a weight-gradient store the product is not kept for backward: the matmul's backward
         recomputes it from ``gate_up``, which SiLU's and the product's own gradients need anyway (one
@@ -229,11 +241,11 @@ class RowParallelLinear(nn.Module):
         rowwise FP8 and sequence-parallel FP8 keep the product (their matmuls save their own copies).
         """
         if _defers(self.wgrad_store, self.weight):
-            return self(swiglu(gate_up))
+            return None
         if self.fp8_format is not None:
             sp_fp8 = comm._size(self.group) > 1 and _sequence_parallel_fp8(self)
             if sp_fp8 or self.fp8_recipe != "tensorwise":
-                return self(swiglu(gate_up))
+                return None
             return self._reduce(_swiglu_fp8_recomputed(gate_up, self.weight, self.fp8_format))
         if torch.compiler.is_compiling():
             # The compiler would merge _SwiGLUMatmul's recomputation with the forward's product and keep

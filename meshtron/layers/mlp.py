@@ -36,5 +36,5 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         if self.swiglu:
-            return self.fc2.forward_swiglu(h)
+            return self.fc2(h, gate_up=True)  # the module call: its pre-hooks bring the weight
         return self.fc2(F.gelu(h, approximate="tanh"))

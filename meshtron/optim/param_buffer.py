@@ -9,7 +9,8 @@ sharding descriptions, hooks and optimizer references remain valid).
 
 With ``overlap`` (``--overlap-param-gather``) the all-gathers start after the step
 and each is waited for just before the first forward use of its bucket, through
-forward pre-hooks on the modules that own the parameters.
+forward pre-hooks on the transformer layers and on the other modules that own
+parameters (:func:`_owner_modules`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn as nn
 
 from meshtron.optim.buckets import BufferLayout
 from meshtron.optim.collectives import all_gather_single
+from meshtron.optim.sharded_params import unit_modules
 from meshtron.optim.shards import CompactShards
 
 
@@ -52,10 +54,14 @@ _CONTAINERS = (nn.ParameterList, nn.ParameterDict, nn.ModuleList, nn.ModuleDict)
 def _owner_modules(chunk: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """(module whose forward pre-hook waits, parameters it needs) for every parameter of ``chunk``.
 
-    A parameter is waited for before the forward of the module that owns it. Containers
-    (``nn.ParameterList`` and the like) have no forward of their own: their parameters
-    are waited for by the nearest ancestor that is called. Inside a module compiled with
-    ``nn.Module.compile`` the hook moves up to the outermost compiled ancestor, so that
+    A transformer layer waits for all of its parameters before its forward: inside a layer a
+    module's weight may be read without that module being called (SwiGLU's fused down projection,
+    the shared experts' output matmul, the grouped expert GEMM), and a weight read before its wait
+    would be last step's. The layer is also the unit of ZeRO-3 and of recomputation. Outside the
+    layers (embedding, final norm, output layer) a parameter is waited for before the forward of
+    the module that owns it; containers (``nn.ParameterList`` and the like) have no forward of their
+    own, so their parameters are waited for by the nearest ancestor that is called. Inside a module
+    compiled with ``nn.Module.compile`` the hook moves up to the outermost compiled ancestor, so that
     the wait never lands inside a compiled graph.
     """
     parent: dict[int, Optional[nn.Module]] = {id(chunk): None}
@@ -63,20 +69,33 @@ def _owner_modules(chunk: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]
         for child in module.children():
             parent.setdefault(id(child), module)
     targets: dict[int, tuple[nn.Module, list[nn.Parameter]]] = {}
+    in_layers: set[int] = set()
+    for layer in unit_modules(chunk)[:-1]:
+        params = [p for p in layer.parameters() if id(p) not in in_layers]
+        in_layers.update(id(p) for p in params)
+        if params:
+            target = _outermost_compiled(layer, parent)
+            targets.setdefault(id(target), (target, []))[1].extend(params)
     for module in chunk.modules():
-        own = list(module.parameters(recurse=False))
+        own = [p for p in module.parameters(recurse=False) if id(p) not in in_layers]
         if not own:
             continue
         target = module
         while isinstance(target, _CONTAINERS) and parent.get(id(target)) is not None:
             target = parent[id(target)]
-        node = target
-        while node is not None:
-            if getattr(node, "_compiled_call_impl", None) is not None:
-                target = node
-            node = parent.get(id(node))
+        target = _outermost_compiled(target, parent)
         targets.setdefault(id(target), (target, []))[1].extend(own)
     return list(targets.values())
+
+
+def _outermost_compiled(module: nn.Module, parent: dict[int, Optional[nn.Module]]) -> nn.Module:
+    """``module``, or its outermost ancestor compiled with ``nn.Module.compile``."""
+    target, node = module, module
+    while node is not None:
+        if getattr(node, "_compiled_call_impl", None) is not None:
+            target = node
+        node = parent.get(id(node))
+    return target
 
 
 class ParamGather:

@@ -87,6 +87,9 @@ def train_step(model, optim, cfg: MeshtronConfig, ctx: ParallelContext, batch, m
         last = j == micro_batches - 1
         total += run_micro(model, ctx, tokens[part], labels[part], weight[part],
                            optim.grad_sync.start_overlap if last else (lambda: None))
+    gather = getattr(optim.optimizer, "param_gather", None)
+    if getattr(gather, "overlap", False):  # every bucket was waited for by a forward pre-hook
+        assert gather.pending == 0
     optim.grad_sync.finish()
     norm = optim.grad_norm()
     optim.optimizer.step(LR, grad_coef=clip_coefficient(norm, cfg.optim.clip_grad))  # as the trainer does
@@ -191,7 +194,31 @@ VARIANTS = {
 RESUME = ("distopt-offload", "offload-only", "plain")  # checkpoint interface round trip
 
 
+class _LateGather:
+    """An overlapped all-gather whose result lands only when waited for: a weight read before its
+    bucket's wait (a module called around its forward pre-hooks) then reads last step's value on
+    every run, not only when the real gather happens to be slow."""
+
+    def __init__(self, gather, output: torch.Tensor, input: torch.Tensor, group):
+        self.output, self.landing = output, torch.empty_like(output)
+        self.work = gather(self.landing, input.clone(), group, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.output.copy_(self.landing)
+
+
+def _late_gathers(module) -> None:
+    real = module.all_gather_single
+
+    def gather(output, input, group, async_op=False):
+        return _LateGather(real, output, input, group) if async_op else real(output, input, group)
+    module.all_gather_single = gather
+
+
 def _dp_worker(rank, world, names, tp, query_groups, sp):
+    import meshtron.optim.param_buffer as param_buffer
+    _late_gathers(param_buffer)  # this process only: overlapped weight gathers land at their wait
     ctx = build_groups(tp, 1, 1, 1, torch.device("cpu"))
     results = {}
     for name in names:
