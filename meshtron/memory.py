@@ -94,11 +94,12 @@ and its MLP's ``3*e*fs``.
 
 FP8 (``--fp8-format``, tensorwise recipe, ``meshtron.layers.fp8``): the layer's tensor-parallel
 linears keep one-byte transposed FP8 copies of their inputs instead of the bf16 ones: the two norm
-outputs (``h`` each) cost one byte per element, not ``e``; SwiGLU's fc2 recomputes its input's and its
-weight's casts in backward (on the sequence-parallel FP8 path it keeps the product's one-byte copy,
-``f``, and its weight copy); and each other linear keeps its FP8 weight copy for every micro-batch in
-flight (one byte per weight element of the attention projections, fc1 and a shared expert's fc1:
-:func:`fp8_weight_copy_bytes`).
+outputs (``h`` each) cost one byte per element, not ``e``; the output projection keeps a one-byte copy
+of the attention output (``q``) beside the bf16 one that attention's backward needs; SwiGLU's fc2
+recomputes its input's casts in backward (on the sequence-parallel FP8 path it keeps the product's
+one-byte copy, ``f``). No linear keeps an FP8 copy of its weight: backward casts the weight again with
+the forward's scale (before revision 2 of :data:`LAYER_SAVES` each linear but fc2 kept one per
+micro-batch in flight, :func:`fp8_weight_copy_bytes`).
 The router, the routed experts and the output layer stay in bf16. The rowwise recipe keeps bf16
 inputs and reads the weights themselves, so it is counted as bf16.
 
@@ -175,6 +176,12 @@ OFFLOAD_MIN_BYTES = 1 << 20
 #: What ``--recompute-granularity selective`` recomputes (see the module docstring).
 SELECTIVE_MODULES: tuple[str, ...] = ("core_attn", "norm", "act")
 _KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
+#: Revision of what a layer keeps for backward, so that rows measured at earlier code are compared with
+#: the model of that code: 0 = the values a view of the fused QKV output (which stayed whole), SwiGLU's
+#: product kept, FP8 weight copies kept; 1 = values copied out, the product recomputed by fc2 (in FP8 with
+#: its casts and fc2's weight cast), the other FP8 linears' weight copies kept; 2 = every FP8 linear casts
+#: its weight again in backward (today's code).
+LAYER_SAVES = 2
 
 
 @dataclass(frozen=True)
@@ -226,7 +233,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            flash_attention: bool = True,
                            selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
                            compiled: bool = True, local_experts: bool = True, fc2_keeps_product: bool = False,
-                           legacy_saves: bool = False) -> float:
+                           saves: int = LAYER_SAVES) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
 
     ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
@@ -237,8 +244,8 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     ``local_experts``: a MoE layer's tokens go straight into and out of the grouped GEMM's buffer
     (every expert on this rank, no capacity; else through the token dispatcher). ``fc2_keeps_product``: the
     down projection keeps SwiGLU's product (a zero-bubble schedule's deferred weight gradients, rowwise FP8).
-    ``legacy_saves``: what layers kept before 2026-12-01's third stop (the values a view of the fused
-    QKV output, SwiGLU's product kept), to compare with rows measured then. See the module docstring.
+    ``saves``: the revision of what layers keep (:data:`LAYER_SAVES`), to compare with rows measured at
+    earlier code. See the module docstring.
     """
     fp8_sp_path = sequence_parallel and tp > 1  # FP8 linears cast before their sequence-parallel collectives
     if recompute not in (None, "selective", "full"):
@@ -290,7 +297,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         # The concatenated queries and keys, the values (copied out of the key/value projection's output,
         # which then goes; under selective recomputation that output is a saved matmul output and stays
         # whole), the attention output, and its [s, b, n*dv] copy, the output projection's input.
-        kv_kept = n * dv if recompute != "selective" and not legacy_saves else n * (dn + dv)
+        kv_kept = n * dv if recompute != "selective" and saves >= 1 else n * (dn + dv)
         part += e * (2 * qk + kv_kept + n * dv) + lin * n * dv
     else:
         q_out, kv_out = heads * d, 2 * groups * d
@@ -302,8 +309,10 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         # views of it; under selective recomputation it is a saved matmul output: all of it stays. And
         # the attention output.
         rotated = m.position_embedding_type == "rope" or m.qk_layernorm
-        copied = rotated and recompute != "selective" and not legacy_saves
+        copied = rotated and recompute != "selective" and saves >= 1
         part += e * heads * d + e * (kv_out // 2 if copied else q_out + kv_out)
+        if fp8:
+            part += heads * d  # the output projection's FP8 copy of its input (the attention output)
         if rotated and "core_attn" not in selective:
             part += e * (q_out + kv_out // 2)
         if m.qk_layernorm and "norm" not in selective:
@@ -318,7 +327,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         """fc1's output (SwiGLU: gate and up) and the activation's output (fc2's input: SwiGLU's
         product is recomputed by fc2's backward, in FP8 with its casts, except on the sequence-parallel
         FP8 path)."""
-        recomputed = "act" in selective or (m.swiglu and not fc2_keeps_product and not legacy_saves
+        recomputed = "act" in selective or (m.swiglu and not fc2_keeps_product and saves >= 1
                                             and not (linear_fp8 and fp8_sp_path))
         out = 0.0 if recomputed else width * (1 if linear_fp8 else e)
         return (e * (2 * width if m.swiglu else width) + out) / divisor
@@ -348,10 +357,11 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
 
 
 def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: bool = False) -> float:
-    """Bytes of the FP8 (tensorwise) weight copies one layer's linears keep per micro-batch on one TP rank.
+    """Bytes of the FP8 (tensorwise) weight copies one layer's linears kept per micro-batch on one TP rank
+    before revision 2 of :data:`LAYER_SAVES` (today each linear casts its weight again in backward).
 
-    Each FP8 linear casts its weight once per forward and keeps the transposed FP8 copy for the
-    backward's input-gradient GEMM (``meshtron.layers.fp8``): one byte per weight element of the
+    Each FP8 linear cast its weight once per forward and kept the transposed FP8 copy for the
+    backward's input-gradient GEMM: one byte per weight element of the
     attention projections, the dense MLP and a shared expert's fc1 (the router, the routed experts
     and the shared expert's fc2 stay in bf16). ``fc2_recast``: the dense SwiGLU fc2 recasts its weight in
     backward (``linear._swiglu_fp8_recomputed``) and keeps no copy.
@@ -371,12 +381,12 @@ def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: b
     return float(weights)
 
 
-def fc2_recomputes_product(cfg: MeshtronConfig, legacy_saves: bool = False) -> bool:
+def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> bool:
     """Whether SwiGLU's down projection recomputes the product (in FP8 also its and its weight's casts) in
     backward, as ``RowParallelLinear._swiglu_matmul`` decides: not under a zero-bubble schedule's deferred
-    weight gradients, rowwise FP8 or the sequence-parallel FP8 path; not in the ``legacy_saves`` layer code."""
+    weight gradients, rowwise FP8 or the sequence-parallel FP8 path; not before revision 1 of ``saves``."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not m.swiglu or legacy_saves or p.pipeline_schedule == "zero-bubble-h1":
+    if not m.swiglu or saves < 1 or p.pipeline_schedule == "zero-bubble-h1":
         return False
     if not t.fp8_format:
         return True
@@ -471,25 +481,25 @@ def _uses_bf16(cfg: MeshtronConfig) -> bool:
 def estimate_memory(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
                     flash_attention: bool = True, fused_loss: bool = True,
                     selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None,
-                    legacy_saves: bool = False) -> MemoryEstimate:
+                    saves: int = LAYER_SAVES) -> MemoryEstimate:
     """Estimated training memory per GPU for ``cfg`` on ``world_size`` GPUs (see the module docstring).
 
     The figures are those of the pipeline rank with the largest total. ``vocab_size`` is the
     tokenizer's; it is padded as the model pads it. Without ``world_size`` the data-parallel
     size is 1 (world = TP x CP x PP). ``profile`` (a :class:`meshtron.planning.profiles.DeviceProfile`,
     default the built-in H200 one) times the host copies of ``--offload-activations``; nothing else uses it.
-    ``legacy_saves``: see :func:`layer_activation_bytes`.
+    ``saves``: see :func:`layer_activation_bytes`.
     """
     stages = stage_estimates(cfg, vocab_size, world_size=world_size, flash_attention=flash_attention,
                              fused_loss=fused_loss, selective_modules=selective_modules, profile=profile,
-                             legacy_saves=legacy_saves)
+                             saves=saves)
     return max(stages, key=lambda est: est.total)
 
 
 def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
                     flash_attention: bool = True, fused_loss: bool = True,
                     selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None,
-                    legacy_saves: bool = False) -> list[MemoryEstimate]:
+                    saves: int = LAYER_SAVES) -> list[MemoryEstimate]:
     """:func:`estimate_memory` for every pipeline rank, in rank order."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
@@ -524,7 +534,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if strategy != "no_shard" else 1
 
     fp8 = _fp8_tensorwise(cfg)
-    fc2_recomputes = fc2_recomputes_product(cfg, legacy_saves)
+    fc2_recomputes = fc2_recomputes_product(cfg, saves)
     compiled = tr.compile is not False and tr.device != "cpu"  # compiled layers: the GPU default
     # MoELayer.forward's direct path: every expert here, nothing dropped, the grouped GEMM (bf16)
     local_experts = ep == 1 and m.moe_expert_capacity_factor is None and bf16
@@ -534,9 +544,9 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                                        act_bytes=e, recompute=recompute, moe=_is_moe_layer(m, layer),
                                        expert_tp=etp, flash_attention=flash_attention,
                                        selective_modules=selective_modules, fp8=fp8, compiled=compiled,
-                                       local_experts=local_experts, legacy_saves=legacy_saves,
+                                       local_experts=local_experts, saves=saves,
                                        fc2_keeps_product=not fc2_recomputes)
-        if fp8 and recompute != "full":  # a checkpointed layer keeps no FP8 weight copy
+        if fp8 and recompute != "full" and saves < 2:  # FP8 weight copies, kept before revision 2
             saved += fp8_weight_copy_bytes(m, layer, tp, fc2_recast=fc2_recomputes)
         return saved
 

@@ -78,10 +78,10 @@ def test_llama3_8b_swiglu_gqa_layer_by_hand():
     assert layer_activation_bytes(cfg.model, micro_batch=1, seq=4096) == 4096 * per_token
     # Before: the values were a view of the whole QKV output (q + 2k) and the product was kept (f).
     legacy = 2 * (4 * 4096 + 3 * 4096 + 3 * 1024 + 3 * 14336) + 4 * 32 + 8
-    assert layer_activation_bytes(cfg.model, micro_batch=1, seq=4096, legacy_saves=True) == 4096 * legacy
+    assert layer_activation_bytes(cfg.model, micro_batch=1, seq=4096, saves=0) == 4096 * legacy
 
 
-def test_fp8_layer_keeps_fp8_linear_inputs_and_weight_copies():
+def test_fp8_layer_keeps_fp8_linear_inputs_and_no_weight_copies():
     from meshtron.memory import fp8_weight_copy_bytes
 
     m = config("llama3-3b").model
@@ -89,19 +89,23 @@ def test_fp8_layer_keeps_fp8_linear_inputs_and_weight_copies():
     bf16 = layer_activation_bytes(m, micro_batch=1, seq=4096)
     fp8 = layer_activation_bytes(m, micro_batch=1, seq=4096, fp8=True)
     # The qkv and fc1 inputs (the two norm outputs, h each) are kept as one-byte FP8 copies instead of
-    # bf16; fc2 recomputes SwiGLU's product (and, in FP8, its casts) in backward in both.
-    assert bf16 - fp8 == 4096 * 2 * h
+    # bf16; the output projection keeps a one-byte copy of the attention output (q) beside the bf16 one;
+    # fc2 recomputes SwiGLU's product (and, in FP8, its casts) in backward in both.
+    assert bf16 - fp8 == 4096 * (2 * h - q)
     # Where fc2 keeps the product (zero-bubble deferral; the sequence-parallel FP8 path), its FP8 copy (f).
     kept = layer_activation_bytes(m, micro_batch=1, seq=4096, fp8=True, fc2_keeps_product=True)
     assert kept - fp8 == 4096 * f
-    assert fp8_weight_copy_bytes(m, 0) == h * (q + 2 * k) + q * h + 3 * h * f  # one byte per linear weight
-    assert fp8_weight_copy_bytes(m, 0, fc2_recast=True) == h * (q + 2 * k) + q * h + 2 * h * f  # fc2 recasts
+    # The weight copies that the linears kept before revision 2 (one byte per weight element; fc2 recast).
+    assert fp8_weight_copy_bytes(m, 0) == h * (q + 2 * k) + q * h + 3 * h * f
+    assert fp8_weight_copy_bytes(m, 0, fc2_recast=True) == h * (q + 2 * k) + q * h + 2 * h * f
     cfg = config("llama3-3b", micro_batch_size=4, global_batch_size=4)
     plain = estimate_memory(cfg, 128256)
     cfg.train.fp8_format = "e4m3"
     tensorwise = estimate_memory(cfg, 128256)
-    per_layer = 4 * cfg.model.seq_length * 2 * h - fp8_weight_copy_bytes(m, 0, fc2_recast=True)
-    assert plain.activations - tensorwise.activations == m.num_layers * per_layer
+    tokens = 4 * cfg.model.seq_length
+    assert plain.activations - tensorwise.activations == m.num_layers * tokens * (2 * h - q)  # no weight copies
+    earlier = estimate_memory(cfg, 128256, saves=1)
+    assert earlier.activations - tensorwise.activations == m.num_layers * fp8_weight_copy_bytes(m, 0, fc2_recast=True)
     cfg.train.fp8_recipe = "rowwise"  # keeps bf16 inputs and reads the weights; its fc2 keeps SwiGLU's product
     rowwise = estimate_memory(cfg, 128256).activations
     assert rowwise - plain.activations == m.num_layers * 4 * cfg.model.seq_length * 2 * f

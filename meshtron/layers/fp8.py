@@ -5,10 +5,14 @@ scale computed from its current absolute maximum (448 / amax), and multiplied by
 bf16. Under sequence parallelism the tensor-parallel layers cast before their all-gathers instead
 (meshtron.layers.fp8_sequence_parallel), with the same values.
 Backward: the output gradient is cast to e5m2 (``--fp8-format hybrid``: more range for gradients)
-or e4m3 (``e4m3``), and both gradient matmuls run in FP8 with the saved FP8 input and weight.
+or e4m3 (``e4m3``), and both gradient matmuls run in FP8 with the saved FP8 input and the weight cast
+again with the forward's scale (the same values: the weight does not change between the two). Keeping
+the forward's transposed weight copy instead would hold one byte per weight element per micro-batch
+in flight (about 2 GB for llama3-3b) for the cost of one read of the weights.
 Master weights, gradients and the optimizer stay in higher precision: only the matmul operands are
-FP8. The saved activations are the FP8 copies (half the bytes of bf16). Each operand is cast once and
-written in both layouts the matmuls need (``meshtron.layers.fp8_cast.cast_transpose``). The forward
+FP8. The saved activations are the FP8 copies (half the bytes of bf16). Each activation is cast once and
+written in both layouts the matmuls need (``meshtron.layers.fp8_cast.cast_transpose``); the weight in
+its own layout for the forward, transposed in backward (:func:`cast_weight`, :func:`recast_weight`). The forward
 product accumulates in the tensor cores' fast mode, the gradients in full fp32 (see ``_mm``).
 
 Recipe ``rowwise`` (more accurate with outliers): one scale per row of each operand along the
@@ -31,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from meshtron.layers.fp8_cast import cast_transpose, scaled_cast
+from meshtron.layers.fp8_cast import cast_transpose, cast_transposed, scaled_cast
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -97,6 +101,20 @@ def weight_grad_now_or_deferred(deferral: Optional[tuple], weight_grad: Callable
     return None
 
 
+def cast_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``weight`` [M, K] as e4m3 in its own layout, its scale, 1/scale): the forward's operand
+    (``wq.t()`` is the column-major [K, M] the scaled matmul takes second)."""
+    scale, inv = tensor_scale(weight, E4M3)
+    return scaled_cast(weight, scale, E4M3), scale, inv
+
+
+def recast_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The transposed e4m3 copy [K, M] of ``weight`` with the forward's ``scale``, for backward's
+    input-gradient matmul (``wq_t.t()`` is the column-major [M, K] operand): the values the forward
+    would have kept, cast again instead of held between forward and backward."""
+    return cast_transposed(weight.detach(), scale, E4M3)
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, grad_dtype, deferral=None):
@@ -104,21 +122,23 @@ class _FP8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         out_dtype = output_dtype(x.dtype)
         xq, xq_t, x_inv = cast_both_layouts(x2, E4M3)
-        wq, wq_t, w_inv = cast_both_layouts(weight, E4M3)
+        wq, w_scale, w_inv = cast_weight(weight)
         y = scaled_mm(xq, x_inv, wq.t(), w_inv, out_dtype, fast_accum=True)  # [N, K] @ [K, M]
         if bias is not None:
             y = y + bias.to(out_dtype)
-        # The transposed copies are what backward's matmuls take (as column-major second operands).
-        ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
+        # The input's transposed copy is what the weight gradient takes (as column-major second operand);
+        # the weight's is cast again in backward.
+        ctx.save_for_backward(xq_t, x_inv, weight, w_scale, w_inv)
         ctx.shape, ctx.grad_dtype, ctx.has_bias = shape, grad_dtype, bias is not None
         ctx.x_dtype, ctx.w_dtype, ctx.deferral = x.dtype, weight.dtype, deferral
         return y.view(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
+        xq_t, x_inv, weight, w_scale, w_inv = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
         gq, gq_t, g_inv = cast_both_layouts(g2, ctx.grad_dtype)
+        wq_t = recast_weight(weight, w_scale)
         grad_x = scaled_mm(gq, g_inv, wq_t.t(), w_inv, output_dtype(ctx.x_dtype)).view(ctx.shape)  # [N, M] @ [M, K]
         # Straight into the weight's dtype: the matmul accumulates in fp32 and rounds once either way.
         w_dtype = output_dtype(ctx.w_dtype)

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from meshtron.layers.fp8 import (E4M3, cast_both_layouts, output_dtype, scale_from_amax, scaled_mm,
-                                 tensor_amax, weight_grad_now_or_deferred)
+from meshtron.layers.fp8 import (E4M3, cast_both_layouts, cast_weight, output_dtype, recast_weight, scale_from_amax,
+                                 scaled_mm, tensor_amax, weight_grad_now_or_deferred)
 from meshtron.layers.fp8_cast import cast_transpose
 from meshtron.parallel import comm
 from meshtron.parallel.comm import Group
@@ -53,22 +53,23 @@ class _ColumnSequenceParallelFP8(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, grad_dtype, deferral=None):
         scale, x_inv = _group_scale(x, E4M3, group)
         xq, xq_t = cast_transpose(x, scale, E4M3)                    # this rank's tokens
-        wq, wq_t, w_inv = cast_both_layouts(weight, E4M3)
+        wq, w_scale, w_inv = cast_weight(weight)
         total = comm.wait(comm.all_gather_bytes_dim0_async(xq, group))  # [s, b, K], all tokens
         y = scaled_mm(total.reshape(-1, total.shape[-1]), x_inv, wq.t(), w_inv, output_dtype(x.dtype),
                       fast_accum=True).reshape(*total.shape[:-1], weight.shape[0])
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
+        ctx.save_for_backward(xq_t, x_inv, weight, w_scale, w_inv)  # the weight's copy is cast again
         ctx.group, ctx.grad_dtype, ctx.has_bias = group, grad_dtype, bias is not None
         ctx.x_dtype, ctx.w_dtype, ctx.deferral = x.dtype, weight.dtype, deferral
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
+        xq_t, x_inv, weight, w_scale, w_inv = ctx.saved_tensors
         parts = comm.all_gather_bytes_dim0_async(xq_t, ctx.group)  # overlaps the input-gradient matmul
         gq, gq_t, g_inv = cast_both_layouts(grad, ctx.grad_dtype)
+        wq_t = recast_weight(weight, w_scale)
         grad_total = scaled_mm(gq.reshape(-1, gq.shape[-1]), g_inv, wq_t.t(), w_inv,
                                output_dtype(ctx.x_dtype)).reshape(*grad.shape[:-1], wq_t.shape[0])
         grad_x = comm.reduce_scatter_dim0_async(grad_total, ctx.group)  # overlaps the weight gradient
@@ -85,17 +86,18 @@ class _RowSequenceParallelFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, grad_dtype, deferral=None):
         xq, xq_t, x_inv = cast_both_layouts(x, E4M3)
-        wq, wq_t, w_inv = cast_both_layouts(weight, E4M3)
+        wq, w_scale, w_inv = cast_weight(weight)
         partial = scaled_mm(xq.reshape(-1, xq.shape[-1]), x_inv, wq.t(), w_inv, output_dtype(x.dtype),
                             fast_accum=True).reshape(*x.shape[:-1], weight.shape[0])
-        ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
+        ctx.save_for_backward(xq_t, x_inv, weight, w_scale, w_inv)  # the weight's copy is cast again
         ctx.group, ctx.grad_dtype, ctx.x_dtype, ctx.w_dtype = group, grad_dtype, x.dtype, weight.dtype
         ctx.deferral = deferral
         return comm.reduce_scatter_dim0(partial, group)
 
     @staticmethod
     def backward(ctx, grad):
-        xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
+        xq_t, x_inv, weight, w_scale, w_inv = ctx.saved_tensors
+        wq_t = recast_weight(weight, w_scale)
         scale, g_inv = _group_scale(grad, ctx.grad_dtype, ctx.group)
         gq, gq_t = cast_transpose(grad, scale, ctx.grad_dtype)
         parts = comm.all_gather_bytes_dim0_async(gq_t, ctx.group)

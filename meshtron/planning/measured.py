@@ -6,9 +6,9 @@ peak_mem_gib, est_mem_gib, argv), plus where it was measured (device_kind, gpu_c
 source: the docs/benchmarks.md section, null until the row is written there) and bookkeeping: ``id``, ``flags`` (the ``meshtron train``
 flags of the row's configuration), ``peak_mem_trusted`` (false where the peak is known to include
 memory of an earlier row of the same launch), ``note``, ``replaces`` (the id of a row this one
-corrects; rows are never deleted). A figure the source does not give is null. Optional: ``legacy_layer_saves``
-(true on rows measured while the layers kept the fused QKV output and SwiGLU's product: the memory model
-compares them with its model of that code, ``meshtron.memory.layer_activation_bytes``), ``code_changed``,
+corrects; rows are never deleted). A figure the source does not give is null. Optional: ``layer_saves``
+(on rows measured while the layers kept more for backward: the revision of that code,
+``meshtron.memory.LAYER_SAVES``; the models compare such a row with their model of that code), ``code_changed``,
 ``"<commit>: <what>"``, on a row whose flags run differently since that commit (a later row measures the code
 of today); the comparisons with the models leave such rows out and say why (:func:`left_out`).
 """
@@ -35,7 +35,7 @@ BENCH_EXTRAS = frozenset({"leftover_mem_gib", "forward_s", "backward_s", "optimi
                           "memory_sites_gib", "comm_kernel_s", "exposed_comm_kernel_s", "compute_kernel_s",
                           "comm_by_kind_s", "error"})
 #: Optional fields: present on some records only.
-OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"code_changed": (str,), "legacy_layer_saves": (bool,)}
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"code_changed": (str,), "layer_saves": (int,)}
 #: ``code_changed``: the commit from which the row's flags run differently, and what changed.
 CODE_CHANGED = re.compile(r"^[0-9a-f]{7,40}: \S")
 #: A peak above the memory an earlier row of the launch left behind by more than this is not trusted.
@@ -124,6 +124,13 @@ def left_out(records: Iterable[dict]) -> dict[str, str]:
     return out
 
 
+def layer_saves(record: dict) -> int:
+    """The revision of what the layers kept when the row was measured (:data:`meshtron.memory.LAYER_SAVES`)."""
+    from meshtron.memory import LAYER_SAVES
+
+    return record.get("layer_saves", LAYER_SAVES)
+
+
 def trusted_peaks(records: Iterable[dict]) -> list[dict]:
     """The records whose peak is trusted and describes today's code (not :func:`left_out`)."""
     records = list(records)
@@ -139,7 +146,7 @@ def memory_errors(records: Iterable[dict]) -> list[PeakComparison]:
     for r in trusted_peaks(records):
         cfg = record_config(r)
         est = estimate_memory(cfg, cfg.model.vocab_size, world_size=r["gpu_count"],
-                              legacy_saves=bool(r.get("legacy_layer_saves")))
+                              saves=layer_saves(r))
         out.append(PeakComparison(r["id"], r["peak_mem_gib"], est.total / 2**30))
     return out
 
@@ -197,6 +204,6 @@ def step_errors(records: list[dict], profile, configs: Optional[dict] = None) ->
         if configs is not None:
             configs[r["id"]] = cfg
         pred = predict_step(cfg, r["gpu_count"], profile, links=record_links(r),
-                            legacy_saves=bool(r.get("legacy_layer_saves")))
+                            saves=layer_saves(r))
         out.append(StepComparison(r["id"], measured_step_s(r, cfg), pred.step_s))
     return out

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from meshtron.config import MeshtronConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads, padded_vocab_size
+from meshtron.memory import LAYER_SAVES
 from meshtron.planning.profiles import DeviceProfile
 
 #: Flash attention's backward does 2.5x its forward's FLOPs (five matmuls for two, the scores recomputed).
@@ -163,10 +164,10 @@ def _attention_dims(cfg: MeshtronConfig) -> tuple[int, int]:
 
 
 def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: DeviceProfile, links: Links,
-                legacy_saves: bool = False) -> _LayerCost:
+                saves: int = LAYER_SAVES) -> _LayerCost:
     """Forward + backward time of one layer for one micro-batch on one rank (``recomputed``: its
-    forward runs again in the backward, ``--recompute-granularity full``; ``legacy_saves``: the layer
-    code that kept SwiGLU's product, see :func:`meshtron.memory.layer_activation_bytes`)."""
+    forward runs again in the backward, ``--recompute-granularity full``; ``saves``: the revision of
+    what the layers keep, :data:`meshtron.memory.LAYER_SAVES`, for rows measured at earlier code)."""
     from meshtron.accounting import mla_rank_parameters
     from meshtron.memory import fc2_recomputes_product
 
@@ -225,7 +226,7 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
         fwd_gemm += mlp
         wgrad += mlp
         mlp_elem = tokens * e * 3 * f / tp
-        if fc2_recomputes_product(cfg, legacy_saves):
+        if fc2_recomputes_product(cfg, saves):
             # fc2's backward recomputes SwiGLU's product from gate and up; in FP8 also the product's casts
             # (read bf16, write two FP8 layouts) and the weight's.
             swiglu_recompute = tokens * (e * 3 + (4 if fp8 else 0)) * f / tp + (4 * h * f / tp if fp8 else 0.0)
@@ -241,8 +242,12 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
         inputs = tokens * (2 * h + q_out + f / tp)
         grads = tokens * (q_out + kv_out + h + 2 * f / tp + h)
         weights = (h * (q_out + kv_out) + q_out * h + 3 * h * f / tp)
-        fp8_fwd = 4 * inputs + 4 * weights  # the backward reads the saved copies: it casts the gradients only
-        fp8_bwd = 4 * grads
+        # The backward reads the inputs' saved copies and casts the gradients; since revision 2 of the
+        # layers' saves the forward writes the weight's own layout only and the backward casts it again,
+        # transposed (read bf16, write FP8).
+        recast = saves >= 2
+        fp8_fwd = 4 * inputs + (3 if recast else 4) * weights
+        fp8_bwd = 4 * grads + (3 * weights if recast else 0.0)
 
     d_qk, d_v = _attention_dims(cfg)
     attn_flops = t.micro_batch_size * (seq / cp) * seq * heads * (d_qk + d_v)  # causal: half of 2 * 2 * s^2 ...
@@ -339,9 +344,9 @@ def _rank_parameters(cfg: MeshtronConfig, layers: list[int], first: bool, last: 
 
 
 def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, vocab_size: Optional[int] = None,
-                 links: Links = Links(), legacy_saves: bool = False) -> StepPrediction:
+                 links: Links = Links(), saves: int = LAYER_SAVES) -> StepPrediction:
     """Predicted step time of a resolved configuration on ``world_size`` GPUs (see the module docstring;
-    ``legacy_saves``: for rows measured at earlier layer code, see :func:`_layer_cost`)."""
+    ``saves``: for rows measured at earlier layer code, see :func:`_layer_cost`)."""
     from meshtron.memory import stage_chunks
     from meshtron.training.metrics import flops_per_token
 
@@ -363,7 +368,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     def cost(layer: int, recomputed: bool) -> _LayerCost:
         key = (is_moe_layer(m, layer), recomputed)
         if key not in cache:  # every dense (every MoE) layer costs the same
-            cache[key] = _layer_cost(cfg, key[0], recomputed, profile, links, legacy_saves)
+            cache[key] = _layer_cost(cfg, key[0], recomputed, profile, links, saves)
         return cache[key]
 
     def recomputed(position: int) -> bool:

@@ -4,6 +4,8 @@ per-layer count equal to the bytes the layer actually saves (eager and compiled)
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +20,9 @@ from tests.checkpoint.ckpt_helpers import tiny_config
 SEQ, BATCH = 16, 2
 
 
-def _saved_storages(fn, *args, params) -> tuple[torch.Tensor, dict[int, int]]:
-    """``fn(*args)`` and the distinct storages its autograd graph saved (pointer -> bytes; ``params`` excluded)."""
+def _saved_storages(fn, *args, params, fp8_shapes: Optional[set] = None) -> tuple[torch.Tensor, dict[int, int]]:
+    """``fn(*args)`` and the distinct storages its autograd graph saved (pointer -> bytes; ``params`` excluded).
+    ``fp8_shapes`` collects the shapes of the saved one-byte tensors."""
     storages: dict[int, int] = {}
     skip = {p.untyped_storage().data_ptr() for p in params}
 
@@ -27,6 +30,8 @@ def _saved_storages(fn, *args, params) -> tuple[torch.Tensor, dict[int, int]]:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in skip:
             storages[ptr] = t.untyped_storage().nbytes()
+        if fp8_shapes is not None and t.element_size() == 1:
+            fp8_shapes.add(tuple(t.shape))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -79,7 +84,7 @@ def test_layer_keeps_neither_the_fused_qkv_output_nor_the_swiglu_product(compile
     if compiled:
         expected = layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=SEQ, act_bytes=fp32, compiled=True)
         legacy = layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=SEQ, act_bytes=fp32, compiled=True,
-                                        legacy_saves=True)
+                                        saves=0)
         assert sum(storages[p] for p in per_token) == expected
         assert legacy - expected == SEQ * BATCH * fp32 * (64 + 32 + 96)  # q and k of the QKV output, the product
 
@@ -125,3 +130,33 @@ def test_fp8_swiglu_projection_recomputes_its_casts_with_identical_gradients(com
         assert torch.equal(g, e)
     assert list(recomputed_storages.values()) == [gate_up.untyped_storage().nbytes()]  # fc2's input only
     assert len(kept_storages) > 1  # the FP8 copies of the product and the weight, their scales
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_layer_keeps_no_weight_copy(compiled):
+    """FP8 (tensorwise) linears cast their weights again in backward: the layer saves no FP8 weight copy,
+    and compiled it saves exactly what the memory model counts for FP8 (one-byte copies of the linears'
+    inputs, nothing per weight)."""
+    from meshtron.layers.fp8 import enable_fp8
+
+    cfg, model, layer = _layer(False)
+    enable_fp8(layer, "hybrid")
+    if compiled:
+        layer.compile()
+    x = torch.randn(SEQ, BATCH, 64, requires_grad=True)
+    rope = model._rope(SEQ, None, x.device, torch.float32)
+    tables = {t.untyped_storage().data_ptr() for t in rope}
+    params = list(model.parameters())
+    fp8_shapes: set[tuple[int, ...]] = set()
+    for _ in range(2):
+        out, storages = _saved_storages(layer, x, rope, None, params=params, fp8_shapes=fp8_shapes)
+        out.square().sum().backward()
+    # Not counted by the model: the tables, and the FP8 scales (one fp32 element each).
+    saved = {ptr: n for ptr, n in storages.items() if ptr not in tables and n > 4}
+    weights = [p for p in layer.parameters() if p.dim() == 2]
+    assert len(weights) == 4 and fp8_shapes  # QKV, output projection, fc1, fc2; the inputs' FP8 copies
+    for w in weights:
+        assert tuple(w.shape) not in fp8_shapes and tuple(w.shape[::-1]) not in fp8_shapes
+    if compiled:
+        expected = layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=SEQ, act_bytes=4, compiled=True, fp8=True)
+        assert sum(saved.values()) == expected
