@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meshtron.layers.fp8 import E4M3, E5M2, fp8_linear, tensor_scale
-from meshtron.layers.fp8_cast import cast_transpose, scaled_cast
+from meshtron.layers.fp8_cast import cast_transpose, cast_transposed, scaled_cast
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -27,6 +27,8 @@ def test_triton_cast_transpose_equals_torch_cast(shape, dtype):
         want = scaled_cast(x, scale, dtype)
         assert torch.equal(as_bytes(q), as_bytes(want))
         assert q_t.is_contiguous() and torch.equal(as_bytes(q_t), as_bytes(want.t().contiguous()))
+        only_t = cast_transposed(x, scale, dtype)  # the weight's copy, cast again in backward
+        assert only_t.is_contiguous() and torch.equal(as_bytes(only_t), as_bytes(q_t))
 
 
 def _inputs():
