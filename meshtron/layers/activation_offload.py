@@ -9,7 +9,9 @@ that layer and of the one before it are copied back on the side stream, so that 
 copy overlaps this layer's backward compute.
 
 What is not moved: parameters (and views of them), tensors smaller than ``min_bytes``, tensors
-that are not contiguous, and the saved tensors of each model chunk's last layer (its backward
+whose elements do not fill one gap-free block of memory (a transposed or permuted tensor does, such
+as the attention kernel's output, and is copied in its own layout), and the saved tensors of each
+model chunk's last layer (its backward
 follows its forward at once, so a copy could not overlap anything). The values are bit-identical:
 a copy there and back.
 
@@ -34,6 +36,17 @@ __all__ = ["ActivationOffloader", "OffloadGroup"]
 
 #: Smaller saved tensors stay on the device on GPUs: their copies would cost more launches than memory.
 DEFAULT_MIN_BYTES = 1 << 20
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one gap-free block of memory in some order of its dimensions
+    (contiguous, or a transpose or permutation of a contiguous tensor)."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class _Saved:
@@ -115,9 +128,8 @@ class ActivationOffloader:
         output.register_hook(hook)
 
     def _keeps(self, t: torch.Tensor) -> bool:
-        return (t.device.type != self.device.type or t.numel() * t.element_size() < self.min_bytes
-                or not t.is_contiguous() or t.untyped_storage().data_ptr() in self._param_storages
-                or t.is_sparse)
+        return (t.device.type != self.device.type or t.is_sparse or t.numel() * t.element_size() < self.min_bytes
+                or not is_dense(t) or t.untyped_storage().data_ptr() in self._param_storages)
 
     def _pack(self, t: torch.Tensor, group: OffloadGroup):
         if self._keeps(t):
@@ -142,11 +154,12 @@ class ActivationOffloader:
         return saved
 
     def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
-        key = (tuple(t.shape), t.dtype)
+        """A pinned host tensor with ``t``'s shape and strides (so the copies are one block each way)."""
+        key = (tuple(t.shape), t.stride(), t.dtype)
         free = self._pool.get(key)
         if free:
             return free.pop()
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.cuda)
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=self.cuda)
 
     # -- backward -----------------------------------------------------------------------------------
 
@@ -168,7 +181,8 @@ class ActivationOffloader:
             saved.tensor = saved.host.clone()
         # The host buffer is free for the next forward once the copy back is queued: every later
         # copy into it runs on the same side stream, after this one.
-        self._pool.setdefault((tuple(saved.host.shape), saved.host.dtype), []).append(saved.host)
+        host = saved.host
+        self._pool.setdefault((tuple(host.shape), host.stride(), host.dtype), []).append(host)
         saved.host = None
 
     def _unpack(self, saved):

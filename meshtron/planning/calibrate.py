@@ -9,6 +9,8 @@ Measures, on the first CUDA device (or the CPU, with small shapes, so that it ru
   ``attention_tflops * s / (s + attention_half_seq)``;
 - a large copy: the memory bandwidth ``hbm_gbps``; the layers' share of it (``hbm_efficiency``) keeps
   the H200 fit's ratio to a plain copy;
+- copies between the device and pinned host memory, each way (CUDA only): ``pcie_gbps`` as the slower
+  direction (``--offload-activations`` copies out in the forward and back in the backward);
 - an all-reduce over the process group when one is initialised with more than one rank (``torchrun
   ... meshtron plan --calibrate``): ``nvlink_gbps`` as bus bandwidth; skipped with one rank.
 
@@ -116,6 +118,16 @@ def measure_bandwidth(device: torch.device, numel: int, repeat: int) -> float:
     return 2 * src.numel() * src.element_size() / seconds / 1e9
 
 
+def measure_host_copies(device: torch.device, numel: int, repeat: int) -> dict[str, float]:
+    """GB/s of copies of ``numel`` bf16 elements to pinned host memory and back (CUDA only)."""
+    src = torch.empty(numel, device=device, dtype=torch.bfloat16)
+    host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
+    nbytes = numel * 2
+    out = _timed(lambda: host.copy_(src, non_blocking=True), device, repeat)
+    back = _timed(lambda: src.copy_(host, non_blocking=True), device, repeat)
+    return {"to_host_gbps": nbytes / out / 1e9, "to_device_gbps": nbytes / back / 1e9}
+
+
 def measure_allreduce(device: torch.device, numel: int, repeat: int) -> Optional[float]:
     """All-reduce bus bandwidth (GB/s) over the default group, or None without one of 2+ ranks."""
     import torch.distributed as dist
@@ -145,6 +157,7 @@ def calibrate(device: Optional[torch.device] = None, quick: Optional[bool] = Non
     bandwidth = measure_bandwidth(device, 2**20 if quick else 2**30, repeat)
     fp8 = measure_fp8_speedup(device, 8192, repeat) if gpu and not quick else None
     allreduce = measure_allreduce(device, 2**26, repeat) if gpu else None
+    host_copies = measure_host_copies(device, 2**29, repeat) if gpu else None
     if gpu:
         props = torch.cuda.get_device_properties(device)
         name, memory = props.name, props.total_memory / 2**30 - 0.6
@@ -157,11 +170,13 @@ def calibrate(device: Optional[torch.device] = None, quick: Optional[bool] = Non
                    source=f"meshtron plan --calibrate on {name} ({'CUDA' if gpu else 'CPU'}, torch {torch.__version__})"
                           "; overheads and MoE/eager/overlap factors from the H200 fit",
                    extra={"matmul": matmul, "attention": attention, "copy_gbps": bandwidth,
-                          "allreduce_busbw_gbps": allreduce, "fp8_matmul_speedup": fp8})
+                          "allreduce_busbw_gbps": allreduce, "fp8_matmul_speedup": fp8, "host_copies": host_copies})
     if fp8 is not None:
         changes["fp8_matmul_speedup"] = fp8
     if allreduce is not None:
         changes["nvlink_gbps"] = allreduce
+    if host_copies is not None:
+        changes["pcie_gbps"] = min(host_copies.values())
     return H200.with_(**changes)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.errors import ConfigError
-from meshtron.layers.activation_offload import ActivationOffloader, OffloadGroup
+from meshtron.layers.activation_offload import ActivationOffloader, OffloadGroup, is_dense
 from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import initialize_parameters
@@ -76,6 +76,22 @@ def test_parameters_and_the_last_layer_stay_on_the_device():
     assert offloader._pack(view, OffloadGroup()) is view
     group = OffloadGroup()
     assert offloader._pack(weight.detach().clone(), group) is group.saved[0]  # an activation-like copy moves
+
+
+def test_transposed_activations_move_in_their_own_layout_and_strided_views_stay():
+    """The attention kernel's output is a transposed view of its storage: it moves, with its strides (one
+    block each way); a view with gaps (every other column) stays on the device."""
+    offloader = ActivationOffloader(torch.nn.Linear(2, 2), torch.device("cpu"))
+    stored = torch.randn(2, 16, 4, 8)  # [b, s, heads, d], as the kernel writes it
+    transposed = stored.transpose(1, 2)  # [b, heads, s, d]: not contiguous, but dense
+    gappy = stored[..., ::2]
+    assert is_dense(transposed) and not transposed.is_contiguous() and not is_dense(gappy)
+    group = OffloadGroup()
+    packed = offloader._pack(transposed, group)
+    assert packed is group.saved[0] and packed.host.stride() == transposed.stride()
+    assert offloader._pack(gappy, group) is gappy
+    back = offloader._unpack(packed)
+    assert torch.equal(back, transposed) and back.stride() == transposed.stride()
 
 
 def test_num_layers_limits_the_offloaded_layers():
