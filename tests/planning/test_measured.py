@@ -9,15 +9,14 @@ import pytest
 from meshtron.planning.measured import load_records, memory_errors, schema_errors, worst
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "measured.jsonl")
-# Target: every trusted peak within 5%. Met by all but four rows of today's code (median 0.3%); the bounds
-# are the worst row and the median rounded up, so that the test fails when the model drifts further
-# (docs/planning.md, error per feature). Above 5%: h32 (llama3-3b ZeRO-3, --no-compile, -7.1%: about one bf16
-# copy of the weights that the eager optim_grads_params path keeps gathered; the sharding strategy's gathered
-# weights are not modelled), g6 (llama3-8b TP=2 + SP, selective, -5.5%: about one full-sequence [s, b, h]
-# tensor per layer more than modelled, which tensor not established) and h14 (selective + activation
-# offloading, +5.3%: the modelled host-copy backlog).
-TOLERANCE = 0.075
-OFFLOAD_TOLERANCE = 0.06
+# Target: every trusted peak within 5%. Met by all but one row (median 0.3%); the bounds are the worst row and
+# the median rounded up, so that the test fails when the model drifts (docs/planning.md, error per feature).
+# Above 5%: g6 (llama3-8b TP=2 + SP, selective, two GPUs, -5.5%: about one full-sequence [s, b, h] tensor per
+# layer more than modelled, which tensor not established). The eager ZeRO-3 row h32 (-7.1%) was measured
+# again at today's layer code (h63: -3.0%), and the offloading row h14 (+5.3%: the copies' backlog, which
+# max_memory_allocated does not count) after the offloading moved the attention output too (h67: -0.4%).
+TOLERANCE = 0.06
+OFFLOAD_TOLERANCE = 0.02
 MEDIAN_TOLERANCE = 0.02
 
 

@@ -1,0 +1,206 @@
+"""Checkpoint state dicts made of canonical tensors: global names, global shapes, offsets.
+
+Every model parameter is cut from canonical tensors (see
+:mod:`meshtron.parallel.sharding`). A checkpoint stores each canonical tensor once,
+under its global name and full shape, as the chunks the saving ranks held; any
+other layout reads back the regions it needs. This module turns a rank's
+parameters and optimizer state into such entries and wraps them for
+torch.distributed.checkpoint (DCP).
+
+Keys: ``model.<name>`` for the model's tensors (in the parameters' dtype) and
+``optim.<state>.<name>`` for the optimizer's fp32 ``master``, ``exp_avg`` and
+``exp_avg_sq``. Only rows inside the canonical tensor are stored (vocabulary
+padding is not). Ranks that hold the same chunk (TP-replicated norms, DP
+replicas, replicated GQA key/value heads, the tied output layer of the last
+pipeline stage) offer identical (name, offset) entries, which DCP writes once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.parallel.sharding import SPEC_ATTR, Piece, ShardSpec, spec_buffers, split_local
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def model_key(name: str) -> str:
+    return MODEL_PREFIX + name
+
+
+def optim_key(state: str, name: str) -> str:
+    return f"{OPTIM_PREFIX}{state}.{name}"
+
+
+def canonical_name(key: str) -> str:
+    """The canonical tensor name of a checkpoint key (``model.x`` or ``optim.exp_avg.x`` -> ``x``)."""
+    if key.startswith(MODEL_PREFIX):
+        return key[len(MODEL_PREFIX):]
+    if key.startswith(OPTIM_PREFIX):
+        return key[len(OPTIM_PREFIX):].split(".", 1)[1]
+    return key
+
+
+@dataclass(frozen=True)
+class LocalChunk:
+    """One region of a canonical tensor held by this rank: ``data`` sits at ``offsets`` of ``global_shape``."""
+
+    key: str
+    global_shape: tuple
+    offsets: tuple
+    data: torch.Tensor
+
+
+def _spec(param: torch.Tensor, where: str) -> ShardSpec:
+    spec = getattr(param, SPEC_ATTR, None)
+    if spec is None:
+        raise CheckpointError(f"{where} has no sharding description (a ShardSpec); meshtron checkpoints store "
+                              "canonical tensors and need every parameter to carry one")
+    return spec
+
+
+def piece_chunk(key: str, piece: Piece, part: torch.Tensor) -> Optional[LocalChunk]:
+    """The stored region of one local piece: its rows inside the canonical tensor (None if all padding)."""
+    valid = piece.valid_length
+    if valid <= 0:
+        return None
+    offsets = [0] * len(piece.full_shape)
+    offsets[piece.dim] = piece.start
+    return LocalChunk(key, tuple(piece.full_shape), tuple(offsets), part.narrow(piece.dim, 0, valid))
+
+
+def _chunks_of(tensor: torch.Tensor, spec: ShardSpec, key_of) -> Iterator[LocalChunk]:
+    for piece, part in zip(spec.pieces, split_local(tensor, spec)):
+        chunk = piece_chunk(key_of(piece.name), piece, part)
+        if chunk is not None:
+            yield chunk
+
+
+def model_chunks(models: Sequence[nn.Module]) -> list[LocalChunk]:
+    """This rank's chunks of every canonical model tensor (views of the parameters)."""
+    out: list[LocalChunk] = []
+    for index, model in enumerate(models):
+        for name, param in model.named_parameters():
+            spec = _spec(param, f"model chunk {index} parameter {name!r}")
+            out.extend(_chunks_of(param.detach(), spec, model_key))
+        for name, buf in spec_buffers(model):  # e.g. the MoE router's expert bias
+            out.extend(_chunks_of(buf, _spec(buf, f"model chunk {index} buffer {name!r}"), model_key))
+    return out
+
+
+def state_chunks(param: torch.Tensor, index: int, tensors: dict[str, torch.Tensor],
+                 states: Iterable[str] = OPTIM_STATES) -> list[LocalChunk]:
+    """The chunks of one parameter's optimizer state (``tensors`` as ``state_tensors(index)`` returns them)."""
+    spec = _spec(param, f"optimizer parameter {index}")
+    states = tuple(states)
+    missing = [s for s in states if s not in tensors]
+    if missing:
+        raise CheckpointError(f"optimizer parameter {index} has no {', '.join(missing)} state "
+                              "(call optimizer.ensure_state() first)")
+    out: list[LocalChunk] = []
+    for state in states:
+        out.extend(_chunks_of(tensors[state], spec, lambda n, s=state: optim_key(s, n)))
+    return out
+
+
+def optimizer_chunks_by_param(optimizer, states: Iterable[str] = OPTIM_STATES) -> Iterator[list[LocalChunk]]:
+    """This rank's chunks of the optimizer state, one list per parameter of ``optimizer.params``, in order.
+
+    Calls ``optimizer.state_tensors(i)`` for every index in order: with a distributed
+    optimizer that is a collective over the data-parallel group, and the tensors are
+    gathered copies, which a caller may move to the host before asking for the next.
+    """
+    for i, param in enumerate(optimizer.params):
+        yield state_chunks(param, i, optimizer.state_tensors(i), states)
+
+
+def optimizer_chunks(optimizer, states: Iterable[str] = OPTIM_STATES) -> list[LocalChunk]:
+    """All of :func:`optimizer_chunks_by_param` in one list."""
+    return [c for chunks in optimizer_chunks_by_param(optimizer, states) for c in chunks]
+
+
+def state_tensors_are_views(optimizer) -> bool:
+    """Whether ``state_tensors`` returns the optimizer's own tensors (MixedPrecisionAdamW) rather than
+    gathered copies (the distributed optimizer), which cost memory until released."""
+    from meshtron.optim.optimizer import MixedPrecisionAdamW
+
+    return isinstance(optimizer, MixedPrecisionAdamW)
+
+
+def group_chunks(chunks: Iterable[LocalChunk]) -> dict[str, list[LocalChunk]]:
+    """Chunks grouped by key, in first-seen order; a chunk repeated on this rank (same offsets) is kept once."""
+    grouped: dict[str, list[LocalChunk]] = {}
+    for chunk in chunks:
+        entries = grouped.setdefault(chunk.key, [])
+        if any(e.offsets == chunk.offsets for e in entries):
+            continue
+        if entries and entries[0].global_shape != chunk.global_shape:
+            raise CheckpointError(f"{chunk.key}: local pieces disagree on the full shape "
+                                  f"({entries[0].global_shape} vs {chunk.global_shape})")
+        entries.append(chunk)
+    return grouped
+
+
+class ChunkedTensor(torch.Tensor):
+    """A canonical tensor as DCP sees it: global shape, and this rank's chunks with their offsets.
+
+    Implements DCP's checkpointable-object hooks (``__create_write_items__``,
+    ``__create_chunk_list__``, ``__get_tensor_shard__``), so that a rank can offer
+    several uneven chunks of one tensor, which neither DTensor placements nor
+    evenly split ShardedTensors express. It carries no data of its own and supports
+    no tensor operations.
+    """
+
+    @staticmethod
+    def __new__(cls, global_shape: Sequence[int], chunks: Sequence[tuple[tuple, torch.Tensor]]):
+        first = chunks[0][1]
+        return torch.Tensor._make_wrapper_subclass(cls, torch.Size(global_shape), dtype=first.dtype,
+                                                   device=first.device)
+
+    def __init__(self, global_shape: Sequence[int], chunks: Sequence[tuple[tuple, torch.Tensor]]):
+        self._global_shape = torch.Size(global_shape)
+        self._chunks = [(torch.Size(off), data) for off, data in chunks]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{cls.__name__} only describes checkpoint chunks; it supports no tensor "
+                                  f"operations (got {func})")
+
+    def _chunk_metadata(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=off, sizes=data.size()) for off, data in self._chunks]
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, md.offsets, i), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=md, properties=TensorProperties.create_from_tensor(data),
+                                                      size=self._global_shape))
+                for i, (md, (_, data)) in enumerate(zip(self._chunk_metadata(), self._chunks))]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return self._chunk_metadata()
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        hint = index.index
+        if hint is not None and hint < len(self._chunks) and self._chunks[hint][0] == index.offset:
+            return self._chunks[hint][1]
+        for off, data in self._chunks:
+            if off == index.offset:
+                return data
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {tuple(index.offset or ())}")
+
+    def __repr__(self) -> str:  # the default repr would dispatch
+        return f"ChunkedTensor(shape={tuple(self._global_shape)}, chunks={[tuple(o) for o, _ in self._chunks]})"
+
+
+def to_state_dict(chunks: Iterable[LocalChunk]) -> dict[str, ChunkedTensor]:
+    """A flat DCP state dict {key: ChunkedTensor} of this rank's chunks."""
+    return {key: ChunkedTensor(entries[0].global_shape, [(e.offsets, e.data) for e in entries])
+            for key, entries in group_chunks(chunks).items()}

@@ -1,0 +1,726 @@
+"""``meshtron <command>``: the command-line entry point.
+
+``meshtron train`` exposes every field of the configuration dataclasses in
+:mod:`meshtron.config` as a Megatron-named flag (``hidden_size`` ->
+``--hidden-size``), generated from the fields' metadata. Values come, in
+increasing precedence, from the dataclass defaults, the ``--model`` preset, the
+``--config`` YAML file and the command line. Errors are one line, exit code 2.
+
+Heavy modules (torch, the trainer) are imported only inside the command that
+needs them, so ``meshtron --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import difflib
+import functools
+import importlib
+import os
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from meshtron import __version__
+from meshtron.config import SECTIONS, ConfigError, MeshtronConfig, flag_name
+from meshtron.launcher import LAUNCHER_FIELDS, launcher_option_strings
+from meshtron.presets import PRESETS, PUBLISHED_ACTIVE, apply_preset, count_parameters
+from meshtron.validation import validate_config
+
+PROG = "meshtron"
+
+#: command -> one-line description (the order of `meshtron --help`).
+COMMANDS: dict[str, str] = {
+    "train": "Pre-train a model (Megatron-style flags and/or --config FILE.yaml).",
+    "presets": "List the named model shapes with their parameter counts.",
+    "generate": "Sample text from a checkpoint.",
+    "preprocess": "Turn text/JSONL documents into Megatron .bin/.idx datasets.",
+    "tokenizer": "Train a tokenizer.",
+    "convert": "Convert checkpoints (resharding, Hugging Face import/export).",
+    "bench": "Run a matrix of benchmark configurations and print a table.",
+    "plot": "Draw figures from metrics files (loss, throughput, stragglers) or bench rows.",
+    "doctor": "Check every device's and link's speed before a job; name the slow ones (exit 1).",
+    "plan": "Plan a run without GPUs: search layouts (--gpus N), exact static memory (--dry-run), --calibrate.",
+}
+
+#: commands implemented in other modules: command -> (module, function taking the remaining arguments).
+EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("meshtron.generate", "generate_main"),
+    "preprocess": ("meshtron.data.preprocess", "preprocess_main"),
+    "tokenizer": ("meshtron.data.tokenizer_train", "tokenizer_main"),
+    "convert": ("meshtron.checkpoint.convert", "convert_main"),
+    "bench": ("meshtron.bench", "bench_main"),
+    "plot": ("meshtron.plot", "plot_main"),
+    "doctor": ("meshtron.doctor", "doctor_main"),
+    "plan": ("meshtron.planning.cli", "plan_main"),
+}
+
+#: The help group of the Megatron-LM flags meshtron accepts without effect (``opt(..., megatron_compat=True)``).
+COMPAT_TOPIC = "Megatron compatibility"
+
+#: Without --model and without any of these, the "tiny" preset is applied.
+SHAPE_FIELDS: tuple[str, ...] = ("num_layers", "hidden_size", "num_attention_heads")
+#: Any of these says where the data comes from (so the quick-start job's defaults do not apply).
+DATA_FIELDS: tuple[str, ...] = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "mock_data")
+DEFAULT_PRESET = "tiny"
+
+#: Help groups of `meshtron train --help`, in order.
+TOPICS: tuple[str, ...] = (
+    "Model", "Mixture of experts", "Parallelism", "Launcher", "Optimizer and learning rate", "Training",
+    "Precision and recomputation", "Data and tokenizer", "Checkpoints", "Logging", COMPAT_TOPIC,
+)
+_SECTION_TOPIC = {"model": "Model", "parallel": "Parallelism", "optim": "Optimizer and learning rate",
+                  "train": "Training", "data": "Data and tokenizer", "checkpoint": "Checkpoints", "log": "Logging"}
+_PRECISION_FIELDS = ("bf16", "fp32", "fp16", "compile")
+#: List flags that may be given several times, each time adding its values (``--inject-fault a --inject-fault b``).
+_REPEATABLE_FIELDS = ("inject_fault",)
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One configuration field as the command line and YAML files see it."""
+
+    name: str                          # field name: YAML key and argparse dest
+    section: str                       # MeshtronConfig attribute holding it ("model", ...)
+    topic: str                         # help group title
+    option_strings: tuple[str, ...]    # "--hidden-size" first, then aliases
+    negative_strings: tuple[str, ...]  # "--no-..." forms of a boolean
+    kind: type                         # bool, int, float, str or list (of str)
+    optional: bool                     # None is a valid value
+    choices: Optional[tuple]
+    default: Any
+    help: str
+    nargs: Optional[str]
+    metavar: Optional[str]
+
+    @property
+    def flag(self) -> str:
+        """The primary spelling, e.g. ``--hidden-size``."""
+        return self.option_strings[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Flag specifications, generated from the dataclasses.
+# ---------------------------------------------------------------------------------------------
+
+def _topic(section: str, name: str, megatron_compat: bool) -> str:
+    if megatron_compat:
+        return COMPAT_TOPIC
+    if section == "model" and (name == "num_experts" or name.startswith("moe_")):
+        return "Mixture of experts"
+    if section == "parallel" and name in LAUNCHER_FIELDS:
+        return "Launcher"
+    if section == "train" and (name in _PRECISION_FIELDS or name.startswith(("fp8", "recompute"))):
+        return "Precision and recomputation"
+    return _SECTION_TOPIC[section]
+
+
+def _kind_of(annotation: Any) -> tuple[type, bool]:
+    """(base type, optional) of a field annotation such as ``Optional[int]`` or ``list``."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if (origin is typing.Union or origin is types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return _kind_of(inner[0])[0], True
+    base = origin or annotation
+    if base not in (bool, int, float, str, list):
+        raise TypeError(f"config field type {annotation!r} has no command-line form")
+    return base, False
+
+
+@functools.lru_cache(maxsize=None)
+def flag_specs() -> tuple[FlagSpec, ...]:
+    """Every configuration field as a :class:`FlagSpec`, in dataclass order."""
+    specs: list[FlagSpec] = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind, optional = _kind_of(hints[f.name])
+            meta = f.metadata
+            strings = (launcher_option_strings(f.name) if f.name in LAUNCHER_FIELDS
+                       else tuple(dict.fromkeys([flag_name(f.name), *meta.get("aliases", ())])))
+            negatives: tuple[str, ...] = ()
+            if kind is bool:  # --x sets True, --no-x sets False (not for fields already named no_...)
+                negatives = tuple("--no-" + s[2:] for s in strings if not s.startswith("--no-"))
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            choices = tuple(PRESETS) if f.name == "model" else meta.get("choices")
+            specs.append(FlagSpec(
+                name=f.name, section=section, topic=_topic(section, f.name, meta.get("megatron_compat", False)),
+                option_strings=strings,
+                negative_strings=negatives, kind=kind, optional=optional, choices=choices, default=default,
+                help=meta.get("help", ""), nargs=meta.get("nargs"), metavar=meta.get("metavar")))
+    _check_unique(specs)
+    return tuple(specs)
+
+
+def _check_unique(specs: Sequence[FlagSpec]) -> None:
+    seen: dict[str, str] = {}
+    for spec in specs:
+        for s in spec.option_strings + spec.negative_strings:
+            if s in seen:
+                raise RuntimeError(f"flag {s} is defined by both {seen[s]} and {spec.name}")
+            seen[s] = spec.name
+
+
+def flag_groups() -> list[tuple[str, list[FlagSpec]]]:
+    """The flags of ``meshtron train`` grouped by help topic, in :data:`TOPICS` order."""
+    by_topic: dict[str, list[FlagSpec]] = {t: [] for t in TOPICS}
+    for spec in flag_specs():
+        by_topic[spec.topic].append(spec)
+    return [(t, specs) for t, specs in by_topic.items() if specs]
+
+
+def spec_by_name() -> dict[str, FlagSpec]:
+    """{field name: FlagSpec}."""
+    return {s.name: s for s in flag_specs()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Values: one conversion for command-line strings and YAML values alike.
+# ---------------------------------------------------------------------------------------------
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def coerce(spec: FlagSpec, value: Any) -> Any:
+    """Convert a command-line string or a YAML value to the field's type; ValueError says what is valid."""
+    if value is None:
+        if spec.optional or spec.kind is list:
+            return [] if spec.kind is list else None
+        raise ValueError("a value is required (null is not allowed)")
+    if spec.kind is list:
+        if isinstance(value, dict):
+            raise ValueError(f"expected a list of values, got a mapping {value!r}")
+        items = value if isinstance(value, (list, tuple)) else str(value).split()
+        nested = [v for v in items if isinstance(v, (list, tuple, dict)) or v is None]
+        if nested:
+            raise ValueError(f"expected a flat list of values, got {nested[0]!r} in it")
+        return [str(v) for v in items]
+    if spec.kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in _TRUE | _FALSE:
+            return text in _TRUE
+        raise ValueError(f"expected true or false, got {value!r}")
+    if spec.kind is int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value).strip())
+        except ValueError:
+            raise ValueError(f"expected an integer, got {value!r}") from None
+    if spec.kind is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        try:
+            return float(str(value).strip())
+        except ValueError:
+            raise ValueError(f"expected a number, got {value!r}") from None
+    if isinstance(value, (bool, list, dict)):
+        raise ValueError(f"expected a string, got {value!r}")
+    return _check_choice(spec, str(value))
+
+
+def _check_choice(spec: FlagSpec, text: str) -> str:
+    if not spec.choices or text in spec.choices:
+        return text
+    folded = [c for c in spec.choices if c.lower() == text.lower()]
+    if folded:  # e.g. "wsd" for "WSD"
+        return folded[0]
+    lowered = {c.lower(): c for c in spec.choices}
+    close = difflib.get_close_matches(text.lower(), list(lowered), n=1)
+    hint = f" (did you mean {lowered[close[0]]}?)" if close else ""
+    raise ValueError(f"invalid value {text!r}{hint}; valid: {', '.join(spec.choices)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The argparse parser of `meshtron train`.
+# ---------------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are ConfigErrors (printed by :func:`main` as one line, exit 2)."""
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        # "argument --a/--b: msg" -> "--a: msg"
+        raise ConfigError(re.sub(r"^argument (--[^/:\s]+)(?:/[^:\s]+)*: ", r"\1: ", message))
+
+
+class _BoolFlag(argparse.Action):
+    """``--x`` stores True, ``--no-x`` stores False."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, negatives: Sequence[str] = (), **kwargs: Any):
+        self.negatives = frozenset(negatives)
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        setattr(namespace, self.dest, option_string not in self.negatives)
+
+
+def _argparse_type(spec: FlagSpec) -> Callable[[str], Any]:
+    element = dataclasses.replace(spec, kind=str, optional=False) if spec.kind is list else spec
+
+    def convert(text: str) -> Any:
+        try:
+            return coerce(element, text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = spec.kind.__name__
+    return convert
+
+
+def help_text(spec: FlagSpec) -> str:
+    """The field's help plus its default, when there is one worth showing."""
+    text = spec.help
+    if spec.default not in (None, False, [], ""):
+        shown = spec.default if not isinstance(spec.default, float) else f"{spec.default:g}"
+        text += f" (default: {shown})"
+    return text
+
+
+def metavar_of(spec: FlagSpec) -> str:
+    """The value placeholder shown in help: the field's metavar, ``{a,b}`` for choices, N, X, PATH or STR."""
+    if spec.metavar:
+        return spec.metavar
+    if spec.choices:
+        return "{" + ",".join(spec.choices) + "}"
+    if spec.kind is int:
+        return "N"
+    if spec.kind is float:
+        return "X"
+    if spec.kind is list or spec.name in ("save", "load") or spec.name.endswith(("_file", "_path", "_dir", "_model")):
+        return "PATH"
+    return "STR"
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """The parser of ``meshtron train``; every default is SUPPRESS so that only given flags appear."""
+    parser = _Parser(
+        prog=f"{PROG} train", usage=f"{PROG} train [--config FILE.yaml] [flags]", allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,
+        description="Pre-train a decoder-only transformer. Values come from the dataclass defaults, then the "
+                    "--model preset (default 'tiny' when no shape is given), then --config, then these flags. "
+                    "Megatron-LM's flag names are accepted; see docs/cli.md.",
+    )
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="YAML file of {field: value} (keys are the flag names with '_' or '-'); "
+                             "flags on the command line override it.")
+    groups = {topic: parser.add_argument_group(topic) for topic in TOPICS}
+    for spec in flag_specs():
+        group = groups[spec.topic]
+        helptext = help_text(spec).replace("%", "%%").replace("%%%%", "%%")  # config help may pre-escape %
+        if spec.kind is bool:
+            group.add_argument(*spec.option_strings, *spec.negative_strings, dest=spec.name, action=_BoolFlag,
+                               negatives=spec.negative_strings, help=helptext)
+            continue
+        metavar = metavar_of(spec)
+        action = "extend" if spec.name in _REPEATABLE_FIELDS else "store"
+        group.add_argument(*spec.option_strings, dest=spec.name, type=_argparse_type(spec), nargs=spec.nargs,
+                           metavar=metavar, help=helptext, action=action)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the configuration.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainArgs:
+    """The result of parsing ``meshtron train`` arguments."""
+
+    config: MeshtronConfig
+    given: dict[str, Any]   # {field: value} given in the YAML file or on the command line
+    config_file: Optional[str] = None
+    quickstart_defaults: tuple[str, ...] = ()  # the quick-start settings that no flag overrode
+
+
+def build_config(argv: Sequence[str]) -> MeshtronConfig:
+    """The configuration described by ``meshtron train`` arguments (not yet validated).
+
+    Precedence: dataclass defaults < preset < YAML values < command-line flags. Raises ConfigError.
+    """
+    return parse_train_args(argv).config
+
+
+def parse_train_args(argv: Sequence[str]) -> TrainArgs:
+    """Parse ``meshtron train`` arguments into a :class:`TrainArgs`. Raises ConfigError."""
+    parser = train_parser()
+    namespace, extras = parser.parse_known_args(list(argv))
+    if extras:
+        raise ConfigError(_unknown_argument_message(extras, parser))
+    flags = vars(namespace)
+    config_file = flags.pop("config", None)
+    from_yaml = load_yaml_config(config_file) if config_file else {}
+
+    given = {**from_yaml, **flags}
+    base = quickstart_base(given, config_file)
+    cfg = MeshtronConfig()
+    preset = given.get("model", base.get("model"))
+    if preset is None and not any(name in given for name in SHAPE_FIELDS):
+        preset = DEFAULT_PRESET
+    if preset is not None:
+        apply_preset(cfg.model, preset)
+    for name, value in {**base, **given}.items():
+        if name != "model":
+            cfg.set(name, copy.deepcopy(value))
+    if cfg.checkpoint.use_checkpoint_args:
+        _apply_checkpoint_model_args(cfg, given)
+    return TrainArgs(cfg, given, config_file, tuple(name for name in base if name not in given))
+
+
+def quickstart_base(given: dict[str, Any], config_file: Optional[str]) -> dict[str, Any]:
+    """The quick-start job's settings (README) when neither a model, nor data, nor a config file is given;
+    otherwise nothing. Flags then override them one by one, so that ``meshtron train --train-iters 50`` is the
+    quick-start job with 50 iterations, not a different job."""
+    from meshtron.presets import QUICKSTART
+
+    chooses_model = "model" in given or "use_checkpoint_args" in given or any(n in given for n in SHAPE_FIELDS)
+    chooses_data = any(name in given for name in DATA_FIELDS)
+    return {} if config_file or chooses_model or chooses_data else dict(QUICKSTART)
+
+
+def quickstart_notice(args: TrainArgs) -> Optional[str]:
+    """The one line that says which quick-start defaults a run uses (None when it uses none)."""
+    if not args.quickstart_defaults:
+        return None
+    from meshtron.presets import QUICKSTART
+
+    shown = ", ".join(f"{flag_name(name)} {QUICKSTART[name]}" if name != "model" else f"--model {QUICKSTART[name]}"
+                      for name in args.quickstart_defaults)
+    return (f"{PROG} train: note: no --model, data or --config given: the quick-start job's defaults apply "
+            f"({shown}); each flag given overrides one of them")
+
+
+def _apply_checkpoint_model_args(cfg: MeshtronConfig, given: dict) -> None:
+    """``--use-checkpoint-args``: the model section of the configuration saved with ``--load``'s checkpoint
+    replaces the model flags; one given explicitly with another value is an error."""
+    from meshtron.checkpoint import latest_checkpoint_config
+    from meshtron.config import ModelConfig
+
+    if not cfg.checkpoint.load:
+        raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint whose configuration to use)")
+    from meshtron.checkpoint.errors import CheckpointError
+
+    try:
+        saved = latest_checkpoint_config(cfg.checkpoint.load)
+    except CheckpointError as err:  # a damaged config.yaml: bad input like any other, named in one line
+        raise ConfigError(f"--use-checkpoint-args: {err}") from None
+    if saved is None:
+        raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")
+    for f in dataclasses.fields(ModelConfig):
+        value = getattr(saved.model, f.name)
+        if f.name != "model" and f.name in given and given[f.name] != value:
+            raise ConfigError(f"{flag_name(f.name)} {given[f.name]} contradicts the checkpoint's {value} "
+                              f"(--use-checkpoint-args takes the model from {cfg.checkpoint.load}): drop the flag")
+        setattr(cfg.model, f.name, copy.deepcopy(value))
+
+
+def _unknown_argument_message(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    first = extras[0]
+    if not first.startswith("-"):
+        return f"unexpected argument {first!r} (flags start with --; see {PROG} train --help)"
+    name = first.split("=", 1)[0]
+    known = [s for action in parser._actions for s in action.option_strings]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else f" (see {PROG} train --help)"
+    return f"unknown flag {name}{hint}"
+
+
+def load_yaml_config(path: str) -> dict[str, Any]:
+    """{field: value} from a YAML file; keys may use ``_`` or ``-`` (and a leading ``--``). Raises ConfigError.
+
+    The file must be UTF-8 text holding one mapping; a key given twice (also as ``a_b`` and ``a-b``) is an
+    error rather than a silent choice of one value.
+    """
+    import yaml  # only when a config file is used
+
+    text = _read_utf8(path)
+    try:
+        data = yaml.load(text, Loader=_unique_key_loader(yaml))  # a SafeLoader: plain data, no objects
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"--config: {path}{line}: invalid YAML ({problem})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of field: value, not a {type(data).__name__}")
+    specs = spec_by_name()
+    out: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).lstrip("-").replace("-", "_")
+        spec = specs.get(key)
+        if spec is None:
+            close = difflib.get_close_matches(key, list(specs), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"{path}: unknown key {raw_key!r}{hint}")
+        if key in out:
+            raise ConfigError(f"{path}: {spec.flag} is given twice (keys {key!r} and {raw_key!r}): keep one")
+        try:
+            out[key] = coerce(spec, value)
+        except ValueError as err:
+            raise ConfigError(f"{path}: {raw_key}: {err} (flag {spec.flag})") from None
+    return out
+
+
+def _read_utf8(path: str) -> str:
+    """The text of a configuration file, which must be UTF-8 (a byte order mark is allowed)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config: {path} is a directory, not a YAML file") from None
+    except OSError as err:
+        raise ConfigError(f"--config: cannot read {path} ({err.strerror})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ConfigError(f"--config: {path} is not UTF-8 text: byte 0x{raw[err.start]:02x} at byte offset "
+                          f"{err.start} (line {line}); save the file as UTF-8") from None
+
+
+def _unique_key_loader(yaml: types.ModuleType) -> type:
+    """A SafeLoader subclass that refuses a mapping with the same key twice (PyYAML keeps the last)."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: set = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # an unhashable key: SafeLoader's own error names it
+                    break
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands.
+# ---------------------------------------------------------------------------------------------
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def compat_notices(args: TrainArgs) -> list[str]:
+    """One line per Megatron-compatibility flag the user gave."""
+    lines = []
+    for spec in flag_specs():
+        if spec.topic == COMPAT_TOPIC and spec.name in args.given:
+            value = args.given[spec.name]
+            shown = spec.flag if value is True else f"{spec.flag} {value}"
+            lines.append(f"{PROG} train: note: {shown}: {spec.help}")
+    return lines
+
+
+def train_main(argv: Sequence[str]) -> int:
+    """``meshtron train``: build and validate the config, then train (or launch the workers that will)."""
+    from meshtron import launcher
+
+    args = parse_train_args(argv)
+    cfg = args.config
+    if cfg.train.dry_run:  # the plan of this run, in this process: no launch, no process group
+        world = (launcher.planned_world_size(cfg.parallel) if launcher.should_launch(cfg.parallel)
+                 else launcher.env_world_size())
+        return _load_entry("train", "meshtron.planning.cli", "dry_run")(cfg, world)
+    from meshtron.slurm import adopt_slurm_environment, check_not_doubly_launched
+
+    if launcher.should_launch(cfg.parallel):
+        check_not_doubly_launched(os.environ, cfg.parallel.nproc_per_node)
+        launcher.check_before_launch(cfg)  # errors once, here, rather than in every worker
+        return launcher.launch(cfg.parallel, argv)
+    adopt_slurm_environment()  # srun with one task per GPU: rank, world size and master from SLURM's variables
+    world_size = launcher.env_world_size()
+    if _is_rank_zero():
+        for line in compat_notices(args):
+            print(line, file=sys.stderr)
+    try:
+        validate_config(cfg, world_size)
+    except ConfigError:
+        if not _is_rank_zero():
+            return 2  # every rank has the same config: rank 0 alone says what is wrong
+        raise
+    notice = quickstart_notice(args)
+    if notice is not None and _is_rank_zero():
+        print(notice, file=sys.stderr)
+    run_training = _load_entry("train", "meshtron.training.trainer", "run_training")
+    return _run_worker(cfg, world_size, run_training)
+
+
+def _run_worker(cfg: MeshtronConfig, world_size: int, run_training: Callable[..., Any]) -> int:
+    """Train in this process under a :class:`~meshtron.training.lifecycle.RunLifecycle`, which reports
+    an error raised during the run (possibly on some ranks only: each rank reports its own), tears
+    threads and process groups down in order on every exit path and gives the exit code."""
+    from meshtron import launcher
+    from meshtron.training.lifecycle import RunLifecycle
+
+    bad_input, failures = _runtime_errors(run_training)
+    lifecycle = RunLifecycle(f"{PROG} train", rank=int(os.environ.get("RANK", "0")), world_size=world_size,
+                             timeout_s=60.0 * cfg.parallel.distributed_timeout_minutes,
+                             bad_input=bad_input, failures=failures,
+                             quiet_interrupt=launcher.launched_by_meshtron())
+
+    def body() -> int:
+        result = run_training(cfg)
+        return result if isinstance(result, int) else 0
+
+    return lifecycle.run(body)
+
+
+def _runtime_errors(run_training: Callable[..., Any]) -> tuple[tuple[type[BaseException], ...],
+                                                                 tuple[type[BaseException], ...]]:
+    """The user-facing error classes a run can raise, as (bad input: exit 2, failures: exit 1).
+
+    Bad input: configuration and data errors, a checkpoint that does not match; failures: the trainer's.
+    """
+    bad_input: list[type[BaseException]] = [ConfigError]
+    failures: list[type[BaseException]] = []
+    trainer_error = getattr(sys.modules.get(run_training.__module__), "TrainingError", None)
+    if isinstance(trainer_error, type):
+        failures.append(trainer_error)
+    try:
+        from meshtron.checkpoint.errors import CheckpointError
+    except ImportError:
+        pass
+    else:
+        bad_input.append(CheckpointError)
+    return tuple(bad_input), tuple(failures)
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
+
+
+def preset_rows() -> list[dict[str, Any]]:
+    """One dict per preset: its shape, computed parameter count, published count and the difference in %."""
+    from meshtron.config import ModelConfig, ffn_size, num_kv_heads
+
+    rows = []
+    for name, (_, published, source) in PRESETS.items():
+        m = ModelConfig()
+        apply_preset(m, name)
+        counts = count_parameters(m)
+        params = counts["total"]
+        rows.append({
+            "name": name, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+            "num_attention_heads": m.num_attention_heads, "num_query_groups": num_kv_heads(m),
+            "ffn_hidden_size": ffn_size(m), "num_experts": m.num_experts, "moe_router_topk": m.moe_router_topk,
+            "vocab_size": m.vocab_size, "params": params, "published_params": published,
+            "active_params": counts["active"] if m.num_experts else None,
+            "published_active_params": PUBLISHED_ACTIVE.get(name, (None,))[0],
+            "diff_percent": None if not published else 100.0 * (params - published) / published,
+            "source": source,
+        })
+    return rows
+
+
+def presets_main(argv: Sequence[str]) -> int:
+    """``meshtron presets [--json]``: the table of named model shapes."""
+    import json
+
+    parser = _Parser(prog=f"{PROG} presets", description="List the model presets (use one with --model NAME).",
+                     allow_abbrev=False)
+    parser.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    opts = parser.parse_args(list(argv))
+    rows = preset_rows()
+    if opts.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    header = ("name", "layers", "hidden", "heads/kv", "ffn", "experts", "vocab", "params", "published", "diff",
+              "active", "published active")
+    table = [header]
+    for r in rows:
+        experts = f"{r['num_experts']} top-{r['moe_router_topk']}" if r["num_experts"] else "-"
+        params = _human(r["params"]) + ("*" if r["vocab_size"] is None else "")
+        table.append((
+            r["name"], str(r["num_layers"]), str(r["hidden_size"]),
+            f"{r['num_attention_heads']}/{r['num_query_groups']}", str(r["ffn_hidden_size"]), experts,
+            str(r["vocab_size"] or "-"), params,
+            _human(r["published_params"]) if r["published_params"] else "-",
+            f"{r['diff_percent']:+.2f}%" if r["diff_percent"] is not None else "-",
+            _human(r["active_params"]) if r["active_params"] else "-",
+            _human(r["published_active_params"]) if r["published_active_params"] else "-",
+        ))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    print("* without embeddings: the vocabulary comes from the tokenizer.")
+    print("active: the parameters one token uses (MoE: its top-k routed experts), input embedding included "
+          "(DeepSeek-V2/V3 publish theirs without it); MFU counts the FLOPs of these only.")
+    return 0
+
+
+def _load_entry(command: str, module_name: str, function: str) -> Callable[..., Any]:
+    """``module_name.function``, or ConfigError saying the command is not available in this installation."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise  # a missing dependency inside the module: a real error, keep its traceback
+        raise ConfigError(f"the '{command}' command is not available ({module_name} is missing)") from None
+    entry = getattr(module, function, None)
+    if entry is None:
+        raise ConfigError(f"the '{command}' command is not available ({module_name}.{function} is missing)")
+    return entry
+
+
+def _overview() -> str:
+    width = max(len(c) for c in COMMANDS)
+    lines = [f"usage: {PROG} <command> [flags]   ({PROG} <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()]
+    lines += ["", f"Multi-process: torchrun --nproc-per-node N -m {PROG} train ...  or  "
+                  f"{PROG} train --nproc-per-node N ..."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``meshtron`` command; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_overview())
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"{PROG} {__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    try:
+        if command == "train":
+            return train_main(rest)
+        if command == "presets":
+            return presets_main(rest)
+        if command in EXTERNAL_COMMANDS:
+            result = _load_entry(command, *EXTERNAL_COMMANDS[command])(rest)
+            return result if isinstance(result, int) else 0
+    except ConfigError as err:
+        print(f"{PROG} {command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG} {command}: interrupted", file=sys.stderr)
+        return 130
+    close = difflib.get_close_matches(command, list(COMMANDS), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f" (see {PROG} --help)"
+    print(f"{PROG}: error: unknown command '{command}'{hint}", file=sys.stderr)
+    return 2

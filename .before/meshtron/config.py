@@ -1,0 +1,573 @@
+"""Typed configuration for every meshtron run.
+
+Each section is a dataclass; every field is also a command-line flag. The flag
+name is the field name with ``_`` replaced by ``-`` (Megatron-LM's names), and a
+YAML config file uses the field names as keys. ``MeshtronConfig`` groups the
+sections. This module is the schema only: :func:`meshtron.validation.validate_config`
+fills the derived fields and checks the whole configuration before any work starts,
+raising :class:`~meshtron.errors.ConfigError` (re-exported here), whose message names
+the offending flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from meshtron.errors import ConfigError  # re-exported: most modules import it from here
+
+
+def opt(default: Any = None, help: str = "", choices: Optional[tuple] = None, aliases: tuple = (),
+        nargs: Optional[str] = None, metavar: Optional[str] = None, megatron_compat: bool = False,
+        allow_inf: bool = False) -> Any:
+    """A dataclass field carrying what the command line needs to expose it as a flag.
+
+    ``megatron_compat``: a Megatron-LM flag for a choice meshtron makes itself; the command line
+    accepts it and prints its help as a one-line note. ``allow_inf``: a float field for which
+    infinity means something (NaN never does; validation refuses non-finite values elsewhere).
+    """
+    meta = {"help": help, "choices": choices, "aliases": aliases, "nargs": nargs, "metavar": metavar,
+            "megatron_compat": megatron_compat, "allow_inf": allow_inf}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def compat(default: Any, reason: str, **kwargs: Any) -> Any:
+    """:func:`opt` for a Megatron-LM flag accepted without effect; ``reason`` says what meshtron does instead."""
+    return opt(default, f"Accepted for Megatron compatibility ({reason}).", megatron_compat=True, **kwargs)
+
+
+# Help texts several flags share.
+_COMPILE_FUSES = "torch.compile fuses the element-wise work"
+_DELAYED_SCALING_REFUSED = ("Delayed-scaling FP8 setting: refused, meshtron scales FP8 from current values "
+                            "(--fp8-recipe).")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and architecture of the decoder-only transformer."""
+
+    model: Optional[str] = opt(None, "Named preset (see `meshtron presets`); any flag below overrides its fields. "
+                                     "With no preset and no shape flags, the 'tiny' preset is used.", metavar="PRESET")
+    num_layers: int = opt(2, "Number of transformer layers.")
+    hidden_size: int = opt(64, "Hidden (model) dimension.")
+    ffn_hidden_size: Optional[int] = opt(None, "MLP inner dimension (default 4*hidden, or 2/3 of that rounded to 64 with --swiglu).")
+    num_attention_heads: int = opt(4, "Number of query heads.")
+    group_query_attention: bool = opt(False, "Use grouped-query attention with --num-query-groups key/value heads.")
+    num_query_groups: Optional[int] = opt(None, "Number of key/value heads with --group-query-attention.")
+    kv_channels: Optional[int] = opt(None, "Head dimension (default hidden / heads).")
+    seq_length: int = opt(128, "Training sequence length in tokens.")
+    max_position_embeddings: Optional[int] = opt(None, "Maximum positions (learned positions table size; default --seq-length).")
+    normalization: str = opt("LayerNorm", "Normalisation layer.", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = opt(1e-5, "Epsilon of the normalisation layers.")
+    swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU.")
+    position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=("learned_absolute", "rope"))
+    use_rotary_position_embeddings: bool = opt(False, "Megatron's older spelling of --position-embedding-type rope.")
+    no_position_embedding: bool = opt(False, "Megatron's older flag for no learned position embedding: needs "
+                                             "rotary embeddings (--position-embedding-type rope).")
+    rotary_base: float = opt(10000.0, "RoPE base (theta).")
+    use_rope_scaling: bool = opt(False, "Llama-3.1 RoPE frequency scaling.")
+    rope_scaling_factor: float = opt(8.0, "Llama-3.1 RoPE scaling factor (with --use-rope-scaling).")
+    rope_original_max_position_embeddings: int = opt(8192, "Original context length of the Llama-3.1 RoPE scaling.")
+    untie_embeddings_and_output_weights: bool = opt(False, "Separate output layer instead of reusing the input embedding.")
+    disable_bias_linear: bool = opt(False, "No biases in linear layers.")
+    add_qkv_bias: bool = opt(False, "Bias on the query/key/value projection even with --disable-bias-linear.")
+    qk_layernorm: bool = opt(False, "Normalise each query and key head (--normalization over the head dimension) "
+                                    "before RoPE, as Qwen3 does.")
+    # Multi-latent attention (DeepSeek-V2/V3; docs/models.md).
+    multi_latent_attention: bool = opt(False, "Multi-latent attention (DeepSeek-V2/V3) instead of multi-head/"
+                                              "grouped-query attention: queries and keys/values pass through "
+                                              "low-rank latents and RoPE acts on a separate part of each head.")
+    q_lora_rank: Optional[int] = opt(None, "MLA: rank of the query's low-rank compression (unset: one plain "
+                                           "query projection).")
+    kv_lora_rank: int = opt(32, "MLA: rank of the joint key/value latent.")
+    qk_head_dim: int = opt(128, "MLA: query/key head dimension without position embedding (each query/key head "
+                                "is this plus --qk-pos-emb-head-dim).")
+    qk_pos_emb_head_dim: int = opt(64, "MLA: query/key head dimension that carries RoPE (the key part is one "
+                                       "head shared by all heads).")
+    v_head_dim: int = opt(128, "MLA: value head dimension.")
+    rope_type: Optional[str] = opt(None, "RoPE frequencies: rope, or yarn (YaRN interpolation, MLA only). Default: "
+                                         "yarn with MLA (plain RoPE at --rotary-scaling-factor 1), else rope.",
+                                   choices=("rope", "yarn"))
+    rotary_scaling_factor: float = opt(1.0, "YaRN: context extension factor (DeepSeek-V3: 40).")
+    mscale: float = opt(1.0, "YaRN: attention-temperature coefficient of the rotary tables.")
+    mscale_all_dim: float = opt(0.0, "YaRN: attention-temperature coefficient of the whole softmax scale.")
+    yarn_original_max_position_embeddings: int = opt(4096, "YaRN: context length the model was first trained at.")
+    yarn_beta_fast: float = opt(32.0, "YaRN: rotations below which frequencies are interpolated fully.")
+    yarn_beta_slow: float = opt(1.0, "YaRN: rotations above which frequencies are kept.")
+    hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.")
+    attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
+    init_method_std: float = opt(0.02, "Std of the normal weight initialisation (output projections are scaled by 1/sqrt(2*layers)).")
+    vocab_size: Optional[int] = opt(None, "Vocabulary size (taken from the tokenizer when one is used; required shape for --mock-data).")
+    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    # Mixture of experts.
+    num_experts: Optional[int] = opt(None, "Number of experts (MoE); unset means dense MLP.")
+    moe_ffn_hidden_size: Optional[int] = opt(None, "Inner dimension of each expert (default --ffn-hidden-size).")
+    moe_router_topk: int = opt(2, "Experts per token.")
+    moe_router_load_balancing_type: str = opt("aux_loss", "Load balancing.", choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = opt(0.0, "Auxiliary load-balancing loss coefficient.")
+    moe_z_loss_coeff: Optional[float] = opt(None, "Router z-loss coefficient.")
+    moe_router_score_function: str = opt("softmax", "Router score function.", choices=("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = opt(False, "Apply softmax before top-k selection.")
+    moe_router_enable_expert_bias: bool = opt(False, "Aux-loss-free balancing with a per-expert bias.")
+    moe_router_bias_update_rate: float = opt(1e-3, "Update rate of the per-expert bias.")
+    moe_expert_capacity_factor: Optional[float] = opt(None, "Capacity factor; tokens over capacity are dropped.")
+    moe_pad_expert_input_to_capacity: bool = opt(False, "With --moe-expert-capacity-factor: send every expert exactly "
+                                                        "its capacity of rows (zero-padded), so that the dispatch has "
+                                                        "static sizes and no device-to-host synchronisation.")
+    moe_shared_expert_intermediate_size: Optional[int] = opt(None, "Inner size of the shared expert(s).")
+    moe_layer_freq: int = opt(1, "Every n-th layer is MoE.")
+    moe_first_dense_layers: int = opt(0, "The first N layers keep a dense MLP (DeepSeek-MoE's first_k_dense_replace); "
+                                         "the later layers follow --moe-layer-freq.")
+    moe_grouped_gemm: bool = compat(False, "meshtron uses grouped GEMM on GPU where available")
+    moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch between expert-parallel ranks (meshtron "
+                                                     "implements all-to-all).", choices=("alltoall",),
+                                         megatron_compat=True)
+    moe_router_dtype: str = opt("fp32", "Router precision (meshtron routes in fp32).", choices=("fp32",),
+                                megatron_compat=True)
+    moe_router_topk_scaling_factor: Optional[float] = opt(None, "Multiply the chosen experts' combine weights by "
+                                                                 "this factor (DeepSeek-V2/V3 routed scaling).")
+    moe_router_num_groups: Optional[int] = opt(None, "Group-limited routing: the experts form this many groups of "
+                                                     "consecutive experts (DeepSeek-V3; with --moe-router-group-topk).")
+    moe_router_group_topk: Optional[int] = opt(None, "Group-limited routing: groups each token may choose its experts "
+                                                     "from (the best by the sum of their top topk/this scores).")
+    moe_shared_expert_overlap: bool = compat(False, "meshtron runs the shared experts after the routed experts' "
+                                                    "dispatch, not overlapped")
+    # Multi-token prediction (DeepSeek-V3; docs/models.md).
+    mtp_num_layers: Optional[int] = opt(None, "Multi-token prediction: this many extra prediction depths on the last "
+                                              "pipeline stage, depth k predicting the token k+1 positions ahead "
+                                              "(each one transformer layer sharing the embedding and output layer).")
+    mtp_loss_scaling_factor: float = opt(0.1, "Weight of the multi-token prediction loss: the objective adds this "
+                                              "times the mean over depths of their losses.")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and batch are split over processes."""
+
+    tensor_model_parallel_size: int = opt(1, "Tensor-parallel size (split each layer's matmuls).")
+    pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel size (split layers into stages).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = opt(None, "Layers per virtual stage (interleaved 1F1B).")
+    virtual_pipeline_model_parallel_size: Optional[int] = opt(None, "Virtual stages per pipeline rank (interleaved 1F1B).",
+                                                              aliases=("--num-virtual-stages-per-pipeline-rank",))
+    decoder_first_pipeline_num_layers: Optional[int] = opt(None, "Layers on the first pipeline stage (uneven split).")
+    decoder_last_pipeline_num_layers: Optional[int] = opt(None, "Layers on the last pipeline stage (uneven split).")
+    account_for_embedding_in_pipeline_split: bool = opt(False, "Count the input embedding as one layer when "
+                                                               "splitting layers over pipeline stages (the first "
+                                                               "model chunk holds one layer fewer).")
+    account_for_loss_in_pipeline_split: bool = opt(False, "Count the output layer and loss as one layer when "
+                                                          "splitting layers over pipeline stages (the last model "
+                                                          "chunk holds one layer fewer).")
+    context_parallel_size: int = opt(1, "Context-parallel size (split the sequence).")
+    cp_comm_type: str = opt("p2p", "Context-parallel attention communication.", choices=("p2p", "allgather"))
+    expert_model_parallel_size: int = opt(1, "Expert-parallel size.")
+    expert_tensor_parallel_size: Optional[int] = opt(None, "Tensor-parallel size inside experts (default: TP).")
+    sequence_parallel: bool = opt(False, "Sequence parallelism for norms/dropout (needs TP > 1).")
+    use_distributed_optimizer: bool = opt(False, "Shard fp32 optimizer state over data-parallel ranks (ZeRO-1).")
+    data_parallel_sharding_strategy: Optional[str] = opt(
+        None, "What is sharded over data-parallel (x context-parallel) ranks: no_shard; optim (optimizer state, "
+              "= --use-distributed-optimizer, ZeRO-1); optim_grads (and gradients, reduce-scattered as backward "
+              "produces them, ZeRO-2); optim_grads_params (and weights, gathered per layer before its forward "
+              "and backward, ZeRO-3). Default: optim with --use-distributed-optimizer, else no_shard.",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    use_megatron_fsdp: bool = opt(False, "Alias of --data-parallel-sharding-strategy optim_grads_params (meshtron "
+                                         "shards with its own implementation, not Megatron-FSDP's).")
+    overlap_grad_reduce: bool = opt(False, "Overlap the data-parallel gradient reduction with backward.")
+    overlap_param_gather: bool = opt(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
+    ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient-reduction bucket (default max(40M, 1M*DP)).")
+    grad_reduce_in_bf16: bool = opt(False, "Reduce gradients in bf16 instead of fp32.")
+    accumulate_allreduce_grads_in_fp32: bool = compat(False, "meshtron accumulates and reduces gradients in fp32 "
+                                                             "unless --grad-reduce-in-bf16")
+    ddp_average_in_collective: bool = compat(False, "the loss is already scaled by 1 / the global batch's tokens, so "
+                                                    "the reduction is a plain sum")
+    no_async_tensor_model_parallel_allreduce: bool = compat(False, "see --no-tp-comm-overlap for meshtron's switch")
+    async_tensor_parallel: bool = opt(False, "Experimental: let torch.compile split each sequence-parallel "
+                                             "all-gather + matmul and matmul + reduce-scatter into overlapping "
+                                             "pieces (micro-pipelined TP over symmetric memory; CUDA, compiled "
+                                             "layers, --sequence-parallel).")
+    overlap_p2p_comm: bool = opt(True, "Pipeline: post point-to-point transfers without waiting and wait for a "
+                                       "received tensor only when it is used (avoids stalls, mostly in the "
+                                       "interleaved schedule); --no-overlap-p2p-comm for blocking exchanges.",
+                                 aliases=("--overlap-p2p-communication",))
+    pipeline_schedule: Optional[str] = opt(None, "Pipeline schedule: 1f1b (one model chunk per rank), interleaved "
+                                                 "(interleaved 1F1B over virtual stages) or zero-bubble-h1 (ZB-H1: "
+                                                 "each backward split into the input gradient and the weight "
+                                                 "gradients, deferred to fill the bubble; one chunk per rank). "
+                                                 "Default: interleaved with virtual stages, "
+                                                 "else 1f1b. Without pipeline parallelism there is no bubble and "
+                                                 "the value has no effect.",
+                                           choices=("1f1b", "interleaved", "zero-bubble-h1"))
+    tp_comm_overlap: bool = opt(True, "Overlap the tensor-parallel backward collectives (input-gradient all-reduce or "
+                                      "reduce-scatter, sequence all-gather) with the weight-gradient matmul.")
+    distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))
+    distributed_timeout_minutes: float = opt(10.0, "Timeout of collective operations, in minutes.")
+    # Launcher (the shortcut `meshtron train --nproc-per-node N`, passed to torch.distributed.run).
+    nproc_per_node: Optional[int] = opt(None, "Start N processes on this node through torch.distributed.run.",
+                                        aliases=("--nproc_per_node",))
+    nnodes: str = opt("1", "Number of nodes (or MIN:MAX) for the launcher.")
+    node_rank: int = opt(0, "This node's rank for the launcher.")
+    master_addr: str = opt("127.0.0.1", "Rendezvous address for the launcher.")
+    master_port: int = opt(29500, "Rendezvous port for the launcher.")
+    rdzv_backend: str = opt("static", "Rendezvous backend for the launcher (static or c10d).")
+    rdzv_endpoint: str = opt("", "Rendezvous endpoint HOST:PORT for the launcher (c10d).")
+    max_restarts: int = opt(0, "Launcher: restart every worker up to N times after a failure or a detected hang "
+                               "(torchrun's --max-restarts); a restarted attempt resumes from the latest "
+                               "checkpoint (--load, else --save).")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, learning-rate schedule and clipping."""
+
+    optimizer: str = opt("adam", "Optimizer (AdamW with decoupled weight decay).", choices=("adam",))
+    override_opt_param_scheduler: bool = compat(False, "meshtron's learning-rate schedule always comes from the "
+                                                       "flags and the iteration",
+                                                       aliases=("--override-opt_param-scheduler",))
+    lr: float = opt(3e-4, "Peak learning rate.")
+    min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
+    lr_decay_style: str = opt("cosine", "Decay after warm-up.",
+                              choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    lr_warmup_iters: int = opt(0, "Linear warm-up iterations.")
+    lr_warmup_samples: Optional[int] = opt(None, "Warm-up in samples (instead of --lr-warmup-iters).")
+    lr_warmup_fraction: Optional[float] = opt(None, "Warm-up as a fraction of --lr-decay-iters.")
+    lr_warmup_init: float = opt(0.0, "Learning rate at the start of warm-up.")
+    lr_decay_iters: Optional[int] = opt(None, "Iterations over which to decay (default --train-iters).")
+    lr_decay_samples: Optional[int] = opt(None, "Decay length in samples (instead of --lr-decay-iters).")
+    lr_wsd_decay_style: str = opt("linear", "Shape of the WSD cool-down.", choices=("linear", "cosine", "exponential", "minus_sqrt"))
+    lr_wsd_decay_iters: Optional[int] = opt(None, "Length of the WSD cool-down (default 10%% of --lr-decay-iters).")
+    weight_decay: float = opt(0.01, "Decoupled weight decay (not applied to norms and biases).")
+    clip_grad: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).")
+    adam_beta1: float = opt(0.9, "Adam beta1.")
+    adam_beta2: float = opt(0.999, "Adam beta2.")
+    adam_eps: float = opt(1e-8, "Adam epsilon.")
+    optimizer_cpu_offload: bool = opt(False, "Keep the optimizer state and step on the CPU.", aliases=("--cpu-optimizer",))
+    optimizer_offload_fraction: float = opt(1.0, "Fraction of the optimizer state offloaded with --optimizer-cpu-offload.")
+    cpu_optimizer_type: str = compat("ADAM", "meshtron's CPU step is AdamW", choices=("ADAM", "adam"))
+    max_nonfinite_steps: int = opt(5, "Stop after this many consecutive steps with a non-finite loss or gradient.")
+    use_precision_aware_optimizer: bool = opt(False, "Let --exp-avg-dtype / --exp-avg-sq-dtype store the Adam moments "
+                                                     "in bf16 (the step computes in fp32 and rounds what it stores): "
+                                                     "4 bytes less per parameter, with a loss curve that can differ "
+                                                     "slightly from fp32 moments (docs/precision-and-memory.md).")
+    exp_avg_dtype: str = opt("fp32", "With --use-precision-aware-optimizer: dtype of Adam's first moment.",
+                             choices=("fp32", "bf16"))
+    exp_avg_sq_dtype: str = opt("fp32", "With --use-precision-aware-optimizer: dtype of Adam's second moment.",
+                                choices=("fp32", "bf16"))
+    main_grads_dtype: str = opt("fp32", "Dtype of the gradient buffers the optimizer reads (meshtron keeps fp32).",
+                                choices=("fp32", "bf16"))
+    main_params_dtype: str = opt("fp32", "Dtype of the master weights (meshtron keeps fp32).", choices=("fp32",))
+
+
+@dataclass
+class TrainConfig:
+    """Batching, iterations, precision, recomputation and evaluation."""
+
+    micro_batch_size: int = opt(1, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: Optional[int] = opt(None, "Samples per iteration across all data-parallel ranks "
+                                                 "(default micro-batch * data-parallel size).")
+    train_iters: int = opt(300, "Training iterations.")
+    train_samples: Optional[int] = opt(None, "Train on this many samples instead: --train-iters becomes "
+                                             "train samples / --global-batch-size (takes precedence).")
+    seed: int = opt(1234, "Seed of weights, data order and dropout.")
+    device: Optional[str] = opt(None, "cpu or cuda (default cuda when available).", choices=("cpu", "cuda"))
+    bf16: bool = opt(False, "bf16 weights and compute with fp32 master weights and gradients (default on CUDA).")
+    fp32: bool = opt(False, "Force fp32 weights and compute (default on CPU).")
+    fp16: bool = opt(False, "Not supported: use --bf16.")
+    loss_scale: Optional[float] = opt(None, "fp16 loss scaling: refused (fp16 is not supported; use --bf16).")
+    initial_loss_scale: Optional[float] = opt(None, "fp16 loss scaling: refused (fp16 is not supported; use --bf16).")
+    attention_softmax_in_fp32: bool = compat(False, "SDPA's softmax accumulates in fp32")
+    calculate_per_token_loss: bool = compat(False, "meshtron always averages the loss over all loss tokens of the "
+                                                   "global batch")
+    check_for_nan_in_loss_and_grad: bool = opt(True, "Re-run an iteration whose loss or gradient norm is NaN/inf "
+                                                     "(per --rerun-mode; the check reads the norm's existing host "
+                                                     "sync). Off, or with --rerun-mode disabled, such a step is "
+                                                     "skipped without a re-run. A non-finite step is never applied; "
+                                                     "training stops after --max-nonfinite-steps skipped in a row.")
+    check_for_spiky_loss: bool = opt(False, "Also treat a loss above --spiky-loss-factor x the median of the last "
+                                            "--spiky-loss-window applied losses as suspicious (re-run per "
+                                            "--rerun-mode). The global loss is then reduced every step, read in "
+                                            "the same host sync as the gradient norm.")
+    spiky_loss_factor: float = opt(10.0, "With --check-for-spiky-loss: how many times the running median a loss "
+                                         "must exceed to count as a spike.")
+    spiky_loss_window: int = opt(100, "With --check-for-spiky-loss: applied losses in the running median.")
+    rerun_mode: str = opt("validate_results", "What happens to a suspicious iteration (non-finite, or a spike): "
+                                              "validate_results executes it again from the same state and "
+                                              "micro-batches before any step is applied: a clean re-run is a "
+                                              "transient fault (training continues with it), a bad one is "
+                                              "persistent (--rerun-persistent-action); report_stats executes "
+                                              "every iteration twice and logs how much the two differ "
+                                              "(rerun_max_*_diff in train records), checking as validate_results; "
+                                              "disabled skips a non-finite step without a re-run.",
+                          choices=("disabled", "validate_results", "report_stats"))
+    rerun_persistent_action: str = opt("skip", "A fault that the re-run reproduces: skip drops that global batch "
+                                               "(its sample positions are logged) and continues; stop ends the "
+                                               "run (exit 1) naming iteration, rank and samples, without saving.",
+                                       choices=("skip", "stop"))
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = opt(
+        None, "Every N iterations (and before each checkpoint) the data-parallel replicas compare an exact hash "
+              "of the weights they share (expert weights over the expert-data-parallel group); ranks that differ "
+              "from the majority (with two replicas: both) are named and the run ends without saving "
+              "(--weight-hash-mismatch).")
+    weight_hash_mismatch: str = opt("stop", "After a weight-hash mismatch: stop (exit 1), or restart (exit 1 as "
+                                            "well, for an automatic restart (--max-restarts) that resumes from the "
+                                            "last checkpoint; refused without one).", choices=("stop", "restart"))
+    fp8_format: Optional[str] = opt(None, "FP8 linear layers.", choices=("e4m3", "hybrid"))
+    fp8_hybrid: bool = opt(False, "Alias of --fp8-format hybrid.")
+    fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (one current scale per tensor) or rowwise (one per "
+                          "row, e4m3); delayed is not implemented.", choices=("tensorwise", "rowwise", "delayed"))
+    recompute_granularity: Optional[str] = opt(None, "Activation recomputation.", choices=("full", "selective"))
+    recompute_activations: bool = opt(False, "Megatron's shorthand for --recompute-granularity selective.")
+    recompute_method: Optional[str] = opt(None, "Which layers to recompute with --recompute-granularity full.",
+                                          choices=("uniform", "block"))
+    recompute_num_layers: int = opt(1, "Layers per recomputed chunk (uniform) or recomputed layers (block).")
+    offload_activations: bool = opt(False, "Keep what each transformer layer saves for its backward in pinned host "
+                                           "memory between its forward and backward (copies on a side stream, "
+                                           "overlapped with compute; every model chunk's last layer keeps its "
+                                           "own). For long sequences, where recomputation costs more than the "
+                                           "copies.", aliases=("--fine-grained-activation-offloading",))
+    offload_activations_num_layers: Optional[int] = opt(None, "With --offload-activations: only the first N layers "
+                                                              "of each model chunk offload (default: all but its "
+                                                              "last).", aliases=("--cpu-offloading-num-layers",))
+    offload_modules: list = compat([], "with --offload-activations meshtron offloads everything a layer saves for "
+                                       "its backward, the inputs of all of these modules included", nargs="+")
+    compile: Optional[bool] = opt(None, "torch.compile each transformer layer (default on CUDA).")
+    eval_interval: int = opt(100, "Evaluate on the validation split every N iterations (0 disables).")
+    eval_iters: int = opt(10, "Validation iterations per evaluation.")
+    skip_train: bool = opt(False, "Do not train: load the checkpoint (--load), evaluate on the validation split "
+                                  "and exit.")
+    dry_run: bool = opt(False, "Do not train: print the plan of this run's first and last rank (exact static "
+                               "memory from meta-device stages, activation estimate; meshtron plan) and exit 0, "
+                               "without GPUs or process groups.")
+    exit_signal_handler: bool = opt(False, "On SIGTERM, save a checkpoint and exit cleanly.")
+    exit_duration_in_mins: Optional[float] = opt(None, "Save and exit after this many minutes of training.",
+                                                 allow_inf=True)
+    exit_interval: Optional[int] = opt(None, "Save and exit at the first iteration divisible by this.")
+    hang_timeout_seconds: float = opt(300.0, "Declare the job hung when a rank issues no collective and its "
+                                             "iteration and phase do not move for this long: the live ranks "
+                                             "report who is behind in which collective, then the job exits "
+                                             "(0 disables; below --distributed-timeout-minutes).")
+    hang_startup_timeout_seconds: float = opt(1200.0, "The hang allowance until the first iteration completes "
+                                                      "(compilation) and while a checkpoint is read or written; "
+                                                      "at least --hang-timeout-seconds.")
+    inject_fault: list = opt([], "Drill: make a rank fail on purpose (repeatable). KIND is crash, hang, slow "
+                                 "(ARG seconds per iteration), nan, nan-persistent or bitflip; see "
+                                 "docs/resilience.md.", nargs="+", metavar="KIND:RANK:ITERATION[:ARG]")
+    generate_sample: bool = opt(True, "After training, print a sample generated by the model (default corpus only).")
+    use_mcore_models: bool = compat(False, "meshtron has one model implementation")
+    transformer_impl: Optional[str] = compat(None, "meshtron uses its own layers",
+                                                   choices=("local", "transformer_engine"))
+    use_flash_attn: bool = compat(False, "flash/cuDNN attention is the default on CUDA")
+    attention_backend: str = compat("auto", "meshtron's attention is SDPA with the fused cuDNN kernel first, "
+                                            "then flash", choices=("auto", "flash", "fused"))
+    no_gradient_accumulation_fusion: bool = compat(False, "meshtron accumulates gradients in fp32 buffers without a "
+                                                          "fused matmul")
+    cross_entropy_loss_fusion: bool = compat(False, "meshtron's loss is always fused with the output layer")
+    moe_permute_fusion: bool = compat(False, "token permutation is index-based")
+    no_masked_softmax_fusion: bool = compat(False, "softmax runs inside SDPA")
+    no_bias_swiglu_fusion: bool = compat(False, _COMPILE_FUSES)
+    no_bias_gelu_fusion: bool = compat(False, _COMPILE_FUSES)
+    no_bias_dropout_fusion: bool = compat(False, _COMPILE_FUSES)
+    no_rope_fusion: bool = compat(False, _COMPILE_FUSES)
+    log_throughput: bool = compat(False, "meshtron always logs tokens/s, TFLOP/s and MFU")
+    timing_log_level: int = compat(0, "meshtron logs the step time; `meshtron bench` gives the step split; 0, 1 or 2")
+    fp8_amax_history_len: Optional[int] = opt(None, _DELAYED_SCALING_REFUSED)
+    fp8_amax_compute_algo: Optional[str] = opt(None, _DELAYED_SCALING_REFUSED,
+                                                 choices=("max", "most_recent"))
+    use_torch_fsdp2: bool = opt(False, "Alias of --data-parallel-sharding-strategy optim_grads_params (meshtron "
+                                       "shards with its own implementation, not torch's FSDP2).")
+    rampup_batch_size: list = opt([], "Not supported: batch-size ramp-up.", nargs="+")
+    manual_gc: bool = opt(False, "Turn Python's automatic garbage collection off during training and collect at fixed "
+                                 "iterations instead, so that ranks do not pause at different times.")
+    manual_gc_interval: int = opt(0, "With --manual-gc: collect every N iterations (0: only at evaluations, "
+                                     "checkpoints and the end).")
+    manual_gc_eval: bool = opt(True, "With --manual-gc: collect before and after each evaluation.")
+
+
+@dataclass
+class DataConfig:
+    """Training data and tokenizer."""
+
+    data_path: list = opt([], "Dataset prefixes, optionally weighted: PREFIX or W1 PREFIX1 W2 PREFIX2 ...", nargs="+")
+    split: str = opt("969,30,1", "Train,valid,test proportions of --data-path.")
+    train_data_path: list = opt([], "Separate training dataset prefixes (weighted like --data-path).", nargs="+")
+    valid_data_path: list = opt([], "Separate validation dataset prefixes.", nargs="+")
+    test_data_path: list = opt([], "Separate test dataset prefixes.", nargs="+")
+    mock_data: bool = opt(False, "Synthetic random tokens (for benchmarks).")
+    data_cache_path: Optional[str] = opt(None, "Where dataset index caches go (default beside the data).")
+    tokenizer_type: Optional[str] = opt(None, "Tokenizer kind.", choices=(
+        "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer", "ByteTokenizer",
+        "NullTokenizer"))
+    tokenizer_model: Optional[str] = opt(None, "Tokenizer file or directory (tokenizer.json, HF directory, .model, tiktoken file).")
+    vocab_file: Optional[str] = opt(None, "GPT-2 BPE vocabulary (vocab.json).")
+    merge_file: Optional[str] = opt(None, "GPT-2 BPE merges (merges.txt).")
+    dataloader_type: str = compat("single", "meshtron's sampler is deterministic",
+                                            choices=("single", "cyclic", "external"))
+    num_workers: int = opt(2, "Data loader worker processes.")
+    reset_position_ids: bool = opt(False, "Restart position ids after each end-of-document token.")
+    reset_attention_mask: bool = opt(False, "Do not attend across end-of-document tokens.")
+    eod_mask_loss: bool = opt(False, "Exclude end-of-document tokens from the loss.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and loading checkpoints."""
+
+    save: Optional[str] = opt(None, "Directory to save checkpoints in.")
+    load: Optional[str] = opt(None, "Directory to load a checkpoint from.")
+    save_interval: Optional[int] = opt(None, "Save every N iterations (and at the end of training).")
+    async_save: bool = opt(False, "Write checkpoints in the background.")
+    save_retain: Optional[int] = opt(None, "Keep only the newest K checkpoints.")
+    no_save_optim: bool = opt(False, "Save checkpoints without the optimizer state (weights only; a run that "
+                                     "loads one starts fresh Adam moments).")
+    no_save_rng: bool = opt(False, "Save checkpoints without the random-number generators' states.")
+    no_load_optim: bool = opt(False, "Do not load the optimizer state.")
+    no_load_rng: bool = opt(False, "Do not load the RNG state.")
+    no_verify_checkpoint: bool = opt(False, "Load a checkpoint without checking its files against the checksums "
+                                            "its save recorded (a damaged file then loads silently).")
+    finetune: bool = opt(False, "Load weights only and start at iteration 0.")
+    ckpt_format: str = compat("torch_dist", "meshtron writes torch.distributed.checkpoint",
+                                            choices=("torch_dist", "torch"))
+    use_checkpoint_args: bool = opt(False, "With --load: take the model's architecture (every model flag) from the "
+                                           "checkpoint's saved configuration.")
+    exit_on_missing_checkpoint: bool = opt(False, "With --load: stop with an error when there is no checkpoint "
+                                                  "instead of training from scratch.")
+    use_dist_ckpt: bool = compat(False, "meshtron always writes torch.distributed.checkpoint")
+    auto_detect_ckpt_format: bool = compat(False, "one checkpoint format")
+    ckpt_fully_parallel_save: bool = compat(True, "every rank writes its own shards")
+    ckpt_fully_parallel_load: bool = compat(False, "every rank reads its own shards")
+    ckpt_assume_constant_structure: bool = compat(False, "meshtron checks a checkpoint's structure whenever it "
+                                                         "loads one")
+
+
+@dataclass
+class LogConfig:
+    """Logging and metrics."""
+
+    log_interval: int = opt(10, "Log every N iterations.")
+    metrics_file: Optional[str] = opt(None, "Append JSON metrics, one object per line (rank 0).")
+    tensorboard_dir: Optional[str] = opt(None, "Write TensorBoard scalars here.")
+    wandb_project: Optional[str] = opt(None, "Log to this Weights & Biases project (needs wandb installed).")
+    wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name.")
+    wandb_save_dir: Optional[str] = opt(None, "Directory for Weights & Biases' local files.")
+    peak_tflops: Optional[float] = opt(None, "Peak dense bf16 TFLOP/s per device for MFU (default by device name).")
+    progress_bar: Optional[bool] = opt(None, "Live progress bar (default: when stdout is a terminal).")
+    quiet: bool = opt(False, "Only errors and the final summary.")
+    profile: bool = opt(False, "Profile iterations [--profile-step-start, --profile-step-end): with "
+                               "--use-pytorch-profiler a torch.profiler trace, else the CUDA profiler's capture "
+                               "range (nsys --capture-range=cudaProfilerApi).")
+    use_pytorch_profiler: bool = opt(False, "With --profile: record with torch.profiler (a trace per rank).")
+    profile_step_start: int = opt(10, "First profiled iteration.")
+    profile_step_end: int = opt(12, "Iteration after the last profiled one.")
+    profile_ranks: list = opt([0], "Global ranks that profile.", nargs="+")
+    profile_dir: Optional[str] = opt(None, "Where torch.profiler traces go (default --tensorboard-dir, else "
+                                           "./profile).")
+    record_memory_history: bool = opt(False, "Record the CUDA allocator's history during training and write a "
+                                             "snapshot at the end (--memory-snapshot-path; for "
+                                             "pytorch.org/memory_viz).")
+    memory_snapshot_path: str = opt("snapshot.pickle", "Where --record-memory-history writes (a _rankN suffix per "
+                                                       "rank when there are several).")
+    log_num_zeros_in_grad: bool = opt(False, "Log how many gradient elements are exactly zero "
+                                             "(\"num_zeros_in_grad\") every --log-interval.")
+    log_params_norm: bool = opt(False, "Log the L2 norm of all weights (\"params_norm\") every --log-interval.")
+    log_straggler_interval: int = opt(0, "Straggler detection: every N iterations gather each rank's step-section "
+                                         "times (data, forward_backward, communication, optimizer; CUDA events on "
+                                         "GPU, no added host sync) with one all-gather, score them against the "
+                                         "median rank and the rank's own best, name ranks beyond "
+                                         "--straggler-threshold and write a \"straggler\" event (0: off, no "
+                                         "timing at all).")
+    log_straggler: bool = opt(False, "Megatron's switch for straggler detection: every --log-interval unless "
+                                     "--log-straggler-interval is given.")
+    straggler_threshold: float = opt(1.2, "A rank is named a straggler when a section of its own work takes more "
+                                          "than this times the median rank's (and at least 10%% of a step more).")
+    straggler_minmax_count: int = opt(0, "With straggler detection: also log the N slowest and fastest ranks by "
+                                         "their own work per step.")
+    log_memory_to_tensorboard: bool = compat(False, "every logged number, peak memory included, goes to TensorBoard")
+    apply_query_key_layer_scaling: bool = compat(False, "an fp16 safeguard that does not change the math; meshtron "
+                                                        "trains in bf16/fp32")
+    log_timers_to_tensorboard: bool = compat(False, "the step time goes to TensorBoard with every logged record")
+    log_world_size_to_tensorboard: bool = compat(False, "the layout and world size are printed at start")
+    log_validation_ppl_to_tensorboard: bool = compat(False, "validation loss and perplexity always go to TensorBoard")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "log": LogConfig,
+}
+
+
+@dataclass
+class MeshtronConfig:
+    """A whole run's configuration: one instance of each section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        """A flat {field: value} dict (YAML-compatible)."""
+        out: dict = {}
+        for name in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+    def set(self, key: str, value: Any) -> None:
+        """Set one field by its flat name (``hidden_size``); raises ConfigError for unknown keys."""
+        section = FIELD_SECTION.get(key)
+        if section is None:
+            raise ConfigError(f"unknown option '{key}'")
+        setattr(getattr(self, section), key, value)
+
+    def get(self, key: str) -> Any:
+        """The value of one field by its flat name."""
+        return getattr(getattr(self, FIELD_SECTION[key]), key)
+
+
+FIELD_SECTION: dict[str, str] = {f.name: sec for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+def flag_name(field_name: str) -> str:
+    """``hidden_size`` -> ``--hidden-size``."""
+    return "--" + field_name.replace("_", "-")
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived quantities used throughout the code.
+# ---------------------------------------------------------------------------------------------
+
+def head_dim(m: ModelConfig) -> int:
+    return m.kv_channels if m.kv_channels else m.hidden_size // m.num_attention_heads
+
+
+def num_kv_heads(m: ModelConfig) -> int:
+    return m.num_query_groups if (m.group_query_attention and m.num_query_groups) else m.num_attention_heads
+
+
+def ffn_size(m: ModelConfig) -> int:
+    if m.ffn_hidden_size:
+        return m.ffn_hidden_size
+    if m.swiglu:
+        return int((4 * m.hidden_size * 2 / 3) / 64) * 64 or 4 * m.hidden_size
+    return 4 * m.hidden_size
+
+
+def is_moe_layer(m: ModelConfig, layer: int) -> bool:
+    """Whether layer ``layer`` (0-based, global) has a mixture-of-experts MLP: every
+    --moe-layer-freq-th layer counting from layer 0, except the first --moe-first-dense-layers."""
+    return bool(m.num_experts) and layer >= m.moe_first_dense_layers and layer % max(1, m.moe_layer_freq) == 0
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary padded to a multiple of divisible_by * tp (Megatron's rule)."""
+    multiple = max(1, divisible_by) * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)

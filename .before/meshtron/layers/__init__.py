@@ -1,0 +1,1 @@
+"""Transformer building blocks, tensor-parallel aware."""

@@ -1,0 +1,252 @@
+"""This rank's experts: one MLP per local expert, computed together.
+
+Weights of the El local experts live in two parameters so that a grouped GEMM can
+read them as [El, out, in] views without copies:
+
+* ``fc1_weight`` [El * n * F/TP, H]: for each local expert e, its gate (SwiGLU) and up
+  rows of this TP rank (canonical ``<prefix>.<e>.gate.weight`` / ``.up.weight``, [F, H]);
+* ``fc2_weight`` [El * H, F/TP]: each local expert's down projection columns of this TP
+  rank (canonical ``<prefix>.<e>.down.weight``, [H, F]).
+
+With tensor parallelism (expert tensor parallel size = TP) each expert is split like
+the dense MLP, column- then row-parallel; the output rows are partial sums over TP,
+reduced by the MoE layer after the combine. All expert parameters carry
+``ShardSpec.expert=True``: their gradients are reduced over the expert-data-parallel group.
+
+On CUDA with bf16, ``torch._grouped_mm`` multiplies all experts' row groups in one
+kernel per projection (groups padded to 8-row boundaries, as its kernels need 16-byte
+aligned group starts); elsewhere (CPU, fp32) a loop over the local experts does the
+same products one expert at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtron.config import ModelConfig
+from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.sharding import ShardSpec, new_param, scaled_std, shard, whole
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+class GroupedExperts(nn.Module):
+    """Local experts ``first, ..., first + num_local - 1`` of ``prefix`` (e.g. ``layers.3.mlp.experts``).
+
+    ``grouped``: use ``torch._grouped_mm`` (None: on CUDA with bf16 inputs when the shapes allow).
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, prefix: str, first: int, num_local: int,
+                 ffn_hidden: int, grouped: Optional[bool] = None):
+        super().__init__()
+        tp, r = ctx.tp, ctx.tp_rank
+        H, Fe = cfg.hidden_size, ffn_hidden
+        self.num_local, self.hidden = num_local, H
+        self.swiglu = cfg.swiglu
+        self._bias_share = 1.0 if r == 0 else 0.0
+        self.grouped = grouped
+        std, out_std = cfg.init_method_std, scaled_std(cfg.init_method_std, cfg.num_layers)
+        names = ["gate", "up"] if cfg.swiglu else ["up"]
+        experts = range(first, first + num_local)
+        self.fc1_weight = new_param(ShardSpec(tuple(
+            shard(f"{prefix}.{e}.{n}.weight", (Fe, H), 0, r, tp, std=std) for e in experts for n in names), 0,
+            expert=True))
+        self.fc2_weight = new_param(ShardSpec(tuple(
+            shard(f"{prefix}.{e}.down.weight", (H, Fe), 1, r, tp, std=out_std) for e in experts), 0, expert=True))
+        if cfg.disable_bias_linear:
+            self.fc1_bias = self.fc2_bias = None
+        else:
+            self.fc1_bias = new_param(ShardSpec(tuple(
+                shard(f"{prefix}.{e}.{n}.bias", (Fe,), 0, r, tp, "zeros") for e in experts for n in names), 0,
+                expert=True))
+            # Only TP rank 0 adds the output bias to its partial sum (the others add it times 0, so that
+            # every copy gets a gradient); the gradients' TP sum keeps the copies equal.
+            self.fc2_bias = new_param(ShardSpec(tuple(
+                whole(f"{prefix}.{e}.down.bias", (H,), "zeros") for e in experts), 0, tp_replicated=True,
+                grad_sync="tp", expert=True))
+        self._grouped_shapes_ok = H % 8 == 0 and (Fe // tp) % 8 == 0  # 16-byte strides for bf16 kernels
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        if self.grouped is not None:
+            return self.grouped
+        return (x.is_cuda and x.dtype == torch.bfloat16 and self._grouped_shapes_ok and grouped_mm_available())
+
+    @torch.compiler.disable  # row counts change every step: no recompilation for each new shape
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                host_counts: Optional[list[int]] = None) -> torch.Tensor:
+        """``x`` [M, H] rows grouped by local expert, ``tokens_per_expert`` [El] (device) -> [M, H].
+
+        ``host_counts``: the same counts as a list when the caller already has them on the host.
+        """
+        El, H = self.num_local, self.hidden
+        w1 = self.fc1_weight.view(El, -1, H)
+        w2 = self.fc2_weight.view(El, H, -1)
+        if self._use_grouped(x):
+            return self._grouped_forward(x, w1, w2, tokens_per_expert)
+        sizes = host_counts if host_counts is not None else tokens_per_expert.tolist()
+        outs = []
+        for e, rows in enumerate(torch.split(x, sizes)):
+            h = F.linear(rows, w1[e], self.fc1_bias.view(El, -1)[e] if self.fc1_bias is not None else None)
+            y = F.linear(self._activation(h), w2[e])
+            if self.fc2_bias is not None:
+                y = y + self.fc2_bias.view(El, H)[e] * self._bias_share
+            outs.append(y)
+        return torch.cat(outs) if outs else x.new_zeros((0, H))
+
+    def _grouped_forward(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        padded, offs, dest, expert_of_row = _aligned_groups(x, tokens_per_expert)
+        return _Unpad.apply(self._grouped_mlp(padded, w1, w2, offs, expert_of_row), dest)
+
+    def _grouped_mlp(self, padded: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                     expert_of_row: torch.Tensor) -> torch.Tensor:
+        h = torch._grouped_mm(padded, w1.transpose(1, 2), offs=offs)
+        if self.fc1_bias is not None:
+            h = add_expert_bias(h, self.fc1_bias.view(self.num_local, -1), expert_of_row)
+        y = torch._grouped_mm(self._activation(h), w2.transpose(1, 2), offs=offs)
+        if self.fc2_bias is not None:
+            y = add_expert_bias(y, self.fc2_bias.view(self.num_local, -1), expert_of_row, self._bias_share)
+        return y
+
+    def uses_grouped_gemm(self, x: torch.Tensor) -> bool:
+        """Whether rows like ``x`` go through the grouped GEMM (else the loop over experts)."""
+        return self._use_grouped(x)
+
+    @torch.compiler.disable  # row counts change every step
+    def forward_assignments(self, tokens: torch.Tensor, indices: torch.Tensor,
+                            tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Every (token, choice) assignment's expert output, [T * k, H] in assignment order, for ``indices``
+        [T, k] of local experts (``tokens_per_expert`` [El]: the router's count of each), all kept (no expert
+        parallelism, no capacity): the tokens are gathered
+        straight into the grouped GEMM's aligned buffer and the outputs straight out of it, one gather each
+        way instead of a permutation, a padding copy and back (:func:`assignment_slots`)."""
+        El, H = self.num_local, self.hidden
+        slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert)
+        padded = _GatherToSlots.apply(tokens, slot, total, indices.shape[1])
+        y = self._grouped_mlp(padded, self.fc1_weight.view(El, -1, H), self.fc2_weight.view(El, H, -1), offs,
+                              expert_of_row)
+        return _Unpad.apply(y, slot)
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
+
+
+def assignment_slots(indices: torch.Tensor, counts: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The row of the aligned grouped-GEMM buffer (:func:`aligned_layout`) of each assignment ``t * k + j``
+    (token t's j-th expert ``indices[t, j]``; ``counts``: the assignments of each expert), in expert order
+    and, within an expert, in assignment order; with the layout's group offsets, expert of each buffer row
+    and buffer size."""
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs, dest, expert_of_row, total = aligned_layout(counts, flat.numel())
+    slot = torch.empty_like(dest).index_copy_(0, order, dest)
+    return slot, offs, expert_of_row, total
+
+
+class _GatherToSlots(torch.autograd.Function):
+    """The aligned buffer of :func:`assignment_slots` filled from the tokens (its padding rows zero):
+    one gather. Backward: each token's gradient is the sum over its k slots (gathered, summed in fp32)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, slot: torch.Tensor, total: int, k: int) -> torch.Tensor:
+        ctx.save_for_backward(slot)
+        ctx.k = k
+        num_tokens = tokens.shape[0]
+        source = torch.full((total,), num_tokens, dtype=torch.long, device=tokens.device)  # padding: the zero row
+        source.index_copy_(0, slot, torch.arange(slot.numel(), device=tokens.device) // k)
+        return torch.cat([tokens, tokens.new_zeros((1, tokens.shape[1]))]).index_select(0, source)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (slot,) = ctx.saved_tensors
+        per_assignment = grad.index_select(0, slot).view(-1, ctx.k, grad.shape[-1])
+        return per_assignment.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
+
+
+class _Unpad(torch.autograd.Function):
+    """The rows ``dest`` of the aligned groups' output. ``index_select``'s own backward would scatter the
+    gradient with an atomic ``index_add_`` (slow in bf16); every row is read once, so a plain
+    ``index_copy`` into zeros is the same gradient."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(dest)
+        ctx.rows = padded.shape[0]
+        return padded.index_select(0, dest)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (dest,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.rows, grad.shape[-1])).index_copy_(0, dest, grad), None
+
+
+class _AddExpertBias(torch.autograd.Function):
+    """rows + scale * bias[expert of row], whose bias gradient is summed in fp32.
+
+    The autograd of ``index_select`` would sum thousands of bf16 row gradients into each
+    expert's bias with bf16 atomics; the per-expert GEMM (F.linear) reduces in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, bias, expert_of_row, scale):
+        ctx.save_for_backward(expert_of_row)
+        ctx.scale, ctx.bias_shape, ctx.bias_dtype = scale, bias.shape, bias.dtype
+        return rows + bias.index_select(0, expert_of_row) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (expert_of_row,) = ctx.saved_tensors
+        grad_bias = grad.new_zeros(ctx.bias_shape, dtype=torch.float32).index_add_(0, expert_of_row, grad.float())
+        return grad, (grad_bias * ctx.scale).to(ctx.bias_dtype), None, None
+
+
+def add_expert_bias(rows: torch.Tensor, bias: torch.Tensor, expert_of_row: torch.Tensor,
+                    scale: float = 1.0) -> torch.Tensor:
+    """``rows`` [M, N] plus ``scale`` x the bias row [El, N] of each row's expert (fp32 bias gradient)."""
+    return _AddExpertBias.apply(rows, bias, expert_of_row, scale)
+
+
+#: Rows per group boundary for the grouped GEMM: every group starts on a 16-byte boundary of the
+#: row dimension in bf16 (the weight-gradient GEMM contracts over rows, read by TMA).
+GROUP_ALIGN = 8
+
+
+def aligned_layout(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Where ``rows`` rows grouped by expert (``counts`` per group) go in a buffer whose groups each start
+    at a multiple of GROUP_ALIGN rows, without a host synchronisation.
+
+    Returns (int32 group end offsets, destination of each row, local expert of each buffer row, buffer
+    rows). The buffer has a static size (rows + (GROUP_ALIGN - 1) x groups, rounded up); the last group
+    absorbs the slack: zero rows whose outputs are never read.
+    """
+    num_groups = counts.numel()
+    padded_counts = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    shift = (torch.cumsum(padded_counts, 0) - padded_counts) - (torch.cumsum(counts, 0) - counts)
+    groups = torch.arange(num_groups, device=counts.device)
+    dest = torch.arange(rows, device=counts.device) + shift[torch.repeat_interleave(groups, counts, output_size=rows)]
+    total = -(-(rows + (GROUP_ALIGN - 1) * num_groups) // GROUP_ALIGN) * GROUP_ALIGN
+    offs = torch.cumsum(padded_counts, 0).to(torch.int32)
+    offs[-1] = total
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    expert_of_row = torch.repeat_interleave(groups, sizes, output_size=total)
+    return offs, dest, expert_of_row, total
+
+
+def _aligned_groups(x: torch.Tensor, counts: torch.Tensor):
+    """Copy the row groups of ``x`` into the zero buffer of :func:`aligned_layout`.
+
+    Returns (padded rows, int32 group end offsets, destination of each row of ``x``, local expert of
+    each padded row)."""
+    offs, dest, expert_of_row, total = aligned_layout(counts, x.shape[0])
+    padded = x.new_zeros((total, x.shape[1])).index_copy(0, dest, x)
+    return padded, offs, dest, expert_of_row

@@ -1,0 +1,758 @@
+"""An estimate of the GPU memory one rank needs to train a configuration.
+
+Used beside measured peaks in ``meshtron bench`` and by anything that plans a layout. It is
+an estimate of live tensors (comparable to ``torch.cuda.max_memory_allocated``): it leaves out
+the CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation, communication buffers and
+transient copies (e.g. the few-times-larger peak inside the loss's backward).
+
+The accounting follows Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv:2205.05198) and Megatron-LM's theoretical memory report, adapted to
+this model family (RMSNorm, RoPE, grouped-query attention, SwiGLU) and to flash attention.
+
+Weights, gradients, optimizer state (bytes per parameter)
+----------------------------------------------------------
+- bf16 training (``--bf16``, ``--fp8-format``, or the GPU default): bf16 weights 2, fp32 main
+  gradients 4 (2 with ``--grad-reduce-in-bf16``), fp32 master weights + Adam m + v 12.
+- fp32 training (``--fp32`` or ``--device cpu``): weights 4, gradients 4, Adam m + v 8.
+- Each rank holds its tensor-parallel shard of its pipeline stage's layers (norms and
+  row-parallel biases are replicated), the vocab-parallel embedding on the first stage and
+  the output layer on the last (a tied embedding has a copy there when PP > 1). Experts are
+  split over EP and the expert tensor-parallel size.
+- ``--use-distributed-optimizer`` divides the optimizer state over DP x CP (expert weights:
+  over the expert data-parallel group, DP x CP x TP / (EP x ETP)); gradients stay whole.
+  ``--optimizer-cpu-offload`` moves ``--optimizer-offload-fraction`` of it off the GPU.
+
+Activations of one layer for one micro-batch
+--------------------------------------------
+Per token (``b*s`` tokens, ``s`` the sequence per context-parallel rank), with ``e`` bytes per
+activation element (2 in bf16, 4 in fp32), hidden ``h``, ``a`` query heads and ``g`` key/value
+groups of head dim ``d`` (``q = a*d``, ``k = g*d``), MLP width ``f``, the tensors the compiled
+layer keeps for the backward. They were counted on an H200 (torch 2.11, saved-tensor hooks on the
+compiled layers of llama3-3b, deepseek-moe-16b with MLA, mixtral-8x7b and a Qwen3-MoE shape), and
+agree with the counts below within 0.5% per layer:
+
+====================================  =================  ===============
+tensor                                bytes per token    split over TP
+====================================  =================  ===============
+layer input and second residual       2*e*h              only with SP
+stream (the norms' inputs; the
+output projection's output stands
+in for the second)
+norm statistics (fp32 rstd / mean)    2*4 (RMS) 2*8 (LN) only with SP
+outputs of the norms (= inputs of     2*e*h              only with SP
+QKV and of the MLP's first matmul)
+v (a copy out of the fused QKV       e*k                always
+output, which then goes)
+q and k after RoPE (new tensors)      e*(q + k)          always
+attention output                      e*q                always
+flash-attention log-sum-exp (fp32)    4*a                always
+SwiGLU input (gate and up)            2*e*f              always
+SwiGLU output (= down-proj input)     0 (recomputed)     always
+two hidden-dropout masks (if p > 0)   2*h                only with SP
+====================================  =================  ===============
+
+(Without RoPE and head norms, q and k are views of the QKV output, which then stays whole: ``e*(q + 2k)``.
+SwiGLU's down projection recomputes the product from gate and up in its backward
+(``linear._SwiGLUMatmul``), FP8 tensorwise with its casts and the weight's (so fc2 keeps no FP8 weight copy
+either); zero-bubble weight-gradient deferral and the sequence-parallel FP8 path keep it (``e*f``, one byte per
+element in FP8). A GeLU MLP keeps ``e*f`` for the GeLU input and ``e*f`` for its output. ``--qk-layernorm``
+adds the heads' statistics.) So without recomputation a layer keeps::
+
+    b*s * [ e*(4h + 2q + 2k + 2f) + 4a + stats + dropout ]          (SwiGLU, RoPE)
+
+For GPT-style layers (learned positions, GeLU, ``f = 4h``, ``q = k = h``, dropout on) this is
+``b*s*(e*16h + 2h) = 34*b*s*h`` bytes in bf16: Korthikanti's ``sbh*34``; the ``5as/h`` term of
+their formula is absent because flash attention (SDPA's flash/cuDNN kernels, meshtron's GPU
+default) never stores the ``s x s`` attention matrix; ``flash_attention=False`` adds it back
+(softmax output ``e``, plus mask and dropout output ``1+e`` with attention dropout, per head
+per key position). For Llama-3-8B (``h=4096, q=4096, k=1024, f=14336``) the bf16 figure is
+``110,592 + 136`` bytes per token per layer, about ``27*h``.
+
+Without sequence parallelism the "only with SP" rows are replicated on each TP rank
+(Korthikanti's ``10sbh + 24sbh/t``); with SP everything is divided by TP, except that a compiled bf16
+layer keeps the all-gathered inputs of its two column-parallel linears (QKV, fc1) whole: the backward's
+all-gather of the saved shard is merged with the forward's by the compiler, and a collective is not
+recomputed (``2*e*h*(1 - 1/TP)`` per token more; not with FP8 or selective recomputation).
+
+Multi-latent attention (``--multi-latent-attention``; ``n`` heads of dims ``dn``/``dr``/``dv``,
+ranks ``rq``/``rkv``): the attention rows become the down projection's output and the normed
+latents (``2*e*(rq + rkv + dr)``: the first replicated like the down projection, the second
+gathered over the sequence), the concatenated queries and keys (``2*e*n*(dn + dr)``), the
+key/value projection's output (``e*n*(dn + dv)``, the values a view of it), the attention output
+and its ``[s, b, n*dv]`` copy that the output projection keeps (``2*e*n*dv``).
+
+Mixture of experts (balanced routing, no dropped tokens): a MoE layer keeps no second norm output
+(the router reads an fp32 copy, ``4*h``, of the whole sequence on every TP rank, and the experts'
+rows are gathered from it), plus the router's logits and probabilities (``8*E``) and its int64
+indices (``38*topk``), and, per routing choice, the row of the grouped GEMM's aligned buffer and the
+expert's output row that the weighted sum's batched matmul keeps (``2*e*h`` where every expert is local and
+nothing is dropped: tokens go straight into and out of the buffer; through the dispatcher, with expert
+parallelism or a capacity, one more row, ``3*e*h``), fc1's output
+(``2*e*fe``), SiLU's output and the SwiGLU product (``2*e*fe``: the experts run eagerly, so SiLU's
+output is kept), the experts' part split over the expert TP size; a shared expert keeps its input
+and its MLP's ``3*e*fs``.
+
+FP8 (``--fp8-format``, tensorwise recipe, ``meshtron.layers.fp8``): the layer's tensor-parallel
+linears keep one-byte transposed FP8 copies of their inputs instead of the bf16 ones: the two norm
+outputs (``h`` each) cost one byte per element, not ``e``; the output projection keeps a one-byte copy
+of the attention output (``q``) beside the bf16 one that attention's backward needs; SwiGLU's fc2
+recomputes its input's casts in backward (on the sequence-parallel FP8 path it keeps the product's
+one-byte copy, ``f``). No linear keeps an FP8 copy of its weight: backward casts the weight again with
+the forward's scale (before revision 2 of :data:`LAYER_SAVES` each linear but fc2 kept one per
+micro-batch in flight, :func:`fp8_weight_copy_bytes`).
+The router, the routed experts and the output layer stay in bf16. The rowwise recipe keeps bf16
+inputs and reads the weights themselves, so it is counted as bf16.
+
+Recomputation
+-------------
+- ``selective`` (cheap, memory-heavy ops recomputed, matmul and attention outputs kept; the
+  modules are ``core_attn``, ``norm``, ``act`` by default): ``core_attn`` drops RoPE's queries and
+  keys (and the attention matrix without flash; the log-sum-exp is an output of the attention
+  kernel and stays), ``norm`` drops the norm outputs (2*e*h) and statistics, ``act`` drops the
+  SwiGLU/GeLU output (e*f). Under SP the output projection's matmul output is kept for the whole
+  sequence (its reduce-scatter is recomputed): ``e*h*(1 - 1/TP)`` more than its shard.
+- ``full`` keeps only each checkpointed chunk's input (``e*h`` per token, split over TP with
+  SP); ``uniform`` checkpoints chunks of ``--recompute-num-layers`` layers and, during the
+  backward, holds that many layers' full activations; ``block`` recomputes the first
+  ``--recompute-num-layers`` layers of each stage and keeps the rest. A checkpointed layer keeps
+  no FP8 weight copy.
+
+Pipeline, embedding and loss
+----------------------------
+- 1F1B: rank r holds ``min(PP - r, M)`` micro-batches' activations of its layers (M
+  micro-batches per iteration). Interleaved with V virtual stages: rank r holds
+  ``min(M*V, 2(PP-r-1) + (V-1)*PP + 1)`` chunk-forwards of ``L/(PP*V)`` layers; for rank 0
+  this is ``L * (1 + (PP-1)/(PP*V))`` layers, Korthikanti's interleaving factor.
+- First stage: token ids (int64, 8 bytes per token) and the embedding dropout mask.
+- Last stage, for one micro-batch: the final norm's input and the output layer's input (or,
+  with the fused loss, the gradient of the hidden states it keeps instead): ``2*e*h``; and
+  the loss (reported as ``logits``). meshtron's loss (``meshtron.layers.cross_entropy``) is
+  fused with the output layer and chunked over tokens: it keeps the fp32 gradient of the
+  output weight (``4*h*V/TP`` bytes) and, while it runs, one chunk's logits and their gradient
+  (``4`` bytes per element in bf16, where compiled kernels keep no fp32 copy: measured 4.0 GB for
+  8192 tokens of llama3-3b; ``20`` in fp32, eager), of a chunk of about 2^30 / (V/TP) tokens, and
+  with more than one chunk the previous chunk's gradient too (``e`` more per element: measured
+  1.96 GiB for llama3-3b at 4 x 4096, two chunks); V is the padded vocabulary.
+  ``fused_loss=False`` models an unfused loss instead: fp32 logits kept for the backward,
+  ``4*V/TP`` bytes per token (Korthikanti's and Megatron's accounting).
+- Context parallelism divides the sequence: ``s = seq_length / CP``.
+- Multi-token prediction: each depth adds its layer, its inputs, and its own pass through the fused
+  loss, which keeps another fp32 gradient of the output weight.
+
+Activation offloading (``--offload-activations``, :mod:`meshtron.layers.activation_offload`)
+--------------------------------------------------------------------------------------------
+In each model chunk the first ``--offload-activations-num-layers`` layers (default: all but the
+chunk's last) copy what they save to pinned host memory on a side stream; tensors under 1 MiB
+stay (of the counted ones: the norms' fp32 statistics at short sequences). A copy's device memory
+is released only when the copy has run, so the device holds what the copies have not reached
+yet: the copies run at ``pcie_gbps`` of the device profile (``profile``, the built-in H200 one
+by default) behind each layer's forward, whose time comes from the step-time model
+(:mod:`meshtron.planning.step_time`). In the backward the same stream first drains that backlog,
+then fetches each layer's tensors when the backward reaches the layer after it, so a layer's and
+its predecessor's tensors are on the device together. :func:`offload_timeline` replays this
+queue; the peak is the largest of (kept activations of the layers not yet back-propagated +
+backlog + the two fetched layers) over the backward's layers, and the time the backward waits
+for a fetch is what the step-time model adds.
+
+The reported figure is for the pipeline rank with the largest total (first or last stage).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads,
+                             padded_vocab_size)
+from meshtron.layers.cross_entropy import chunk_size  # the fused loss's chunk rule
+from meshtron.accounting import mla_rank_parameters
+from meshtron.optim.accounting import sharding_strategy
+from meshtron.validation import layout_from_config
+
+GIB = 2**30
+#: Saved tensors smaller than this stay on the device with --offload-activations (activation_offload.DEFAULT_MIN_BYTES).
+OFFLOAD_MIN_BYTES = 1 << 20
+#: What ``--recompute-granularity selective`` recomputes (see the module docstring).
+SELECTIVE_MODULES: tuple[str, ...] = ("core_attn", "norm", "act")
+_KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
+#: Revision of what a layer keeps for backward, so that rows measured at earlier code are compared with
+#: the model of that code: 0 = the values a view of the fused QKV output (which stayed whole), SwiGLU's
+#: product kept, FP8 weight copies kept; 1 = values copied out, the product recomputed by fc2 (in FP8 with
+#: its casts and fc2's weight cast), the other FP8 linears' weight copies kept; 2 = every FP8 linear casts
+#: its weight again in backward (today's code).
+LAYER_SAVES = 2
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated bytes per GPU on the most loaded pipeline stage."""
+
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int  # layers, embedding and final norm (without the logits)
+    logits: int  # the loss: kept fp32 logits, or the fused loss's weight gradient and transient chunk
+    stage: int = 0  # the pipeline rank these figures are for
+    microbatches_in_flight: float = 1.0  # on that stage (fractional with interleaving)
+    offload_stall_s: float = 0.0  # --offload-activations: seconds a micro-batch's backward waits for fetches
+    total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", self.weights + self.gradients + self.optimizer_state
+                           + self.activations + self.logits)
+
+    def as_dict(self) -> dict:
+        """Bytes of each part, plus the stage and in-flight micro-batches."""
+        return {"weights": self.weights, "gradients": self.gradients, "optimizer_state": self.optimizer_state,
+                "activations": self.activations, "logits": self.logits, "total": self.total,
+                "stage": self.stage, "microbatches_in_flight": self.microbatches_in_flight}
+
+    def table(self) -> str:
+        """A small human table in GiB."""
+        rows = [("weights", self.weights), ("gradients", self.gradients),
+                ("optimizer state", self.optimizer_state), ("activations", self.activations),
+                ("logits", self.logits), ("total", self.total)]
+        lines = [f"estimated memory per GPU (pipeline stage {self.stage}; "
+                 f"micro-batches in flight: {self.microbatches_in_flight:g})"]
+        lines += [f"  {name:<16}{value / GIB:>10.2f} GiB" for name, value in rows]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations.
+# ---------------------------------------------------------------------------------------------
+
+def _is_moe_layer(m: ModelConfig, layer: int) -> bool:
+    return is_moe_layer(m, layer)
+
+
+def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
+                           sequence_parallel: bool = False, act_bytes: int = 2,
+                           recompute: Optional[str] = None, moe: bool = False, expert_tp: Optional[int] = None,
+                           flash_attention: bool = True,
+                           selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
+                           compiled: bool = True, local_experts: bool = True, fc2_keeps_product: bool = False,
+                           saves: int = LAYER_SAVES) -> float:
+    """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
+
+    ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
+    or ``"full"`` (then only the layer's input is counted). ``fp8``: the layer's tensor-parallel
+    linears run FP8 tensorwise (they keep FP8 copies of their inputs; the per-micro-batch FP8
+    weight copies are :func:`fp8_weight_copy_bytes`). ``compiled``: the layer runs under
+    ``torch.compile`` (with SP it then keeps the gathered inputs of its column-parallel linears).
+    ``local_experts``: a MoE layer's tokens go straight into and out of the grouped GEMM's buffer
+    (every expert on this rank, no capacity; else through the token dispatcher). ``fc2_keeps_product``: the
+    down projection keeps SwiGLU's product (a zero-bubble schedule's deferred weight gradients, rowwise FP8).
+    ``saves``: the revision of what layers keep (:data:`LAYER_SAVES`), to compare with rows measured at
+    earlier code. See the module docstring.
+    """
+    fp8_sp_path = sequence_parallel and tp > 1  # FP8 linears cast before their sequence-parallel collectives
+    if recompute not in (None, "selective", "full"):
+        raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
+    selective = set(selective_modules) if recompute == "selective" else set()
+    unknown = selective - _KNOWN_MODULES
+    if unknown:
+        raise ValueError(f"unknown selective recompute modules {sorted(unknown)}; known: {sorted(_KNOWN_MODULES)}")
+    e, h, d = act_bytes, m.hidden_size, head_dim(m)
+    tokens = micro_batch * seq
+    sp_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return tokens * e * h / sp_div
+    lin = 1 if fp8 else e  # bytes per element of a saved linear input (FP8 copies under fp8)
+
+    heads = math.ceil(m.num_attention_heads / tp)
+    groups = math.ceil(num_kv_heads(m) / tp)  # fewer groups than TP ranks: groups are replicated
+    stats = 4 if m.normalization == "RMSNorm" else 8
+
+    # Parts replicated over TP unless sequence parallelism splits them: the layer input and the
+    # second residual stream (the input of each norm), the norms' statistics, the norms' outputs.
+    rep = 2 * e * h + (0 if "norm" in selective else 2 * stats)
+    if m.hidden_dropout > 0:
+        rep += 2 * h  # bool masks
+    part = 0.0  # parts always split over TP (per-rank heads and MLP columns)
+    # A compiled bf16 column-parallel linear under SP (linear._ColumnParallelMatmul) saves its input
+    # shard and all-gathers it again in backward; the compiler merges that all-gather with the
+    # forward's identical one and, a collective not being recomputed, keeps the gathered input: the
+    # whole sequence, ``e*h*(1 - 1/TP)`` per token more than the shard. Selective recomputation runs
+    # the collectives again (meshtron.layers.recompute); the FP8 path gathers another tensor in backward.
+    gathered = e * h * (1 - 1 / tp) if (sequence_parallel and tp > 1 and compiled and not fp8) else 0.0
+    if selective and sequence_parallel and tp > 1:
+        # Selective recomputation keeps the output projection's matmul output, which under SP is the
+        # whole sequence's partial sum before its reduce-scatter (the collective is recomputed);
+        # ``rep`` counts that tensor as the rank's sequence shard (the second residual stream).
+        part += e * h * (1 - 1 / tp)
+
+    # Attention.
+    if m.multi_latent_attention:
+        n, dn, dr, dv = heads, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+        latent = (m.q_lora_rank or 0) + m.kv_lora_rank + dr
+        # The down projection's output (the latent norms' input, replicated like the down projection)
+        # with the norms' statistics, and the normed latents (the up projections' input).
+        rep += e * latent + stats * (2 if m.q_lora_rank else 1)
+        part += lin * latent  # gathered over the sequence under SP: whole on every TP rank
+        if "norm" not in selective:
+            rep += lin * h  # the first norm's output (the input of the down and query projections)
+        qk = n * (dn + dr)
+        # The concatenated queries and keys, the values (copied out of the key/value projection's output,
+        # which then goes; under selective recomputation that output is a saved matmul output and stays
+        # whole), the attention output, and its [s, b, n*dv] copy, the output projection's input.
+        kv_kept = n * dv if recompute != "selective" and saves >= 1 else n * (dn + dv)
+        part += e * (2 * qk + kv_kept + n * dv) + lin * n * dv
+    else:
+        q_out, kv_out = heads * d, 2 * groups * d
+        if "norm" not in selective:
+            rep += lin * h  # the first norm's output (the QKV projection's input)
+            part += gathered  # ... and the rest of its all-gathered sequence (compiled, SP, bf16)
+        # RoPE (and the head norms) write new queries and keys, which the attention kernel keeps, and the
+        # values are copied out of the fused QKV output, which then goes. Without either, q and k are
+        # views of it; under selective recomputation it is a saved matmul output: all of it stays. And
+        # the attention output.
+        rotated = m.position_embedding_type == "rope" or m.qk_layernorm
+        copied = rotated and recompute != "selective" and saves >= 1
+        part += e * heads * d + e * (kv_out // 2 if copied else q_out + kv_out)
+        if fp8:
+            part += heads * d  # the output projection's FP8 copy of its input (the attention output)
+        if rotated and "core_attn" not in selective:
+            part += e * (q_out + kv_out // 2)
+        if m.qk_layernorm and "norm" not in selective:
+            part += stats * (heads + groups)  # per-head statistics
+    if flash_attention:
+        part += 4 * heads  # log-sum-exp (kept by selective recomputation too: an attention output)
+    elif "core_attn" not in selective:
+        part += heads * seq * (e + ((1 + e) if m.attention_dropout > 0 else 0))
+
+    # MLP.
+    def mlp_part(width: int, divisor: int, linear_fp8: bool) -> float:
+        """fc1's output (SwiGLU: gate and up) and the activation's output (fc2's input: SwiGLU's
+        product is recomputed by fc2's backward, in FP8 with its casts, except on the sequence-parallel
+        FP8 path)."""
+        recomputed = "act" in selective or (m.swiglu and not fc2_keeps_product and saves >= 1
+                                            and not (linear_fp8 and fp8_sp_path))
+        out = 0.0 if recomputed else width * (1 if linear_fp8 else e)
+        return (e * (2 * width if m.swiglu else width) + out) / divisor
+
+    if moe:
+        fe = m.moe_ffn_hidden_size or ffn_size(m)
+        k, etp = m.moe_router_topk, expert_tp or tp
+        # The router reads the whole sequence on every TP rank: its fp32 input and logits/probabilities,
+        # the routing indices (int64: top-k choices, the sort order, its source rows, the way back).
+        part += 4 * h + 8 * m.num_experts + k * 38 + 8
+        # The experts (eager, bf16), per choice: the rows of the aligned grouped-GEMM buffer (fc1's
+        # input) and the output rows the weighted sum's batched matmul keeps; fc1's output, SiLU's
+        # output and the SwiGLU product. fc2's output is not kept (the unpadding saves indices only).
+        # Through the dispatcher (expert parallelism, a capacity) one more row per choice stays.
+        part += k * e * (2 if local_experts else 3) * h
+        inner = 2 * fe + (0 if "act" in selective else 2 * fe) if m.swiglu else fe + (0 if "act" in selective else fe)
+        part += k * e * inner / etp
+        if m.moe_shared_expert_intermediate_size:
+            fs = m.moe_shared_expert_intermediate_size
+            part += lin * h + mlp_part(fs, tp, False)  # its fc1's input (the normed tokens); fc2 runs in bf16
+    else:
+        if "norm" not in selective:
+            rep += lin * h  # the second norm's output (fc1's input)
+            part += gathered  # ... and the rest of its all-gathered sequence
+        part += mlp_part(ffn_size(m), tp, fp8)
+    return tokens * (rep / sp_div + part)
+
+
+def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: bool = False) -> float:
+    """Bytes of the FP8 (tensorwise) weight copies one layer's linears kept per micro-batch on one TP rank
+    before revision 2 of :data:`LAYER_SAVES` (today each linear casts its weight again in backward).
+
+    Each FP8 linear cast its weight once per forward and kept the transposed FP8 copy for the
+    backward's input-gradient GEMM: one byte per weight element of the
+    attention projections, the dense MLP and a shared expert's fc1 (the router, the routed experts
+    and the shared expert's fc2 stay in bf16). ``fc2_recast``: the dense SwiGLU fc2 recasts its weight in
+    backward (``linear._swiglu_fp8_recomputed``) and keeps no copy.
+    """
+    h, d = m.hidden_size, head_dim(m)
+    if m.multi_latent_attention:
+        weights = mla_rank_parameters(m, tp)
+    else:
+        heads, groups = math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp)
+        weights = h * d * (heads + 2 * groups) + heads * d * h
+    if is_moe_layer(m, layer):
+        fs = m.moe_shared_expert_intermediate_size or 0
+        weights += h * (2 * fs if m.swiglu else fs) / tp
+    else:
+        f = ffn_size(m)
+        weights += h * ((2 if fc2_recast else 3) * f if m.swiglu else 2 * f) / tp
+    return float(weights)
+
+
+def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> bool:
+    """Whether SwiGLU's down projection recomputes the product (in FP8 also its and its weight's casts) in
+    backward, as ``RowParallelLinear._swiglu_matmul`` decides: not under a zero-bubble schedule's deferred
+    weight gradients, rowwise FP8 or the sequence-parallel FP8 path; not before revision 1 of ``saves``."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not m.swiglu or saves < 1 or p.pipeline_schedule == "zero-bubble-h1":
+        return False
+    if not t.fp8_format:
+        return True
+    sequence_parallel = p.sequence_parallel and p.tensor_model_parallel_size > 1
+    return t.fp8_recipe == "tensorwise" and not sequence_parallel
+
+
+def _fp8_tensorwise(cfg: MeshtronConfig) -> bool:
+    """Whether the layers' linears keep FP8 inputs and weight copies (``--fp8-recipe rowwise`` keeps bf16)."""
+    return bool(cfg.train.fp8_format) and (cfg.train.fp8_recipe or "tensorwise") == "tensorwise"
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers.
+# ---------------------------------------------------------------------------------------------
+
+def virtual_stages(cfg: MeshtronConfig) -> int:
+    """Virtual pipeline stages per rank (1 without interleaving)."""
+    return layout_from_config(cfg).virtual_stages
+
+
+def stage_chunks(cfg: MeshtronConfig) -> list[list[list[int]]]:
+    """For each pipeline rank, its model chunks (one per virtual stage) as lists of global layer indices."""
+    layout = layout_from_config(cfg)
+    return [layout.stage_layers(rank) for rank in range(layout.stages)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters.
+# ---------------------------------------------------------------------------------------------
+
+def _mlp_params(m: ModelConfig, width: int, tp: int) -> float:
+    fan_in = 2 * width if m.swiglu else width
+    weights = (m.hidden_size * fan_in + width * m.hidden_size) / tp
+    biases = 0 if m.disable_bias_linear else fan_in / tp + m.hidden_size
+    return weights + biases
+
+
+def _sharded_weights_and_grads(strategy: str, dense: float, expert: float, dense_shard: float,
+                               expert_shard: float, w_bytes: int, g_bytes: int) -> tuple[float, float]:
+    """Weight and gradient bytes of a rank between steps under ``strategy`` (as
+    :func:`meshtron.optim.accounting.strategy_bytes_per_parameter` counts them per parameter): ZeRO-2 keeps the
+    full weights plus the compact shard the optimizer writes, and fp32 gradient shards; ZeRO-3 keeps only
+    weight and fp32 gradient shards."""
+    params = dense + expert
+    if strategy == "optim_grads":
+        return (params * w_bytes + (dense / dense_shard + expert / expert_shard) * w_bytes,
+                (dense / dense_shard + expert / expert_shard) * 4)
+    if strategy == "optim_grads_params":
+        shards = dense / dense_shard + expert / expert_shard
+        return shards * w_bytes, shards * 4
+    return params * w_bytes, params * g_bytes
+
+
+def layer_parameters(m: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
+                     expert_tp: Optional[int] = None) -> tuple[float, float]:
+    """(dense, expert) parameters of one layer held by one rank."""
+    h, d = m.hidden_size, head_dim(m)
+    heads, groups = math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp)
+    qkv_out = d * (heads + 2 * groups)
+    dense = h * qkv_out + heads * d * h  # QKV and output projection shards
+    if not m.disable_bias_linear or m.add_qkv_bias:
+        dense += qkv_out
+    if not m.disable_bias_linear:
+        dense += h  # output-projection bias (row-parallel: replicated)
+    if m.multi_latent_attention:
+        dense = mla_rank_parameters(m, tp)
+    dense += 2 * (h if m.normalization == "RMSNorm" else 2 * h)
+    expert = 0.0
+    if _is_moe_layer(m, layer):
+        fe = m.moe_ffn_hidden_size or ffn_size(m)
+        dense += h * m.num_experts  # router (replicated)
+        if m.moe_shared_expert_intermediate_size:
+            dense += _mlp_params(m, m.moe_shared_expert_intermediate_size, tp)
+        expert = m.num_experts / ep * _mlp_params(m, fe, expert_tp or tp)
+    else:
+        dense += _mlp_params(m, ffn_size(m), tp)
+    return dense, expert
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate.
+# ---------------------------------------------------------------------------------------------
+
+def _uses_bf16(cfg: MeshtronConfig) -> bool:
+    t = cfg.train
+    if t.fp32 or t.device == "cpu":
+        return bool(t.bf16 or t.fp8_format)
+    return True  # bf16 (and fp8, whose master weights are the same) is the GPU default
+
+
+def estimate_memory(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
+                    flash_attention: bool = True, fused_loss: bool = True,
+                    selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None,
+                    saves: int = LAYER_SAVES) -> MemoryEstimate:
+    """Estimated training memory per GPU for ``cfg`` on ``world_size`` GPUs (see the module docstring).
+
+    The figures are those of the pipeline rank with the largest total. ``vocab_size`` is the
+    tokenizer's; it is padded as the model pads it. Without ``world_size`` the data-parallel
+    size is 1 (world = TP x CP x PP). ``profile`` (a :class:`meshtron.planning.profiles.DeviceProfile`,
+    default the built-in H200 one) times the host copies of ``--offload-activations``; nothing else uses it.
+    ``saves``: see :func:`layer_activation_bytes`.
+    """
+    stages = stage_estimates(cfg, vocab_size, world_size=world_size, flash_attention=flash_attention,
+                             fused_loss=fused_loss, selective_modules=selective_modules, profile=profile,
+                             saves=saves)
+    return max(stages, key=lambda est: est.total)
+
+
+def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
+                    flash_attention: bool = True, fused_loss: bool = True,
+                    selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None,
+                    saves: int = LAYER_SAVES) -> list[MemoryEstimate]:
+    """:func:`estimate_memory` for every pipeline rank, in rank order."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+    model_parallel = tp * pp * cp
+    if world_size is None:
+        world_size = model_parallel
+    if world_size % model_parallel:
+        raise ValueError(f"world size {world_size} is not a multiple of TP x CP x PP = {model_parallel}")
+    dp = world_size // model_parallel
+    global_batch = tr.global_batch_size or tr.micro_batch_size * dp
+    n_micro = max(1, global_batch // (tr.micro_batch_size * dp))
+    v = virtual_stages(cfg)
+    sp = par.sequence_parallel and tp > 1
+    sp_div = tp if sp else 1
+    seq = m.seq_length // cp
+    tokens = tr.micro_batch_size * seq
+    bf16 = _uses_bf16(cfg)
+    e = 2 if bf16 else 4
+    vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
+    selective_modules = tuple(selective_modules)
+
+    w_bytes = 2 if bf16 else 4
+    g_bytes = 2 if (bf16 and par.grad_reduce_in_bf16) else 4
+    o = cfg.optim  # fp32 masters (unless the weights are fp32) and Adam's moments (bf16 when asked for)
+    o_bytes = (4 if bf16 else 0) + sum(2 if d == "bf16" else 4 for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype))
+    opt_gpu = 1.0 - (_offload_fraction(cfg) if cfg.optim.optimizer_cpu_offload else 0.0)
+    # --data-parallel-sharding-strategy (meshtron.optim.accounting): what is split over DP x CP (dense) and
+    # over the expert-data-parallel ranks (experts).
+    strategy = sharding_strategy(cfg)
+    dense_shard = dp * cp if strategy != "no_shard" else 1
+    expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if strategy != "no_shard" else 1
+
+    fp8 = _fp8_tensorwise(cfg)
+    fc2_recomputes = fc2_recomputes_product(cfg, saves)
+    compiled = tr.compile is not False and tr.device != "cpu"  # compiled layers: the GPU default
+    # MoELayer.forward's direct path: every expert here, nothing dropped, the grouped GEMM (bf16)
+    local_experts = ep == 1 and m.moe_expert_capacity_factor is None and bf16
+
+    def act(layer: int, recompute: Optional[str]) -> float:
+        saved = layer_activation_bytes(m, micro_batch=tr.micro_batch_size, seq=seq, tp=tp, sequence_parallel=sp,
+                                       act_bytes=e, recompute=recompute, moe=_is_moe_layer(m, layer),
+                                       expert_tp=etp, flash_attention=flash_attention,
+                                       selective_modules=selective_modules, fp8=fp8, compiled=compiled,
+                                       local_experts=local_experts, saves=saves,
+                                       fc2_keeps_product=not fc2_recomputes)
+        if fp8 and recompute != "full" and saves < 2:  # FP8 weight copies, kept before revision 2
+            saved += fp8_weight_copy_bytes(m, layer, tp, fc2_recast=fc2_recomputes)
+        return saved
+
+    def chunk_activation(layers: list[int]) -> tuple[float, float]:
+        """(bytes kept per micro-batch, extra working bytes while a recomputed chunk runs backward)."""
+        gran, n = tr.recompute_granularity, max(1, tr.recompute_num_layers)
+        if gran != "full":
+            return sum(act(i, gran) for i in layers), 0.0
+        full = [act(i, None) for i in layers]
+        if tr.recompute_method == "block":
+            kept = sum(act(i, "full") for i in layers[:n]) + sum(full[n:])
+            return kept, (max(full[:n]) if layers[:n] else 0.0)
+        kept = sum(act(layers[i], "full") for i in range(0, len(layers), n))  # one input per chunk of n
+        window = max((sum(full[i:i + n]) for i in range(0, len(layers), n)), default=0.0)
+        return kept, window
+
+    out: list[MemoryEstimate] = []
+    for rank, chunks in enumerate(stage_chunks(cfg)):
+        first, last = rank == 0, rank == pp - 1
+        # Parameters on this rank.
+        dense = expert = 0.0
+        for layers in chunks:
+            for i in layers:
+                dl, el = layer_parameters(m, i, tp, ep, etp)
+                dense, expert = dense + dl, expert + el
+        if first:
+            dense += vocab * m.hidden_size / tp
+            if m.position_embedding_type == "learned_absolute":
+                dense += (m.max_position_embeddings or m.seq_length) * m.hidden_size
+        if last:
+            dense += m.hidden_size if m.normalization == "RMSNorm" else 2 * m.hidden_size
+            if m.untie_embeddings_and_output_weights or pp > 1:
+                dense += vocab * m.hidden_size / tp
+        mtp = (m.mtp_num_layers or 0) if last else 0
+        if mtp:  # each prediction depth: a layer of the last layer's kind, eh_proj [2H -> H], three norms
+            dl, el = layer_parameters(m, m.num_layers - 1, tp, ep, etp)
+            norms = 3 * (m.hidden_size if m.normalization == "RMSNorm" else 2 * m.hidden_size)
+            dense += mtp * (dl + 2 * m.hidden_size * m.hidden_size / tp + norms)
+            expert += mtp * el
+        params = dense + expert
+        weights, grads = _sharded_weights_and_grads(strategy, dense, expert, dense_shard, expert_shard, w_bytes,
+                                                    g_bytes)
+        if strategy == "optim_grads_params":  # the running unit's and the prefetched unit's gathered weights
+            unit = max((sum(layer_parameters(m, i, tp, ep, etp)) for c in chunks for i in c), default=0.0)
+            weights += 2 * unit * w_bytes
+        optim = (dense / dense_shard + expert / expert_shard) * o_bytes * opt_gpu
+
+        # Activations: in-flight micro-batches (1F1B) or chunk-forwards (interleaved).
+        kept_and_work = [chunk_activation(layers) for layers in chunks]
+        per_micro = sum(k for k, _ in kept_and_work)
+        if mtp:  # per depth: its layer, plus the embedding, the two normed inputs and their concatenation [2H]
+            per_micro += mtp * (chunk_activation([m.num_layers - 1])[0] + tokens * 5 * m.hidden_size * e / sp_div)
+        working = max(w for _, w in kept_and_work)
+        if tr.offload_activations:
+            # Every in-flight micro-batch keeps what its layers do not offload; the one in its backward
+            # also holds the copies' backlog and two fetched layers (offload_timeline).
+            offload_kept, extra, stall = 0.0, 0.0, 0.0
+            for c, layers in enumerate(chunks):
+                timeline, kept = _offload_chunk(cfg, layers, [chunk_activation([i])[0] for i in layers],
+                                                tokens, last and c == len(chunks) - 1, vocab, profile)
+                offload_kept += kept - sum(chunk_activation([i])[0] for i in layers)
+                extra = max(extra, timeline.peak_resident - kept)
+                stall += timeline.stall_s
+            per_micro += offload_kept  # what the offloaded layers moved off the device
+            working = max(working, extra)
+        if v == 1:
+            in_flight = float(min(pp - rank, n_micro))
+        else:
+            in_flight = min(n_micro * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
+        activations = in_flight * per_micro + working
+        if first:
+            embed = 8 * tokens + (tokens * m.hidden_size / sp_div if m.hidden_dropout > 0 else 0)
+            activations += in_flight * embed
+        logits = 0.0
+        if last:
+            stats = 4 if m.normalization == "RMSNorm" else 8
+            activations += tokens * (2 * e * m.hidden_size + stats) / sp_div
+            logits = loss_bytes(m.hidden_size, vocab // tp, tr.micro_batch_size * m.seq_length // cp, e, fused_loss)
+            if mtp:  # each prediction depth's loss keeps its own output-weight gradient (or logits) too
+                logits += mtp * (4.0 * m.hidden_size * (vocab // tp) if fused_loss
+                                 else 4.0 * tr.micro_batch_size * m.seq_length // cp * (vocab // tp))
+            if fused_loss:
+                # The loss's chunk lives in the forward, the working set above (a recomputed chunk's
+                # activations, the offloading's backlog and fetched layers) in the backward: never together.
+                transient = logits - 4.0 * m.hidden_size * (vocab // tp) * (1 + mtp)
+                activations -= min(working, transient)
+        out.append(MemoryEstimate(weights=round(weights), gradients=round(grads), optimizer_state=round(optim),
+                                  activations=round(activations), logits=round(logits), stage=rank,
+                                  microbatches_in_flight=in_flight,
+                                  offload_stall_s=stall if tr.offload_activations else 0.0))
+    return out
+
+
+def loss_bytes(hidden: int, vocab_local: int, tokens: int, act_bytes: int, fused: bool = True) -> float:
+    """Bytes the loss holds on the last stage for one micro-batch (see the module docstring)."""
+    if not fused:
+        return tokens * vocab_local * 4.0
+    chunk = chunk_size(tokens, vocab_local)
+    if act_bytes < 4:
+        # bf16 on GPU: the chunk's logits and its logits-gradient, both bf16 (the element-wise
+        # passes are compiled into fused kernels that keep no fp32 copy).
+        per_element = 2 * act_bytes
+    else:
+        # fp32 (CPU, eager): logits, their fp32 copy, exponentials, softmax and the gradient.
+        per_element = 5 * act_bytes
+    if tokens > chunk:
+        # From the second chunk on, the previous chunk's logits-gradient is still referenced while
+        # the next chunk's logits and gradient are computed (the loop variable is rebound only after).
+        per_element += act_bytes
+    return 4.0 * hidden * vocab_local + chunk * vocab_local * per_element
+
+
+def _offload_chunk(cfg: MeshtronConfig, layers: list[int], saved: list[float], tokens: int, with_loss: bool,
+                   vocab: int, profile=None) -> tuple[OffloadTimeline, float]:
+    """(the copy timeline, bytes kept on the device) of one micro-batch through one chunk of layers
+    that save ``saved`` bytes each, under ``--offload-activations``."""
+    from meshtron.planning.profiles import H200
+    from meshtron.planning.step_time import Links, _head_cost, _layer_cost
+
+    profile = profile or H200
+    t = cfg.train
+    stats = 4 if cfg.model.normalization == "RMSNorm" else 8
+    small = 2 * stats * tokens if stats * tokens < OFFLOAD_MIN_BYTES else 0  # the norms' statistics stay
+    moves = offloaded_layers(cfg, len(layers))
+    offloaded = [max(0.0, b - small) if m else 0.0 for b, m in zip(saved, moves)]
+    kept = [min(b, small) if m else b for b, m in zip(saved, moves)]
+    forward, backward = [], []
+    for position, i in enumerate(layers):
+        recomputed = t.recompute_granularity == "full" and (t.recompute_method != "block"
+                                                            or position < max(1, t.recompute_num_layers))
+        cost = _layer_cost(cfg, is_moe_layer(cfg.model, i), recomputed, profile, Links())
+        forward.append(cost.forward)
+        backward.append(cost.compute - cost.forward)
+    gap = _head_cost(cfg, vocab, profile)[0] if with_loss else 0.0
+    timeline = offload_timeline(offloaded, kept, forward, backward, gap, profile.pcie_gbps * 1e9)
+    return timeline, sum(kept)
+
+
+def _offload_fraction(cfg: MeshtronConfig) -> float:
+    """The share of optimizer state moved to the CPU by ``--optimizer-cpu-offload`` (0..1)."""
+    return min(1.0, max(0.0, cfg.optim.optimizer_offload_fraction))
+
+
+@dataclass(frozen=True)
+class OffloadTimeline:
+    """One micro-batch of one model chunk under ``--offload-activations`` (see the module docstring)."""
+
+    peak_resident: float  # most bytes of the chunk's activations on the device at once in its backward
+    backlog: float  # bytes whose copy to the host had not run when the backward began
+    stall_s: float  # seconds the backward waits for fetches beyond its own compute
+
+
+def offload_timeline(offloaded: list[float], kept: list[float], forward_s: list[float], backward_s: list[float],
+                     gap_s: float, pcie_bytes_per_s: float) -> OffloadTimeline:
+    """Replay the side stream's copies for the layers of one chunk, in forward order.
+
+    ``offloaded[i]``: bytes layer ``i`` copies to the host (0 for a layer that keeps its own);
+    ``kept[i]``: bytes it keeps on the device; ``forward_s`` / ``backward_s``: its compute times;
+    ``gap_s``: time between the chunk's last forward and its first backward (the loss on the last
+    stage). A layer's copy starts when its forward has run and the stream is free; its device
+    memory is freed as the copy proceeds. In the backward, reaching layer ``j`` queues the fetch of
+    ``j`` and ``j - 1`` behind whatever the stream still has; ``j``'s backward starts once its fetch is done.
+    """
+    n, rate = len(offloaded), max(pcie_bytes_per_s, 1.0)
+    t, stream = 0.0, 0.0
+    copies: list[tuple[float, float, float]] = []  # (start, end, bytes) of each device-to-host copy
+    for i in range(n):
+        t += forward_s[i]
+        if offloaded[i] > 0:
+            start = max(t, stream)
+            stream = start + offloaded[i] / rate
+            copies.append((start, stream, offloaded[i]))
+
+    def backlog_at(time: float) -> float:
+        """Bytes still on the device for copies to the host unfinished at ``time`` (freed as they run)."""
+        left = 0.0
+        for start, end, size in copies:
+            if end > time:
+                left += size * min(1.0, (end - time) / (end - start))
+        return left
+
+    t += gap_s
+    backward_start, backlog = t, backlog_at(t)
+    fetched_at: dict[int, float] = {}
+    peak = 0.0
+
+    def fetch(i: int, now: float) -> None:
+        nonlocal stream
+        if 0 <= i < n and offloaded[i] > 0 and i not in fetched_at:
+            stream = max(stream, now) + offloaded[i] / rate
+            fetched_at[i] = stream
+
+    for j in range(n - 1, -1, -1):
+        fetch(j, t)
+        fetch(j - 1, t)
+        resident = sum(kept[:j + 1]) + backlog_at(t) + offloaded[j] + (offloaded[j - 1] if j > 0 else 0.0)
+        peak = max(peak, resident)
+        t = max(t, fetched_at.get(j, t)) + backward_s[j]
+    stall = max(0.0, t - backward_start - sum(backward_s))
+    return OffloadTimeline(peak_resident=peak, backlog=backlog, stall_s=stall)
+
+
+def offloaded_layers(cfg: MeshtronConfig, count: int) -> list[bool]:
+    """Which of a chunk's ``count`` layers offload (ActivationOffloader.offloads): never the last one."""
+    if not cfg.train.offload_activations:
+        return [False] * count
+    n = cfg.train.offload_activations_num_layers
+    limit = count - 1 if n is None else min(n, count - 1)
+    return [i < limit for i in range(count)]

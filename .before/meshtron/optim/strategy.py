@@ -1,0 +1,230 @@
+"""The data-parallel strategy seam: gradient storage, its reduction, the weights' gather, and what the
+optimizer steps, behind one interface per ``--data-parallel-sharding-strategy`` (Megatron-FSDP's names).
+
+=====================  ======================  =====================  ==========================
+strategy               weights per rank         gradients per rank     optimizer state per rank
+=====================  ======================  =====================  ==========================
+``no_shard``           all                      all (flat buffer)      all
+``optim``              all (flat buffer)        all (flat buffer)      shard (ZeRO-1)
+``optim_grads``        all (flat buffer)        shard (ZeRO-2)         shard
+``optim_grads_params`` shard + one unit at use  shard                  shard (ZeRO-3)
+=====================  ======================  =====================  ==========================
+
+The trainer calls :meth:`DataParallelStrategy.zero` before an iteration, passes
+:meth:`~DataParallelStrategy.start_overlap` to the pipeline schedule as ``on_chunk_grads_ready``,
+and calls :meth:`~DataParallelStrategy.finish` after the last backward; the optimizer
+(:class:`TrainingOptimizer`) then steps the gradients the strategy left (``grad_data``) on the weights
+it addresses (``param_data``), and the strategy's :class:`WeightGather` brings updated weights to
+every rank. Checkpoints read and write the model's parameters between
+``optimizer.finish_param_gather()`` and ``optimizer.weights_written()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import torch
+import torch.nn as nn
+
+from meshtron.optim.buckets import BufferLayout
+from meshtron.optim.grad_buffer import GradBuffer
+from meshtron.optim.grads import GradientSync
+from meshtron.optim.param_buffer import ParamBuffer, ParamGather
+from meshtron.optim.shards import CompactShards
+from meshtron.optim.sharded_grads import ShardedGradients
+from meshtron.optim.sharded_params import ShardedParams
+from meshtron.parallel.context import ParallelContext
+
+#: ``--data-parallel-sharding-strategy`` values, from least to most sharded.
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+class TrainingOptimizer(Protocol):
+    """What the trainer and the checkpoint code use of an optimizer (MixedPrecisionAdamW, DistributedOptimizer)."""
+
+    params: list[nn.Parameter]
+
+    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None) -> None: ...
+    def state_tensors(self, index: int) -> dict[str, torch.Tensor]: ...
+    def load_state_tensors(self, index: int, tensors: dict[str, torch.Tensor]) -> None: ...
+    def ensure_state(self) -> None: ...
+    @property
+    def step_count(self) -> int: ...
+    def set_step_count(self, step: int) -> None: ...
+    def finish_param_gather(self) -> None: ...
+    def weights_written(self) -> None: ...
+
+
+class WeightGather(Protocol):
+    """Brings the optimizer's updated weight shards to every rank (ParamGather, ShardedParams)."""
+
+    def start(self) -> None: ...
+    def wait_all(self) -> None: ...
+    def materialize(self) -> None: ...
+    def commit(self) -> None: ...
+    def remove_hooks(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class AllocatedBytes:
+    """Bytes this strategy holds between steps on one rank (weights, gradients), as allocated."""
+
+    weights: int
+    gradients: int
+
+
+class DataParallelStrategy:
+    """Base of the strategies: the interface the trainer, the optimizer factory and the checkpoint use."""
+
+    name: str = ""
+    #: Whether the optimizer steps only this rank's shards (DistributedOptimizer with shard=True).
+    shards_optimizer: bool = False
+    layout: BufferLayout
+    grad_data: torch.Tensor  # the gradients the optimizer reads (full buffer or compact shards)
+    param_data: Optional[torch.Tensor] = None  # the weights it writes (None: the parameters themselves)
+    gather: Optional[WeightGather] = None
+    compact: Optional[CompactShards] = None  # set when grad_data / param_data are compact shards
+    grad_buffer: Optional[GradBuffer] = None  # the full gradient buffer (no_shard, optim)
+    grad_sync: Optional[GradientSync] = None  # its reduction
+    param_buffer: Optional[ParamBuffer] = None  # the full flat weights (optim, optim_grads, offload)
+
+    def zero(self) -> None:
+        """Start an iteration's gradient accumulation."""
+        raise NotImplementedError
+
+    def start_overlap(self, chunk: Optional[int] = None) -> None:
+        """Before model chunk ``chunk``'s last backward (``on_chunk_grads_ready``)."""
+
+    def finish(self) -> None:
+        """After the last backward: complete the gradient reduction."""
+        raise NotImplementedError
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's gradients (zeroed before a re-run, corrupted by fault drills)."""
+        return [self.grad_data]
+
+    def local_gradients(self) -> Optional[list[torch.Tensor]]:
+        """This rank's own gradients before the reduction, or None where they are reduced as they arrive."""
+        return None
+
+    def clear_gradients(self) -> None:
+        """Zero every gradient (nothing of an abandoned execution stays behind)."""
+        for t in self.gradient_tensors():
+            t.zero_()
+
+    def allocated(self) -> AllocatedBytes:
+        raise NotImplementedError
+
+    def remove_hooks(self) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedGradients(DataParallelStrategy):
+    """``no_shard`` and ``optim``: a full flat gradient buffer, all-reduced or reduce-scattered per bucket."""
+
+    def __init__(self, model_chunks: Sequence[nn.Module], layout: BufferLayout, ctx: ParallelContext,
+                 grad_dtype: torch.dtype, shard: bool, overlap_grad_reduce: bool, overlap_param_gather: bool,
+                 flat_weights: bool):
+        self.name = "optim" if shard else "no_shard"
+        self.shards_optimizer = shard
+        self.layout = layout
+        params = layout.params
+        self.grad_buffer = GradBuffer(params, dtype=grad_dtype, device=ctx.device, layout=layout)
+        self.grad_sync = GradientSync(model_chunks, params, ctx, self.grad_buffer, overlap=overlap_grad_reduce,
+                                      reduce_scatter=shard)
+        self.grad_data = self.grad_buffer.data
+        self.param_buffer: Optional[ParamBuffer] = None
+        if flat_weights:  # the distributed optimizer (or CPU offload) addresses weights in one flat buffer
+            self.param_buffer = ParamBuffer(layout, ctx.device)
+            self.param_data = self.param_buffer.data
+            self.gather = ParamGather(layout, self.param_buffer, model_chunks, overlap=shard and overlap_param_gather)
+
+    def zero(self) -> None:
+        self.grad_buffer.zero()
+
+    def start_overlap(self, chunk: Optional[int] = None) -> None:
+        self.grad_sync.start_overlap(chunk)
+
+    def finish(self) -> None:
+        self.grad_sync.finish()
+
+    def local_gradients(self) -> Optional[list[torch.Tensor]]:
+        self.grad_buffer.zero_unwritten()
+        return [self.grad_buffer.view_of(i) for i in range(len(self.layout.params))]
+
+    def allocated(self) -> AllocatedBytes:
+        if self.param_buffer is not None:
+            weights = self.param_buffer.data.numel() * self.param_buffer.data.element_size()
+        else:
+            weights = sum(p.numel() * p.element_size() for p in self.layout.params)
+        return AllocatedBytes(weights, self.grad_data.numel() * self.grad_data.element_size())
+
+    def remove_hooks(self) -> None:
+        self.grad_buffer.remove_hooks()
+        if self.gather is not None:
+            self.gather.remove_hooks()
+
+
+class ShardedGradStrategy(DataParallelStrategy):
+    """``optim_grads`` (ZeRO-2) and ``optim_grads_params`` (ZeRO-3): gradients kept as this rank's shards,
+    reduce-scattered as backward produces them; with ``shard_params`` the weights are sharded too."""
+
+    shards_optimizer = True
+
+    def __init__(self, model_chunks: Sequence[nn.Module], layout: BufferLayout, ctx: ParallelContext,
+                 grad_dtype: torch.dtype, shard_params: bool, overlap_param_gather: bool):
+        self.name = "optim_grads_params" if shard_params else "optim_grads"
+        self.layout = layout
+        self.grads = ShardedGradients(model_chunks, layout, ctx, grad_dtype, ctx.device)
+        self.compact = self.grads.shards
+        self.grad_data = self.grads.data
+        self.param_buffer = None
+        if shard_params:
+            self.sharded_params = ShardedParams(layout, model_chunks, ctx.device, prefetch=True)
+            self.grads.on_bucket_complete = self.sharded_params.release_after_backward
+            self.gather = self.sharded_params
+            self.param_data = self.sharded_params.data
+        else:
+            self.param_buffer = ParamBuffer(layout, ctx.device)
+            gather = ParamGather(layout, self.param_buffer, model_chunks, overlap=overlap_param_gather,
+                                 shards=self.compact)
+            self.gather, self.param_data = gather, gather.shard_data
+
+    def zero(self) -> None:
+        self.grads.zero()
+
+    def finish(self) -> None:
+        self.grads.finish()
+
+    def clear_gradients(self) -> None:
+        self.grads.drop_partial()
+
+    def allocated(self) -> AllocatedBytes:
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        if self.param_buffer is not None:  # full weights plus the compact shard the optimizer writes
+            weights = size(self.param_buffer.data) + size(self.param_data)
+        else:
+            weights = size(self.param_data)  # plus one unit's full buckets while it is in use
+        return AllocatedBytes(weights, size(self.grad_data))
+
+    def remove_hooks(self) -> None:
+        self.grads.remove_hooks()
+        if self.gather is not None:
+            self.gather.remove_hooks()
+
+
+def build_strategy(name: str, model_chunks: Sequence[nn.Module], layout: BufferLayout, ctx: ParallelContext,
+                   grad_dtype: torch.dtype, overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                   flat_weights: bool = False) -> DataParallelStrategy:
+    """The strategy ``name`` (one of :data:`STRATEGIES`) for ``layout``'s parameters."""
+    if name in ("no_shard", "optim"):
+        return ReplicatedGradients(model_chunks, layout, ctx, grad_dtype, shard=name == "optim",
+                                   overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                                   flat_weights=flat_weights or name == "optim")
+    if name in ("optim_grads", "optim_grads_params"):
+        return ShardedGradStrategy(model_chunks, layout, ctx, grad_dtype, shard_params=name == "optim_grads_params",
+                                   overlap_param_gather=overlap_param_gather)
+    raise ValueError(f"unknown data-parallel sharding strategy {name!r} (valid: {', '.join(STRATEGIES)})")

@@ -1,0 +1,244 @@
+"""ParallelContext: every process group and this rank's coordinates.
+
+Rank order, fastest-varying first: TP, CP, DP, PP (Megatron's order, so that a
+tensor-parallel group is made of neighbouring ranks, i.e. GPUs of one node):
+
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
+
+Expert parallelism splits the DP x CP ranks of each pipeline stage (with the same
+TP rank): ``ep_rank`` varies fastest inside that set, the remaining index is the
+expert-data-parallel rank over which expert gradients are reduced.
+
+The context is created once and passed explicitly; a process without
+torch.distributed gets the trivial context (every size 1, no groups), so every
+code path also runs in one plain Python process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshtron.resilience.restart import attempt_store_options
+from meshtron.validation import check_expert_ranks, data_parallel_size_of
+
+
+@dataclass
+class ParallelContext:
+    """Process groups and coordinates of this rank. Groups are None when their size is 1."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+    rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
+    pp_rank: int = 0
+    ep_rank: int = 0
+    expert_dp_rank: int = 0
+    tp_group: Optional[dist.ProcessGroup] = None
+    cp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    pp_group: Optional[dist.ProcessGroup] = None
+    dp_cp_group: Optional[dist.ProcessGroup] = None  # gradient reduction of non-expert parameters
+    tp_cp_group: Optional[dist.ProcessGroup] = None
+    model_parallel_group: Optional[dist.ProcessGroup] = None  # TP x PP: sums of norms over distinct parameters
+    embedding_group: Optional[dist.ProcessGroup] = None  # first and last pipeline stage (tied embeddings)
+    ep_group: Optional[dist.ProcessGroup] = None
+    expert_dp_group: Optional[dist.ProcessGroup] = None
+    pp_ranks: tuple = (0,)  # global ranks of this rank's pipeline group, by stage
+    # Every group's collective timeout (--distributed-timeout-minutes), also for groups created later.
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def expert_dp(self) -> int:
+        return (self.dp * self.cp) // self.ep
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that writes logs and metrics: TP/CP/DP rank 0 of the last pipeline stage,
+        which holds the loss. Global rank 0 when PP is 1."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.dp_rank == 0 and self.is_last_stage
+
+    def describe(self) -> str:
+        return f"TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp} EP={self.ep}"
+
+
+def rank_grid(tp: int, cp: int, dp: int, pp: int) -> np.ndarray:
+    """Global ranks laid out as an array indexed [pp, dp, cp, tp]."""
+    return np.arange(tp * cp * dp * pp).reshape(pp, dp, cp, tp)
+
+
+def _groups_varying(grid: np.ndarray, axes: tuple[int, ...]) -> list[list[int]]:
+    """Every group of ranks that differ only along ``axes`` of ``grid``."""
+    other = [a for a in range(grid.ndim) if a not in axes]
+    moved = np.transpose(grid, other + list(axes))
+    flat = moved.reshape(-1, int(np.prod([grid.shape[a] for a in axes])) if axes else 1)
+    return [list(map(int, row)) for row in flat]
+
+
+def _expert_groups(tp: int, cp: int, dp: int, pp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """EP groups and expert-DP groups: the DP x CP ranks of a stage split as (expert_dp, ep)."""
+    grid = rank_grid(tp, cp, dp, pp)  # [pp, dp, cp, tp]
+    dpcp = grid.reshape(pp, dp * cp, tp)  # dp-major then cp: index = dp_rank * cp + cp_rank
+    edp = (dp * cp) // ep
+    split = dpcp.reshape(pp, edp, ep, tp)
+    ep_groups = _groups_varying(split, (2,))
+    edp_groups = _groups_varying(split, (1,))
+    return ep_groups, edp_groups
+
+
+def _new_groups(all_groups: list[list[int]], rank: int, backend: Optional[str],
+                timeout: datetime.timedelta) -> Optional[dist.ProcessGroup]:
+    """Create every group (all ranks must call new_group for each) and return this rank's."""
+    mine = None
+    for ranks in all_groups:
+        if len(ranks) == 1:
+            continue
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def check_layout(world_size: int, tp: int, cp: int, pp: int, ep: int) -> int:
+    """DP of the world split TP x CP x DP x PP, with EP over DP x CP; the rules are validation's."""
+    dp = data_parallel_size_of(world_size, tp, cp, pp)
+    check_expert_ranks(ep, dp, cp)
+    return dp
+
+
+def build_parallel_context(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, device: Optional[str] = None,
+                           backend: Optional[str] = None, timeout_minutes: float = 10.0) -> ParallelContext:
+    """Initialise torch.distributed if launched by torchrun (WORLD_SIZE set) and build every group.
+
+    Without torchrun (or with a world of one) returns the trivial context.
+    """
+    dev_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and not dist.is_initialized():
+        check_layout(1, tp, cp, pp, ep)
+        dev = torch.device("cuda", torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+        return ParallelContext(device=dev)
+
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if dev_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    backend = backend or ("nccl" if dev_type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        kwargs = {"device_id": dev} if dev_type == "cuda" else {}
+        kwargs.update(attempt_store_options(timeout))  # a restarted attempt must not read the last one's keys
+        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    return build_groups(tp, cp, pp, ep, dev, backend, timeout)
+
+
+def build_groups(tp: int, cp: int, pp: int, ep: int, device: torch.device, backend: Optional[str] = None,
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> ParallelContext:
+    """Build every group on an initialised default process group."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    dp = check_layout(world, tp, cp, pp, ep)
+    grid = rank_grid(tp, cp, dp, pp)
+    pp_rank, dp_rank, cp_rank, tp_rank = (int(i) for i in np.argwhere(grid == rank)[0])
+
+    PP, DP, CP, TP = 0, 1, 2, 3
+    ctx = ParallelContext(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank, device=device,
+                          tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank, timeout=timeout)
+    ctx.tp_group = _new_groups(_groups_varying(grid, (TP,)), rank, backend, timeout)
+    ctx.cp_group = _new_groups(_groups_varying(grid, (CP,)), rank, backend, timeout)
+    ctx.dp_group = _new_groups(_groups_varying(grid, (DP,)), rank, backend, timeout)
+    pp_groups = _groups_varying(grid, (PP,))
+    ctx.pp_group = _new_groups(pp_groups, rank, backend, timeout)
+    ctx.pp_ranks = tuple(next(g for g in pp_groups if rank in g))
+    ctx.dp_cp_group = _new_groups(_groups_varying(grid, (DP, CP)), rank, backend, timeout)
+    ctx.tp_cp_group = _new_groups(_groups_varying(grid, (CP, TP)), rank, backend, timeout)
+    ctx.model_parallel_group = _new_groups(_groups_varying(grid, (PP, TP)), rank, backend, timeout)
+    embedding_groups = [[g[0], g[-1]] for g in pp_groups] if pp > 1 else []
+    ctx.embedding_group = _new_groups(embedding_groups, rank, backend, timeout)
+    ep_groups, edp_groups = _expert_groups(tp, cp, dp, pp, ep)
+    ctx.ep_group = _new_groups(ep_groups, rank, backend, timeout)
+    ctx.expert_dp_group = _new_groups(edp_groups, rank, backend, timeout)
+    dpcp_index = dp_rank * cp + cp_rank
+    ctx.ep_rank = dpcp_index % ep
+    ctx.expert_dp_rank = dpcp_index // ep
+    return ctx
+
+
+def destroy_process_groups(timeout_s: float) -> bool:
+    """Destroy every process group, subgroups first and the default group last; True when done in time.
+
+    ``torch.distributed.destroy_process_group()`` shuts the groups down in the reverse order of their
+    creation. Shutting down is local for gloo but may wait on a peer for NCCL, so it runs in a helper
+    thread that is given ``timeout_s``: a dead peer cannot hang the exit. The groups' worker threads
+    end when the last references to the group objects go (the caller collects them afterwards).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return True
+    failure: list[BaseException] = []
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # noqa: BLE001 - reported as "not done"; the process is ending anyway
+            failure.append(err)
+
+    worker = threading.Thread(target=destroy, name="meshtron-destroy-groups", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return not worker.is_alive() and not failure
+
+
+def tp_subgroup(ctx: ParallelContext, size: int) -> Optional[dist.ProcessGroup]:
+    """This rank's group of ``size`` consecutive ranks inside its TP group (cached on the context).
+
+    Used for key/value heads replicated over TP ranks when TP exceeds the number of
+    query groups. Every rank must call this with the same sizes in the same order.
+    """
+    if size == 1 or ctx.tp == 1:
+        return None
+    cache = ctx.__dict__.setdefault("_tp_subgroups", {})
+    if size not in cache:
+        grid = rank_grid(ctx.tp, ctx.cp, ctx.dp, ctx.pp)
+        groups = [g[i:i + size] for g in _groups_varying(grid, (3,)) for i in range(0, ctx.tp, size)]
+        cache[size] = _new_groups(groups, ctx.rank, None, ctx.timeout)
+    return cache[size]
+
+
+def context_from_config(cfg) -> ParallelContext:
+    """The process groups a validated :class:`~meshtron.config.MeshtronConfig` asks for."""
+    p = cfg.parallel
+    return build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
+                                  p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                                  device=cfg.train.device, backend=p.distributed_backend,
+                                  timeout_minutes=p.distributed_timeout_minutes)

@@ -1,0 +1,62 @@
+"""RNG states for dropout under tensor parallelism.
+
+Dropout outside tensor-parallel regions (on activations that every TP rank holds
+in full) must draw the same mask on every TP rank; dropout inside them (on a
+rank's own heads) or on sequence-parallel shards must draw different masks. The
+tracker keeps a second generator state, seeded per TP rank, and swaps it in for
+the duration of a ``fork()`` block. Both states derive from ``--seed`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+_TP_SEED_OFFSET = 2718
+
+
+class RNGTracker:
+    """Holds the tensor-parallel generator state of one rank."""
+
+    def __init__(self, seed: int, tp_rank: int, pp_rank: int, device: torch.device):
+        self.device = device
+        self.default_seed = seed + 100 * pp_rank
+        self.tp_seed = seed + _TP_SEED_OFFSET + 100 * pp_rank + tp_rank
+        self._tp_state = self._fresh_state(self.tp_seed)
+
+    def _fresh_state(self, seed: int) -> torch.Tensor:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen.get_state()
+
+    def seed_default(self) -> None:
+        """Seed the process's default generators (dropout outside TP regions)."""
+        torch.manual_seed(self.default_seed)
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        """Run the block with the tensor-parallel generator state, then restore the default one."""
+        if self.device.type == "cuda":
+            saved = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(self._tp_state, self.device)
+            try:
+                yield
+            finally:
+                self._tp_state = torch.cuda.get_rng_state(self.device)
+                torch.cuda.set_rng_state(saved, self.device)
+        else:
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self._tp_state)
+            try:
+                yield
+            finally:
+                self._tp_state = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    def state_dict(self) -> dict:
+        return {"tp_state": self._tp_state.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._tp_state = state["tp_state"].clone()

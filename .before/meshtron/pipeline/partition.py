@@ -1,0 +1,191 @@
+"""Which transformer layers each pipeline stage, and each virtual chunk of a stage, holds.
+
+Layers are split over ``--pipeline-model-parallel-size`` stages, evenly unless
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``
+fix the first and last stage's share (the remaining layers then split evenly over
+the stages in between). Megatron-LM's ``--account-for-embedding-in-pipeline-split`` /
+``--account-for-loss-in-pipeline-split`` instead count the embedding / the output layer
+and loss as one more layer: the slots (layers plus those) split evenly over the model
+chunks, and the first / last chunk holds one layer fewer.
+
+With ``V`` virtual stages (interleaved 1F1B, ``--virtual-pipeline-model-parallel-size``
+or ``--num-layers-per-virtual-pipeline-stage``) the model is cut into ``PP x V`` model
+chunks of consecutive layers, assigned round-robin like Megatron-LM: chunk ``v`` of
+stage ``p`` is model chunk ``v * PP + p``. A chunk of stage ``p`` holds
+``layers(p) / V`` layers. Example: 8 layers, PP=2, V=2 gives stage 0 the chunks
+[0, 1] and [4, 5], stage 1 the chunks [2, 3] and [6, 7].
+
+The embedding lives on chunk 0 of stage 0, the final norm, output layer and loss
+on chunk V-1 of the last stage. Layer indices are global, so parameter names
+(``layers.i``) do not depend on the layout.
+
+Everything here takes plain integers and imports neither torch nor the configuration,
+so that checking a configuration (:mod:`meshtron.validation`, which reads the flags
+into these arguments) needs no model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from meshtron.errors import ConfigError
+
+_FIRST = "--decoder-first-pipeline-num-layers"
+_LAST = "--decoder-last-pipeline-num-layers"
+_PP = "--pipeline-model-parallel-size"
+_VPP = "--virtual-pipeline-model-parallel-size"
+_PER_VIRTUAL = "--num-layers-per-virtual-pipeline-stage"
+_EMBEDDING_SLOT = "--account-for-embedding-in-pipeline-split"
+_LOSS_SLOT = "--account-for-loss-in-pipeline-split"
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The layers of every model chunk, indexed by model chunk ``k = virtual * stages + stage``."""
+
+    num_layers: int
+    stages: int
+    virtual_stages: int
+    chunk_layers: tuple[tuple[int, ...], ...]
+
+    def layers(self, stage: int, virtual: int = 0) -> list[int]:
+        """Global indices of the layers held by chunk ``virtual`` of pipeline stage ``stage``."""
+        return list(self.chunk_layers[virtual * self.stages + stage])
+
+    def stage_layers(self, stage: int) -> list[list[int]]:
+        """The layers of each of ``stage``'s chunks, in virtual-stage order."""
+        return [self.layers(stage, v) for v in range(self.virtual_stages)]
+
+    def has_embedding(self, stage: int, virtual: int = 0) -> bool:
+        """Whether this chunk is the very first one (holds the embedding)."""
+        return stage == 0 and virtual == 0
+
+    def has_loss(self, stage: int, virtual: int = 0) -> bool:
+        """Whether this chunk is the very last one (holds the final norm, output layer and loss)."""
+        return stage == self.stages - 1 and virtual == self.virtual_stages - 1
+
+
+def stage_layer_counts(num_layers: int, stages: int, first: Optional[int] = None,
+                       last: Optional[int] = None) -> list[int]:
+    """Layers per pipeline stage: ``first``/``last`` fixed if given, the rest split evenly."""
+    if stages < 1:
+        raise ConfigError(f"{_PP} must be >= 1, got {stages}")
+    for flag, value in ((_FIRST, first), (_LAST, last)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if stages == 1:
+        if first is not None or last is not None:
+            flag = _FIRST if first is not None else _LAST
+            raise ConfigError(f"{flag} needs {_PP} > 1")
+        return [num_layers]
+    middle_stages = stages - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if first is None and last is None:
+        if num_layers % stages:
+            raise ConfigError(f"--num-layers ({num_layers}) must be divisible by {_PP} ({stages}), or set "
+                              f"{_FIRST} / {_LAST} for an uneven split")
+        return [num_layers // stages] * stages
+    given = " and ".join(f"{flag} {v}" for flag, v in ((_FIRST, first), (_LAST, last)) if v is not None)
+    if middle_stages == 0 and rest != 0:
+        raise ConfigError(f"{given} must add up to --num-layers ({num_layers}) with {_PP} {stages}")
+    if middle_stages > 0 and (rest <= 0 or rest % middle_stages):
+        raise ConfigError(f"--num-layers ({num_layers}) minus {given} leaves {rest} layers for the other "
+                          f"{middle_stages} of {_PP} {stages} stages: it must be a positive multiple of "
+                          f"{middle_stages}")
+    middle = [rest // middle_stages] * middle_stages if middle_stages else []
+    return ([first] if first is not None else []) + middle + ([last] if last is not None else [])
+
+
+def resolve_virtual_stages(num_layers: int, counts: list[int], virtual_size: Optional[int],
+                           layers_per_virtual: Optional[int], uneven: bool) -> int:
+    """Virtual stages per pipeline rank from either flag (they must agree when both are given)."""
+    stages = len(counts)
+    for flag, value in ((_VPP, virtual_size), (_PER_VIRTUAL, layers_per_virtual)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if value is not None and stages == 1:
+            raise ConfigError(f"{flag} needs {_PP} > 1 (virtual stages interleave pipeline stages)")
+    vpp = virtual_size
+    if layers_per_virtual is not None:
+        if uneven:
+            raise ConfigError(f"{_PER_VIRTUAL} cannot be combined with {_FIRST} / {_LAST}: use {_VPP}")
+        if counts[0] % layers_per_virtual:
+            raise ConfigError(f"layers per pipeline stage ({counts[0]}, from --num-layers {num_layers} and {_PP} "
+                              f"{stages}) must be divisible by {_PER_VIRTUAL} ({layers_per_virtual})")
+        derived = counts[0] // layers_per_virtual
+        if vpp is not None and vpp != derived:
+            raise ConfigError(f"{_VPP} ({vpp}) contradicts {_PER_VIRTUAL} ({layers_per_virtual}), which gives "
+                              f"{derived} virtual stages")
+        vpp = derived
+    vpp = vpp or 1
+    for stage, n in enumerate(counts):
+        if n % vpp:
+            raise ConfigError(f"pipeline stage {stage} has {n} layers, not divisible by {vpp} virtual stages "
+                              f"({_VPP} / {_PER_VIRTUAL})")
+    return vpp
+
+
+def partition_layers(num_layers: int, stages: int, *, first: Optional[int] = None, last: Optional[int] = None,
+                     virtual_size: Optional[int] = None, layers_per_virtual: Optional[int] = None,
+                     embedding_slot: bool = False, loss_slot: bool = False) -> PipelineLayout:
+    """The layout of ``num_layers`` layers over ``stages`` pipeline stages (see the module docstring).
+
+    ``embedding_slot`` / ``loss_slot``: count the embedding / the output layer and loss as a layer.
+    Raises :class:`ConfigError` naming the flags when the split is impossible.
+    """
+    if num_layers < 1:
+        raise ConfigError(f"--num-layers must be >= 1, got {num_layers}")
+    if embedding_slot or loss_slot:
+        return _partition_with_slots(num_layers, stages, first, last, virtual_size, layers_per_virtual,
+                                     embedding_slot, loss_slot)
+    counts = stage_layer_counts(num_layers, stages, first, last)
+    vpp = resolve_virtual_stages(num_layers, counts, virtual_size, layers_per_virtual,
+                                 uneven=first is not None or last is not None)
+    return _layout(num_layers, stages, vpp, [counts[k % stages] // vpp for k in range(stages * vpp)])
+
+
+def _layout(num_layers: int, stages: int, vpp: int, chunk_sizes: list[int]) -> PipelineLayout:
+    """Consecutive layers for the model chunks of the given sizes, in model order (v-major, then stage)."""
+    chunks: list[tuple[int, ...]] = []
+    start = 0
+    for size in chunk_sizes:
+        chunks.append(tuple(range(start, start + size)))
+        start += size
+    return PipelineLayout(num_layers, stages, vpp, tuple(chunks))
+
+
+def _partition_with_slots(num_layers: int, stages: int, first: Optional[int], last: Optional[int],
+                          virtual_size: Optional[int], layers_per_virtual: Optional[int],
+                          embedding_slot: bool, loss_slot: bool) -> PipelineLayout:
+    """Megatron-LM's accounting split: the embedding and/or the loss take one layer's slot."""
+    flags = " and ".join(f for f, on in ((_EMBEDDING_SLOT, embedding_slot), (_LOSS_SLOT, loss_slot)) if on)
+    if first is not None or last is not None:
+        raise ConfigError(f"{flags} cannot be combined with {_FIRST} / {_LAST}: choose one way to split")
+    if stages == 1:
+        raise ConfigError(f"{flags} needs {_PP} > 1")
+    slots = num_layers + embedding_slot + loss_slot
+    if slots % stages:
+        raise ConfigError(f"--num-layers ({num_layers}) plus the {slots - num_layers} layer slot(s) of {flags} "
+                          f"= {slots} must be divisible by {_PP} ({stages})")
+    vpp = resolve_virtual_stages(slots, [slots // stages] * stages, virtual_size, layers_per_virtual, uneven=False)
+    sizes = [slots // (stages * vpp)] * (stages * vpp)
+    sizes[0] -= embedding_slot
+    sizes[-1] -= loss_slot
+    if min(sizes) < 1:
+        raise ConfigError(f"{flags} with --num-layers {num_layers}, {_PP} {stages} and {vpp} virtual stages "
+                          f"leaves a model chunk without layers; use fewer stages or virtual stages")
+    return _layout(num_layers, stages, vpp, sizes)
+
+
+def check_micro_batches(num_micro_batches: int, stages: int, virtual_stages: int) -> None:
+    """The interleaved schedule runs micro-batches in groups of ``stages``: their number must be a multiple."""
+    if num_micro_batches < 1:
+        raise ConfigError(f"an iteration needs at least one micro-batch per data-parallel rank, got "
+                          f"{num_micro_batches}")
+    if virtual_stages > 1 and num_micro_batches % stages:
+        raise ConfigError(
+            f"the interleaved pipeline schedule ({virtual_stages} virtual stages) needs the number of micro-batches "
+            f"per iteration (--global-batch-size / (--micro-batch-size x data-parallel size) = {num_micro_batches}) "
+            f"to be a multiple of {_PP} ({stages}); change --global-batch-size or --micro-batch-size, or drop "
+            f"{_VPP} / {_PER_VIRTUAL}")

@@ -1,0 +1,474 @@
+"""A model of one training step's time, from FLOPs, bytes and communication volumes.
+
+Per micro-batch, each transformer layer of a rank costs (forward + backward, and the recomputed
+forward when ``--recompute-granularity`` asks for one):
+
+- its GEMMs (QKV, output projection, the MLP or the routed experts, the router), each at the rate
+  the profile gives a GEMM of its size (``matmul_tflops * F / (F + F_half)``), FP8 linears faster
+  by ``fp8_matmul_speedup``, expert GEMMs at ``moe_gemm_efficiency``; the backward does two GEMMs
+  for each forward one;
+- causal flash attention at ``attention_tflops`` (the backward has 2.5x the forward's FLOPs);
+- its memory-bound kernels (norms, residual adds, RoPE, SwiGLU, the MoE permutation, FP8 casts) by
+  the bytes they move at ``hbm_gbps * hbm_efficiency`` (``eager_elementwise_factor`` more bytes
+  without ``torch.compile``; the backward moves twice the forward's);
+- a fixed ``layer_overhead_us``;
+- the communication on its critical path: tensor-parallel collectives (the forward's hidden by
+  ``--async-tensor-parallel`` in part, the backward's behind the weight-gradient GEMMs with
+  ``--tp-comm-overlap``), the context-parallel ring (behind the attention blocks), the expert
+  all-to-alls (not overlapped).
+
+With ``--offload-activations`` each micro-batch's backward also waits where the host copies
+(``pcie_gbps`` per direction, on one side stream) have not caught up: the forward's copies still
+draining when the backward begins, and fetches slower than the backward of the layer after them
+(:func:`meshtron.memory.offload_timeline`).
+
+The last stage adds the output layer and the fused loss, the first the embedding; each multi-token
+prediction depth (``--mtp-num-layers``) adds to the last stage a layer of the last layer's kind, an
+embedding, its [2H -> H] projection and another pass through the output layer and loss. A step is
+``M`` micro-batches of the slowest stage, stretched by the schedule's bubble (the plan-and-simulate
+executor's :func:`meshtron.pipeline.schedules.simulated_bubble` for the ``--pipeline-schedule``, a
+backward lasting two forwards; ZB-H1 in compiled layers adds ``ZB_H1_BREAK_US`` per linear for the
+graph break before each deferred weight-gradient GEMM), plus the exposed data-parallel communication
+by ``--data-parallel-sharding-strategy`` (the gradient reduce-scatter / all-reduce behind the last
+micro-batch's backward with ``--overlap-grad-reduce``, with ``optim_grads`` and ``optim_grads_params``
+a reduce-scatter behind every micro-batch's backward; the parameter all-gather behind the first
+forward with ``--overlap-param-gather``, the last/first bucket always exposed; with
+``optim_grads_params`` instead each layer's weights gathered before its forward and its backward,
+prefetched one layer ahead so that only the first layer's gather of each pass is exposed), blocking
+pipeline exchanges (``--no-overlap-p2p-comm``), the optimizer step by its bytes, and a fixed step
+overhead. Each collective moves its ring volume over the links its group spans: NVLink when the
+group's ranks share a node, the network otherwise (rank order TP, CP, DP, PP, fastest first).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from meshtron.config import MeshtronConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads, padded_vocab_size
+from meshtron.memory import LAYER_SAVES
+from meshtron.planning.profiles import DeviceProfile
+
+#: Flash attention's backward does 2.5x its forward's FLOPs (five matmuls for two, the scores recomputed).
+ATTENTION_BACKWARD_FLOPS = 2.5
+#: Lock-step ticks of a backward pass in the bubble simulation (two GEMMs per forward GEMM).
+BACKWARD_TICKS = 2
+#: ZB-H1 in compiled layers: each linear's deferred weight-gradient GEMM runs outside the compiled backward
+#: (a graph break per linear), an estimate of the extra seconds per linear and micro-batch (not measured).
+ZB_H1_BREAK_US = 5.0
+#: Linears of a layer whose weight gradient ZB-H1 defers (QKV, projection, the two MLP projections).
+ZB_H1_LINEARS = 4
+#: Datasheet dense bf16 peaks for MFU (the same table as meshtron.training.metrics).
+DATASHEET_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0}
+
+
+@dataclass(frozen=True)
+class Links:
+    """Where the ranks sit: ``gpus_per_node`` GPUs share NVLink, nodes talk over the network."""
+
+    gpus_per_node: int = 8
+
+    def bandwidth(self, profile: DeviceProfile, size: int, stride: int) -> float:
+        """Bus bandwidth (bytes/s) of a group of ``size`` ranks ``stride`` apart."""
+        spans_nodes = size * stride > self.gpus_per_node
+        return (profile.network_gbps if spans_nodes else profile.nvlink_gbps) * 1e9
+
+
+@dataclass
+class StepPrediction:
+    """Predicted time of one step on one GPU, and where it goes (seconds)."""
+
+    step_s: float
+    compute_s: float  # M micro-batches of the slowest stage, its exposed TP/CP/EP communication included
+    bubble_s: float
+    bubble_fraction: float
+    exposed_comm_s: float  # all exposed communication (TP, CP, EP, DP, PP)
+    optimizer_s: float
+    overhead_s: float
+    tokens_per_sec_per_gpu: float
+    model_tflops_per_gpu: float
+    mfu: Optional[float]
+    comm_by_kind_s: dict = field(default_factory=dict)  # exposed seconds per group kind
+
+    def as_dict(self) -> dict:
+        """JSON-ready figures."""
+        return {k: getattr(self, k) for k in ("step_s", "compute_s", "bubble_s", "bubble_fraction",
+                                              "exposed_comm_s", "optimizer_s", "overhead_s",
+                                              "tokens_per_sec_per_gpu", "model_tflops_per_gpu", "mfu",
+                                              "comm_by_kind_s")}
+
+
+def gemm_seconds(flops: float, profile: DeviceProfile, fp8: bool = False, efficiency: float = 1.0) -> float:
+    """One GEMM of ``flops`` at the profile's size-dependent rate."""
+    if flops <= 0:
+        return 0.0
+    rate = profile.matmul_tflops * 1e12 * flops / (flops + profile.matmul_half_gflop * 1e9)
+    return flops / (rate * (profile.fp8_matmul_speedup if fp8 else 1.0) * efficiency)
+
+
+def _ring(bytes_: float, n: int, bw: float, latency: float, factor: float = 1.0) -> float:
+    """A ring collective over ``n`` ranks: all-gather / reduce-scatter (factor 1), all-reduce (2)."""
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    return factor * bytes_ * (n - 1) / n / bw + latency
+
+
+def _overlapped(comm: float, cover: float, profile: DeviceProfile) -> float:
+    """Exposed seconds of ``comm`` run beside ``cover`` seconds of compute: what sticks out, plus
+    ``overlap_cost`` of the hidden part (the collective's kernels share SMs and memory bandwidth)."""
+    hidden = min(comm, cover)
+    return comm - hidden + profile.overlap_cost * hidden
+
+
+#: Beyond this many micro-batches the bubble is simulated at fewer and scaled (see bubble_fraction).
+SIMULATED_MICRO_BATCHES = 64
+
+
+@functools.lru_cache(maxsize=4096)
+def bubble_fraction(stages: int, virtual: int, micro_batches: int, schedule: Optional[str] = None) -> float:
+    """Idle over busy time of the schedule (``schedule``: a ``--pipeline-schedule`` value, None for the
+    default of ``virtual``): the executor's own plan, simulated.
+
+    The idle ticks are those of the warm-up and cool-down, which stop growing once every rank reaches
+    its steady state; so for many micro-batches the simulation runs at a multiple of ``stages`` near
+    :data:`SIMULATED_MICRO_BATCHES` and its idle time is spread over the real number (the search
+    evaluates thousands of layouts, and a simulation is linear in the micro-batches).
+    """
+    if stages <= 1:
+        return 0.0
+    from meshtron.pipeline.schedules import simulated_bubble
+
+    simulated = micro_batches
+    if micro_batches > SIMULATED_MICRO_BATCHES:
+        simulated = max(2 * stages, SIMULATED_MICRO_BATCHES // stages * stages)
+        if virtual > 1 or micro_batches % stages == 0:
+            simulated = max(stages, simulated // stages * stages)
+    return simulated_bubble(stages, virtual, simulated, BACKWARD_TICKS, schedule=schedule) * simulated / micro_batches
+
+
+@dataclass
+class _LayerCost:
+    compute: float  # seconds of forward + backward (+ recompute) kernels
+    forward: float  # the forward part of it
+    comm: float  # exposed communication on the critical path
+    comm_kind: dict
+
+
+def _attention_dims(cfg: MeshtronConfig) -> tuple[int, int]:
+    """(query/key, value) head dims of the model's attention (multi-latent attention differs)."""
+    from meshtron.layers.attention_kinds import attention_class
+
+    return attention_class(cfg.model).head_dims(cfg.model)
+
+
+def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: DeviceProfile, links: Links,
+                saves: int = LAYER_SAVES) -> _LayerCost:
+    """Forward + backward time of one layer for one micro-batch on one rank (``recomputed``: its
+    forward runs again in the backward, ``--recompute-granularity full``; ``saves``: the revision of
+    what the layers keep, :data:`meshtron.memory.LAYER_SAVES`, for rows measured at earlier code)."""
+    from meshtron.accounting import mla_rank_parameters
+    from meshtron.memory import fc2_recomputes_product
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    sp = p.sequence_parallel and tp > 1
+    fp8 = bool(t.fp8_format)
+    e = 2
+    h, d = m.hidden_size, head_dim(m)
+    seq = m.seq_length
+    tokens = t.micro_batch_size * seq / cp
+    heads, groups = math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp)
+    q_out, kv_out = heads * d, 2 * groups * d
+    rep_div = tp if sp else 1
+    latency = profile.collective_latency_us * 1e-6
+    hbm = profile.hbm_gbps * 1e9 * profile.hbm_efficiency * (1.0 if t.compile else 1.0 / profile.eager_elementwise_factor)
+
+    swiglu_recompute = 0.0
+    # GEMMs (forward FLOPs of each call) and the matching elementwise traffic.
+    if m.multi_latent_attention:
+        attn_params = mla_rank_parameters(m, tp)
+        attn_gemms = [2 * tokens * attn_params / 4] * 4
+    else:
+        attn_gemms = [2 * tokens * h * (q_out + kv_out), 2 * tokens * q_out * h]
+    fwd_gemm = sum(gemm_seconds(f, profile, fp8) for f in attn_gemms)
+    wgrad = fwd_gemm
+    if moe:
+        fe = m.moe_ffn_hidden_size or ffn_size(m)
+        k, n_exp = m.moe_router_topk, m.num_experts
+        local = n_exp / ep
+        per_expert_tokens = tokens * ep * k / n_exp
+        fan_in = 2 * fe if m.swiglu else fe
+        # One grouped GEMM per projection runs every local expert in one kernel: its rate is that of
+        # the whole product (all local experts' rows), not of one expert's.
+        expert = (gemm_seconds(2 * local * per_expert_tokens * h * fan_in / etp, profile, False,
+                               profile.moe_gemm_efficiency)
+                  + gemm_seconds(2 * local * per_expert_tokens * fe / etp * h, profile, False,
+                                 profile.moe_gemm_efficiency))
+        router = gemm_seconds(2 * tokens * h * n_exp, profile)
+        shared = 0.0
+        if m.moe_shared_expert_intermediate_size:
+            fs = m.moe_shared_expert_intermediate_size
+            shared = (gemm_seconds(2 * tokens * h * (2 * fs if m.swiglu else fs) / tp, profile, fp8)
+                      + gemm_seconds(2 * tokens * fs / tp * h, profile, fp8))
+        fwd_gemm += expert + router + shared
+        wgrad += expert + shared
+        mlp_elem = tokens * e * (3 * k * fe / etp + 8 * k * h / rep_div)  # SwiGLU + permute/unpermute copies
+        mlp_elem += tokens * 3 * 4 * n_exp  # router softmax / top-k in fp32
+        if m.moe_shared_expert_intermediate_size:
+            mlp_elem += tokens * e * 3 * m.moe_shared_expert_intermediate_size / tp
+    else:
+        f = ffn_size(m)
+        fan_in = 2 * f if m.swiglu else f
+        mlp = gemm_seconds(2 * tokens * h * fan_in / tp, profile, fp8) + gemm_seconds(2 * tokens * f / tp * h, profile, fp8)
+        fwd_gemm += mlp
+        wgrad += mlp
+        mlp_elem = tokens * e * 3 * f / tp
+        if fc2_recomputes_product(cfg, saves):
+            # fc2's backward recomputes SwiGLU's product from gate and up; in FP8 also the product's casts
+            # (read bf16, write two FP8 layouts) and the weight's.
+            swiglu_recompute = tokens * (e * 3 + (4 if fp8 else 0)) * f / tp + (4 * h * f / tp if fp8 else 0.0)
+    # Norms (read + write), residual adds (two reads, one write), RoPE on q and k.
+    norm_elem = tokens * e * 4 * h / rep_div
+    other_elem = tokens * e * (6 * h / rep_div + 2 * (q_out + kv_out / 2))
+    fwd_elem = norm_elem + other_elem + mlp_elem
+    fp8_fwd = fp8_bwd = 0.0
+    if fp8 and not moe:
+        # Each linear's input (forward) and output gradient (backward) cast to both FP8 layouts:
+        # read bf16, write two FP8 copies; and the weights, once per micro-batch.
+        f = ffn_size(m)
+        inputs = tokens * (2 * h + q_out + f / tp)
+        grads = tokens * (q_out + kv_out + h + 2 * f / tp + h)
+        weights = (h * (q_out + kv_out) + q_out * h + 3 * h * f / tp)
+        # The backward reads the inputs' saved copies and casts the gradients; since revision 2 of the
+        # layers' saves the forward writes the weight's own layout only and the backward casts it again,
+        # transposed (read bf16, write FP8).
+        recast = saves >= 2
+        fp8_fwd = 4 * inputs + (3 if recast else 4) * weights
+        fp8_bwd = 4 * grads + (3 * weights if recast else 0.0)
+
+    d_qk, d_v = _attention_dims(cfg)
+    attn_flops = t.micro_batch_size * (seq / cp) * seq * heads * (d_qk + d_v)  # causal: half of 2 * 2 * s^2 ...
+    local_seq = seq / cp
+    attn_rate = profile.attention_tflops * 1e12 * local_seq / (local_seq + profile.attention_half_seq)
+    attn_fwd = attn_flops / attn_rate
+    attn_bwd = ATTENTION_BACKWARD_FLOPS * attn_fwd
+
+    forward = fwd_gemm + attn_fwd + (fwd_elem + fp8_fwd) / hbm
+    backward = fwd_gemm + wgrad + attn_bwd + (2 * fwd_elem + fp8_bwd + swiglu_recompute) / hbm
+    recompute = 0.0
+    gran = t.recompute_granularity
+    if gran == "full":
+        recompute = forward if recomputed else 0.0
+    elif gran == "selective":
+        # meshtron.layers.recompute saves every matmul's and attention kernel's output (MUST_SAVE) and
+        # recomputes the element-wise work around them: the norms, RoPE and the SwiGLU.
+        recompute = (norm_elem + tokens * e * 2 * (q_out + kv_out / 2) + tokens * e * 3 * (ffn_size(m) / tp)) / hbm
+    overhead = profile.layer_overhead_us * 1e-6 * (1.5 if gran == "full" else 1.0)
+    compute = forward + backward + recompute + overhead
+
+    # Communication on the critical path.
+    kinds = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
+    if tp > 1:
+        bw = links.bandwidth(profile, tp, 1)
+        act = tokens * h * e
+        if sp:
+            gather = act * (0.5 if fp8 else 1.0)  # FP8 sequence parallelism gathers the FP8 input
+            # Forward: all-gather before QKV and fc1, reduce-scatter after the projections. Backward:
+            # the mirrored pair, and the inputs gathered again for the weight gradients.
+            fwd_comm = 2 * _ring(gather, tp, bw, latency) + 2 * _ring(act, tp, bw, latency)
+            bwd_comm = 4 * _ring(act, tp, bw, latency) + 2 * _ring(gather, tp, bw, latency)
+        else:
+            fwd_comm = bwd_comm = 2 * _ring(act, tp, bw, latency, 2.0)
+        hidden = profile.async_tp_hidden if (p.async_tensor_parallel and sp) else 0.0
+        fwd_exposed = _overlapped(fwd_comm, fwd_comm * hidden, profile)
+        bwd_exposed = bwd_comm * (1 - hidden)
+        if p.tp_comm_overlap:
+            bwd_exposed = _overlapped(bwd_exposed, wgrad, profile)
+        kinds["tp"] = fwd_exposed + bwd_exposed + (fwd_exposed if gran == "full" else 0.0)
+    if cp > 1:
+        bw = links.bandwidth(profile, cp, tp)
+        kv = t.micro_batch_size * (seq / cp) * kv_out * e
+        ring_fwd = (cp - 1) * (kv / bw + latency)
+        kinds["cp"] = _overlapped(ring_fwd, attn_fwd, profile) + _overlapped(2 * ring_fwd, attn_bwd, profile)
+    if moe and ep > 1:
+        bw = links.bandwidth(profile, ep, tp)
+        a2a = tokens * m.moe_router_topk * h * e / rep_div
+        kinds["ep"] = 4 * _ring(a2a, ep, bw, latency)
+    return _LayerCost(compute=compute, forward=forward, comm=sum(kinds.values()), comm_kind=kinds)
+
+
+def _head_cost(cfg: MeshtronConfig, vocab: int, profile: DeviceProfile) -> tuple[float, float]:
+    """(last stage's output layer + loss, first stage's embedding) per micro-batch, seconds."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    tokens = t.micro_batch_size * m.seq_length / cp
+    v_local = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, tp) / tp
+    hbm = profile.hbm_gbps * 1e9 * profile.hbm_efficiency
+    logits = gemm_seconds(2 * tokens * m.hidden_size * v_local, profile)
+    loss = 3 * logits + tokens * v_local * 12 / hbm  # forward, input and weight gradients; fp32 logits passes
+    embed = tokens * m.hidden_size * 2 * 3 / hbm
+    return loss, embed
+
+
+def _mtp_depth_cost(cfg: MeshtronConfig, layer: _LayerCost, loss: float, embed: float,
+                    profile: DeviceProfile) -> float:
+    """One multi-token prediction depth on the last stage, per micro-batch: its transformer layer (of the
+    last layer's kind), the embedding of the shifted tokens, the projection of the two normed inputs
+    [2H -> H] (forward and two backward GEMMs) and its own pass through the output layer and loss."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    tokens = t.micro_batch_size * m.seq_length / p.context_parallel_size
+    proj = 3 * gemm_seconds(2 * tokens * 2 * m.hidden_size * m.hidden_size / p.tensor_model_parallel_size, profile)
+    return layer.compute + layer.comm + embed + proj + loss
+
+
+def _rank_parameters(cfg: MeshtronConfig, layers: list[int], first: bool, last: bool, vocab: int) -> tuple[float, float]:
+    """(dense, expert) parameters of one pipeline rank."""
+    from meshtron.memory import layer_parameters
+
+    m, p = cfg.model, cfg.parallel
+    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    dense = expert = 0.0
+    for i in layers:
+        dl, el = layer_parameters(m, i, tp, ep, etp)
+        dense, expert = dense + dl, expert + el
+    v = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, tp)
+    if first:
+        dense += v * m.hidden_size / tp
+    if last and (m.untie_embeddings_and_output_weights or p.pipeline_model_parallel_size > 1):
+        dense += v * m.hidden_size / tp
+    return dense, expert
+
+
+def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, vocab_size: Optional[int] = None,
+                 links: Links = Links(), saves: int = LAYER_SAVES) -> StepPrediction:
+    """Predicted step time of a resolved configuration on ``world_size`` GPUs (see the module docstring;
+    ``saves``: for rows measured at earlier layer code, see :func:`_layer_cost`)."""
+    from meshtron.memory import stage_chunks
+    from meshtron.training.metrics import flops_per_token
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    vocab = vocab_size or m.vocab_size
+    tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
+    ep = p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    dp = world_size // (tp * cp * pp)
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    micro = max(1, gbs // (t.micro_batch_size * dp))
+    chunks = stage_chunks(cfg)
+    virtual = len(chunks[0])
+    latency = profile.collective_latency_us * 1e-6
+    loss, embed = _head_cost(cfg, vocab, profile)
+
+    cache: dict[tuple[bool, bool], _LayerCost] = {}
+
+    def cost(layer: int, recomputed: bool) -> _LayerCost:
+        key = (is_moe_layer(m, layer), recomputed)
+        if key not in cache:  # every dense (every MoE) layer costs the same
+            cache[key] = _layer_cost(cfg, key[0], recomputed, profile, links, saves)
+        return cache[key]
+
+    def recomputed(position: int) -> bool:
+        """Whether the layer at ``position`` of its stage has its forward recomputed."""
+        if t.recompute_granularity != "full":
+            return False
+        return t.recompute_method != "block" or position < max(1, t.recompute_num_layers)
+
+    stage_times, stage_fwd, stage_comm, stage_layers = [], [], [], []
+    kinds = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "dp": 0.0, "pp": 0.0}
+    slowest_kind: dict = {}
+    params_by_stage = []
+    for rank, rank_chunks in enumerate(chunks):
+        layers = [i for c in rank_chunks for i in c]
+        costs = [cost(i, recomputed(pos)) for pos, i in enumerate(layers)]
+        time = sum(c.compute + c.comm for c in costs) + (loss if rank == pp - 1 else 0.0) + (embed if rank == 0 else 0.0)
+        if rank == pp - 1 and m.mtp_num_layers:
+            time += m.mtp_num_layers * _mtp_depth_cost(cfg, cost(m.num_layers - 1, recomputed(len(layers))), loss,
+                                                       embed, profile)
+        if p.pipeline_schedule == "zero-bubble-h1" and t.compile:
+            time += len(layers) * ZB_H1_LINEARS * ZB_H1_BREAK_US * 1e-6
+        stage_times.append(time)
+        stage_layers.append(len(layers))
+        stage_fwd.append(sum(c.forward for c in costs))
+        stage_comm.append({k: sum(c.comm_kind[k] for c in costs) for k in ("tp", "cp", "ep")})
+        params_by_stage.append(_rank_parameters(cfg, layers, rank == 0, rank == pp - 1, vocab))
+    if t.offload_activations:
+        # The backward's waits for the host copies the side stream has not finished (memory.offload_timeline).
+        from meshtron.memory import stage_estimates
+
+        for rank, est in enumerate(stage_estimates(cfg, vocab, world_size=world_size, profile=profile)):
+            stage_times[rank] += est.offload_stall_s
+    slowest = max(range(pp), key=lambda r: stage_times[r])
+    per_micro = stage_times[slowest]
+    slowest_kind = stage_comm[slowest]
+    bubble = bubble_fraction(pp, virtual, micro, p.pipeline_schedule)
+    compute = micro * per_micro
+    bubble_s = compute * bubble
+    for k, v in slowest_kind.items():
+        kinds[k] = micro * v
+
+    # Data-parallel gradient reduction and parameter gather (the stage with the most parameters), by the
+    # sharding strategy (meshtron.optim.strategy): no_shard all-reduces the gradients once per step; optim
+    # reduce-scatters them once and all-gathers the updated weights once; optim_grads reduce-scatters every
+    # micro-batch's gradients (behind its backward) and gathers once; optim_grads_params reduce-scatters
+    # every micro-batch's and all-gathers each layer's weights before its forward and again before its
+    # backward, prefetched one layer ahead (so all but the first layer's gather run behind compute).
+    from meshtron.optim.accounting import sharding_strategy
+
+    strategy = sharding_strategy(cfg)
+    dense, expert = max(params_by_stage, key=lambda de: de[0] + de[1])
+    n_dense = dp * cp
+    n_expert = max(1, dp * cp * tp // (ep * etp))
+    grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
+    dp_bw = links.bandwidth(profile, n_dense, tp)
+    ep_bw = links.bandwidth(profile, n_expert, tp * ep)
+    sharded = strategy != "no_shard"
+    red_factor = 1.0 if sharded else 2.0
+    grad_comm = (_ring(dense * grad_bytes, n_dense, dp_bw, latency, red_factor)
+                 + _ring(expert * grad_bytes, n_expert, ep_bw, latency, red_factor))
+    bucket = max(40_000_000, 1_000_000 * dp) if p.ddp_bucket_size is None else p.ddp_bucket_size
+    share = min(1.0, bucket / max(1.0, dense + expert))
+    last_backward = per_micro - stage_fwd[slowest]
+    if strategy in ("optim_grads", "optim_grads_params"):
+        # Every micro-batch's reduce-scatter runs behind its own backward; the last bucket of the last one is exposed.
+        grad_exposed = grad_comm * share + micro * _overlapped(grad_comm * (1 - share), last_backward, profile)
+    elif p.overlap_grad_reduce and grad_comm > 0:
+        grad_exposed = grad_comm * share + _overlapped(grad_comm * (1 - share), last_backward, profile)
+    else:
+        grad_exposed = grad_comm
+    gather = (_ring(dense * 2, n_dense, dp_bw, latency) + _ring(expert * 2, n_expert, ep_bw, latency))
+    if strategy == "optim_grads_params":
+        # Per micro-batch, two passes (forward, backward) each gather the stage's weights layer by layer.
+        first = gather / max(1, stage_layers[slowest])
+        passes = (_overlapped(gather - first, stage_fwd[slowest], profile)
+                  + _overlapped(gather - first, last_backward, profile))
+        gather = micro * (2 * first + passes) if gather > 0 else 0.0
+    elif sharded:
+        if p.overlap_param_gather and gather > 0:
+            gather = gather * share + _overlapped(gather * (1 - share), stage_fwd[slowest], profile)
+    else:
+        gather = 0.0
+    kinds["dp"] = grad_exposed + gather
+
+    if pp > 1 and not p.overlap_p2p_comm:
+        bw = links.bandwidth(profile, 2, tp * cp * dp)
+        msg = t.micro_batch_size * m.seq_length / cp * m.hidden_size * 2 / (tp if p.sequence_parallel else 1)
+        kinds["pp"] = micro * virtual * 2 * (msg / bw + latency)
+
+    # Optimizer: this rank's shard of the master weights, moments and gradients.
+    shard = dense / (n_dense if sharded else 1) + expert / (n_expert if sharded else 1)
+    optimizer = shard * profile.optimizer_bytes_per_param / (profile.hbm_gbps * 1e9 * profile.hbm_efficiency)
+    overhead = profile.step_overhead_ms * 1e-3
+    exposed = sum(kinds.values())
+    step = compute + bubble_s + kinds["dp"] + kinds["pp"] + optimizer + overhead
+
+    tokens_per_gpu = gbs * m.seq_length / world_size / step
+    model_tflops = flops_per_token(m, vocab) * tokens_per_gpu / 1e12
+    peak = DATASHEET_PEAK_TFLOPS.get(profile.name.upper(), profile.extra.get("peak_tflops") if profile.extra else None)
+    return StepPrediction(step_s=step, compute_s=compute, bubble_s=bubble_s, bubble_fraction=bubble,
+                          exposed_comm_s=exposed, optimizer_s=optimizer, overhead_s=overhead,
+                          tokens_per_sec_per_gpu=tokens_per_gpu, model_tflops_per_gpu=model_tflops,
+                          mfu=(model_tflops / peak) if peak else None, comm_by_kind_s=kinds)

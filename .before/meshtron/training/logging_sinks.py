@@ -1,0 +1,448 @@
+"""Where training metrics go: the JSONL metrics file, the console, TensorBoard and W&B.
+
+:class:`TrainingLogger` is what the trainer talks to. It fans each record out to the sinks
+that the :class:`~meshtron.config.LogConfig` asks for, and only on the logging rank
+(rank 0): on every other rank it does nothing. TensorBoard and Weights & Biases are imported
+only when asked for, so meshtron imports and runs without them.
+
+The metrics file is a contract (docs/metrics.md): one JSON object per line, plain numbers,
+NaN/inf written as null with ``"nonfinite": true``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import numbers
+import os
+import sys
+import time
+from typing import Any, Optional, Protocol, TextIO
+
+from meshtron.config import ConfigError, LogConfig
+
+#: Required keys of a train record and their kinds ("int": an integer; "number": a number or null).
+TRAIN_FIELDS: dict[str, str] = {
+    "iteration": "int",
+    "consumed_samples": "int",
+    "loss": "number",
+    "lr": "number",
+    "grad_norm": "number",
+    "step_time_s": "number",
+    "tokens_per_sec_per_gpu": "number",
+    "tflops_per_gpu": "number",
+    "mfu": "number",
+    "peak_mem_gib": "number",
+}
+#: Required keys of an eval record.
+EVAL_FIELDS: dict[str, str] = {"iteration": "int", "loss": "number", "ppl": "number"}
+RECORD_FIELDS: dict[str, dict[str, str]] = {"train": TRAIN_FIELDS, "eval": EVAL_FIELDS}
+
+TB_INSTALL_HINT = "--tensorboard-dir needs the tensorboard package: pip install 'meshtron[tb]'"
+WANDB_INSTALL_HINT = "--wandb-project needs the wandb package: pip install wandb"
+
+
+# ---------------------------------------------------------------------------------------------
+# Records: conversion to plain Python values and schema checks.
+# ---------------------------------------------------------------------------------------------
+
+def to_plain(value: Any) -> Any:
+    """A tensor / numpy scalar / Python number as a plain ``int``, ``float`` or ``bool``.
+
+    Strings and None pass through. Anything else is a programming error (TypeError), since
+    the metrics file holds plain numbers only.
+    """
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if hasattr(value, "item") and callable(value.item):  # torch.Tensor, numpy scalars and 0-d arrays
+        numel = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", 1)
+        if numel != 1:
+            raise TypeError(f"metric values must be scalars, got a tensor/array with {numel} elements")
+        value = value.item()
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"metric values must be numbers, strings or None, got {type(value).__name__}")
+
+
+def normalize_record(record: dict, kind: str) -> dict:
+    """Check a train/eval record against the schema and convert its values to plain Python.
+
+    The returned dict starts with ``"type"``, then the required keys in schema order, then any
+    extra keys (e.g. ``"aux_loss"``) in their given order. NaN and inf are kept here (the
+    console shows them); :class:`MetricsWriter` turns them into null.
+    """
+    fields = RECORD_FIELDS.get(kind)
+    if fields is None:
+        raise ValueError(f"unknown metrics record type {kind!r}; expected one of {sorted(RECORD_FIELDS)}")
+    given_type = record.get("type", kind)
+    if given_type != kind:
+        raise ValueError(f"a {kind} record carries type {given_type!r}")
+    missing = [k for k in fields if k not in record]
+    if missing:
+        raise ValueError(f"{kind} metrics record lacks {', '.join(missing)}")
+    out: dict[str, Any] = {"type": kind}
+    for key, field_kind in fields.items():
+        value = to_plain(record[key])
+        if field_kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{kind} record field {key!r} must be an integer, got {value!r}")
+        if field_kind == "number" and value is not None and (isinstance(value, bool) or isinstance(value, str)):
+            raise TypeError(f"{kind} record field {key!r} must be a number or None, got {value!r}")
+        out[key] = value
+    for key, value in record.items():
+        if key not in out and key != "type":
+            out[key] = to_plain(value)
+    return out
+
+
+def _is_nonfinite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def to_json_line(record: dict) -> str:
+    """One metrics-file line: NaN/inf become null and the record gains ``"nonfinite": true``."""
+    out = {k: (None if _is_nonfinite(v) else v) for k, v in record.items()}
+    if any(_is_nonfinite(v) for v in record.values()):
+        out["nonfinite"] = True
+    return json.dumps(out, allow_nan=False, separators=(",", ":"))
+
+
+def read_metrics(path: str) -> list[dict]:
+    """All records of a metrics file, in order (for tools and tests)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinks.
+# ---------------------------------------------------------------------------------------------
+
+class Sink(Protocol):
+    """Something that receives normalised train/eval records."""
+
+    def log_train(self, record: dict) -> None: ...
+
+    def log_eval(self, record: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``path`` and flushes every line.
+
+    The file is opened (and its folder created) at construction, so an unwritable
+    ``--metrics-file`` fails before training starts. Lines are appended: a resumed run
+    continues the same file.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
+            self._file: Optional[TextIO] = open(path, "a", encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"--metrics-file {path}: cannot open for appending ({e.strerror or e})") from e
+
+    def write(self, record: dict) -> None:
+        """Write one record (already plain Python values; see :func:`normalize_record`)."""
+        if self._file is None:
+            raise ValueError(f"metrics file {self.path} is closed")
+        self._file.write(to_json_line(record) + "\n")
+        self._file.flush()
+
+    def log_train(self, record: dict) -> None:
+        self.write(record)
+
+    def log_eval(self, record: dict) -> None:
+        self.write(record)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardSink:
+    """Scalars ``train/<key>`` and ``eval/<key>`` at step = iteration, through torch's SummaryWriter."""
+
+    def __init__(self, log_dir: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError(TB_INSTALL_HINT) from e
+        try:
+            self._writer = SummaryWriter(log_dir=log_dir)
+        except OSError as e:
+            raise ConfigError(f"--tensorboard-dir {log_dir}: cannot write there ({e.strerror or e})") from e
+
+    def _scalars(self, prefix: str, record: dict) -> None:
+        step = record["iteration"]
+        for key, value in record.items():
+            if key in ("type", "iteration") or isinstance(value, (str, bool)) or value is None:
+                continue
+            self._writer.add_scalar(f"{prefix}/{key}", value, step)
+        self._writer.flush()
+
+    def log_train(self, record: dict) -> None:
+        self._scalars("train", record)
+
+    def log_eval(self, record: dict) -> None:
+        self._scalars("eval", record)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """Weights & Biases: ``train/<key>`` and ``eval/<key>`` logged at step = iteration."""
+
+    def __init__(self, project: str, run_name: Optional[str], run_config: Optional[dict],
+                 save_dir: Optional[str] = None) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise ConfigError(WANDB_INSTALL_HINT) from e
+        self._wandb = wandb
+        self._run = wandb.init(project=project, name=run_name, config=run_config, dir=save_dir)
+
+    def _log(self, prefix: str, record: dict) -> None:
+        data = {f"{prefix}/{k}": v for k, v in record.items()
+                if k not in ("type", "iteration") and not isinstance(v, str) and v is not None}
+        self._run.log(data, step=record["iteration"])
+
+    def log_train(self, record: dict) -> None:
+        self._log("train", record)
+
+    def log_eval(self, record: dict) -> None:
+        self._log("eval", record)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def check_optional_sinks(log_cfg: LogConfig) -> None:
+    """Raise ConfigError when TensorBoard or W&B is asked for but not installed.
+
+    Cheap (no import), so it can run on every rank during validation, before any process
+    starts waiting for rank 0.
+    """
+    if log_cfg.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(TB_INSTALL_HINT)
+    if log_cfg.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(WANDB_INSTALL_HINT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Console lines.
+# ---------------------------------------------------------------------------------------------
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # nan / inf / -inf
+    return format(value, spec) + suffix
+
+
+def format_train_line(record: dict, total_iters: int) -> str:
+    """The human line printed every log interval (Megatron's order of fields)."""
+    width = len(str(total_iters))
+    mfu = record["mfu"]
+    mem = _fmt(record["peak_mem_gib"], ".2f", " GiB")
+    if record.get("peak_mem_reserved_gib") is not None:
+        mem += f" (reserved {_fmt(record['peak_mem_reserved_gib'], '.2f')})"
+    tflops = record["tflops_per_gpu"]
+    step_ms = None if record["step_time_s"] is None else record["step_time_s"] * 1000.0
+    parts = [
+        f"iteration {record['iteration']:>{width}}/{total_iters}",
+        f"consumed samples: {record['consumed_samples']}",
+        f"lr: {_fmt(record['lr'], '.3E')}",
+        f"loss: {_fmt(record['loss'], '.4f')}",
+        f"grad norm: {_fmt(record['grad_norm'], '.3f')}",
+        f"step: {_fmt(step_ms, '.1f', ' ms')}",
+        f"tok/s/GPU: {_fmt(record['tokens_per_sec_per_gpu'], ',.0f')}",
+        f"TFLOP/s/GPU: {_fmt(tflops, '.1f' if tflops is not None and abs(tflops) >= 10 else '.3g')}",
+        f"MFU: {_fmt(None if mfu is None else mfu * 100.0, '.1f', '%')}",
+        f"mem: {mem}",
+    ]
+    for key, value in record.items():
+        if key in TRAIN_FIELDS or key in ("type", "peak_mem_reserved_gib"):
+            continue
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        parts.append(f"{key}: {_fmt(value, '.4g') if numeric else value}")
+    return " | ".join(parts)
+
+
+def format_eval_line(record: dict) -> str:
+    """The human line printed after each evaluation."""
+    parts = [f"validation at iteration {record['iteration']}", f"loss: {_fmt(record['loss'], '.4f')}",
+             f"ppl: {_fmt(record['ppl'], '.3f')}"]
+    for key, value in record.items():
+        if key not in EVAL_FIELDS and key != "type":
+            parts.append(f"{key}: {value}")
+    return " | ".join(parts)
+
+
+def _timestamp() -> str:
+    return time.strftime("[%Y-%m-%d %H:%M:%S]")
+
+
+# ---------------------------------------------------------------------------------------------
+# The logger the trainer uses.
+# ---------------------------------------------------------------------------------------------
+
+class TrainingLogger:
+    """Fans train/eval records and messages out to the configured sinks, on the logging rank only.
+
+    - console: a line every log interval, on ``stream`` (stdout), plain when it is not a
+      terminal; with a terminal (or ``--progress-bar``) a tqdm bar with ETA stays under the lines;
+    - ``--metrics-file``: :class:`MetricsWriter`;
+    - ``--tensorboard-dir``: TensorBoard scalars; ``--wandb-project``: Weights & Biases;
+    - ``--quiet``: no bar, no interval lines, no info messages (warnings, errors and
+      :meth:`summary` still print).
+
+    Use as a context manager or call :meth:`close` at the end.
+    """
+
+    def __init__(self, log_cfg: LogConfig, is_logging_rank: bool, total_iters: int, *,
+                 start_iter: int = 0, stream: Optional[TextIO] = None, err_stream: Optional[TextIO] = None,
+                 run_config: Optional[dict] = None) -> None:
+        self.enabled = is_logging_rank
+        self.total_iters = total_iters
+        self._stream = stream if stream is not None else sys.stdout
+        self._err = err_stream if err_stream is not None else sys.stderr
+        self._quiet = log_cfg.quiet
+        self._sinks: list[Sink] = []
+        self._bar = None
+        if not self.enabled:
+            return
+        try:
+            if log_cfg.metrics_file:
+                self._sinks.append(MetricsWriter(log_cfg.metrics_file))
+            if log_cfg.tensorboard_dir:
+                self._sinks.append(TensorBoardSink(log_cfg.tensorboard_dir))
+            if log_cfg.wandb_project:
+                self._sinks.append(WandbSink(log_cfg.wandb_project, log_cfg.wandb_exp_name, run_config,
+                                             log_cfg.wandb_save_dir))
+        except BaseException:
+            self.close()
+            raise
+        if self._want_bar(log_cfg.progress_bar):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_iters, initial=start_iter, file=self._stream, dynamic_ncols=True,
+                             unit="it", desc="training",
+                             bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                        "[elapsed {elapsed}, ETA {remaining}, {rate_fmt}{postfix}]")
+
+    def _want_bar(self, setting: Optional[bool]) -> bool:
+        if self._quiet:
+            return False
+        if setting is not None:
+            return setting
+        isatty = getattr(self._stream, "isatty", None)
+        return bool(isatty and isatty())
+
+    @property
+    def has_progress_bar(self) -> bool:
+        return self._bar is not None
+
+    # -- output helpers ---------------------------------------------------------------------
+
+    def _emit(self, msg: str, err: bool = False) -> None:
+        target = self._err if err else self._stream
+        if self._bar is not None:
+            self._bar.write(msg, file=target)  # keeps the bar below the printed lines
+        else:
+            print(msg, file=target, flush=True)
+
+    # -- records ----------------------------------------------------------------------------
+
+    def resume_at(self, iteration: int) -> None:
+        """Start the progress bar (and its rate and ETA) at ``iteration``, e.g. after loading a checkpoint."""
+        if self._bar is not None:
+            bar = self._bar
+            bar.reset(total=self.total_iters)
+            bar.initial = bar.n = bar.last_print_n = iteration
+            bar.refresh()
+
+    def advance(self, iteration: int) -> None:
+        """Move the progress bar to ``iteration`` (cheap; call every iteration)."""
+        if self._bar is not None and iteration > self._bar.n:
+            self._bar.update(iteration - self._bar.n)
+
+    def log_train(self, record: dict) -> None:
+        """A train record (DESIGN section 6 keys, plus optional extras such as ``aux_loss``)."""
+        if not self.enabled:
+            return
+        rec = normalize_record(record, "train")
+        for sink in self._sinks:
+            sink.log_train(rec)
+        if self._bar is not None:
+            self.advance(rec["iteration"])
+            self._bar.set_postfix_str(f"loss {_fmt(rec['loss'], '.4f')}", refresh=True)
+        if not self._quiet:
+            self._emit(f"{_timestamp()} {format_train_line(rec, self.total_iters)}")
+
+    def log_eval(self, record: dict) -> None:
+        """An eval record: ``iteration``, ``loss``, ``ppl``."""
+        if not self.enabled:
+            return
+        rec = normalize_record(record, "eval")
+        for sink in self._sinks:
+            sink.log_eval(rec)
+        if not self._quiet:
+            self._emit(f"{_timestamp()} {format_eval_line(rec)}")
+
+    def log_event(self, record: dict) -> None:
+        """An event line of the metrics file (``restart``, ``hang``, ``rerun``, ...: DESIGN section 6),
+        written as given (it may nest lists and dicts of plain values)."""
+        if not self.enabled:
+            return
+        for sink in self._sinks:
+            if isinstance(sink, MetricsWriter):
+                sink.write(record)
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def info(self, msg: str) -> None:
+        """A progress message (hidden by --quiet)."""
+        if self.enabled and not self._quiet:
+            self._emit(msg)
+
+    def warning(self, msg: str) -> None:
+        """A warning, on stderr (shown even with --quiet)."""
+        if self.enabled:
+            self._emit(f"WARNING: {msg}", err=True)
+
+    def error(self, msg: str) -> None:
+        """An error message, on stderr."""
+        if self.enabled:
+            self._emit(f"ERROR: {msg}", err=True)
+
+    def summary(self, msg: str) -> None:
+        """The final summary (shown even with --quiet)."""
+        if self.enabled:
+            self._emit(msg)
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the bar and every sink (idempotent)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
+
+    def __enter__(self) -> "TrainingLogger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
