@@ -209,11 +209,18 @@ class MemoryEstimate:
         object.__setattr__(self, "total", self.weights + self.gradients + self.optimizer_state
                            + self.activations + self.logits)
 
+    @property
+    def device_bytes(self) -> int:
+        """What the device must hold: the live peak plus the blocks of freed activations whose copies to the
+        host are still running (the allocator hands those out again only when the copy is done)."""
+        return self.total + self.pending_copies
+
     def as_dict(self) -> dict:
         """Bytes of each part, plus the stage and in-flight micro-batches."""
         return {"weights": self.weights, "gradients": self.gradients, "optimizer_state": self.optimizer_state,
                 "activations": self.activations, "logits": self.logits, "total": self.total,
-                "stage": self.stage, "microbatches_in_flight": self.microbatches_in_flight}
+                "stage": self.stage, "microbatches_in_flight": self.microbatches_in_flight,
+                "pending_copies": self.pending_copies}
 
     def table(self) -> str:
         """A small human table in GiB."""

@@ -269,8 +269,8 @@ def _with_zb_h1(lay: Layout, mem: int, estimate, limit: float, space: SearchSpac
     if space.allow_zb_h1 and lay.pp > 1 and lay.vpp == 1:
         zb = dataclasses.replace(lay, zb_h1=True)
         zb_est = estimate(zb)
-        if zb_est is not None and zb_est.total <= limit:
-            yield zb, zb_est.total
+        if zb_est is not None and zb_est.device_bytes <= limit:
+            yield zb, zb_est.device_bytes
 
 
 def apply_layout(base: MeshtronConfig, lay: Layout) -> MeshtronConfig:
@@ -343,8 +343,9 @@ def search(base: MeshtronConfig, base_argv: Sequence[str], gpus: int, profile: D
     if not fitting or base.model.seq_length >= OFFLOAD_SEQ:
         for lay in offload_candidates:
             est = estimate(lay)
-            if est is not None and est.total <= limit:
-                for variant, mem in _with_zb_h1(lay, est.total, estimate, limit, space):
+            # With offloading the device also holds the blocks of activations still being copied out.
+            if est is not None and est.device_bytes <= limit:
+                for variant, mem in _with_zb_h1(lay, est.device_bytes, estimate, limit, space):
                     keep(variant, mem)
     fitting.sort(key=lambda c: -c.tokens_per_sec_per_gpu)
     chosen: list[Planned] = []
@@ -379,7 +380,9 @@ def format_plans(plans: Iterable[Planned], profile: DeviceProfile, headroom: flo
         mfu = f"{s.mfu:.1%}" if s.mfu is not None else "-"
         lines.append(f"{i:>2} {c.layout.describe():<58} {c.memory_bytes / GIB:>8.1f} {s.tokens_per_sec_per_gpu:>10,.0f} "
                      f"{mfu:>6} {s.bubble_fraction:>7.1%} {s.exposed_comm_s * 1000:>10.0f} ms")
-    lines.append(f"(memory: estimated peak per GPU, at most {profile.memory_gib * (1 - headroom):.1f} GiB = "
+    offload = " (with offloading, plus the activations still being copied to the host)" if any(
+        c.layout.offload for c in plans) else ""
+    lines.append(f"(memory: estimated peak per GPU{offload}, at most {profile.memory_gib * (1 - headroom):.1f} GiB = "
                  f"{profile.name} {profile.memory_gib:.1f} GiB less {headroom:.0%} headroom)")
     for i, c in enumerate(plans, 1):
         lines.append(f"{i:>2} {' '.join(c.command)}")
