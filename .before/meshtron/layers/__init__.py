@@ -1,1 +1,0 @@
-"""Transformer building blocks, tensor-parallel aware."""
