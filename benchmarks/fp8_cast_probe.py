@@ -8,7 +8,7 @@ import torch
 from triton.testing import do_bench
 
 from meshtron.layers.fp8 import E4M3
-from meshtron.layers.fp8_cast import cast_transpose, scaled_cast
+from meshtron.layers.fp8.cast import cast_transpose, scaled_cast
 
 # llama3-3b at micro batch 4 x 4096 tokens: the layer inputs, the SwiGLU output, a gate/up gradient, a weight.
 SHAPES = ((16384, 3072), (16384, 8192), (16384, 16384), (16384, 5120), (16384, 2048), (3072, 8192))

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtron.layers.fp8 import fp8_linear, gradient_dtype
-from meshtron.layers.fp8_sequence_parallel import column_sequence_parallel_fp8, row_sequence_parallel_fp8
+from meshtron.layers.fp8.sequence_parallel import column_sequence_parallel_fp8, row_sequence_parallel_fp8
 from meshtron.layers.recompute import recompute_all_but_matmuls
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
@@ -310,7 +310,7 @@ class _SwiGLUMatmul(torch.autograd.Function):
 
 def _sequence_parallel_fp8(layer: nn.Module) -> bool:
     """Whether ``layer`` takes the FP8 path that casts before its sequence-parallel collective
-    (tensorwise scaling; see meshtron.layers.fp8_sequence_parallel)."""
+    (tensorwise scaling; see meshtron.layers.fp8.sequence_parallel)."""
     return layer.sequence_parallel and layer.fp8_format is not None and layer.fp8_recipe == "tensorwise"
 
 

@@ -1,4 +1,4 @@
-"""FP8 under sequence parallelism (meshtron.layers.fp8_sequence_parallel) casts each sequence shard with
+"""FP8 under sequence parallelism (meshtron.layers.fp8.sequence_parallel) casts each sequence shard with
 the scale of the gathered tensor and all-gathers FP8: outputs and gradients must equal, bit for bit, a
 plain FP8 linear on the gathered bf16 tensor with its collectives around it (the path that casts after
 the all-gather). Two gloo ranks on CPU; two NCCL ranks on GPU, where the compiled layers with
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshtron.layers.fp8 import E4M3, E5M2, fp8_linear
-from meshtron.layers.fp8_sequence_parallel import column_sequence_parallel_fp8, row_sequence_parallel_fp8
+from meshtron.layers.fp8.sequence_parallel import column_sequence_parallel_fp8, row_sequence_parallel_fp8
 from meshtron.parallel import comm
 from tests.distributed.launch import run_distributed
 

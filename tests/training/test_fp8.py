@@ -8,7 +8,7 @@ import torch
 from meshtron.cli import build_config
 from meshtron.config import ConfigError
 from meshtron.layers.fp8 import E4M3, E5M2, fp8_linear, tensor_scale
-from meshtron.layers.fp8_cast import cast_transpose, scaled_cast
+from meshtron.layers.fp8.cast import cast_transpose, scaled_cast
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.training.trainer import run_training
 from meshtron.validation import validate_config

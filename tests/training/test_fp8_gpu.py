@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meshtron.layers.fp8 import E4M3, E5M2, fp8_linear, tensor_scale
-from meshtron.layers.fp8_cast import cast_transpose, cast_transposed, scaled_cast
+from meshtron.layers.fp8.cast import cast_transpose, cast_transposed, scaled_cast
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

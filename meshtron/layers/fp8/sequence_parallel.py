@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from meshtron.layers.fp8 import (E4M3, cast_both_layouts, cast_weight, output_dtype, recast_weight, scale_from_amax,
-                                 scaled_mm, tensor_amax, weight_grad_now_or_deferred)
-from meshtron.layers.fp8_cast import cast_transpose
+from meshtron.layers.fp8.recipes import (E4M3, cast_both_layouts, cast_weight, output_dtype, recast_weight,
+                                         scale_from_amax, scaled_mm, tensor_amax, weight_grad_now_or_deferred)
+from meshtron.layers.fp8.cast import cast_transpose
 from meshtron.parallel import comm
 from meshtron.parallel.comm import Group
 

@@ -3,7 +3,7 @@
 Recipe ``tensorwise`` (default, the fastest): the input and the weight are cast to float8 e4m3, each with one
 scale computed from its current absolute maximum (448 / amax), and multiplied by the scaled-matmul kernel into
 bf16. Under sequence parallelism the tensor-parallel layers cast before their all-gathers instead
-(meshtron.layers.fp8_sequence_parallel), with the same values.
+(meshtron.layers.fp8.sequence_parallel), with the same values.
 Backward: the output gradient is cast to e5m2 (``--fp8-format hybrid``: more range for gradients)
 or e4m3 (``e4m3``), and both gradient matmuls run in FP8 with the saved FP8 input and the weight cast
 again with the forward's scale (the same values: the weight does not change between the two). Keeping
@@ -11,7 +11,7 @@ the forward's transposed weight copy instead would hold one byte per weight elem
 in flight (about 2 GB for llama3-3b) for the cost of one read of the weights.
 Master weights, gradients and the optimizer stay in higher precision: only the matmul operands are
 FP8. The saved activations are the FP8 copies (half the bytes of bf16). Each activation is cast once and
-written in both layouts the matmuls need (``meshtron.layers.fp8_cast.cast_transpose``); the weight in
+written in both layouts the matmuls need (``meshtron.layers.fp8.cast.cast_transpose``); the weight in
 its own layout for the forward, transposed in backward (:func:`cast_weight`, :func:`recast_weight`). The forward
 product accumulates in the tensor cores' fast mode, the gradients in full fp32 (see ``_mm``).
 
@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from meshtron.layers.fp8_cast import cast_transpose, cast_transposed, scaled_cast
+from meshtron.layers.fp8.cast import cast_transpose, cast_transposed, scaled_cast
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
