@@ -207,3 +207,41 @@ def step_errors(records: list[dict], profile, configs: Optional[dict] = None) ->
                             saves=layer_saves(r))
         out.append(StepComparison(r["id"], measured_step_s(r, cfg), pred.step_s))
     return out
+
+
+#: The features a record is counted under in the error tables of docs/planning.md, in their order.
+FEATURES = ("one GPU, dense, bf16, no recomputation", "DP > 1", "TP > 1 (+SP)", "PP > 1", "CP > 1", "EP > 1", "MoE",
+            "MLA", "FP8", "recomputation", "activation offloading", "sharding strategies", "no torch.compile")
+
+
+def record_features(record: dict) -> set[str]:
+    """The :data:`FEATURES` a record has (from its configuration)."""
+    cfg = record_config(record)
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp = record["gpu_count"] // (tp * pp * cp)
+    moe = bool(m.num_experts)
+    out = {name for name, has in (
+        ("DP > 1", dp > 1), ("TP > 1 (+SP)", tp > 1), ("PP > 1", pp > 1), ("CP > 1", cp > 1),
+        ("EP > 1", p.expert_model_parallel_size > 1), ("MoE", moe), ("MLA", bool(m.multi_latent_attention)),
+        ("FP8", bool(t.fp8_format)), ("recomputation", bool(t.recompute_granularity)),
+        ("activation offloading", bool(t.offload_activations)),
+        ("sharding strategies", p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")),
+        ("no torch.compile", t.compile is False)) if has}
+    if record["gpu_count"] == 1 and not (out - {"no torch.compile"}):
+        out.add("one GPU, dense, bf16, no recomputation")
+    return out
+
+
+def errors_by_feature(errors: Iterable, records: Iterable[dict]) -> list[tuple[str, int, float, object]]:
+    """(feature, rows, median |relative error|, worst comparison) for each feature some compared row has;
+    ``errors`` are :class:`PeakComparison` or :class:`StepComparison` objects (their ``id`` and ``relative``)."""
+    import statistics
+
+    by_id = {r["id"]: r for r in records}
+    groups: dict[str, list] = {name: [] for name in FEATURES}
+    for e in errors:
+        for name in record_features(by_id[e.id]):
+            groups[name].append(e)
+    return [(name, len(rows), statistics.median(abs(e.relative) for e in rows), worst(rows))
+            for name, rows in groups.items() if rows]
