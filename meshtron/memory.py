@@ -69,10 +69,12 @@ per key position). For Llama-3-8B (``h=4096, q=4096, k=1024, f=14336``) the bf16
 ``110,592 + 136`` bytes per token per layer, about ``27*h``.
 
 Without sequence parallelism the "only with SP" rows are replicated on each TP rank
-(Korthikanti's ``10sbh + 24sbh/t``); with SP everything is divided by TP, except that a compiled bf16
+(Korthikanti's ``10sbh + 24sbh/t``); with SP everything is divided by TP, except that a compiled
 layer keeps the all-gathered inputs of its two column-parallel linears (QKV, fc1) whole: the backward's
 all-gather of the saved shard is merged with the forward's by the compiler, and a collective is not
-recomputed (``2*e*h*(1 - 1/TP)`` per token more; not with FP8 or selective recomputation).
+recomputed (``2*e*h*(1 - 1/TP)`` per token more, in FP8 ``2*h*(1 - 1/TP)`` for the one-byte copies; not
+with selective recomputation). A compiled TP=2 + SP layer's saved bytes equal this count exactly on the
+CPU (tests/parallel/test_saved_activations_tp.py, also with selective recomputation and FP8).
 
 Multi-latent attention (``--multi-latent-attention``; ``n`` heads of dims ``dn``/``dr``/``dv``,
 ranks ``rq``/``rkv``): the attention rows become the down projection's output and the normed
@@ -288,12 +290,13 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     if m.hidden_dropout > 0:
         rep += 2 * h  # bool masks
     part = 0.0  # parts always split over TP (per-rank heads and MLP columns)
-    # A compiled bf16 column-parallel linear under SP (linear._ColumnParallelMatmul) saves its input
-    # shard and all-gathers it again in backward; the compiler merges that all-gather with the
-    # forward's identical one and, a collective not being recomputed, keeps the gathered input: the
-    # whole sequence, ``e*h*(1 - 1/TP)`` per token more than the shard. Selective recomputation runs
-    # the collectives again (meshtron.layers.recompute); the FP8 path gathers another tensor in backward.
-    gathered = e * h * (1 - 1 / tp) if (sequence_parallel and tp > 1 and compiled and not fp8) else 0.0
+    # A compiled column-parallel linear under SP (linear._ColumnParallelMatmul; in FP8
+    # fp8.sequence_parallel, which gathers the one-byte copy) saves its input shard and all-gathers it
+    # again in backward; the compiler merges that all-gather with the forward's identical one and, a
+    # collective not being recomputed, keeps the gathered input: the whole sequence, ``lin*h*(1 - 1/TP)``
+    # per token more than the shard (counted on the CPU, tests/parallel/test_saved_activations_tp.py).
+    # Selective recomputation runs the collectives again (meshtron.layers.recompute).
+    gathered = lin * h * (1 - 1 / tp) if (sequence_parallel and tp > 1 and compiled) else 0.0
     if selective and sequence_parallel and tp > 1:
         # Selective recomputation keeps the output projection's matmul output, which under SP is the
         # whole sequence's partial sum before its reduce-scatter (the collective is recomputed);

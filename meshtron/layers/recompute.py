@@ -41,7 +41,12 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _recompute_all_but_saved_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED else CheckpointPolicy.MUST_RECOMPUTE
+    # Eagerly the backward replays the whole region, so a matmul's output must come from the cache. Compiled,
+    # the partitioner recomputes only what the backward reads, which never includes a matmul's output here;
+    # marking it saved made it keep the output whole ([s, b, h] before the sequence-parallel reduce-scatter).
+    if op in _SAVED and not torch.compiler.is_compiling():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE
 
 
 def recompute_all_but_matmuls(fn: Callable, *args):

@@ -1,0 +1,69 @@
+"""What a compiled layer keeps for backward under TP=2 + sequence parallelism equals the memory model's count
+(fp32 on the CPU; with selective recomputation and with FP8 too), and SwiGLU's down projection runs no extra
+matmul in its backward: the compiled graph neither keeps the down projection's whole-sequence output nor
+recomputes it."""
+
+from __future__ import annotations
+
+import torch
+
+from meshtron.memory import layer_activation_bytes
+from tests.checkpoint.ckpt_helpers import tiny_config
+from tests.distributed.launch import run_distributed
+
+SEQ, BATCH, H = 32, 2, 64
+VARIANTS = (("plain", False, False), ("selective", True, False), ("fp8", False, True))
+
+
+def _saved_and_matmuls(selective: bool, fp8: bool) -> tuple[int, int, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from meshtron.layers.fp8 import enable_fp8
+    from meshtron.model import GPTModel
+    from meshtron.parallel.context import build_groups
+    from meshtron.parallel.sharding import initialize_parameters
+
+    ctx = build_groups(2, 1, 1, 1, torch.device("cpu"))
+    cfg = tiny_config(num_layers=1, hidden_size=H, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                      seq_length=SEQ)
+    model = GPTModel(cfg.model, ctx, 128, layer_ids=[0], sequence_parallel=True, selective_recompute=selective)
+    initialize_parameters(model, 1, torch.device("cpu"), torch.float32)
+    layer = model.layers["0"]
+    if fp8:
+        enable_fp8(layer, "hybrid")
+    layer.compile()
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    rope = model._rope(SEQ, None, torch.device("cpu"), torch.float32)
+    skip |= {t.untyped_storage().data_ptr() for t in rope}
+    x = torch.randn(SEQ // 2, BATCH, H, requires_grad=True)  # this rank's sequence shard
+    for _ in range(2):  # the second call runs the compiled graphs
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in skip and t.numel() > 1:  # the FP8 scales (one element each) are not counted
+                storages[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x, rope, None)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out.square().sum().backward()
+    kinds = ("aten::_scaled_mm",) if fp8 else ("aten::mm", "aten::addmm")
+    matmuls = sum(e.count for e in prof.key_averages() if e.key in kinds)
+    expected = layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=SEQ, tp=2, sequence_parallel=True,
+                                      act_bytes=4, recompute="selective" if selective else None, fp8=fp8)
+    return sum(storages.values()), matmuls, expected
+
+
+def _worker(rank, world):
+    return {name: _saved_and_matmuls(selective, fp8) for name, selective, fp8 in VARIANTS}
+
+
+def test_compiled_tp_sp_layer_saves_what_the_model_counts():
+    results = run_distributed(_worker, 2, timeout=600)
+    for rank_result in results:
+        for name, (saved, matmuls, expected) in rank_result.items():
+            assert saved == expected, (name, saved, expected)
+        # Four linears, two gradient matmuls each (input and weight), none recomputed.
+        assert [rank_result[name][1] for name, _, _ in VARIANTS] == [8, 8, 8]
