@@ -53,9 +53,8 @@ two hidden-dropout masks (if p > 0)   2*h                only with SP
 
 (Without RoPE and head norms, q and k are views of the QKV output, which then stays whole: ``e*(q + 2k)``.
 SwiGLU's down projection recomputes the product from gate and up in its backward
-(``linear._SwiGLUMatmul``), FP8 tensorwise with its casts and the weight's (so fc2 keeps no FP8 weight copy
-either); zero-bubble weight-gradient deferral and the sequence-parallel FP8 path keep it (``e*f``, one byte per
-element in FP8). A GeLU MLP keeps ``e*f`` for the GeLU input and ``e*f`` for its output. ``--qk-layernorm``
+(``linear._SwiGLUMatmul``), compiled FP8 tensorwise with its casts; zero-bubble weight-gradient deferral, the
+sequence-parallel FP8 path and eager FP8 keep it (``e*f``, one byte per element in FP8). A GeLU MLP keeps ``e*f`` for the GeLU input and ``e*f`` for its output. ``--qk-layernorm``
 adds the heads' statistics.) So without recomputation a layer keeps::
 
     b*s * [ e*(4h + 2q + 2k + 2f) + 4a + stats + dropout ]          (SwiGLU, RoPE)
@@ -404,14 +403,16 @@ def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: b
 def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> bool:
     """Whether SwiGLU's down projection recomputes the product (in FP8 also its and its weight's casts) in
     backward, as ``RowParallelLinear._swiglu_matmul`` decides: not under a zero-bubble schedule's deferred
-    weight gradients, rowwise FP8 or the sequence-parallel FP8 path; not before revision 1 of ``saves``."""
+    weight gradients, rowwise FP8, the sequence-parallel FP8 path or eager FP8; not before revision 1 of
+    ``saves``."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if not m.swiglu or saves < 1 or p.pipeline_schedule == "zero-bubble-h1":
         return False
     if not t.fp8_format:
         return True
     sequence_parallel = p.sequence_parallel and p.tensor_model_parallel_size > 1
-    return t.fp8_recipe == "tensorwise" and not sequence_parallel
+    compiled = t.compile is not False and t.device != "cpu"
+    return t.fp8_recipe == "tensorwise" and not sequence_parallel and compiled
 
 
 def _fp8_tensorwise(cfg: MeshtronConfig) -> bool:

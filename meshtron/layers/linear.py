@@ -238,13 +238,15 @@ class RowParallelLinear(nn.Module):
         longer keeps). FP8 (tensorwise, outside the sequence-parallel FP8 path) recomputes the product
         and its FP8 casts, and the weight's, in backward (:func:`_swiglu_fp8_recomputed`): neither the
         product's one-byte copy nor the weight's stays between forward and backward. Deferring layers,
-        rowwise FP8 and sequence-parallel FP8 keep the product (their matmuls save their own copies).
+        rowwise FP8, sequence-parallel FP8 and eager FP8 keep the product (their matmuls save their own copies).
         """
         if _defers(self.wgrad_store, self.weight):
             return None
         if self.fp8_format is not None:
             sp_fp8 = comm._size(self.group) > 1 and _sequence_parallel_fp8(self)
-            if sp_fp8 or self.fp8_recipe != "tensorwise":
+            # Eagerly the checkpoint would replay the scaled matmul as well (its output is not cached
+            # inside the FP8 linear's autograd function): eager FP8 keeps the product's one-byte copy.
+            if sp_fp8 or self.fp8_recipe != "tensorwise" or not torch.compiler.is_compiling():
                 return None
             return self._reduce(_swiglu_fp8_recomputed(gate_up, self.weight, self.fp8_format))
         if torch.compiler.is_compiling():

@@ -20,6 +20,16 @@ from tests.checkpoint.ckpt_helpers import tiny_config
 SEQ, BATCH = 16, 2
 
 
+def _backward_matmuls(out: torch.Tensor, fp8: bool = False) -> int:
+    """Run ``out``'s backward (of its squares' sum) and count the matmuls it ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out.square().sum().backward()
+    kinds = ("aten::_scaled_mm",) if fp8 else ("aten::mm", "aten::addmm")
+    return sum(e.count for e in prof.key_averages() if e.key in kinds)
+
+
 def _saved_storages(fn, *args, params, fp8_shapes: Optional[set] = None) -> tuple[torch.Tensor, dict[int, int]]:
     """``fn(*args)`` and the distinct storages its autograd graph saved (pointer -> bytes; ``params`` excluded).
     ``fp8_shapes`` collects the shapes of the saved one-byte tensors."""
@@ -75,7 +85,8 @@ def test_layer_keeps_neither_the_fused_qkv_output_nor_the_swiglu_product(compile
     tables = {t.untyped_storage().data_ptr() for t in rope}  # the model's tables, shared by every layer
     for _ in range(2):  # the second call runs the compiled graphs
         out, storages = _saved_storages(layer, x, rope, None, params=list(model.parameters()))
-        out.square().sum().backward()
+        matmuls = _backward_matmuls(out)
+    assert matmuls == 8  # four linears' input and weight gradients: fc2's recomputation runs no matmul
     per_token = {ptr: n // (SEQ * BATCH) for ptr, n in storages.items() if ptr not in tables}
     fp32 = 4
     assert (64 + 2 * 32) * fp32 not in per_token.values()  # QKV's output: q (4 heads) + k and v (2 groups of 16)
@@ -150,7 +161,8 @@ def test_fp8_layer_keeps_no_weight_copy(compiled):
     fp8_shapes: set[tuple[int, ...]] = set()
     for _ in range(2):
         out, storages = _saved_storages(layer, x, rope, None, params=params, fp8_shapes=fp8_shapes)
-        out.square().sum().backward()
+        matmuls = _backward_matmuls(out, fp8=True)
+    assert matmuls == 8  # no scaled matmul recomputed
     # Not counted by the model: the tables, and the FP8 scales (one fp32 element each).
     saved = {ptr: n for ptr, n in storages.items() if ptr not in tables and n > 4}
     weights = [p for p in layer.parameters() if p.dim() == 2]
