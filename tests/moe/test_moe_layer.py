@@ -250,3 +250,42 @@ def test_expert_bias_gradient_is_summed_in_fp32():
     want = torch.zeros(3, 16).index_add_(0, expert_of_row, grad.float()) * 0.5
     torch.testing.assert_close(bias.grad.float(), want, rtol=8e-3, atol=1e-3)  # one bf16 rounding of the sum
     assert torch.equal(rows.grad, grad)
+
+
+@pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch._grouped_mm has no kernel for fp32 on this device")
+def test_weights_in_the_activation_keep_no_output_rows_nor_swiglu(monkeypatch):
+    """SwiGLU experts on the direct grouped-GEMM path weigh each row inside the activation: the same output and
+    gradients as the weighted combine, while backward keeps neither the output rows ([T, k, H]) nor SiLU's output
+    and the product (per row of the aligned buffer: fc1's output only)."""
+    from meshtron.layers.moe.experts import GroupedExperts
+
+    x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(3))
+    results = []
+    for weighted in (True, False):
+        if not weighted:
+            monkeypatch.setattr(GroupedExperts, "weights_in_activation", property(lambda self: False))
+        layer = build(moe_cfg(), grouped_gemm=True)
+        layer.eval()
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        saved: dict[int, tuple] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), tuple(t.shape))
+            return t
+
+        xin = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(xin)
+        (y.square().sum()).backward()
+        results.append((y.detach(), [xin.grad] + [p.grad for p in layer.parameters()], saved))
+    (y_w, g_w, saved_w), (y_c, g_c, saved_c) = results
+    torch.testing.assert_close(y_w, y_c, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_w, g_c):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    rows, k, fe = 16, 2, moe_cfg().moe_ffn_hidden_size
+    assert (rows, k, H) in {shape for _, shape in saved_c.values()}  # the weighted combine's output rows
+    assert (rows, k, H) not in {shape for _, shape in saved_w.values()}
+    silu_outputs = [shape for _, shape in saved_c.values() if len(shape) == 2 and shape[1] == fe]
+    assert silu_outputs and not [shape for _, shape in saved_w.values() if len(shape) == 2 and shape[1] == fe]
+    assert sum(n for n, _ in saved_w.values()) < sum(n for n, _ in saved_c.values())
