@@ -133,35 +133,6 @@ class GroupedExperts(nn.Module):
                               expert_of_row)
         return _Unpad.apply(y, slot)
 
-    @property
-    def weights_in_activation(self) -> bool:
-        """Whether :meth:`forward_weighted` applies: SwiGLU experts without an output bias (whose sum would
-        otherwise need each row's routing weight too)."""
-        return self.swiglu and self.fc2_bias is None
-
-    @torch.compiler.disable  # row counts change every step
-    def forward_weighted(self, tokens: torch.Tensor, indices: torch.Tensor, tokens_per_expert: torch.Tensor,
-                         probs: torch.Tensor) -> torch.Tensor:
-        """``sum_j probs[t, j] * expert_{indices[t, j]}(tokens[t])`` -> [T, H], on the path of
-        :meth:`forward_assignments` (every assignment kept, every expert here, the grouped GEMM).
-
-        The routing weight scales each row's SwiGLU output before the down projection (the same sum, the
-        projection being linear), so the combine is a plain sum that keeps nothing for backward, where the
-        weighted combine kept every assignment's output row; and the down projection recomputes SwiGLU in
-        its backward (:class:`_WeightedSwiGLUDown`). Per assignment the layer keeps fc1's input row and
-        output (``2*e*(h + fe)`` bytes) instead of also the output row, SiLU's output and the product."""
-        El, H = self.num_local, self.hidden
-        T, k = indices.shape
-        slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert)
-        padded = _GatherToSlots.apply(tokens, slot, total, k)
-        h = torch._grouped_mm(padded, self.fc1_weight.view(El, -1, H).transpose(1, 2), offs=offs)
-        if self.fc1_bias is not None:
-            h = add_expert_bias(h, self.fc1_bias.view(El, -1), expert_of_row)
-        flat = probs.reshape(-1)
-        row_probs = flat.new_zeros(total).index_copy(0, slot, flat)  # padding rows weigh 0
-        y = _WeightedSwiGLUDown.apply(h, row_probs, self.fc2_weight.view(El, H, -1), offs)
-        return _Unpad.apply(y, slot).view(T, k, H).sum(1)
-
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
@@ -200,33 +171,6 @@ class _GatherToSlots(torch.autograd.Function):
         (slot,) = ctx.saved_tensors
         per_assignment = grad.index_select(0, slot).view(-1, ctx.k, grad.shape[-1])
         return per_assignment.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
-
-
-class _WeightedSwiGLUDown(torch.autograd.Function):
-    """``grouped_mm(silu(gate) * up * p, w2^T)`` per expert group for fc1's output ``h`` = [gate, up] (rows of
-    the aligned buffer) and each row's routing weight ``p`` (fp32); backward recomputes SiLU and the product
-    from ``h`` instead of keeping them, with the grouped GEMM's own gradient products."""
-
-    @staticmethod
-    def forward(ctx, h, p, w2, offs):
-        gate, up = h.chunk(2, dim=-1)
-        a = F.silu(gate) * up * p.to(h.dtype)[:, None]
-        ctx.save_for_backward(h, p, w2, offs)
-        return torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        h, p, w2, offs = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        silu = F.silu(gate)
-        product = silu * up
-        weight = p.to(h.dtype)[:, None]
-        grad_a = torch._grouped_mm(grad, w2, offs=offs)
-        grad_w2 = torch._grouped_mm((product * weight).t(), grad, offs=offs).transpose(1, 2)
-        grad_p = (grad_a.float() * product.float()).sum(-1)
-        grad_product = grad_a * weight
-        grad_h = torch.cat([torch.ops.aten.silu_backward(grad_product * up, gate), grad_product * silu], dim=-1)
-        return grad_h, grad_p, grad_w2, None
 
 
 class _Unpad(torch.autograd.Function):
