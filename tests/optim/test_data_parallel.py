@@ -21,6 +21,7 @@ from meshtron.optim.distributed_optimizer import DistributedOptimizer
 from meshtron.optim.factory import build_optimization
 from meshtron.parallel.context import ParallelContext, build_groups
 from meshtron.parallel.sharding import ShardSpec, gather_canonical, initialize_parameters, new_param, spec_of, whole
+from tests.distributed.late_gather import land_gathers_at_wait
 from tests.distributed.launch import run_distributed
 
 VOCAB = 100
@@ -194,31 +195,8 @@ VARIANTS = {
 RESUME = ("distopt-offload", "offload-only", "plain")  # checkpoint interface round trip
 
 
-class _LateGather:
-    """An overlapped all-gather whose result lands only when waited for: a weight read before its
-    bucket's wait (a module called around its forward pre-hooks) then reads last step's value on
-    every run, not only when the real gather happens to be slow."""
-
-    def __init__(self, gather, output: torch.Tensor, input: torch.Tensor, group):
-        self.output, self.landing = output, torch.empty_like(output)
-        self.work = gather(self.landing, input.clone(), group, async_op=True)
-
-    def wait(self) -> None:
-        self.work.wait()
-        self.output.copy_(self.landing)
-
-
-def _late_gathers(module) -> None:
-    real = module.all_gather_single
-
-    def gather(output, input, group, async_op=False):
-        return _LateGather(real, output, input, group) if async_op else real(output, input, group)
-    module.all_gather_single = gather
-
-
 def _dp_worker(rank, world, names, tp, query_groups, sp):
-    import meshtron.optim.param_buffer as param_buffer
-    _late_gathers(param_buffer)  # this process only: overlapped weight gathers land at their wait
+    land_gathers_at_wait()  # this process only: a weight read before its gather's wait reads stale values
     ctx = build_groups(tp, 1, 1, 1, torch.device("cpu"))
     results = {}
     for name in names:
