@@ -156,7 +156,7 @@ its predecessor's tensors are on the device together. :func:`offload_timeline` r
 queue; the peak is the largest of (kept activations of the layers not yet back-propagated + the
 two fetched layers) over the backward's layers, the backlog is reported beside it
 (``MemoryEstimate.pending_copies``), and the time the backward waits for a fetch is what the
-step-time model adds. Measured on llama3-3b at 1 x 32768 with selective recomputation (h63):
+step-time model adds. Measured on llama3-3b at 1 x 32768 with selective recomputation (h67):
 63.7 GiB allocated, as modelled; the copies ran at 55 GB/s each way.
 
 The reported figure is for the pipeline rank with the largest total (first or last stage).
@@ -411,8 +411,12 @@ def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> boo
     if not t.fp8_format:
         return True
     sequence_parallel = p.sequence_parallel and p.tensor_model_parallel_size > 1
-    compiled = t.compile is not False and t.device != "cpu"
-    return t.fp8_recipe == "tensorwise" and not sequence_parallel and compiled
+    return t.fp8_recipe == "tensorwise" and not sequence_parallel and _layers_compiled(cfg)
+
+
+def _layers_compiled(cfg: MeshtronConfig) -> bool:
+    """Whether the layers run under ``torch.compile`` (the GPU default; the CPU runs them eagerly)."""
+    return cfg.train.compile is not False and cfg.train.device != "cpu"
 
 
 def _fp8_tensorwise(cfg: MeshtronConfig) -> bool:
@@ -556,7 +560,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
 
     fp8 = _fp8_tensorwise(cfg)
     fc2_recomputes = fc2_recomputes_product(cfg, saves)
-    compiled = tr.compile is not False and tr.device != "cpu"  # compiled layers: the GPU default
+    compiled = _layers_compiled(cfg)
     # MoELayer.forward's direct path: every expert here, nothing dropped, the grouped GEMM (bf16)
     local_experts = ep == 1 and m.moe_expert_capacity_factor is None and bf16
 
@@ -589,10 +593,12 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         first, last = rank == 0, rank == pp - 1
         # Parameters on this rank.
         dense = expert = 0.0
+        layer_sizes = []  # parameters of each layer on this rank
         for layers in chunks:
             for i in layers:
                 dl, el = layer_parameters(m, i, tp, ep, etp)
                 dense, expert = dense + dl, expert + el
+                layer_sizes.append(dl + el)
         if first:
             dense += vocab * m.hidden_size / tp
             if m.position_embedding_type == "learned_absolute":
@@ -611,13 +617,12 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         weights, grads = _sharded_weights_and_grads(strategy, dense, expert, dense_shard, expert_shard, w_bytes,
                                                     g_bytes)
         if strategy == "optim_grads_params":  # the running unit's and the prefetched unit's gathered weights
-            unit = max((sum(layer_parameters(m, i, tp, ep, etp)) for c in chunks for i in c), default=0.0)
+            unit = max(layer_sizes, default=0.0)
             weights += 2 * unit * w_bytes
             # Backward sums each unit's gradients whole before its reduce-scatter (sharded_grads._accumulate):
             # the running layer's, and the root unit's (embedding, output layer, final norm), open from the
             # loss's backward to the embedding's. Measured: 1.84 GiB of llama3-3b's peak (h63, h65).
-            root = params - sum(sum(layer_parameters(m, i, tp, ep, etp)) for c in chunks for i in c)
-            grads += (root + unit) * g_bytes
+            grads += (params - sum(layer_sizes) + unit) * g_bytes
         optim = (dense / dense_shard + expert / expert_shard) * o_bytes * opt_gpu
 
         # Activations: in-flight micro-batches (1F1B) or chunk-forwards (interleaved).

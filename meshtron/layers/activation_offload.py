@@ -49,6 +49,11 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _pool_key(t: torch.Tensor) -> tuple:
+    """Host buffers are reused for tensors of the same shape, strides and dtype."""
+    return tuple(t.shape), t.stride(), t.dtype
+
+
 class _Saved:
     """One offloaded tensor: its host copy, and the device copy once it is fetched back."""
 
@@ -155,8 +160,7 @@ class ActivationOffloader:
 
     def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
         """A pinned host tensor with ``t``'s shape and strides (so the copies are one block each way)."""
-        key = (tuple(t.shape), t.stride(), t.dtype)
-        free = self._pool.get(key)
+        free = self._pool.get(_pool_key(t))
         if free:
             return free.pop()
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=self.cuda)
@@ -181,8 +185,7 @@ class ActivationOffloader:
             saved.tensor = saved.host.clone()
         # The host buffer is free for the next forward once the copy back is queued: every later
         # copy into it runs on the same side stream, after this one.
-        host = saved.host
-        self._pool.setdefault((tuple(host.shape), host.stride(), host.dtype), []).append(host)
+        self._pool.setdefault(_pool_key(saved.host), []).append(saved.host)
         saved.host = None
 
     def _unpack(self, saved):

@@ -297,7 +297,7 @@ class _SwiGLUMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, weight):
         ctx.save_for_backward(gate_up, weight)
-        return F.linear(swiglu(gate_up), weight)
+        return _swiglu_linear(gate_up, weight)
 
     @staticmethod
     def backward(ctx, grad_out):

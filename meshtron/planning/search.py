@@ -244,20 +244,20 @@ def _fitting_variants(lay: Layout, estimate, limit: float, space: SearchSpace,
         return
     shards = lay.dp * lay.cp
     tried = [(lay, est)]
-    if est.total > limit and space.allow_zero and lay.sharding == "optim":
+    if est.device_bytes > limit and space.allow_zero and lay.sharding == "optim":
         for strategy, saved in (("optim_grads", est.gradients), ("optim_grads_params", est.gradients + est.weights)):
-            if est.total - saved * (1 - 1 / shards) > limit:
+            if est.device_bytes - saved * (1 - 1 / shards) > limit:
                 continue
             variant = dataclasses.replace(lay, sharding=strategy)
             variant_est = estimate(variant)
             if variant_est is None:
                 continue
             tried.append((variant, variant_est))
-            if variant_est.total <= limit:
+            if variant_est.device_bytes <= limit:
                 break  # ZeRO-3 would only add communication
     for variant, variant_est in tried:
-        if variant_est.total <= limit:
-            yield from _with_zb_h1(variant, variant_est.total, estimate, limit, space)
+        if variant_est.device_bytes <= limit:
+            yield from _with_zb_h1(variant, variant_est.device_bytes, estimate, limit, space)
         elif (space.allow_offload and lay.recompute != "full" and (lay.sharding != "no_shard" or shards == 1)
               and variant_est.total - variant_est.activations <= limit):
             offload_candidates.append(dataclasses.replace(variant, offload=True))

@@ -4,8 +4,6 @@ per-layer count equal to the bytes the layer actually saves (eager and compiled)
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,37 +14,9 @@ from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import initialize_parameters
 from tests.checkpoint.ckpt_helpers import tiny_config
+from tests.layers.saved_tensors import backward_matmuls, saved_storages
 
 SEQ, BATCH = 16, 2
-
-
-def _backward_matmuls(out: torch.Tensor, fp8: bool = False) -> int:
-    """Run ``out``'s backward (of its squares' sum) and count the matmuls it ran."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out.square().sum().backward()
-    kinds = ("aten::_scaled_mm",) if fp8 else ("aten::mm", "aten::addmm")
-    return sum(e.count for e in prof.key_averages() if e.key in kinds)
-
-
-def _saved_storages(fn, *args, params, fp8_shapes: Optional[set] = None) -> tuple[torch.Tensor, dict[int, int]]:
-    """``fn(*args)`` and the distinct storages its autograd graph saved (pointer -> bytes; ``params`` excluded).
-    ``fp8_shapes`` collects the shapes of the saved one-byte tensors."""
-    storages: dict[int, int] = {}
-    skip = {p.untyped_storage().data_ptr() for p in params}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            storages[ptr] = t.untyped_storage().nbytes()
-        if fp8_shapes is not None and t.element_size() == 1:
-            fp8_shapes.add(tuple(t.shape))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args)
-    return out, storages
 
 
 def test_swiglu_matmul_gradients_equal_autograd_of_the_plain_graph():
@@ -84,8 +54,8 @@ def test_layer_keeps_neither_the_fused_qkv_output_nor_the_swiglu_product(compile
     rope = model._rope(SEQ, None, x.device, torch.float32)
     tables = {t.untyped_storage().data_ptr() for t in rope}  # the model's tables, shared by every layer
     for _ in range(2):  # the second call runs the compiled graphs
-        out, storages = _saved_storages(layer, x, rope, None, params=list(model.parameters()))
-        matmuls = _backward_matmuls(out)
+        out, storages = saved_storages(layer, x, rope, None, params=list(model.parameters()))
+        matmuls = backward_matmuls(out)
     assert matmuls == 8  # four linears' input and weight gradients: fc2's recomputation runs no matmul
     per_token = {ptr: n // (SEQ * BATCH) for ptr, n in storages.items() if ptr not in tables}
     fp32 = 4
@@ -133,7 +103,7 @@ def test_fp8_swiglu_projection_recomputes_its_casts_with_identical_gradients(com
     for fn in (kept, _swiglu_fp8_recomputed):
         fn = torch.compile(fn) if compiled else fn
         for _ in range(2):
-            out, storages = _saved_storages(fn, gate_up, weight, "hybrid", params=[weight])
+            out, storages = saved_storages(fn, gate_up, weight, "hybrid", params=[weight])
             grads = torch.autograd.grad(out, (gate_up, weight), grad_out)
         results.append((out, *grads, storages))
     (*expected, kept_storages), (*got, recomputed_storages) = results
@@ -160,8 +130,8 @@ def test_fp8_layer_keeps_no_weight_copy(compiled):
     params = list(model.parameters())
     fp8_shapes: set[tuple[int, ...]] = set()
     for _ in range(2):
-        out, storages = _saved_storages(layer, x, rope, None, params=params, fp8_shapes=fp8_shapes)
-        matmuls = _backward_matmuls(out, fp8=True)
+        out, storages = saved_storages(layer, x, rope, None, params=params, fp8_shapes=fp8_shapes)
+        matmuls = backward_matmuls(out, fp8=True)
     assert matmuls == 8  # no scaled matmul recomputed
     # Not counted by the model: the tables, and the FP8 scales (one fp32 element each).
     saved = {ptr: n for ptr, n in storages.items() if ptr not in tables and n > 4}

@@ -10,14 +10,13 @@ import torch
 from meshtron.memory import layer_activation_bytes
 from tests.checkpoint.ckpt_helpers import tiny_config
 from tests.distributed.launch import run_distributed
+from tests.layers.saved_tensors import backward_matmuls, saved_storages
 
 SEQ, BATCH, H = 32, 2, 64
 VARIANTS = (("plain", False, False), ("selective", True, False), ("fp8", False, True))
 
 
 def _saved_and_matmuls(selective: bool, fp8: bool) -> tuple[int, int, float]:
-    from torch.profiler import ProfilerActivity, profile
-
     from meshtron.layers.fp8 import enable_fp8
     from meshtron.model import GPTModel
     from meshtron.parallel.context import build_groups
@@ -32,28 +31,17 @@ def _saved_and_matmuls(selective: bool, fp8: bool) -> tuple[int, int, float]:
     if fp8:
         enable_fp8(layer, "hybrid")
     layer.compile()
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     rope = model._rope(SEQ, None, torch.device("cpu"), torch.float32)
-    skip |= {t.untyped_storage().data_ptr() for t in rope}
+    tables = {t.untyped_storage().data_ptr() for t in rope}
     x = torch.randn(SEQ // 2, BATCH, H, requires_grad=True)  # this rank's sequence shard
     for _ in range(2):  # the second call runs the compiled graphs
-        storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in skip and t.numel() > 1:  # the FP8 scales (one element each) are not counted
-                storages[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(x, rope, None)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            out.square().sum().backward()
-    kinds = ("aten::_scaled_mm",) if fp8 else ("aten::mm", "aten::addmm")
-    matmuls = sum(e.count for e in prof.key_averages() if e.key in kinds)
+        out, storages = saved_storages(layer, x, rope, None, params=list(model.parameters()))
+        matmuls = backward_matmuls(out, fp8=fp8)
+    # Not counted by the model: the tables, and the FP8 scales (one fp32 element each).
+    saved = sum(n for ptr, n in storages.items() if ptr not in tables and n > 4)
     expected = layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=SEQ, tp=2, sequence_parallel=True,
                                       act_bytes=4, recompute="selective" if selective else None, fp8=fp8)
-    return sum(storages.values()), matmuls, expected
+    return saved, matmuls, expected
 
 
 def _worker(rank, world):
