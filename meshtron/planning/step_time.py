@@ -228,8 +228,10 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
         mlp_elem = tokens * e * 3 * f / tp
         if fc2_recomputes_product(cfg, saves):
             # fc2's backward recomputes SwiGLU's product from gate and up; in FP8 also the product's casts
-            # (read bf16, write two FP8 layouts) and the weight's.
-            swiglu_recompute = tokens * (e * 3 + (4 if fp8 else 0)) * f / tp + (4 * h * f / tp if fp8 else 0.0)
+            # (read bf16, write two FP8 layouts), and before revision 2 the weight's (since, every FP8
+            # linear's weight recast is counted with the others' below).
+            weight_recast = 4 * h * f / tp if fp8 and saves < 2 else 0.0
+            swiglu_recompute = tokens * (e * 3 + (4 if fp8 else 0)) * f / tp + weight_recast
     # Norms (read + write), residual adds (two reads, one write), RoPE on q and k.
     norm_elem = tokens * e * 4 * h / rep_div
     other_elem = tokens * e * (6 * h / rep_div + 2 * (q_out + kv_out / 2))
