@@ -1,7 +1,7 @@
 """What a compiled layer keeps for backward under TP=2 + sequence parallelism equals the memory model's count
 (fp32 on the CPU; with selective recomputation and with FP8 too), and SwiGLU's down projection runs no extra
 matmul in its backward: the compiled graph neither keeps the down projection's whole-sequence output nor
-recomputes it."""
+recomputes it; its gradients equal the eager layer's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ SEQ, BATCH, H = 32, 2, 64
 VARIANTS = (("plain", False, False), ("selective", True, False), ("fp8", False, True))
 
 
-def _saved_and_matmuls(selective: bool, fp8: bool) -> tuple[int, int, float]:
+def _layer(selective: bool, fp8: bool, compiled: bool):
     from meshtron.layers.fp8 import enable_fp8
     from meshtron.model import GPTModel
     from meshtron.parallel.context import build_groups
@@ -30,18 +30,33 @@ def _saved_and_matmuls(selective: bool, fp8: bool) -> tuple[int, int, float]:
     layer = model.layers["0"]
     if fp8:
         enable_fp8(layer, "hybrid")
-    layer.compile()
+    if compiled:
+        layer.compile()
+    return cfg, model, layer
+
+
+def _saved_and_matmuls(selective: bool, fp8: bool) -> tuple[int, int, float, float]:
+    """(bytes saved, backward matmuls, the memory model's count, largest gradient difference to eager)."""
+    cfg, model, layer = _layer(selective, fp8, compiled=True)
     rope = model._rope(SEQ, None, torch.device("cpu"), torch.float32)
     tables = {t.untyped_storage().data_ptr() for t in rope}
-    x = torch.randn(SEQ // 2, BATCH, H, requires_grad=True)  # this rank's sequence shard
+    x = torch.randn(SEQ // 2, BATCH, H, generator=torch.Generator().manual_seed(3))  # this rank's shard
     for _ in range(2):  # the second call runs the compiled graphs
-        out, storages = saved_storages(layer, x, rope, None, params=list(model.parameters()))
+        xin = x.clone().requires_grad_()
+        out, storages = saved_storages(layer, xin, rope, None, params=list(model.parameters()))
+        layer.zero_grad()
         matmuls = backward_matmuls(out, fp8=fp8)
+    # The same gradients as the eager layer (whose equivalence with one process the TP suites check).
+    _, eager_model, eager = _layer(selective, fp8, compiled=False)
+    xe = x.clone().requires_grad_()
+    eager(xe, rope, None).square().sum().backward()
+    diff = max((a - b).abs().max().item() for a, b in zip([xin.grad] + [p.grad for p in layer.parameters()],
+                                                            [xe.grad] + [p.grad for p in eager.parameters()]))
     # Not counted by the model: the tables, and the FP8 scales (one fp32 element each).
     saved = sum(n for ptr, n in storages.items() if ptr not in tables and n > 4)
     expected = layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=SEQ, tp=2, sequence_parallel=True,
                                       act_bytes=4, recompute="selective" if selective else None, fp8=fp8)
-    return saved, matmuls, expected
+    return saved, matmuls, expected, diff
 
 
 def _worker(rank, world):
@@ -51,7 +66,8 @@ def _worker(rank, world):
 def test_compiled_tp_sp_layer_saves_what_the_model_counts():
     results = run_distributed(_worker, 2, timeout=600)
     for rank_result in results:
-        for name, (saved, matmuls, expected) in rank_result.items():
+        for name, (saved, matmuls, expected, diff) in rank_result.items():
             assert saved == expected, (name, saved, expected)
+            assert diff < 1e-5, (name, diff)
         # Four linears, two gradient matmuls each (input and weight), none recomputed.
         assert [rank_result[name][1] for name, _, _ in VARIANTS] == [8, 8, 8]
