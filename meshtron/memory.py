@@ -185,8 +185,9 @@ _KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
 #: the model of that code: 0 = the values a view of the fused QKV output (which stayed whole), SwiGLU's
 #: product kept, FP8 weight copies kept; 1 = values copied out, the product recomputed by fc2 (in FP8 with
 #: its casts and fc2's weight cast), the other FP8 linears' weight copies kept; 2 = every FP8 linear casts
-#: its weight again in backward (today's code).
-LAYER_SAVES = 2
+#: its weight again in backward; 3 = SwiGLU experts on the direct path weigh each row inside the activation
+#: and recompute SwiGLU in backward (today's code).
+LAYER_SAVES = 3
 
 
 @dataclass(frozen=True)
@@ -360,10 +361,18 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         # The experts (eager, bf16), per choice: the rows of the aligned grouped-GEMM buffer (fc1's
         # input) and the output rows the weighted sum's batched matmul keeps; fc1's output, SiLU's
         # output and the SwiGLU product. fc2's output is not kept (the unpadding saves indices only).
-        # Through the dispatcher (expert parallelism, a capacity) one more row per choice stays.
-        part += k * e * (2 if local_experts else 3) * h
-        inner = 2 * fe + (0 if "act" in selective else 2 * fe) if m.swiglu else fe + (0 if "act" in selective else fe)
-        part += k * e * inner / etp
+        # Through the dispatcher (expert parallelism, a capacity) one more row per choice stays. Since
+        # revision 3 of the saves, SwiGLU experts without an output bias on the direct path weigh each row
+        # inside the activation (experts.forward_weighted): no output row, SiLU output or product stays, only
+        # fc1's input row and output and each row's fp32 routing weight.
+        weighted = local_experts and m.swiglu and m.disable_bias_linear and saves >= 3
+        if weighted:
+            part += k * (e * h + 4) + k * e * 2 * fe / etp
+        else:
+            part += k * e * (2 if local_experts else 3) * h
+            inner = (2 * fe + (0 if "act" in selective else 2 * fe) if m.swiglu
+                     else fe + (0 if "act" in selective else fe))
+            part += k * e * inner / etp
         if m.moe_shared_expert_intermediate_size:
             fs = m.moe_shared_expert_intermediate_size
             part += lin * h + mlp_part(fs, tp, False)  # its fc1's input (the normed tokens); fc2 runs in bf16

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from meshtron.layers.fused import compiled_on_cuda
 from meshtron.parallel.comm import Group, _size
 
 # Chunk so that one chunk's logits stay near this many elements (2^30: 2 GiB of bf16 logits).
@@ -73,27 +74,8 @@ def _loss_and_grad(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.T
     return _loss(row_max, sum_exp, target_logit), grad.to(logits.dtype)
 
 
-def _compiled(fn):
-    """torch.compile'd ``fn`` where it pays (CUDA); the plain function elsewhere.
-
-    Static shapes: with a symbolic vocabulary size every element's row and column index costs a 64-bit
-    division, which made the gradient kernel run at a fifth of memory bandwidth (H200, llama3-1b:
-    21 ms per step). The chunks of a micro-batch share one shape, so this compiles once per shape.
-    """
-    cache = {}
-
-    def call(*args):
-        if not args[0].is_cuda:
-            return fn(*args)
-        if "fn" not in cache:
-            cache["fn"] = torch.compile(fn, dynamic=False)
-        return cache["fn"](*args)
-
-    return call
-
-
-_local_stats_fast = _compiled(_local_stats)
-_loss_and_grad_fast = _compiled(_loss_and_grad)
+_local_stats_fast = compiled_on_cuda(_local_stats)
+_loss_and_grad_fast = compiled_on_cuda(_loss_and_grad)
 
 
 def _chunk_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, valid_cols: int, group: Group):

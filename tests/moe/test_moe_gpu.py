@@ -61,3 +61,34 @@ def test_expert_parallel_over_nccl_equals_one_gpu():
                ("ep2-capacity-padded", cfg_c, 1, 1, 2, False)]
     results = run_distributed(_cuda_layouts_worker, world, layouts, backend="nccl", timeout=300)
     check_layouts(results, layouts, world, torch.device("cuda", 0))
+
+
+def test_weighted_activation_bf16_is_as_close_to_fp32_as_the_weighted_combine(monkeypatch):
+    """On CUDA in bf16 the experts that weigh each row inside the (fused, compiled) SwiGLU give the fp32
+    layer's output and gradients as closely as the weighted combine does."""
+    from meshtron.layers.moe import MoELayer
+
+    cfg = cfg_a()
+    cfg.hidden_size, cfg.disable_bias_linear, cfg.swiglu, cfg.moe_ffn_hidden_size = 256, True, True, 512
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(64, 4, 256, device=dev, generator=g)
+    r = torch.randn(64, 4, 256, device=dev, generator=g)
+
+    def run(dtype, weighted, grouped):
+        monkeypatch.setattr(GroupedExperts, "weights_in_activation", property(lambda self: weighted))
+        with torch.device("meta"):
+            layer = MoELayer(cfg, ParallelContext(device=dev), 0, False, grouped_gemm=grouped)
+        initialize_parameters(layer, 3, dev, dtype)
+        layer.eval()
+        xi = x.to(dtype).requires_grad_()
+        y = layer(xi)
+        grads = torch.autograd.grad((y.float() * r).sum(), [xi] + list(layer.parameters()))
+        return [y.float()] + [t.float() for t in grads]
+
+    ref = run(torch.float32, False, False)
+    combine, weighted = run(torch.bfloat16, False, True), run(torch.bfloat16, True, True)
+    for want, c, w in zip(ref, combine, weighted):
+        scale = want.abs().max().clamp(min=1e-6)
+        c_err, w_err = ((c - want).abs().max() / scale).item(), ((w - want).abs().max() / scale).item()
+        assert w_err < max(1.5 * c_err, 1e-2), (w_err, c_err)

@@ -250,3 +250,48 @@ def test_expert_bias_gradient_is_summed_in_fp32():
     want = torch.zeros(3, 16).index_add_(0, expert_of_row, grad.float()) * 0.5
     torch.testing.assert_close(bias.grad.float(), want, rtol=8e-3, atol=1e-3)  # one bf16 rounding of the sum
     assert torch.equal(rows.grad, grad)
+
+
+@pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch._grouped_mm has no kernel for fp32 on this device")
+def test_weights_in_the_activation_keep_no_output_rows_nor_swiglu(monkeypatch):
+    """SwiGLU experts on the direct grouped-GEMM path weigh each row inside the activation: the same output and
+    gradients as the weighted combine, while backward keeps neither the output rows ([T * k, H]) nor SiLU's
+    output and the product ([rows, F] each), only one fp32 weight per row of the aligned buffer more."""
+    from meshtron.layers.moe.experts import GroupedExperts
+    from tests.layers.saved_tensors import saved_storages
+
+    x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(3))
+    r = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(4))
+    results = {}
+    for weighted in (True, False):
+        if not weighted:
+            monkeypatch.setattr(GroupedExperts, "weights_in_activation", property(lambda self: False))
+        layer = build(moe_cfg(), grouped_gemm=True)
+        layer.eval()  # no router losses
+        xin = x.clone().requires_grad_()
+        y, saved = saved_storages(layer, xin, params=list(layer.parameters()))
+        grads = torch.autograd.grad((y * r).sum(), [xin] + list(layer.parameters()))
+        results[weighted] = (y.detach(), grads, sum(saved.values()))
+    (y_w, g_w, bytes_w), (y_c, g_c, bytes_c) = results[True], results[False]
+    torch.testing.assert_close(y_w, y_c, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_w, g_c):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    T, k, fe, E = 16, 2, moe_cfg().moe_ffn_hidden_size, moe_cfg().num_experts
+    rows = -(-(T * k + 7 * E) // 8) * 8  # the aligned buffer (experts.aligned_layout)
+    assert bytes_c - bytes_w == 4 * (T * k * H + 2 * rows * fe) - 4 * rows
+
+
+def test_weighted_swiglu_backward_equals_autograd():
+    """The fused backward of the weighted SwiGLU (recomputing the product) gives autograd's gradients."""
+    from meshtron.layers.moe.experts import _weighted_swiglu, _weighted_swiglu_backward
+
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(40, 2 * 24, generator=g, dtype=torch.float64, requires_grad=True)
+    p = torch.rand(40, generator=g, dtype=torch.float64, requires_grad=True)
+    grad_a = torch.randn(40, 24, generator=g, dtype=torch.float64)
+    a = _weighted_swiglu(h, p)
+    want_h, want_p = torch.autograd.grad(a, [h, p], grad_a)
+    again, got_h, got_p = _weighted_swiglu_backward(h.detach(), p.detach(), grad_a)
+    torch.testing.assert_close(again, a.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(got_h, want_h.to(got_h.dtype), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got_p, want_p.float(), rtol=1e-6, atol=1e-6)

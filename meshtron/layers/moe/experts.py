@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtron.config import ModelConfig
+from meshtron.layers.fused import compiled_on_cuda
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import ShardSpec, new_param, scaled_std, shard, whole
 
@@ -133,6 +134,37 @@ class GroupedExperts(nn.Module):
                               expert_of_row)
         return _Unpad.apply(y, slot)
 
+    @property
+    def weights_in_activation(self) -> bool:
+        """Whether :meth:`forward_weighted` applies: SwiGLU experts without an output bias (whose sum would
+        otherwise need each row's routing weight too)."""
+        return self.swiglu and self.fc2_bias is None
+
+    @torch.compiler.disable  # the layer's compiled graph would break here anyway (the experts' own kernels)
+    def forward_weighted(self, tokens: torch.Tensor, indices: torch.Tensor, tokens_per_expert: torch.Tensor,
+                         probs: torch.Tensor) -> torch.Tensor:
+        """``sum_j probs[t, j] * expert_{indices[t, j]}(tokens[t])`` -> [T, H], on the path of
+        :meth:`forward_assignments` (every assignment kept, every expert here, the grouped GEMM).
+
+        The routing weight scales each row's SwiGLU output before the down projection (the same sum, the
+        projection being linear), so the combine is a plain sum over each token's slots that keeps nothing
+        for backward, where the weighted combine kept every assignment's output row; and the down
+        projection recomputes SwiGLU in its backward (:class:`_WeightedSwiGLUDown`). Per assignment the
+        layer keeps fc1's input row and output and the fp32 weight (``e*(h + 2*fe) + 4`` bytes), not also
+        the output row, SiLU's output and the product. The element-wise work runs as one fused kernel
+        each way on CUDA (:func:`meshtron.layers.fused.compiled_on_cuda`: the buffer's size is fixed by the
+        micro-batch, so it compiles once)."""
+        El, H = self.num_local, self.hidden
+        k = indices.shape[1]
+        slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert)
+        padded = _GatherToSlots.apply(tokens, slot, total, k)
+        h = torch._grouped_mm(padded, self.fc1_weight.view(El, -1, H).transpose(1, 2), offs=offs)
+        if self.fc1_bias is not None:
+            h = add_expert_bias(h, self.fc1_bias.view(El, -1), expert_of_row)
+        row_probs = _row_weights(probs.float().reshape(-1), slot, total)  # padding rows weigh 0
+        y = _WeightedSwiGLUDown.apply(h, row_probs, self.fc2_weight.view(El, H, -1), offs)
+        return _SumFromSlots.apply(y, slot, k)
+
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
@@ -153,6 +185,18 @@ def assignment_slots(indices: torch.Tensor, counts: torch.Tensor
     return slot, offs, expert_of_row, total
 
 
+def _tokens_to_slots(tokens: torch.Tensor, slot: torch.Tensor, total: int, k: int) -> torch.Tensor:
+    """The [total, H] buffer whose row ``slot[t * k + j]`` is ``tokens[t]`` (padding rows zero): one gather."""
+    source = torch.full((total,), tokens.shape[0], dtype=torch.long, device=tokens.device)  # padding: the zero row
+    source.index_copy_(0, slot, torch.arange(slot.numel(), device=tokens.device) // k)
+    return torch.cat([tokens, tokens.new_zeros((1, tokens.shape[1]))]).index_select(0, source)
+
+
+def _slots_to_tokens(rows: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's sum over its k slots of the buffer ``rows``, summed in fp32 (deterministic: a gather)."""
+    return rows.index_select(0, slot).view(-1, k, rows.shape[-1]).sum(1, dtype=torch.float32).to(rows.dtype)
+
+
 class _GatherToSlots(torch.autograd.Function):
     """The aligned buffer of :func:`assignment_slots` filled from the tokens (its padding rows zero):
     one gather. Backward: each token's gradient is the sum over its k slots (gathered, summed in fp32)."""
@@ -161,16 +205,81 @@ class _GatherToSlots(torch.autograd.Function):
     def forward(ctx, tokens: torch.Tensor, slot: torch.Tensor, total: int, k: int) -> torch.Tensor:
         ctx.save_for_backward(slot)
         ctx.k = k
-        num_tokens = tokens.shape[0]
-        source = torch.full((total,), num_tokens, dtype=torch.long, device=tokens.device)  # padding: the zero row
-        source.index_copy_(0, slot, torch.arange(slot.numel(), device=tokens.device) // k)
-        return torch.cat([tokens, tokens.new_zeros((1, tokens.shape[1]))]).index_select(0, source)
+        return _tokens_to_slots(tokens, slot, total, k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (slot,) = ctx.saved_tensors
-        per_assignment = grad.index_select(0, slot).view(-1, ctx.k, grad.shape[-1])
-        return per_assignment.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
+        return _slots_to_tokens_fused(grad, slot, ctx.k), None, None, None
+
+
+class _SumFromSlots(torch.autograd.Function):
+    """Each token's sum over its k rows of the aligned buffer (the adjoint of :class:`_GatherToSlots`):
+    keeps only the slots for backward, which hands every slot its token's gradient."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(slot)
+        ctx.k, ctx.total = k, rows.shape[0]
+        return _slots_to_tokens_fused(rows, slot, k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (slot,) = ctx.saved_tensors
+        return _tokens_to_slots(grad, slot, ctx.total, ctx.k), None, None
+
+
+def _row_weights(flat_probs: torch.Tensor, slot: torch.Tensor, total: int) -> torch.Tensor:
+    """Each buffer row's routing weight (fp32; padding rows 0), differentiable in ``flat_probs``."""
+    return flat_probs.new_zeros(total).index_copy(0, slot, flat_probs)
+
+
+def _weighted_swiglu(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up * p`` per row of ``h`` = [gate, up], computed in fp32, in ``h``'s dtype."""
+    gate, up = h.float().chunk(2, dim=-1)
+    return (gate * torch.sigmoid(gate) * up * p[:, None]).to(h.dtype)  # as the backward recomputes it
+
+
+def _weighted_swiglu_backward(h: torch.Tensor, p: torch.Tensor, grad_a: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From fc1's output ``h``, the rows' weights ``p`` and the gradient of the weighted product ``grad_a``:
+    the weighted product again (the down projection's weight gradient reads it), the gradient of ``h``
+    and each row's weight gradient (fp32)."""
+    gate, up = h.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    product = silu * up
+    g = grad_a.float()
+    grad_p = (g * product).sum(-1)
+    g = g * p[:, None]
+    grad_gate = g * up * sig * (1 + gate * (1 - sig))
+    grad_h = torch.cat([grad_gate, g * silu], dim=-1).to(h.dtype)
+    return (product * p[:, None]).to(h.dtype), grad_h, grad_p
+
+
+_weighted_swiglu_fused = compiled_on_cuda(_weighted_swiglu)
+_weighted_swiglu_backward_fused = compiled_on_cuda(_weighted_swiglu_backward)
+_slots_to_tokens_fused = compiled_on_cuda(_slots_to_tokens)
+
+
+class _WeightedSwiGLUDown(torch.autograd.Function):
+    """``grouped_mm(silu(gate) * up * p, w2^T)`` per expert group, for fc1's output ``h`` = [gate, up] (rows
+    of the aligned buffer) and each row's routing weight ``p`` (fp32). Backward recomputes the weighted
+    product from ``h`` instead of keeping it (one fused pass that also yields the gradients of ``h`` and
+    ``p``), then runs the grouped GEMM's two gradient products."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, p: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, p, w2, offs)
+        return torch._grouped_mm(_weighted_swiglu_fused(h, p), w2.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, p, w2, offs = ctx.saved_tensors
+        grad_a = torch._grouped_mm(grad, w2, offs=offs)
+        a, grad_h, grad_p = _weighted_swiglu_backward_fused(h, p, grad_a)
+        grad_w2 = torch._grouped_mm(a.t(), grad, offs=offs).transpose(1, 2)
+        return grad_h, grad_p, grad_w2, None
 
 
 class _Unpad(torch.autograd.Function):

@@ -95,9 +95,12 @@ class MoELayer(Fp32BufferModule):
         probs = comm.copy_to_tp(routing.probs, self.tp_group)
         if self.dispatcher.ep == 1 and routing.keep is None and self.experts.uses_grouped_gemm(expert_in):
             # Every assignment kept and every expert here: straight into and out of the grouped GEMM.
-            T, k = routing.indices.shape
-            rows = self.experts.forward_assignments(expert_in, routing.indices, routing.tokens_per_expert)
-            y = weighted_sum(rows.view(T, k, h), probs)
+            if self.experts.weights_in_activation:
+                y = self.experts.forward_weighted(expert_in, routing.indices, routing.tokens_per_expert, probs)
+            else:
+                T, k = routing.indices.shape
+                rows = self.experts.forward_assignments(expert_in, routing.indices, routing.tokens_per_expert)
+                y = weighted_sum(rows.view(T, k, h), probs)
         else:
             rows, per_expert, host_counts, state = self.dispatcher.dispatch(
                 expert_in, routing.indices, routing.keep, routing.capacity if self.pad_to_capacity else None)
