@@ -92,3 +92,18 @@ def test_weighted_activation_bf16_is_as_close_to_fp32_as_the_weighted_combine(mo
         scale = want.abs().max().clamp(min=1e-6)
         c_err, w_err = ((c - want).abs().max() / scale).item(), ((w - want).abs().max() / scale).item()
         assert w_err < max(1.5 * c_err, 1e-2), (w_err, c_err)
+
+
+def test_slot_sum_kernel_equals_the_torch_sum():
+    """The Triton combine (each token's sum over its k rows of the aligned buffer) equals the torch gather and
+    fp32 reduction, for a width that is not a multiple of the block."""
+    from meshtron.layers.moe.slot_sum import slots_to_tokens, slots_to_tokens_torch
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    for width in (2048, 1400):
+        rows = torch.randn(1000, width, device=dev, generator=g, dtype=torch.bfloat16)
+        slot = torch.randperm(1000, device=dev, generator=g)[:120 * 8]
+        got, want = slots_to_tokens(rows, slot, 8), slots_to_tokens_torch(rows, slot, 8)
+        assert got.shape == (120, width) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-2)

@@ -295,3 +295,23 @@ def test_weighted_swiglu_backward_equals_autograd():
     torch.testing.assert_close(again, a.detach(), rtol=0, atol=0)
     torch.testing.assert_close(got_h, want_h.to(got_h.dtype), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(got_p, want_p.float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch._grouped_mm has no kernel for fp32 on this device")
+def test_weighted_down_projection_gradient_comes_in_the_weights_layout():
+    """The down projection's weight gradient is made in the weight's [El, H, F] layout (a transposed result
+    would be copied with strides when accumulated)."""
+    from meshtron.layers.moe.experts import _WeightedSwiGLUDown
+
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(16, 2 * 8, generator=g, requires_grad=True)
+    p = torch.rand(16, generator=g, requires_grad=True)
+    w2 = torch.randn(2, 4, 8, generator=g, requires_grad=True)
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    y = _WeightedSwiGLUDown.apply(h, p, w2, offs)
+    (grad_w2,) = torch.autograd.grad(y.square().sum(), [w2])
+    assert grad_w2.is_contiguous()
+    gate, up = h.detach().chunk(2, -1)
+    a = F.silu(gate) * up * p.detach()[:, None]
+    want = torch.stack([y.detach()[:8].mul(2).t() @ a[:8], y.detach()[8:].mul(2).t() @ a[8:]])
+    torch.testing.assert_close(grad_w2, want, rtol=1e-5, atol=1e-5)
