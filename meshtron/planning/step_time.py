@@ -215,12 +215,15 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
                       + gemm_seconds(2 * tokens * fs / tp * h, profile, fp8))
         fwd_gemm += expert + router + shared
         wgrad += expert + shared
-        mlp_elem = tokens * e * (3 * k * fe / etp + 8 * k * h / rep_div)  # SwiGLU + permute/unpermute copies
-        mlp_elem += tokens * 3 * 4 * n_exp  # router softmax / top-k in fp32
         if (saves >= 3 and ep == 1 and m.moe_expert_capacity_factor is None and m.swiglu and m.disable_bias_linear
                 and t.bf16):
-            # experts.forward_weighted: the down projection's backward recomputes SwiGLU (and its weighting).
-            swiglu_recompute = tokens * k * e * 3 * fe / etp
+            # experts.forward_weighted: the routing weight inside the fused SwiGLU (read gate and up, write the
+            # product; backward recomputes it in the same pass), each token's rows gathered into the aligned
+            # buffer and summed out of it (the slot-sum kernel): no permutation, unpadding or weighted combine.
+            mlp_elem = tokens * e * (3 * k * fe / etp + 2 * k * h / rep_div)
+        else:
+            mlp_elem = tokens * e * (3 * k * fe / etp + 8 * k * h / rep_div)  # SwiGLU + permute/unpermute copies
+        mlp_elem += tokens * 3 * 4 * n_exp  # router softmax / top-k in fp32
         if m.moe_shared_expert_intermediate_size:
             mlp_elem += tokens * e * 3 * m.moe_shared_expert_intermediate_size / tp
     else:
