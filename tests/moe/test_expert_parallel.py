@@ -9,6 +9,8 @@ logged router losses and expert load, and the expert bias after its update.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -47,7 +49,7 @@ def cfg_c() -> ModelConfig:
     return cfg
 
 
-#: (name, config, TP, CP, EP, sequence parallel) on 4 processes (DP = 4 / (TP x CP)).
+#: (name, config, TP, CP, EP, sequence parallel[, grouped GEMM]) on 4 processes (DP = 4 / (TP x CP)).
 LAYOUTS = [
     ("ep2-dp4", cfg_a, 1, 1, 2, False),
     ("ep4-dp4", cfg_b, 1, 1, 4, False),
@@ -58,6 +60,10 @@ LAYOUTS = [
     # Capacity is counted per micro-batch, as in the reference (not with CP, which splits a micro-batch).
     ("ep2-dp4-capacity-padded", cfg_c, 1, 1, 2, False),
     ("ep2-tp2-sp-capacity-padded", cfg_c, 2, 1, 2, True),
+    # Every expert local (EP = 1) through the grouped GEMM: the routing weights inside the SwiGLU activation,
+    # whose gradients are partial sums over TP (against the reference's expert loop and weighted combine).
+    ("tp2-grouped-weighted", cfg_a, 2, 1, 1, False, True),
+    ("tp2-sp-grouped-weighted", cfg_a, 2, 1, 1, True, True),
 ]
 
 
@@ -67,9 +73,9 @@ def data(dp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(dp, S, B, H, generator=g).to(device), torch.randn(dp, S, B, H, generator=g).to(device)
 
 
-def build_layer(cfg: ModelConfig, ctx: ParallelContext, sp: bool) -> MoELayer:
+def build_layer(cfg: ModelConfig, ctx: ParallelContext, sp: bool, grouped: Optional[bool] = None) -> MoELayer:
     with torch.device("meta"):
-        layer = MoELayer(cfg, ctx, 0, sp)
+        layer = MoELayer(cfg, ctx, 0, sp, grouped_gemm=grouped)
     initialize_parameters(layer, SEED, ctx.device, torch.float32)
     return layer
 
@@ -81,9 +87,9 @@ def optim_config(tp: int, cp: int, ep: int) -> MeshtronConfig:
     return full
 
 
-def run_layout(cfg: ModelConfig, ctx: ParallelContext, sp: bool):
+def run_layout(cfg: ModelConfig, ctx: ParallelContext, sp: bool, grouped: Optional[bool] = None):
     """One micro-batch per data-parallel rank: outputs, canonical grads, metrics, expert bias."""
-    layer = build_layer(cfg, ctx, sp)
+    layer = build_layer(cfg, ctx, sp, grouped)
     layer.train()
     optim = build_optimization(optim_config(ctx.tp, ctx.cp, ctx.ep), ctx, [layer])
     hooks = MoETrainingHooks([layer], ctx, 1, cfg)
@@ -125,9 +131,9 @@ def reference(cfg: ModelConfig, dp: int, device: torch.device = torch.device("cp
 
 def layouts_worker(rank: int, world: int, layouts, device: torch.device = torch.device("cpu")):
     out = []
-    for _, make_cfg, tp, cp, ep, sp in layouts:
+    for _, make_cfg, tp, cp, ep, sp, *grouped in layouts:
         ctx = build_groups(tp, cp, 1, ep, device)
-        y, grads, metrics, bias = run_layout(make_cfg(), ctx, sp)
+        y, grads, metrics, bias = run_layout(make_cfg(), ctx, sp, grouped[0] if grouped else None)
         coords = (ctx.dp_rank, ctx.cp_rank, ctx.tp_rank, ctx.ep_rank, ctx.expert_dp_rank)
         out.append((coords, y, grads if rank == 0 else None, metrics, bias))
     return out
@@ -135,7 +141,7 @@ def layouts_worker(rank: int, world: int, layouts, device: torch.device = torch.
 
 def check_layouts(results: list, layouts: list, world: int, device: torch.device = torch.device("cpu")) -> None:
     """Every rank's results of :func:`layouts_worker` equal the one-process reference."""
-    for i, (name, make_cfg, tp, cp, ep, sp) in enumerate(layouts):
+    for i, (name, make_cfg, tp, cp, ep, sp, *_) in enumerate(layouts):
         dp = world // (tp * cp)
         ref_cfg = make_cfg()
         ref_cfg.moe_pad_expert_input_to_capacity = False  # padded layouts must equal the plain dispatch
