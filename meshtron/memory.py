@@ -186,8 +186,9 @@ _KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
 #: product kept, FP8 weight copies kept; 1 = values copied out, the product recomputed by fc2 (in FP8 with
 #: its casts and fc2's weight cast), the other FP8 linears' weight copies kept; 2 = every FP8 linear casts
 #: its weight again in backward; 3 = SwiGLU experts on the direct path weigh each row inside the activation
-#: and recompute SwiGLU in backward (today's code).
-LAYER_SAVES = 3
+#: and recompute SwiGLU in backward; 4 = grouped SwiGLU experts recompute SwiGLU in backward on every path
+#: (through the dispatcher too, with weights 1: the combine weighs) (today's code).
+LAYER_SAVES = 4
 
 
 @dataclass(frozen=True)
@@ -368,6 +369,10 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         weighted = local_experts and m.swiglu and m.disable_bias_linear and saves >= 3
         if weighted:
             part += k * (e * h + 4) + k * e * 2 * fe / etp
+        elif m.swiglu and saves >= 4:
+            # Since revision 4 the grouped SwiGLU experts recompute SwiGLU in the down projection's backward on
+            # every path (weights 1 where the combine weighs): fc1's output and one fp32 weight per row.
+            part += k * e * (2 if local_experts else 3) * h + k * (4 + e * 2 * fe / etp)
         else:
             part += k * e * (2 if local_experts else 3) * h
             inner = (2 * fe + (0 if "act" in selective else 2 * fe) if m.swiglu

@@ -9,20 +9,23 @@ operation with every intermediate written and read back.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 
 F = TypeVar("F", bound=Callable)
 
 
-def compiled_on_cuda(fn: F) -> F:
+def compiled_on_cuda(fn: F, dynamic: Optional[bool] = False) -> F:
     """``fn`` through ``torch.compile`` when its first argument is a CUDA tensor; ``fn`` itself elsewhere.
 
-    Static shapes: with symbolic sizes every element's row and column index can cost a 64-bit division
-    (the fused loss's gradient kernel ran at a fifth of memory bandwidth that way on an H200). Callers pass
-    tensors whose shapes are fixed for a run (a micro-batch's chunks, the MoE experts' aligned buffer), so
-    this compiles once per shape. The compiled function is made on first use (importing compiles nothing).
+    ``dynamic=False`` (static shapes, compiled once per shape): with symbolic sizes every element's row and
+    column index can cost a 64-bit division (the fused loss's gradient kernel ran at a fifth of memory
+    bandwidth that way on an H200); for tensors whose shapes are fixed for a run (a micro-batch's chunks).
+    ``dynamic=None`` (torch.compile's automatic dynamic shapes): the first shape compiles static, a second
+    one compiles again with the sizes that changed symbolic, and no further shape recompiles; for a row
+    count that may change every step. The compiled function is made on first use (importing compiles
+    nothing).
     """
     compiled: list[Callable] = []
 
@@ -30,7 +33,7 @@ def compiled_on_cuda(fn: F) -> F:
         if not args[0].is_cuda:
             return fn(*args)
         if not compiled:
-            compiled.append(torch.compile(fn, dynamic=False))
+            compiled.append(torch.compile(fn, dynamic=dynamic))
         return compiled[0](*args)
 
     call.__doc__ = fn.__doc__

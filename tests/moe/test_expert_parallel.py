@@ -64,6 +64,8 @@ LAYOUTS = [
     # whose gradients are partial sums over TP (against the reference's expert loop and weighted combine).
     ("tp2-grouped-weighted", cfg_a, 2, 1, 1, False, True),
     ("tp2-sp-grouped-weighted", cfg_a, 2, 1, 1, True, True),
+    # Through the dispatcher with the grouped GEMM: SwiGLU fused with the down projection, weights 1.
+    ("ep2-tp2-grouped", cfg_a, 2, 1, 2, False, True),
 ]
 
 

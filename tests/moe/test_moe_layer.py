@@ -253,10 +253,9 @@ def test_expert_bias_gradient_is_summed_in_fp32():
 
 
 @pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch._grouped_mm has no kernel for fp32 on this device")
-def test_weights_in_the_activation_keep_no_output_rows_nor_swiglu(monkeypatch):
+def test_weights_in_the_activation_keep_no_output_rows(monkeypatch):
     """SwiGLU experts on the direct grouped-GEMM path weigh each row inside the activation: the same output and
-    gradients as the weighted combine, while backward keeps neither the output rows ([T * k, H]) nor SiLU's
-    output and the product ([rows, F] each), only one fp32 weight per row of the aligned buffer more."""
+    gradients as the weighted combine, while backward keeps no output rows ([T * k, H])."""
     from meshtron.layers.moe.experts import GroupedExperts
     from tests.layers.saved_tensors import saved_storages
 
@@ -276,9 +275,41 @@ def test_weights_in_the_activation_keep_no_output_rows_nor_swiglu(monkeypatch):
     torch.testing.assert_close(y_w, y_c, rtol=1e-5, atol=1e-6)
     for a, b in zip(g_w, g_c):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    T, k, fe, E = 16, 2, moe_cfg().moe_ffn_hidden_size, moe_cfg().num_experts
-    rows = -(-(T * k + 7 * E) // 8) * 8  # the aligned buffer (experts.aligned_layout)
-    assert bytes_c - bytes_w == 4 * (T * k * H + 2 * rows * fe) - 4 * rows
+    T, k = 16, 2
+    assert bytes_c - bytes_w == 4 * T * k * H
+
+
+@pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch._grouped_mm has no kernel for fp32 on this device")
+@pytest.mark.parametrize("weighted", [False, True])
+def test_grouped_swiglu_experts_keep_only_their_input_and_fc1_output(weighted):
+    """The grouped SwiGLU experts keep, per row of the aligned buffer, fc1's input and output and one fp32
+    weight: SiLU's output and the product are recomputed by the down projection's backward (through the
+    dispatcher, weights 1: the combine weighs)."""
+    from meshtron.layers.moe.experts import GroupedExperts, aligned_layout
+    from tests.layers.saved_tensors import saved_storages
+
+    cfg = moe_cfg()
+    fe, E = cfg.moe_ffn_hidden_size, cfg.num_experts
+    with torch.device("meta"):
+        experts = GroupedExperts(cfg, ParallelContext(), "layers.0.mlp.experts", 0, E, fe, grouped=True)
+    initialize_parameters(experts, 5, torch.device("cpu"), torch.float32)
+    counts = torch.tensor([3, 0, 9, 5])
+    offs, _, expert_of_row, rows = aligned_layout(counts, int(counts.sum()))
+    padded = torch.randn(rows, H, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    weights = torch.rand(rows, generator=torch.Generator().manual_seed(7)) if weighted else None
+    w1, w2 = experts.fc1_weight.view(E, -1, H), experts.fc2_weight.view(E, H, -1)
+    y, saved = saved_storages(experts._grouped_mlp, padded, w1, w2, offs, expert_of_row, weights,
+                              params=list(experts.parameters()))
+    assert sum(saved.values()) == 4 * rows * (H + 2 * fe + 1) + offs.numel() * 4
+    want = []
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        h = padded[start:end] @ w1[e].t()
+        g, u = h.chunk(2, -1)
+        a = F.silu(g) * u * (weights[start:end, None] if weighted else 1)
+        want.append(a @ w2[e].t())
+        start = end
+    torch.testing.assert_close(y, torch.cat(want), rtol=1e-5, atol=1e-6)
 
 
 def test_weighted_swiglu_backward_equals_autograd():

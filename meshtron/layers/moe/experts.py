@@ -107,11 +107,20 @@ class GroupedExperts(nn.Module):
         return _Unpad.apply(self._grouped_mlp(padded, w1, w2, offs, expert_of_row), dest)
 
     def _grouped_mlp(self, padded: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
-                     expert_of_row: torch.Tensor) -> torch.Tensor:
+                     expert_of_row: torch.Tensor, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The experts on the aligned buffer ``padded``. ``row_weights`` (fp32, one per row): each row's routing
+        weight, applied inside SwiGLU (None: 1, the combine weighs the outputs)."""
         h = torch._grouped_mm(padded, w1.transpose(1, 2), offs=offs)
         if self.fc1_bias is not None:
             h = add_expert_bias(h, self.fc1_bias.view(self.num_local, -1), expert_of_row)
-        y = torch._grouped_mm(self._activation(h), w2.transpose(1, 2), offs=offs)
+        if self.swiglu:
+            # SwiGLU fused with the down projection, which recomputes it in its backward: neither SiLU's output
+            # nor the product stays for backward.
+            if row_weights is None:
+                row_weights = h.new_ones(h.shape[0], dtype=torch.float32)
+            y = _WeightedSwiGLUDown.apply(h, row_weights, w2, offs)
+        else:
+            y = torch._grouped_mm(self._activation(h), w2.transpose(1, 2), offs=offs)
         if self.fc2_bias is not None:
             y = add_expert_bias(y, self.fc2_bias.view(self.num_local, -1), expert_of_row, self._bias_share)
         return y
@@ -159,11 +168,9 @@ class GroupedExperts(nn.Module):
         k = indices.shape[1]
         slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert)
         padded = _GatherToSlots.apply(tokens, slot, total, k)
-        h = torch._grouped_mm(padded, self.fc1_weight.view(El, -1, H).transpose(1, 2), offs=offs)
-        if self.fc1_bias is not None:
-            h = add_expert_bias(h, self.fc1_bias.view(El, -1), expert_of_row)
         row_probs = _row_weights(probs.float().reshape(-1), slot, total)  # padding rows weigh 0
-        y = _WeightedSwiGLUDown.apply(h, row_probs, self.fc2_weight.view(El, H, -1), offs)
+        y = self._grouped_mlp(padded, self.fc1_weight.view(El, -1, H), self.fc2_weight.view(El, H, -1), offs,
+                              expert_of_row, row_probs)
         return _SumFromSlots.apply(y, slot, k)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
@@ -253,8 +260,10 @@ def _weighted_swiglu_backward(h: torch.Tensor, p: torch.Tensor, grad_a: torch.Te
     return (product * p[:, None]).to(h.dtype), grad_h, grad_p
 
 
-_weighted_swiglu_fused = compiled_on_cuda(_weighted_swiglu)
-_weighted_swiglu_backward_fused = compiled_on_cuda(_weighted_swiglu_backward)
+# The buffer's row count is fixed by the micro-batch on the direct path, but changes every step through the
+# dispatcher (expert parallelism, dropping): a second shape compiles once more with that dimension dynamic.
+_weighted_swiglu_fused = compiled_on_cuda(_weighted_swiglu, dynamic=None)
+_weighted_swiglu_backward_fused = compiled_on_cuda(_weighted_swiglu_backward, dynamic=None)
 
 
 class _WeightedSwiGLUDown(torch.autograd.Function):
