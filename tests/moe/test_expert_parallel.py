@@ -49,6 +49,20 @@ def cfg_c() -> ModelConfig:
     return cfg
 
 
+def cfg_d() -> ModelConfig:
+    """cfg_a (SwiGLU experts, weighing their rows inside the activation) with capacity dropping."""
+    cfg = cfg_a()
+    cfg.moe_expert_capacity_factor = 0.75
+    return cfg
+
+
+def cfg_e() -> ModelConfig:
+    """cfg_d with every expert's input padded to its capacity."""
+    cfg = cfg_d()
+    cfg.moe_pad_expert_input_to_capacity = True
+    return cfg
+
+
 #: (name, config, TP, CP, EP, sequence parallel[, grouped GEMM]) on 4 processes (DP = 4 / (TP x CP)).
 LAYOUTS = [
     ("ep2-dp4", cfg_a, 1, 1, 2, False),
@@ -66,6 +80,9 @@ LAYOUTS = [
     ("tp2-sp-grouped-weighted", cfg_a, 2, 1, 1, True, True),
     # Through the dispatcher with the grouped GEMM: SwiGLU fused with the down projection, weights 1.
     ("ep2-tp2-grouped", cfg_a, 2, 1, 2, False, True),
+    # SwiGLU experts weighing the dispatched rows' weights, with dropped and with capacity-padded rows.
+    ("ep2-dp4-swiglu-capacity", cfg_d, 1, 1, 2, False),
+    ("ep2-tp2-swiglu-capacity-padded", cfg_e, 2, 1, 2, False, True),
 ]
 
 

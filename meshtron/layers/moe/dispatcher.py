@@ -240,7 +240,32 @@ class TokenDispatcher:
         state = DispatchState(T, order, keep is None, slot_of_assignment=slot_of_assignment, capacity=C)
         return rows, torch.full((El,), ep * C, device=x.device), per_local, state
 
-    def _combine_padded(self, y: torch.Tensor, probs: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    @torch.compiler.disable
+    def dispatch_weights(self, probs: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """The combine weights ``probs`` [T, k] moved like the rows of the :meth:`dispatch` that made ``state``:
+        one fp32 weight per dispatched row (zero for padding), differentiable back to ``probs``. For experts that
+        weigh their rows themselves (then :meth:`combine` with ``weighted=False``)."""
+        flat = probs.float().reshape(-1)
+        if state.slot_of_assignment is not None:  # padded to capacity: the send buffer's slots, then as the rows
+            E, El, ep, C = self.num_experts, self.num_local, self.ep, state.capacity
+            weights = flat.new_zeros(E * C + 1).index_copy(0, state.slot_of_assignment, flat)[:-1]
+            if ep > 1:
+                splits = [El * C] * ep
+                weights = differentiable_all_to_all(weights, splits, splits, self.ep_group)
+                weights = weights.view(ep, El, C).transpose(0, 1).reshape(-1)
+            return weights
+        if state.complete:
+            weights = permute_rows(flat, state.order, state.inverse)
+        else:
+            weights = flat.index_select(0, state.order)
+        if self.ep > 1:
+            weights = differentiable_all_to_all(weights, state.recv_splits, state.send_splits, self.ep_group)
+            if state.regroup is not None:
+                weights = permute_rows(weights, state.regroup, inverse_permutation(state.regroup))
+        return weights
+
+    def _combine_padded(self, y: torch.Tensor, probs: torch.Tensor, state: DispatchState,
+                        weighted: bool = True) -> torch.Tensor:
         El, ep, C = self.num_local, self.ep, state.capacity
         if ep > 1:
             y = y.view(El, ep, C, -1).transpose(0, 1).reshape(ep * El * C, -1)
@@ -249,13 +274,17 @@ class TokenDispatcher:
         y = torch.cat([y, y.new_zeros((1, y.shape[-1]))])  # the spare row: dropped assignments read zeros
         T, k = probs.shape
         per_assignment = y.index_select(0, state.slot_of_assignment)
-        return weighted_sum(per_assignment.view(T, k, -1), probs)
+        return _sum_per_token(per_assignment.view(T, k, -1), probs, weighted)
 
     @torch.compiler.disable
-    def combine(self, y: torch.Tensor, probs: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        """Expert outputs ``y`` (rows as dispatched) back to tokens: ``sum_j probs[t, j] * y[t, j]`` -> [T, H]."""
+    def combine(self, y: torch.Tensor, probs: torch.Tensor, state: DispatchState, weighted: bool = True
+                ) -> torch.Tensor:
+        """Expert outputs ``y`` (rows as dispatched) back to tokens: ``sum_j probs[t, j] * y[t, j]`` -> [T, H].
+
+        ``weighted=False``: the experts already weighed their rows (:meth:`dispatch_weights`): a plain sum over
+        each token's k rows, which keeps nothing for backward (the weighted sum keeps every row)."""
         if state.slot_of_assignment is not None:
-            return self._combine_padded(y, probs, state)
+            return self._combine_padded(y, probs, state, weighted)
         if self.ep > 1:
             if state.regroup is not None:
                 y = permute_rows(y, inverse_permutation(state.regroup), state.regroup)
@@ -265,4 +294,11 @@ class TokenDispatcher:
             per_assignment = permute_rows(y, state.inverse, state.order)
         else:  # dropped assignments stay zero
             per_assignment = y.new_zeros((T * k, y.shape[-1])).index_copy(0, state.order, y)
-        return weighted_sum(per_assignment.view(T, k, -1), probs)
+        return _sum_per_token(per_assignment.view(T, k, -1), probs, weighted)
+
+
+def _sum_per_token(rows: torch.Tensor, probs: torch.Tensor, weighted: bool) -> torch.Tensor:
+    """Each token's sum over its k rows [T, k, H], weighted by ``probs`` [T, k] or plain (summed in fp32)."""
+    if weighted:
+        return weighted_sum(rows, probs)
+    return rows.sum(1, dtype=torch.float32).to(rows.dtype)

@@ -81,30 +81,38 @@ class GroupedExperts(nn.Module):
 
     @torch.compiler.disable  # row counts change every step: no recompilation for each new shape
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
-                host_counts: Optional[list[int]] = None) -> torch.Tensor:
+                host_counts: Optional[list[int]] = None, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` [M, H] rows grouped by local expert, ``tokens_per_expert`` [El] (device) -> [M, H].
 
         ``host_counts``: the same counts as a list when the caller already has them on the host.
+        ``row_weights`` [M] (fp32): each row's combine weight, applied to the activation (SwiGLU experts
+        without an output bias, :attr:`weights_in_activation`); None: unweighted outputs.
         """
         El, H = self.num_local, self.hidden
+        if row_weights is not None and not self.weights_in_activation:
+            raise ValueError("only SwiGLU experts without an output bias weigh their rows inside the activation")
         w1 = self.fc1_weight.view(El, -1, H)
         w2 = self.fc2_weight.view(El, H, -1)
         if self._use_grouped(x):
-            return self._grouped_forward(x, w1, w2, tokens_per_expert)
+            return self._grouped_forward(x, w1, w2, tokens_per_expert, row_weights)
         sizes = host_counts if host_counts is not None else tokens_per_expert.tolist()
+        weights = torch.split(row_weights, sizes) if row_weights is not None else [None] * len(sizes)
         outs = []
-        for e, rows in enumerate(torch.split(x, sizes)):
+        for e, (rows, w) in enumerate(zip(torch.split(x, sizes), weights)):
             h = F.linear(rows, w1[e], self.fc1_bias.view(El, -1)[e] if self.fc1_bias is not None else None)
-            y = F.linear(self._activation(h), w2[e])
+            a = self._activation(h)
+            y = F.linear(a if w is None else a * w[:, None].to(a.dtype), w2[e])
             if self.fc2_bias is not None:
                 y = y + self.fc2_bias.view(El, H)[e] * self._bias_share
             outs.append(y)
         return torch.cat(outs) if outs else x.new_zeros((0, H))
 
     def _grouped_forward(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                         tokens_per_expert: torch.Tensor) -> torch.Tensor:
+                         tokens_per_expert: torch.Tensor, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         padded, offs, dest, expert_of_row = _aligned_groups(x, tokens_per_expert)
-        return _Unpad.apply(self._grouped_mlp(padded, w1, w2, offs, expert_of_row), dest)
+        if row_weights is not None:  # padding rows weigh 0
+            row_weights = row_weights.new_zeros(padded.shape[0]).index_copy(0, dest, row_weights)
+        return _Unpad.apply(self._grouped_mlp(padded, w1, w2, offs, expert_of_row, row_weights), dest)
 
     def _grouped_mlp(self, padded: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                      expert_of_row: torch.Tensor, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -146,8 +154,9 @@ class GroupedExperts(nn.Module):
 
     @property
     def weights_in_activation(self) -> bool:
-        """Whether :meth:`forward_weighted` applies: SwiGLU experts without an output bias (whose sum would
-        otherwise need each row's routing weight too)."""
+        """Whether the experts can weigh their rows inside the activation (:meth:`forward_weighted`, and
+        ``row_weights`` of :meth:`forward`): SwiGLU experts without an output bias (whose sum would otherwise
+        need each row's routing weight too)."""
         return self.swiglu and self.fc2_bias is None
 
     @torch.compiler.disable  # the layer's compiled graph would break here anyway (the experts' own kernels)

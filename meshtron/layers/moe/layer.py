@@ -104,8 +104,11 @@ class MoELayer(Fp32BufferModule):
         else:
             rows, per_expert, host_counts, state = self.dispatcher.dispatch(
                 expert_in, routing.indices, routing.keep, routing.capacity if self.pad_to_capacity else None)
-            out_rows = self.experts(rows, per_expert, host_counts)
-            y = self.dispatcher.combine(out_rows, probs, state)
+            # SwiGLU experts weigh their rows inside the activation (the combine then keeps no rows for backward).
+            weigh = self.experts.weights_in_activation
+            row_weights = self.dispatcher.dispatch_weights(probs, state) if weigh else None
+            out_rows = self.experts(rows, per_expert, host_counts, row_weights)
+            y = self.dispatcher.combine(out_rows, probs, state, weighted=not weigh)
         if self.shared_experts is not None:
             y = y + self._shared_partial(expert_in)
         y = y.view(-1, b, h)
