@@ -187,8 +187,10 @@ _KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
 #: its casts and fc2's weight cast), the other FP8 linears' weight copies kept; 2 = every FP8 linear casts
 #: its weight again in backward; 3 = SwiGLU experts on the direct path weigh each row inside the activation
 #: and recompute SwiGLU in backward; 4 = grouped SwiGLU experts recompute SwiGLU in backward on every path
-#: (through the dispatcher too, with weights 1: the combine weighs) (today's code).
-LAYER_SAVES = 4
+#: (through the dispatcher too, with weights 1: the combine weighs); 5 = through the dispatcher too, SwiGLU
+#: experts without an output bias weigh their rows inside the activation, so the combine keeps no rows
+#: (today's code).
+LAYER_SAVES = 5
 
 
 @dataclass(frozen=True)
@@ -371,8 +373,11 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
             part += k * (e * h + 4) + k * e * 2 * fe / etp
         elif m.swiglu and saves >= 4:
             # Since revision 4 the grouped SwiGLU experts recompute SwiGLU in the down projection's backward on
-            # every path (weights 1 where the combine weighs): fc1's output and one fp32 weight per row.
-            part += k * e * (2 if local_experts else 3) * h + k * (4 + e * 2 * fe / etp)
+            # every path (weights 1 where the combine weighs): fc1's output and one fp32 weight per row. Since
+            # revision 5 those without an output bias weigh the dispatched rows themselves: the combine keeps
+            # no output row.
+            rows = (2 if local_experts else 3) - (1 if saves >= 5 and m.disable_bias_linear else 0)
+            part += k * e * rows * h + k * (4 + e * 2 * fe / etp)
         else:
             part += k * e * (2 if local_experts else 3) * h
             inner = (2 * fe + (0 if "act" in selective else 2 * fe) if m.swiglu
