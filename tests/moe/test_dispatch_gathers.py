@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from meshtron.layers.moe.dispatcher import expand_tokens, inverse_permutation, permute_rows
-from meshtron.layers.moe.experts import _aligned_groups, _Unpad
+from meshtron.layers.moe.experts import _aligned_groups
+from meshtron.layers.moe.slots import RowsAt
 
 
 def _reference_grad(fn, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +53,6 @@ def test_unpadding_the_aligned_groups_scatters_the_gradient_back():
     padded, _, dest, _ = _aligned_groups(x, counts)
     weight = torch.randn(x.shape[0], 4, generator=g)
     want, want_grad = _reference_grad(lambda t: t.index_select(0, dest), padded, weight)
-    got, got_grad = _reference_grad(lambda t: _Unpad.apply(t, dest), padded, weight)
+    got, got_grad = _reference_grad(lambda t: RowsAt.apply(t, dest), padded, weight)
     assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
     assert torch.equal(got, x)  # the unpadded rows are the input rows

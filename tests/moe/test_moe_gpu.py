@@ -97,7 +97,7 @@ def test_weighted_activation_bf16_is_as_close_to_fp32_as_the_weighted_combine(mo
 def test_slot_sum_kernel_equals_the_torch_sum():
     """The Triton combine (each token's sum over its k rows of the aligned buffer) equals the torch gather and
     fp32 reduction, for a width that is not a multiple of the block."""
-    from meshtron.layers.moe.slot_sum import slots_to_tokens, slots_to_tokens_torch
+    from meshtron.layers.moe.slots import slots_to_tokens, slots_to_tokens_torch
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)

@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from meshtron.layers.moe.slots import GatherToSlots, RowsAt, SumFromSlots
+
 Group = Optional[dist.ProcessGroup]
 
 
@@ -230,7 +232,7 @@ class TokenDispatcher:
         sorted_slot = torch.where((sorted_e < E) & (position < C), sorted_e * C + position,
                                   torch.full_like(position, E * C))
         slot_of_assignment = torch.empty_like(sorted_slot).index_copy_(0, order, sorted_slot)
-        rows = x.new_zeros((E * C + 1, x.shape[-1])).index_copy(0, sorted_slot, x.index_select(0, order // k))[:-1]
+        rows = GatherToSlots.apply(x, slot_of_assignment, E * C + 1, k)[:-1]  # gathers both ways (slots.py)
         if ep > 1:  # rank r's experts are rows [r*El*C, (r+1)*El*C): equal splits
             splits = [El * C] * ep
             rows = differentiable_all_to_all(rows, splits, splits, self.ep_group)
@@ -273,8 +275,9 @@ class TokenDispatcher:
             y = differentiable_all_to_all(y, splits, splits, self.ep_group)
         y = torch.cat([y, y.new_zeros((1, y.shape[-1]))])  # the spare row: dropped assignments read zeros
         T, k = probs.shape
-        per_assignment = y.index_select(0, state.slot_of_assignment)
-        return _sum_per_token(per_assignment.view(T, k, -1), probs, weighted)
+        if not weighted:
+            return SumFromSlots.apply(y, state.slot_of_assignment, k)
+        return weighted_sum(RowsAt.apply(y, state.slot_of_assignment).view(T, k, -1), probs)
 
     @torch.compiler.disable
     def combine(self, y: torch.Tensor, probs: torch.Tensor, state: DispatchState, weighted: bool = True

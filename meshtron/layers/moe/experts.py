@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from meshtron.config import ModelConfig
 from meshtron.layers.fused import compiled_on_cuda
-from meshtron.layers.moe.slot_sum import slots_to_tokens
+from meshtron.layers.moe.slots import GatherToSlots, RowsAt, SumFromSlots
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import ShardSpec, new_param, scaled_std, shard, whole
 
@@ -112,7 +112,7 @@ class GroupedExperts(nn.Module):
         padded, offs, dest, expert_of_row = _aligned_groups(x, tokens_per_expert)
         if row_weights is not None:  # padding rows weigh 0
             row_weights = row_weights.new_zeros(padded.shape[0]).index_copy(0, dest, row_weights)
-        return _Unpad.apply(self._grouped_mlp(padded, w1, w2, offs, expert_of_row, row_weights), dest)
+        return RowsAt.apply(self._grouped_mlp(padded, w1, w2, offs, expert_of_row, row_weights), dest)
 
     def _grouped_mlp(self, padded: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                      expert_of_row: torch.Tensor, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -147,10 +147,10 @@ class GroupedExperts(nn.Module):
         way instead of a permutation, a padding copy and back (:func:`assignment_slots`)."""
         El, H = self.num_local, self.hidden
         slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert)
-        padded = _GatherToSlots.apply(tokens, slot, total, indices.shape[1])
+        padded = GatherToSlots.apply(tokens, slot, total, indices.shape[1])
         y = self._grouped_mlp(padded, self.fc1_weight.view(El, -1, H), self.fc2_weight.view(El, H, -1), offs,
                               expert_of_row)
-        return _Unpad.apply(y, slot)
+        return RowsAt.apply(y, slot)
 
     @property
     def weights_in_activation(self) -> bool:
@@ -176,11 +176,11 @@ class GroupedExperts(nn.Module):
         El, H = self.num_local, self.hidden
         k = indices.shape[1]
         slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert)
-        padded = _GatherToSlots.apply(tokens, slot, total, k)
+        padded = GatherToSlots.apply(tokens, slot, total, k)
         row_probs = _row_weights(probs.float().reshape(-1), slot, total)  # padding rows weigh 0
         y = self._grouped_mlp(padded, self.fc1_weight.view(El, -1, H), self.fc2_weight.view(El, H, -1), offs,
                               expert_of_row, row_probs)
-        return _SumFromSlots.apply(y, slot, k)
+        return SumFromSlots.apply(y, slot, k)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -200,45 +200,6 @@ def assignment_slots(indices: torch.Tensor, counts: torch.Tensor
     offs, dest, expert_of_row, total = aligned_layout(counts, flat.numel())
     slot = torch.empty_like(dest).index_copy_(0, order, dest)
     return slot, offs, expert_of_row, total
-
-
-def _tokens_to_slots(tokens: torch.Tensor, slot: torch.Tensor, total: int, k: int) -> torch.Tensor:
-    """The [total, H] buffer whose row ``slot[t * k + j]`` is ``tokens[t]`` (padding rows zero): one gather."""
-    source = torch.full((total,), tokens.shape[0], dtype=torch.long, device=tokens.device)  # padding: the zero row
-    source.index_copy_(0, slot, torch.arange(slot.numel(), device=tokens.device) // k)
-    return torch.cat([tokens, tokens.new_zeros((1, tokens.shape[1]))]).index_select(0, source)
-
-
-class _GatherToSlots(torch.autograd.Function):
-    """The aligned buffer of :func:`assignment_slots` filled from the tokens (its padding rows zero):
-    one gather. Backward: each token's gradient is the sum over its k slots (gathered, summed in fp32)."""
-
-    @staticmethod
-    def forward(ctx, tokens: torch.Tensor, slot: torch.Tensor, total: int, k: int) -> torch.Tensor:
-        ctx.save_for_backward(slot)
-        ctx.k = k
-        return _tokens_to_slots(tokens, slot, total, k)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (slot,) = ctx.saved_tensors
-        return slots_to_tokens(grad, slot, ctx.k), None, None, None
-
-
-class _SumFromSlots(torch.autograd.Function):
-    """Each token's sum over its k rows of the aligned buffer (the adjoint of :class:`_GatherToSlots`):
-    keeps only the slots for backward, which hands every slot its token's gradient."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(slot)
-        ctx.k, ctx.total = k, rows.shape[0]
-        return slots_to_tokens(rows, slot, k)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (slot,) = ctx.saved_tensors
-        return _tokens_to_slots(grad, slot, ctx.total, ctx.k), None, None
 
 
 def _row_weights(flat_probs: torch.Tensor, slot: torch.Tensor, total: int) -> torch.Tensor:
@@ -296,23 +257,6 @@ class _WeightedSwiGLUDown(torch.autograd.Function):
         # Qwen3-30B-A3B shape).
         grad_w2 = torch._grouped_mm(grad.t(), a, offs=offs)
         return grad_h, grad_p, grad_w2, None
-
-
-class _Unpad(torch.autograd.Function):
-    """The rows ``dest`` of the aligned groups' output. ``index_select``'s own backward would scatter the
-    gradient with an atomic ``index_add_`` (slow in bf16); every row is read once, so a plain
-    ``index_copy`` into zeros is the same gradient."""
-
-    @staticmethod
-    def forward(ctx, padded: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(dest)
-        ctx.rows = padded.shape[0]
-        return padded.index_select(0, dest)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (dest,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.rows, grad.shape[-1])).index_copy_(0, dest, grad), None
 
 
 class _AddExpertBias(torch.autograd.Function):
