@@ -63,8 +63,9 @@ def tokens_to_slots(tokens: torch.Tensor, slot: torch.Tensor, total: int, k: int
 
 
 class GatherToSlots(torch.autograd.Function):
-    """The aligned buffer of :func:`assignment_slots` filled from the tokens (its padding rows zero):
-    one gather. Backward: each token's gradient is the sum over its k slots (gathered, summed in fp32)."""
+    """The [total, H] buffer filled from the tokens, row ``slot[t * k + j]`` holding token t (rows that no
+    choice owns are zero; dropped choices may share a spare row that the caller cuts off): one gather.
+    Backward: each token's gradient is the sum over its k slots (gathered, summed in fp32)."""
 
     @staticmethod
     def forward(ctx, tokens: torch.Tensor, slot: torch.Tensor, total: int, k: int) -> torch.Tensor:
@@ -79,7 +80,7 @@ class GatherToSlots(torch.autograd.Function):
 
 
 class SumFromSlots(torch.autograd.Function):
-    """Each token's sum over its k rows of the aligned buffer (the adjoint of :class:`GatherToSlots`):
+    """Each token's sum over its k rows of the buffer (the adjoint of :class:`GatherToSlots`):
     keeps only the slots for backward, which hands every slot its token's gradient."""
 
     @staticmethod
