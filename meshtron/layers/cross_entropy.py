@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.layers.fused import compiled_on_cuda
-from meshtron.parallel.comm import Group, _size
+from meshtron.parallel.comm import Group, group_size
 
 # Chunk so that one chunk's logits stay near this many elements (2^30: 2 GiB of bf16 logits).
 CHUNK_ELEMENTS = 1 << 30
@@ -86,7 +86,7 @@ def _chunk_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, v
     outside = (target < vocab_start) | (target >= vocab_start + cols)
     local_t = (target - vocab_start).masked_fill(outside, 0)
     row_max, sum_exp, target_logit = _local_stats_fast(logits, local_t, outside, valid_cols)
-    if _size(group) > 1:
+    if group_size(group) > 1:
         global_max = row_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
         # Each block's sum rescaled to the common maximum (a padding-only block: 0 * exp(-inf) = 0).

@@ -19,7 +19,7 @@ def vocab_parallel_lookup(tokens: torch.Tensor, weight: torch.Tensor, vocab_star
     ``weight`` (starting at ``vocab_start``): zeros for tokens outside the block, summed over the TP ``group``
     (reduce-scattered to sequence shards with ``sequence_parallel``)."""
     tokens = tokens.t()
-    if comm._size(group) == 1:
+    if comm.group_size(group) == 1:
         return F.embedding(tokens, weight)
     outside = (tokens < vocab_start) | (tokens >= vocab_start + weight.shape[0])
     out = F.embedding((tokens - vocab_start).masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)

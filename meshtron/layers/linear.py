@@ -172,7 +172,7 @@ class ColumnParallelLinear(nn.Module):
         return comm.copy_to_tp(x, self.group)
 
     def forward(self, x: torch.Tensor, prepared: bool = False) -> torch.Tensor:
-        gathers_here = not prepared and self.gather_input and comm._size(self.group) > 1
+        gathers_here = not prepared and self.gather_input and comm.group_size(self.group) > 1
         defers = _defers(self.wgrad_store, self.weight)
         if gathers_here and _sequence_parallel_fp8(self):
             if defers:
@@ -218,7 +218,7 @@ class RowParallelLinear(nn.Module):
             if y is not None:
                 return y
             x = swiglu(x)
-        if comm._size(self.group) > 1 and _sequence_parallel_fp8(self):
+        if comm.group_size(self.group) > 1 and _sequence_parallel_fp8(self):
             deferral = (self.wgrad_store, self.weight) if _defers(self.wgrad_store, self.weight) else None
             if deferral is not None:
                 y = _eager(row_sequence_parallel_fp8, x, self.weight, self.group, gradient_dtype(self.fp8_format),
@@ -243,7 +243,7 @@ class RowParallelLinear(nn.Module):
         if _defers(self.wgrad_store, self.weight):
             return None
         if self.fp8_format is not None:
-            sp_fp8 = comm._size(self.group) > 1 and _sequence_parallel_fp8(self)
+            sp_fp8 = comm.group_size(self.group) > 1 and _sequence_parallel_fp8(self)
             # Eagerly the checkpoint would replay the scaled matmul as well (its output is not cached
             # inside the FP8 linear's autograd function): eager FP8 keeps the product's one-byte copy.
             if sp_fp8 or self.fp8_recipe != "tensorwise" or not torch.compiler.is_compiling():

@@ -44,7 +44,8 @@ def set_micro_pipelined_tp(enabled: bool, group: Group) -> None:
             enable(group.group_name)
 
 
-def _size(group: Group) -> int:
+def group_size(group: Group) -> int:
+    """Ranks in ``group`` (1 for None: no process group, one process)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -61,17 +62,17 @@ def wait(x: torch.Tensor) -> torch.Tensor:
 def all_reduce_async(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     """``x`` reduced over ``group`` (a new tensor; ``op``: "sum" or "max"), not yet waited for: pass it
     through :func:`wait`."""
-    return x if _size(group) == 1 else funcol.all_reduce(x.contiguous(), op, group)
+    return x if group_size(group) == 1 else funcol.all_reduce(x.contiguous(), op, group)
 
 
 def all_gather_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
     """The ranks' ``x`` concatenated along dimension 0, not yet waited for."""
-    return x if _size(group) == 1 else _all_gather(x.contiguous(), 0, group)
+    return x if group_size(group) == 1 else _all_gather(x.contiguous(), 0, group)
 
 
 def reduce_scatter_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
     """This rank's chunk (along dimension 0) of the sum of ``x`` over ``group``, not yet waited for."""
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     assert x.shape[0] % world == 0, f"dimension 0 ({x.shape[0]}) not divisible by group size {world}"
@@ -95,13 +96,13 @@ def all_gather_bytes_dim0_async(x: torch.Tensor, group: Group) -> torch.Tensor:
     is gathered as it is, so that the compiler sees an FP8 all-gather feeding an FP8 matmul (the pair
     that ``--async-tensor-parallel`` splits into overlapping pieces); elsewhere through a uint8 view, already
     waited for (so that the result can be viewed back as the one-byte dtype)."""
-    if x.is_cuda or _size(group) == 1:
+    if x.is_cuda or group_size(group) == 1:
         return all_gather_dim0_async(x, group)
     return wait(all_gather_dim0_async(x.view(torch.uint8), group)).view(x.dtype)
 
 
 def split_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     chunk = x.shape[0] // world
@@ -109,14 +110,14 @@ def split_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def all_gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     return wait(_all_gather(x.contiguous(), x.dim() - 1, group))
 
 
 def split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     chunk = x.shape[-1] // world
@@ -209,24 +210,24 @@ class _GatherLast(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if _size(group) == 1 else _CopyToRegion.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if _size(group) == 1 else _ReduceFromRegion.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: Group, grad_is_partial: bool = True) -> torch.Tensor:
-    return x if _size(group) == 1 else _GatherFromSequence.apply(x, group, grad_is_partial)
+    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group, grad_is_partial)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if _size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
 
 
 def scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if _size(group) == 1 else _ScatterToSequence.apply(x, group)
+    return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group)
 
 
 def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if _size(group) == 1 else _GatherLast.apply(x, group)
+    return x if group_size(group) == 1 else _GatherLast.apply(x, group)

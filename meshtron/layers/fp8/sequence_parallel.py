@@ -41,7 +41,7 @@ def _group_scale(x: torch.Tensor, dtype: torch.dtype, group: Group) -> tuple[tor
 def _finish_transpose(parts: torch.Tensor, shard_t: torch.Tensor, group: Group) -> torch.Tensor:
     """The ranks' transposed shards [C, n] (tokens last), all-gathered along dimension 0 into [tp * C, n],
     laid out as [C, tp * n]: the transposed matrix of all tokens, in rank order."""
-    world, (cols, n) = comm._size(group), shard_t.shape
+    world, (cols, n) = comm.group_size(group), shard_t.shape
     return comm.wait(parts).view(world, cols, n).permute(1, 0, 2).reshape(cols, world * n)
 
 

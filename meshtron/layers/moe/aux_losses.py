@@ -40,10 +40,6 @@ def _sum_over(x: torch.Tensor, group: Group) -> torch.Tensor:
     return comm.all_reduce(x, group)  # a functional collective: traced faithfully inside compiled layers
 
 
-def _group_size(group: Group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int, coeff: float,
                         cp_group: Group = None) -> torch.Tensor:
     """This rank's share of ``coeff * E * sum_i f_i P_i`` over the micro-batch.
@@ -53,7 +49,7 @@ def load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, t
     """
     num_tokens, num_experts = scores.shape
     counts = _sum_over(tokens_per_expert.to(scores.dtype), cp_group)
-    total = num_tokens * _group_size(cp_group)
+    total = num_tokens * comm.group_size(cp_group)
     return (scores.sum(0) * counts).sum() * (coeff * num_experts / (topk * total * total))
 
 
@@ -72,14 +68,14 @@ def sequence_load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor, ba
     onehot.index_put_((sequence_of, indices.reshape(-1)), torch.ones((), dtype=scores.dtype, device=scores.device),
                       accumulate=True)
     counts = _sum_over(onehot, cp_group)
-    total = seq * _group_size(cp_group)
+    total = seq * comm.group_size(cp_group)
     per_sequence = (per_seq * counts).sum(1) * (num_experts / (topk * total * total))
     return per_sequence.mean() * coeff
 
 
 def z_loss(logits: torch.Tensor, coeff: float, cp_group: Group = None) -> torch.Tensor:
     """This rank's share of ``coeff * mean_t logsumexp(logits_t)^2`` (logits [T, E], fp32)."""
-    total = logits.shape[0] * _group_size(cp_group)
+    total = logits.shape[0] * comm.group_size(cp_group)
     return torch.logsumexp(logits, dim=-1).square().sum() * (coeff / total)
 
 
