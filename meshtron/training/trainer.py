@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from meshtron import checkpoint
 from meshtron.build import build_model_chunks, gpt_forward_step
 from meshtron.config import MeshtronConfig
 from meshtron.layers.moe import MoETrainingHooks
@@ -287,13 +288,6 @@ class Trainer:
         return self._reduce_loss(total).item() / n
 
     # ----------------------------------------------------------------------------------- loop
-    def _checkpointing(self):
-        try:
-            import meshtron.checkpoint as ckpt
-        except ImportError:
-            return None
-        return ckpt if hasattr(ckpt, "save_checkpoint") else None
-
     def load(self) -> None:
         """Resume from a checkpoint: ``--load``, and on an automatic restart first ``--save``."""
         ck = self.cfg.checkpoint
@@ -316,9 +310,8 @@ class Trainer:
     def _load_from(self, directory: str, finetune: bool) -> bool:
         """Load the latest checkpoint in ``directory``; False when there is none."""
         ck = self.cfg.checkpoint
-        ckpt = self._checkpointing()
         self.progress.phase = "checkpoint"
-        state = ckpt.load_checkpoint(directory, self.model_chunks, self.optimizer,
+        state = checkpoint.load_checkpoint(directory, self.model_chunks, self.optimizer,
                                      self.ctx, self.cfg, load_optim=not ck.no_load_optim,
                                      load_rng=not ck.no_load_rng)
         if state is None:
@@ -338,11 +331,10 @@ class Trainer:
             return
         if self.weight_hash is not None:  # never save weights that the replicas disagree on
             self._check_weight_hash(self.state.iteration)
-        ckpt = self._checkpointing()
         self.progress.phase = "checkpoint"
         self.state.rng = capture_rng_state(self.tracker)
         self._finish_param_gather()
-        ckpt.save_checkpoint(ck.save, self.state, self.model_chunks, None if ck.no_save_optim else self.optimizer,
+        checkpoint.save_checkpoint(ck.save, self.state, self.model_chunks, None if ck.no_save_optim else self.optimizer,
                              self.ctx, self.cfg, tokenizer=self.data.tokenizer, async_save=ck.async_save,
                              retain=ck.save_retain, save_rng=not ck.no_save_rng)
         self.logger.info(f"saved checkpoint at iteration {self.state.iteration} to {ck.save}")
@@ -397,10 +389,7 @@ class Trainer:
                                 self.ctx.rank, lg.profile_ranks)
         if lg.record_memory_history:
             record_memory(True)
-        signal_handler = None
-        ckpt = self._checkpointing()
-        if t.exit_signal_handler and ckpt is not None and hasattr(ckpt, "install_signal_handler"):
-            signal_handler = ckpt.install_signal_handler()
+        signal_handler = checkpoint.install_signal_handler() if t.exit_signal_handler else None
         with ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval) as manual_gc:
             try:
                 self._run_iterations(signal_handler, manual_gc, profiler)
@@ -411,8 +400,7 @@ class Trainer:
                 profiler.stop()
                 if lg.record_memory_history:
                     self._dump_memory_snapshot(lg.memory_snapshot_path)
-        if ckpt is not None and hasattr(ckpt, "finalize_async_saves"):
-            ckpt.finalize_async_saves()
+        checkpoint.finalize_async_saves()
         self.result.final_iteration = self.state.iteration
         return self.result
 
