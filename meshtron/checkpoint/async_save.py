@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from meshtron.checkpoint.errors import CheckpointError
-from meshtron.checkpoint.pieces import LocalChunk
+from meshtron.checkpoint.pieces import SavedShard
 from meshtron.checkpoint.writer import SaveJob, write_and_publish
 
 
@@ -56,7 +56,7 @@ class AsyncCheckpointer:
         self._used: set = set()
         self._pending_cuda = False
 
-    def stage(self, chunk: LocalChunk, blocking: bool = False) -> LocalChunk:
+    def stage(self, chunk: SavedShard, blocking: bool = False) -> SavedShard:
         """A host copy of ``chunk`` in a reused buffer (``blocking``: done when this returns, so that a
         temporary source may be freed)."""
         src = chunk.data
@@ -70,7 +70,7 @@ class AsyncCheckpointer:
         buf.copy_(src, non_blocking=non_blocking)
         self._pending_cuda = self._pending_cuda or non_blocking
         self._used.add(key)
-        return LocalChunk(chunk.key, chunk.global_shape, chunk.offsets, buf)
+        return SavedShard(chunk.key, chunk.global_shape, chunk.offsets, buf)
 
     def finish_staging(self) -> None:
         """Wait for the copies to land; drop buffers this save did not use (the layout changed)."""

@@ -36,7 +36,7 @@ from meshtron.checkpoint.metadata import (
     TOKENIZER_DIR, checkpoint_meta, compare_tensors, config_yaml, model_signature, read_config, read_json_file,
     read_meta,
 )
-from meshtron.checkpoint.pieces import MODEL_PREFIX, LocalChunk, model_key, to_state_dict
+from meshtron.checkpoint.pieces import MODEL_PREFIX, SavedShard, model_key, to_state_dict
 from meshtron.checkpoint.verify import verify_checkpoint
 from meshtron.checkpoint.writer import SaveJob, quiet_single_process_notice, write_and_publish
 from meshtron.parallel.context import ParallelContext
@@ -204,7 +204,7 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
             t = (part.to(dtype) if dtype is not None else part).contiguous()
             if t.untyped_storage().nbytes() > t.numel() * t.element_size():
                 t = t.clone()
-            chunks.append(LocalChunk(model_key(name), tuple(t.shape), (0,) * t.dim(), t))
+            chunks.append(SavedShard(model_key(name), tuple(t.shape), (0,) * t.dim(), t))
     if skipping and extra_layers:
         notices.append(f"skipped the multi-token prediction layer(s) {extra_layers} (model.layers.N with N >= "
                        f"num_hidden_layers {cfg.model.num_layers}): they are not imported")

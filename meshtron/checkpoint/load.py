@@ -20,9 +20,9 @@ from meshtron.checkpoint.metadata import (
     training_state_from_dict,
 )
 from meshtron.checkpoint.pieces import (
-    MODEL_PREFIX, OPTIM_PREFIX, OPTIM_STATES, canonical_name, state_chunks, state_tensors_are_views, to_state_dict,
+    MODEL_PREFIX, OPTIM_PREFIX, OPTIM_STATES, canonical_name, state_shards, state_tensors_are_views, to_state_dict,
 )
-from meshtron.checkpoint.pieces import model_chunks as model_chunk_list
+from meshtron.checkpoint.pieces import model_shards
 from meshtron.checkpoint.save import model_vocab_size
 from meshtron.checkpoint.verify import verify_checkpoint
 from meshtron.checkpoint.writer import quiet_single_process_notice
@@ -74,7 +74,7 @@ def _required_model_shapes(models: Sequence[nn.Module], buffers: bool = True) ->
         state_buffers = [b for _, b in spec_buffers(model)] if buffers else []
         for param in [p for _, p in model.named_parameters()] + state_buffers:
             if getattr(param, SPEC_ATTR, None) is None:
-                continue  # reported by model_chunks()
+                continue  # reported by model_shards()
             for piece in spec_of(param).pieces:
                 out[piece.name] = tuple(piece.full_shape)
     return out
@@ -119,7 +119,7 @@ def load_model_tensors(models: Sequence[nn.Module], ckpt_dir: Path, group=None, 
     ``md``: the checkpoint's DCP index when already read (see :func:`read_dcp_metadata`)."""
     no_dist = group is None if no_dist is None else no_dist
     with torch.no_grad():
-        _dcp_load(to_state_dict(model_chunk_list(models)), ckpt_dir, group, no_dist, md)
+        _dcp_load(to_state_dict(model_shards(models)), ckpt_dir, group, no_dist, md)
 
 
 #: Bytes of gathered optimizer state (fp32 master and moments) read per DCP load call when the
@@ -154,7 +154,7 @@ def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int, md: Optio
     with torch.no_grad():
         for batch in batches:
             tensors = {i: optimizer.state_tensors(i) for i in batch}
-            chunks = [c for i in batch for c in state_chunks(optimizer.params[i], i, tensors[i])]
+            chunks = [c for i in batch for c in state_shards(optimizer.params[i], i, tensors[i])]
             _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None, md)
             for i in batch:
                 optimizer.load_state_tensors(i, {k: tensors[i][k] for k in OPTIM_STATES})

@@ -2,8 +2,9 @@
 
 Every model parameter is cut from canonical tensors (see
 :mod:`meshtron.parallel.sharding`). A checkpoint stores each canonical tensor once,
-under its global name and full shape, as the chunks the saving ranks held; any
-other layout reads back the regions it needs. This module turns a rank's
+under its global name and full shape, as the regions the saving ranks held (a
+:class:`SavedShard` each; DCP calls them chunks, a word meshtron keeps for model chunks
+elsewhere); any other layout reads back the regions it needs. This module turns a rank's
 parameters and optimizer state into such entries and wraps them for
 torch.distributed.checkpoint (DCP).
 
@@ -51,7 +52,7 @@ def canonical_name(key: str) -> str:
 
 
 @dataclass(frozen=True)
-class LocalChunk:
+class SavedShard:
     """One region of a canonical tensor held by this rank: ``data`` sits at ``offsets`` of ``global_shape``."""
 
     key: str
@@ -68,37 +69,37 @@ def _spec(param: torch.Tensor, where: str) -> ShardSpec:
     return spec
 
 
-def piece_chunk(key: str, piece: Piece, part: torch.Tensor) -> Optional[LocalChunk]:
+def piece_shard(key: str, piece: Piece, part: torch.Tensor) -> Optional[SavedShard]:
     """The stored region of one local piece: its rows inside the canonical tensor (None if all padding)."""
     valid = piece.valid_length
     if valid <= 0:
         return None
     offsets = [0] * len(piece.full_shape)
     offsets[piece.dim] = piece.start
-    return LocalChunk(key, tuple(piece.full_shape), tuple(offsets), part.narrow(piece.dim, 0, valid))
+    return SavedShard(key, tuple(piece.full_shape), tuple(offsets), part.narrow(piece.dim, 0, valid))
 
 
-def _chunks_of(tensor: torch.Tensor, spec: ShardSpec, key_of) -> Iterator[LocalChunk]:
+def _shards_of(tensor: torch.Tensor, spec: ShardSpec, key_of) -> Iterator[SavedShard]:
     for piece, part in zip(spec.pieces, split_local(tensor, spec)):
-        chunk = piece_chunk(key_of(piece.name), piece, part)
+        chunk = piece_shard(key_of(piece.name), piece, part)
         if chunk is not None:
             yield chunk
 
 
-def model_chunks(models: Sequence[nn.Module]) -> list[LocalChunk]:
+def model_shards(models: Sequence[nn.Module]) -> list[SavedShard]:
     """This rank's chunks of every canonical model tensor (views of the parameters)."""
-    out: list[LocalChunk] = []
+    out: list[SavedShard] = []
     for index, model in enumerate(models):
         for name, param in model.named_parameters():
             spec = _spec(param, f"model chunk {index} parameter {name!r}")
-            out.extend(_chunks_of(param.detach(), spec, model_key))
+            out.extend(_shards_of(param.detach(), spec, model_key))
         for name, buf in spec_buffers(model):  # e.g. the MoE router's expert bias
-            out.extend(_chunks_of(buf, _spec(buf, f"model chunk {index} buffer {name!r}"), model_key))
+            out.extend(_shards_of(buf, _spec(buf, f"model chunk {index} buffer {name!r}"), model_key))
     return out
 
 
-def state_chunks(param: torch.Tensor, index: int, tensors: dict[str, torch.Tensor],
-                 states: Iterable[str] = OPTIM_STATES) -> list[LocalChunk]:
+def state_shards(param: torch.Tensor, index: int, tensors: dict[str, torch.Tensor],
+                 states: Iterable[str] = OPTIM_STATES) -> list[SavedShard]:
     """The chunks of one parameter's optimizer state (``tensors`` as ``state_tensors(index)`` returns them)."""
     spec = _spec(param, f"optimizer parameter {index}")
     states = tuple(states)
@@ -106,13 +107,13 @@ def state_chunks(param: torch.Tensor, index: int, tensors: dict[str, torch.Tenso
     if missing:
         raise CheckpointError(f"optimizer parameter {index} has no {', '.join(missing)} state "
                               "(call optimizer.ensure_state() first)")
-    out: list[LocalChunk] = []
+    out: list[SavedShard] = []
     for state in states:
-        out.extend(_chunks_of(tensors[state], spec, lambda n, s=state: optim_key(s, n)))
+        out.extend(_shards_of(tensors[state], spec, lambda n, s=state: optim_key(s, n)))
     return out
 
 
-def optimizer_chunks_by_param(optimizer, states: Iterable[str] = OPTIM_STATES) -> Iterator[list[LocalChunk]]:
+def optimizer_shards_by_param(optimizer, states: Iterable[str] = OPTIM_STATES) -> Iterator[list[SavedShard]]:
     """This rank's chunks of the optimizer state, one list per parameter of ``optimizer.params``, in order.
 
     Calls ``optimizer.state_tensors(i)`` for every index in order: with a distributed
@@ -120,12 +121,12 @@ def optimizer_chunks_by_param(optimizer, states: Iterable[str] = OPTIM_STATES) -
     gathered copies, which a caller may move to the host before asking for the next.
     """
     for i, param in enumerate(optimizer.params):
-        yield state_chunks(param, i, optimizer.state_tensors(i), states)
+        yield state_shards(param, i, optimizer.state_tensors(i), states)
 
 
-def optimizer_chunks(optimizer, states: Iterable[str] = OPTIM_STATES) -> list[LocalChunk]:
-    """All of :func:`optimizer_chunks_by_param` in one list."""
-    return [c for chunks in optimizer_chunks_by_param(optimizer, states) for c in chunks]
+def optimizer_shards(optimizer, states: Iterable[str] = OPTIM_STATES) -> list[SavedShard]:
+    """All of :func:`optimizer_shards_by_param` in one list."""
+    return [c for chunks in optimizer_shards_by_param(optimizer, states) for c in chunks]
 
 
 def state_tensors_are_views(optimizer) -> bool:
@@ -136,9 +137,9 @@ def state_tensors_are_views(optimizer) -> bool:
     return isinstance(optimizer, MixedPrecisionAdamW)
 
 
-def group_chunks(chunks: Iterable[LocalChunk]) -> dict[str, list[LocalChunk]]:
+def group_shards(chunks: Iterable[SavedShard]) -> dict[str, list[SavedShard]]:
     """Chunks grouped by key, in first-seen order; a chunk repeated on this rank (same offsets) is kept once."""
-    grouped: dict[str, list[LocalChunk]] = {}
+    grouped: dict[str, list[SavedShard]] = {}
     for chunk in chunks:
         entries = grouped.setdefault(chunk.key, [])
         if any(e.offsets == chunk.offsets for e in entries):
@@ -200,7 +201,7 @@ class ChunkedTensor(torch.Tensor):
         return f"ChunkedTensor(shape={tuple(self._global_shape)}, chunks={[tuple(o) for o, _ in self._chunks]})"
 
 
-def to_state_dict(chunks: Iterable[LocalChunk]) -> dict[str, ChunkedTensor]:
+def to_state_dict(chunks: Iterable[SavedShard]) -> dict[str, ChunkedTensor]:
     """A flat DCP state dict {key: ChunkedTensor} of this rank's chunks."""
     return {key: ChunkedTensor(entries[0].global_shape, [(e.offsets, e.data) for e in entries])
-            for key, entries in group_chunks(chunks).items()}
+            for key, entries in group_shards(chunks).items()}

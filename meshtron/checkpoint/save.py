@@ -12,8 +12,8 @@ from meshtron.checkpoint import coordination
 from meshtron.checkpoint.async_save import process_writer
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.checkpoint.metadata import checkpoint_meta, config_yaml, layout_dict, model_signature, rng_bytes
-from meshtron.checkpoint.pieces import LocalChunk, optimizer_chunks_by_param, state_tensors_are_views, to_state_dict
-from meshtron.checkpoint.pieces import model_chunks as model_chunk_list
+from meshtron.checkpoint.pieces import SavedShard, optimizer_shards_by_param, state_tensors_are_views, to_state_dict
+from meshtron.checkpoint.pieces import model_shards
 from meshtron.checkpoint.writer import SaveJob, quiet_single_process_notice, write_and_publish
 from meshtron.config import MeshtronConfig
 from meshtron.parallel.context import ParallelContext
@@ -80,7 +80,7 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
         writer.last_timings = job.timings
 
 
-def _collect_chunks(model_chunks: Sequence[nn.Module], optimizer, stager) -> list[LocalChunk]:
+def _collect_chunks(model_chunks: Sequence[nn.Module], optimizer, stager) -> list[SavedShard]:
     """This rank's chunks of model and optimizer state; host copies when ``stager`` is given (async).
 
     A distributed optimizer gathers each parameter's state into a temporary copy: those are
@@ -88,17 +88,17 @@ def _collect_chunks(model_chunks: Sequence[nn.Module], optimizer, stager) -> lis
     """
     if stager is not None:
         stager.begin_staging()
-    chunks = model_chunk_list(model_chunks)
+    chunks = model_shards(model_chunks)
     if stager is not None:
         chunks = [stager.stage(c) for c in chunks]
     if optimizer is not None:
         optimizer.ensure_state()  # zero moments before the first step: the same as fresh AdamW state
         copies = not state_tensors_are_views(optimizer)
-        for param_chunks in optimizer_chunks_by_param(optimizer):
+        for param_chunks in optimizer_shards_by_param(optimizer):
             if stager is not None:
                 param_chunks = [stager.stage(c, blocking=copies) for c in param_chunks]
             elif copies:
-                param_chunks = [LocalChunk(c.key, c.global_shape, c.offsets, c.data.cpu()) for c in param_chunks]
+                param_chunks = [SavedShard(c.key, c.global_shape, c.offsets, c.data.cpu()) for c in param_chunks]
             chunks += param_chunks
     if stager is not None:
         stager.finish_staging()
