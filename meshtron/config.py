@@ -195,11 +195,14 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = opt(None, "Pipeline schedule: 1f1b (one model chunk per rank), interleaved "
                                                  "(interleaved 1F1B over virtual stages) or zero-bubble-h1 (ZB-H1: "
                                                  "each backward split into the input gradient and the weight "
-                                                 "gradients, deferred to fill the bubble; one chunk per rank). "
+                                                 "gradients, deferred to fill the bubble; one chunk per rank) or zbv "
+                                                 "(ZB-V: the same split over two chunks per rank placed in a V, "
+                                                 "the first stage holding the first and the last layers; half "
+                                                 "of ZB-H1's bubble; needs untied embeddings). "
                                                  "Default: interleaved with virtual stages, "
                                                  "else 1f1b. Without pipeline parallelism there is no bubble and "
                                                  "the value has no effect.",
-                                           choices=("1f1b", "interleaved", "zero-bubble-h1"))
+                                           choices=("1f1b", "interleaved", "zero-bubble-h1", "zbv"))
     tp_comm_overlap: bool = opt(True, "Overlap the tensor-parallel backward collectives (input-gradient all-reduce or "
                                       "reduce-scatter, sequence all-gather) with the weight-gradient matmul.")
     distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))

@@ -425,7 +425,7 @@ def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> boo
     weight gradients, rowwise FP8, the sequence-parallel FP8 path or eager FP8; not before revision 1 of
     ``saves``."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not m.swiglu or saves < 1 or p.pipeline_schedule == "zero-bubble-h1":
+    if not m.swiglu or saves < 1 or p.pipeline_schedule in ("zero-bubble-h1", "zbv"):
         return False
     if not t.fp8_format:
         return True

@@ -159,7 +159,7 @@ def layout_from_config(cfg: MeshtronConfig) -> PipelineLayout:
                             virtual_size=p.virtual_pipeline_model_parallel_size,
                             layers_per_virtual=p.num_layers_per_virtual_pipeline_stage,
                             embedding_slot=p.account_for_embedding_in_pipeline_split,
-                            loss_slot=p.account_for_loss_in_pipeline_split)
+                            loss_slot=p.account_for_loss_in_pipeline_split, v_shape=p.pipeline_schedule == "zbv")
 
 
 def _data_parallel_size_or_none(cfg: MeshtronConfig, world_size: Optional[int]) -> Optional[int]:
@@ -443,9 +443,12 @@ def _check_pipeline_schedule(cfg: MeshtronConfig) -> None:
     schedule = p.pipeline_schedule
     if schedule is None:
         return
-    known = ("1f1b", "interleaved", "zero-bubble-h1")
+    known = ("1f1b", "interleaved", "zero-bubble-h1", "zbv")
     if schedule not in known:
         raise ConfigError(f"--pipeline-schedule {schedule!r} is not known; choose one of {', '.join(known)}")
+    if schedule == "zbv":
+        _check_zbv(cfg)
+        return
     virtual = p.virtual_pipeline_model_parallel_size or 1
     if schedule == "interleaved" and virtual == 1:
         raise ConfigError("--pipeline-schedule interleaved needs virtual stages: give "
@@ -454,6 +457,19 @@ def _check_pipeline_schedule(cfg: MeshtronConfig) -> None:
         raise ConfigError(f"--pipeline-schedule {schedule} runs one model chunk per pipeline rank, but "
                           f"--virtual-pipeline-model-parallel-size is {virtual}: use --pipeline-schedule interleaved "
                           f"or drop the virtual stages")
+
+
+def _check_zbv(cfg: MeshtronConfig) -> None:
+    """ZBV's V puts the embedding and the output layer on the first stage, in two model chunks."""
+    m, p = cfg.model, cfg.parallel
+    if p.pipeline_model_parallel_size < 2:
+        raise ConfigError("--pipeline-schedule zbv needs --pipeline-model-parallel-size >= 2")
+    if not m.untie_embeddings_and_output_weights:
+        raise ConfigError("--pipeline-schedule zbv needs --untie-embeddings-and-output-weights: the tied input "
+                          "embedding and output layer would sit in two model chunks of the first stage")
+    if m.mtp_num_layers:
+        raise ConfigError("--pipeline-schedule zbv does not run multi-token prediction (--mtp-num-layers); use "
+                          "zero-bubble-h1 or 1f1b")
 
 
 def _check_experts(cfg: MeshtronConfig) -> None:

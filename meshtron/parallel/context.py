@@ -58,6 +58,7 @@ class ParallelContext:
     ep_group: Optional[dist.ProcessGroup] = None
     expert_dp_group: Optional[dist.ProcessGroup] = None
     pp_ranks: tuple = (0,)  # global ranks of this rank's pipeline group, by stage
+    loss_stage: int = -1  # the pipeline stage with the loss: the last (-1), or the first (0) under ZBV
     # Every group's collective timeout (--distributed-timeout-minutes), also for groups created later.
     timeout: datetime.timedelta = datetime.timedelta(minutes=10)
 
@@ -78,14 +79,19 @@ class ParallelContext:
         return self.pp_rank == self.pp - 1
 
     @property
+    def is_loss_stage(self) -> bool:
+        """Whether this stage computes the loss (the last one, or the first under ZBV's V)."""
+        return self.pp_rank == self.loss_stage % self.pp
+
+    @property
     def expert_dp(self) -> int:
         return (self.dp * self.cp) // self.ep
 
     @property
     def is_logging_rank(self) -> bool:
-        """The rank that writes logs and metrics: TP/CP/DP rank 0 of the last pipeline stage,
-        which holds the loss. Global rank 0 when PP is 1."""
-        return self.tp_rank == 0 and self.cp_rank == 0 and self.dp_rank == 0 and self.is_last_stage
+        """The rank that writes logs and metrics: TP/CP/DP rank 0 of the pipeline stage that holds the
+        loss (the last; the first under ZBV). Global rank 0 when PP is 1."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.dp_rank == 0 and self.is_loss_stage
 
     def describe(self) -> str:
         return f"TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp} EP={self.ep}"
@@ -238,7 +244,15 @@ def tp_subgroup(ctx: ParallelContext, size: int) -> Optional[dist.ProcessGroup]:
 def context_from_config(cfg) -> ParallelContext:
     """The process groups a validated :class:`~meshtron.config.MeshtronConfig` asks for."""
     p = cfg.parallel
-    return build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
-                                  p.pipeline_model_parallel_size, p.expert_model_parallel_size,
-                                  device=cfg.train.device, backend=p.distributed_backend,
-                                  timeout_minutes=p.distributed_timeout_minutes)
+    ctx = build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
+                                 p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                                 device=cfg.train.device, backend=p.distributed_backend,
+                                 timeout_minutes=p.distributed_timeout_minutes)
+    ctx.loss_stage = loss_stage(cfg)
+    return ctx
+
+
+def loss_stage(cfg) -> int:
+    """The pipeline stage with the loss for ``cfg``'s schedule: 0 under ZBV (its V ends on the first
+    stage), else -1 (the last)."""
+    return 0 if cfg.parallel.pipeline_schedule == "zbv" else -1

@@ -72,7 +72,7 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: Forwar
     p2p = PipelineP2P(ctx, activation_shape(cfg, ctx), dtype, ctx.device)
     schedule = cfg.parallel.pipeline_schedule
     extra = {}
-    if schedule == "zero-bubble-h1":
+    if schedule in ("zero-bubble-h1", "zbv"):
         from meshtron.pipeline.zero_bubble import WeightGradStore
 
         # Only an overlapped reduction is armed by on_chunk_grads_ready, and only it needs the held sums.
@@ -82,11 +82,12 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: Forwar
 
 
 def is_data_rank(ctx: ParallelContext, cfg: Optional[MeshtronConfig] = None) -> bool:
-    """Ranks that read training data: the first stage (tokens) and the last (labels and loss mask).
+    """Ranks that read training data: the first stage (tokens) and the one with the loss (labels and loss
+    mask: the last stage, or the first under ZBV).
 
     With --reset-position-ids or --reset-attention-mask every stage needs the per-token
     positions and document ids, so every rank reads data.
     """
     if cfg is not None and (cfg.data.reset_position_ids or cfg.data.reset_attention_mask):
         return True
-    return ctx.is_first_stage or ctx.is_last_stage
+    return ctx.is_first_stage or ctx.is_loss_stage

@@ -1,9 +1,9 @@
 """Batches and the loss on pipeline ranks that do not read data or do not compute the loss.
 
-Only the first stage (tokens) and the last (labels, loss mask) read data; a middle
-stage needs just the number of micro-batches, so it gets empty micro-batches. The
-loss lives on the last stage; it is broadcast over the pipeline group so that every
-rank reports the same value.
+Only the first stage (tokens) and the one with the loss (labels, loss mask: the last,
+or the first under ZBV) read data; another stage needs just the number of micro-batches,
+so it gets empty micro-batches. The loss is broadcast from its stage over the pipeline
+group so that every rank reports the same value.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def _follow_first_stage(batches: Optional[Iterable[list[dict]]], ctx: ParallelCo
         yield mbs if mbs is not None else empty_micro_batches(num_micro_batches)
 
 
-def broadcast_from_last_stage(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """``tensor`` as the last pipeline stage holds it, on every stage (in place; returned)."""
+def broadcast_from_loss_stage(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """``tensor`` as the pipeline stage with the loss holds it (the last; the first under ZBV), on every
+    stage (in place; returned)."""
     if ctx.pp_group is not None:
-        dist.broadcast(tensor, src=ctx.pp_ranks[-1], group=ctx.pp_group)
+        dist.broadcast(tensor, src=ctx.pp_ranks[ctx.loss_stage], group=ctx.pp_group)
     return tensor

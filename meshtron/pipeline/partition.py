@@ -16,7 +16,9 @@ stage ``p`` is model chunk ``v * PP + p``. A chunk of stage ``p`` holds
 [0, 1] and [4, 5], stage 1 the chunks [2, 3] and [6, 7].
 
 The embedding lives on chunk 0 of stage 0, the final norm, output layer and loss
-on chunk V-1 of the last stage. Layer indices are global, so parameter names
+on chunk V-1 of the last stage. ZBV (``--pipeline-schedule zbv``) places two chunks per stage in
+a V instead: chunk 0 of stage ``p`` is model chunk ``p`` and chunk 1 is model chunk
+``2 PP - 1 - p``, so stage 0 holds the first and the last layers, the embedding and the loss. Layer indices are global, so parameter names
 (``layers.i``) do not depend on the layout.
 
 Everything here takes plain integers and imports neither torch nor the configuration,
@@ -47,11 +49,18 @@ class PipelineLayout:
     num_layers: int
     stages: int
     virtual_stages: int
-    chunk_layers: tuple[tuple[int, ...], ...]
+    chunk_layers: tuple[tuple[int, ...], ...]  # in model order
+    v_shape: bool = False  # ZBV: chunk 0 of stage p is model chunk p, chunk 1 is model chunk 2 PP - 1 - p
+
+    def position(self, stage: int, virtual: int = 0) -> int:
+        """The model chunk that chunk ``virtual`` of ``stage`` holds (its index in model order)."""
+        if self.v_shape:
+            return stage if virtual == 0 else 2 * self.stages - 1 - stage
+        return virtual * self.stages + stage
 
     def layers(self, stage: int, virtual: int = 0) -> list[int]:
         """Global indices of the layers held by chunk ``virtual`` of pipeline stage ``stage``."""
-        return list(self.chunk_layers[virtual * self.stages + stage])
+        return list(self.chunk_layers[self.position(stage, virtual)])
 
     def stage_layers(self, stage: int) -> list[list[int]]:
         """The layers of each of ``stage``'s chunks, in virtual-stage order."""
@@ -59,11 +68,16 @@ class PipelineLayout:
 
     def has_embedding(self, stage: int, virtual: int = 0) -> bool:
         """Whether this chunk is the very first one (holds the embedding)."""
-        return stage == 0 and virtual == 0
+        return self.position(stage, virtual) == 0
 
     def has_loss(self, stage: int, virtual: int = 0) -> bool:
         """Whether this chunk is the very last one (holds the final norm, output layer and loss)."""
-        return stage == self.stages - 1 and virtual == self.virtual_stages - 1
+        return self.position(stage, virtual) == self.stages * self.virtual_stages - 1
+
+    @property
+    def loss_stage(self) -> int:
+        """The pipeline stage with the loss: the last one, or the first in a V."""
+        return 0 if self.v_shape else self.stages - 1
 
 
 def stage_layer_counts(num_layers: int, stages: int, first: Optional[int] = None,
@@ -128,14 +142,18 @@ def resolve_virtual_stages(num_layers: int, counts: list[int], virtual_size: Opt
 
 def partition_layers(num_layers: int, stages: int, *, first: Optional[int] = None, last: Optional[int] = None,
                      virtual_size: Optional[int] = None, layers_per_virtual: Optional[int] = None,
-                     embedding_slot: bool = False, loss_slot: bool = False) -> PipelineLayout:
+                     embedding_slot: bool = False, loss_slot: bool = False, v_shape: bool = False) -> PipelineLayout:
     """The layout of ``num_layers`` layers over ``stages`` pipeline stages (see the module docstring).
 
     ``embedding_slot`` / ``loss_slot``: count the embedding / the output layer and loss as a layer.
-    Raises :class:`ConfigError` naming the flags when the split is impossible.
+    ``v_shape`` (``--pipeline-schedule zbv``): two chunks per stage placed in a V, each half of the stage's
+    layers. Raises :class:`ConfigError` naming the flags when the split is impossible.
     """
     if num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {num_layers}")
+    if v_shape:
+        return _v_layout(num_layers, stages, first, last, virtual_size, layers_per_virtual, embedding_slot,
+                         loss_slot)
     if embedding_slot or loss_slot:
         return _partition_with_slots(num_layers, stages, first, last, virtual_size, layers_per_virtual,
                                      embedding_slot, loss_slot)
@@ -143,6 +161,28 @@ def partition_layers(num_layers: int, stages: int, *, first: Optional[int] = Non
     vpp = resolve_virtual_stages(num_layers, counts, virtual_size, layers_per_virtual,
                                  uneven=first is not None or last is not None)
     return _layout(num_layers, stages, vpp, [counts[k % stages] // vpp for k in range(stages * vpp)])
+
+
+def _v_layout(num_layers: int, stages: int, first: Optional[int], last: Optional[int], virtual_size: Optional[int],
+              layers_per_virtual: Optional[int], embedding_slot: bool, loss_slot: bool) -> PipelineLayout:
+    """ZBV's V: stage p's two chunks are model chunks p and 2 PP - 1 - p, each half of the stage's layers."""
+    if stages < 2:
+        raise ConfigError(f"--pipeline-schedule zbv needs {_PP} >= 2")
+    if embedding_slot or loss_slot:
+        raise ConfigError(f"--pipeline-schedule zbv puts the embedding and the loss on the first stage; drop "
+                          f"{_EMBEDDING_SLOT} / {_LOSS_SLOT}")
+    if virtual_size not in (None, 2):
+        raise ConfigError(f"--pipeline-schedule zbv runs two model chunks per pipeline rank, but {_VPP} is "
+                          f"{virtual_size}")
+    counts = stage_layer_counts(num_layers, stages, first, last)
+    vpp = resolve_virtual_stages(num_layers, counts, virtual_size or 2, layers_per_virtual,
+                                 uneven=first is not None or last is not None)
+    if vpp != 2:
+        raise ConfigError(f"--pipeline-schedule zbv runs two model chunks per pipeline rank, but {_VPP} / "
+                          f"{_PER_VIRTUAL} give {vpp}")
+    sizes = [counts[p if p < stages else 2 * stages - 1 - p] // 2 for p in range(2 * stages)]
+    layout = _layout(num_layers, stages, 2, sizes)
+    return PipelineLayout(layout.num_layers, stages, 2, layout.chunk_layers, v_shape=True)
 
 
 def _layout(num_layers: int, stages: int, vpp: int, chunk_sizes: list[int]) -> PipelineLayout:

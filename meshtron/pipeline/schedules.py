@@ -126,6 +126,18 @@ class Exchange:
     recv_prev: Optional[Unit] = None
     send_prev: Optional[Unit] = None
     recv_next: Optional[Unit] = None
+    # ZBV's second chunk runs the other way over the stages: its forward outputs travel to the previous
+    # stage and its input gradients to the next one.
+    send_prev_activation: Optional[Unit] = None
+    recv_next_activation: Optional[Unit] = None
+    send_next_grad: Optional[Unit] = None
+    recv_prev_grad: Optional[Unit] = None
+
+    def receives(self) -> list[tuple[str, Unit]]:
+        """(``"input"`` or ``"grad"``, unit) of every tensor this exchange receives."""
+        fields = (("input", self.recv_prev), ("grad", self.recv_next), ("input", self.recv_next_activation),
+                  ("grad", self.recv_prev_grad))
+        return [(kind, unit) for kind, unit in fields if unit is not None]
 
 
 @dataclass(frozen=True)
@@ -144,7 +156,51 @@ class WeightGrad:
 Step = Union[Compute, Exchange, WeightGrad]
 
 #: ``--pipeline-schedule`` values (None: 1F1B, or interleaved 1F1B with virtual stages).
-SCHEDULES = ("1f1b", "interleaved", "zero-bubble-h1")
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble-h1", "zbv")
+
+#: Schedules with W passes (weight gradients deferred from B into a :class:`WeightGradStore`).
+SPLIT_BACKWARD = ("zero-bubble-h1", "zbv")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the model chunks sit: chunk ``v`` of stage ``r`` holds model chunk ``position(r, v)``.
+
+    Round-robin (1F1B, interleaved): ``v * stages + r``, the last stage's output going around the ring to
+    stage 0's next chunk. V-shaped (ZBV, two chunks): chunk 0 of stage ``r`` is model chunk ``r`` and chunk 1
+    is ``2 * stages - 1 - r``, so stage 0 holds the first and the last layers (embedding and loss), and the
+    last stage hands its chunk 0's output to its own chunk 1 without a message.
+    """
+
+    stages: int
+    virtual: int
+    v_shape: bool = False
+
+    def position(self, stage: int, chunk: int) -> int:
+        if self.v_shape:
+            return stage if chunk == 0 else 2 * self.stages - 1 - stage
+        return chunk * self.stages + stage
+
+    def at(self, position: int) -> tuple[int, int]:
+        """(stage, chunk) of model chunk ``position``."""
+        if self.v_shape:
+            return (position, 0) if position < self.stages else (2 * self.stages - 1 - position, 1)
+        return position % self.stages, position // self.stages
+
+    def has_loss(self, stage: int, chunk: int) -> bool:
+        return self.position(stage, chunk) == self.stages * self.virtual - 1
+
+    def has_embedding(self, stage: int, chunk: int) -> bool:
+        return self.position(stage, chunk) == 0
+
+    def towards_next(self, chunk: int, backward: bool) -> bool:
+        """Whether the tensor a pass of ``chunk`` hands on goes to the next stage (else the previous)."""
+        forward_goes_next = not (self.v_shape and chunk == 1)
+        return forward_goes_next != backward
+
+    @staticmethod
+    def of(stages: int, virtual: int, schedule: Optional[str]) -> "Placement":
+        return Placement(stages, virtual, v_shape=schedule == "zbv")
 
 
 def one_f_one_b_order(stages: int, stage: int, num_micro_batches: int, forward_only: bool = False) -> list[Compute]:
@@ -190,35 +246,32 @@ def interleaved_order(stages: int, stage: int, virtual: int, num_micro_batches: 
     return order + backwards[total - warmup:]
 
 
-def _message(stage: int, c: Compute, stages: int, virtual: int) -> Optional[tuple[int, Compute]]:
-    """(receiving stage, the pass that consumes it) of the tensor ``c`` produces, if it leaves the rank."""
+def _message(stage: int, c: Compute, place: Placement) -> Optional[tuple[int, Compute]]:
+    """(receiving stage, the pass that consumes it) of the tensor ``c`` produces, if any: the next model
+    chunk's forward, or the previous model chunk's backward (on the same stage for a V's hand-over)."""
     if isinstance(c, WeightGrad):
         return None
-    if not c.backward:
-        if stage == stages - 1 and c.chunk == virtual - 1:
-            return None  # the loss
-        if stage == stages - 1:
-            return 0, Compute(False, c.chunk + 1, c.micro_batch)
-        return stage + 1, c
-    if stage == 0 and c.chunk == 0:
-        return None  # the embedding: nothing before it
-    if stage == 0:
-        return stages - 1, Compute(True, c.chunk - 1, c.micro_batch)
-    return stage - 1, c
+    pos = place.position(stage, c.chunk)
+    pos += -1 if c.backward else 1
+    if pos < 0 or pos >= place.stages * place.virtual:
+        return None  # the embedding's backward, or the loss
+    dest, chunk = place.at(pos)
+    return dest, Compute(c.backward, chunk, c.micro_batch)
 
 
-def _needs_message(stage: int, c: Compute, stages: int, virtual: int) -> bool:
-    """Whether pass ``c`` consumes a tensor from another stage (input activation or output gradient)."""
+def _needs_message(stage: int, c: Compute, place: Placement) -> bool:
+    """Whether pass ``c`` consumes a tensor from another pass (input activation or output gradient)."""
     if isinstance(c, WeightGrad):
         return False
     if c.backward:
-        return not (stage == stages - 1 and c.chunk == virtual - 1)
-    return not (stage == 0 and c.chunk == 0)
+        return not place.has_loss(stage, c.chunk)
+    return not place.has_embedding(stage, c.chunk)
 
 
-def build_plans(orders: Sequence[Sequence[Compute]], virtual: int, backward_ticks: int = 1) -> list[list[Step]]:
+def build_plans(orders: Sequence[Sequence[Compute]], virtual: int, backward_ticks: int = 1,
+                v_shape: bool = False) -> list[list[Step]]:
     """Interleave every rank's passes with the exchanges that carry their tensors (lock-step simulation)."""
-    return _simulate(orders, virtual, backward_ticks)[0]
+    return _simulate(orders, Placement(len(orders), virtual, v_shape), backward_ticks)[0]
 
 
 #: Lock-step ticks of a backward pass when the exchanges are overlapped (--overlap-p2p-comm): a
@@ -229,7 +282,7 @@ def build_plans(orders: Sequence[Sequence[Compute]], virtual: int, backward_tick
 OVERLAPPED_BACKWARD_TICKS = 2
 
 
-def _simulate(orders: Sequence[Sequence[Compute]], virtual: int,
+def _simulate(orders: Sequence[Sequence[Compute]], place: Placement,
               backward_ticks: int = 1, forward_ticks: int = 1, weight_ticks: int = 1) -> tuple[list[list[Step]], int]:
     """Run every rank's passes in lock-step ticks (a forward takes ``forward_ticks``, a backward
     ``backward_ticks``, a W pass ``weight_ticks``); return the plans and the number of ticks.
@@ -253,7 +306,7 @@ def _simulate(orders: Sequence[Sequence[Compute]], virtual: int,
             if position[s] == len(orders[s]) or free_at[s] > tick:
                 continue
             c = orders[s][position[s]]
-            if _needs_message(s, c, stages, virtual) and arrived.get((s, c), tick) >= tick:
+            if _needs_message(s, c, place) and arrived.get((s, c), tick) >= tick:
                 continue  # its input has not arrived yet: idle this tick
             plans[s].append(c)
             position[s] += 1
@@ -264,13 +317,15 @@ def _simulate(orders: Sequence[Sequence[Compute]], virtual: int,
                 duration = backward_ticks if c.backward else forward_ticks
             end = tick + duration - 1
             free_at[s] = end + 1
-            message = _message(s, c, stages, virtual)
+            message = _message(s, c, place)
             if message is not None:
                 dest, consumer = message
-                at = exchanges.setdefault(end, [{} for _ in range(stages)])
-                at[s]["send_prev" if c.backward else "send_next"] = c.unit
-                at[dest]["recv_next" if c.backward else "recv_prev"] = consumer.unit
                 arrived[(dest, consumer)] = end
+                if dest != s:  # a V's hand-over on the last stage needs no message
+                    send, recv = _exchange_fields(place.towards_next(c.chunk, c.backward), c.backward)
+                    at = exchanges.setdefault(end, [{} for _ in range(stages)])
+                    at[s][send] = c.unit
+                    at[dest][recv] = consumer.unit
         if not started and all(f <= tick for f in free_at) and tick not in exchanges:
             stuck = {s: orders[s][position[s]] for s in range(stages) if position[s] < len(orders[s])}
             raise RuntimeError(f"pipeline schedule deadlocks: every rank waits ({stuck})")
@@ -281,6 +336,13 @@ def _simulate(orders: Sequence[Sequence[Compute]], virtual: int,
     return plans, max([tick] + free_at)
 
 
+def _exchange_fields(towards_next: bool, backward: bool) -> tuple[str, str]:
+    """The :class:`Exchange` fields (sender's, receiver's) of a tensor travelling that way."""
+    if towards_next:
+        return ("send_next_grad", "recv_prev_grad") if backward else ("send_next", "recv_prev")
+    return ("send_prev", "recv_next") if backward else ("send_prev_activation", "recv_next_activation")
+
+
 def _orders(stages: int, virtual: int, num_micro_batches: int, forward_only: bool,
             schedule: Optional[str] = None) -> list[list[Step]]:
     schedule = _schedule_name(schedule, virtual)
@@ -288,6 +350,10 @@ def _orders(stages: int, virtual: int, num_micro_batches: int, forward_only: boo
         from meshtron.pipeline.zero_bubble import zero_bubble_h1_order
 
         return [zero_bubble_h1_order(stages, s, num_micro_batches, forward_only) for s in range(stages)]
+    if schedule == "zbv":
+        from meshtron.pipeline.zero_bubble import zbv_orders
+
+        return zbv_orders(stages, num_micro_batches, forward_only)
     if virtual > 1:
         check_micro_batches(num_micro_batches, stages, virtual)
         return [interleaved_order(stages, s, virtual, num_micro_batches, forward_only) for s in range(stages)]
@@ -300,9 +366,13 @@ def _schedule_name(schedule: Optional[str], virtual: int) -> str:
         return "interleaved" if virtual > 1 else "1f1b"
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if schedule == "zbv":
+        if virtual != 2:
+            raise ValueError(f"pipeline schedule 'zbv' runs two model chunks per rank, not {virtual}")
+        return schedule
     if (schedule == "interleaved") != (virtual > 1):
         raise ValueError(f"pipeline schedule {schedule!r} with {virtual} model chunk(s) per rank: interleaved "
-                         f"takes several, the others one")
+                         f"takes several, zbv two, the others one")
     return schedule
 
 
@@ -317,7 +387,7 @@ def pipeline_plans(stages: int, virtual: int, num_micro_batches: int, forward_on
     """
     name = _schedule_name(schedule, virtual)
     orders = _orders(stages, virtual, num_micro_batches, forward_only, name)
-    plans = build_plans(orders, virtual, 1 if name == "zero-bubble-h1" else backward_ticks)
+    plans = build_plans(orders, virtual, 1 if name in SPLIT_BACKWARD else backward_ticks, v_shape=name == "zbv")
     return tuple(tuple(plan) for plan in plans)
 
 
@@ -332,11 +402,12 @@ def simulated_bubble(stages: int, virtual: int, num_micro_batches: int, backward
     """
     name = _schedule_name(schedule, virtual)
     orders = _orders(stages, virtual, num_micro_batches, False, name)
-    if name == "zero-bubble-h1":  # ticks doubled so that B and W are whole ticks: F 2, B and W backward_ticks each
-        _, ticks = _simulate(orders, virtual, backward_ticks, forward_ticks=2, weight_ticks=backward_ticks)
+    place = Placement.of(stages, virtual, name)
+    if name in SPLIT_BACKWARD:  # ticks doubled so that B and W are whole ticks: F 2, B and W backward_ticks each
+        _, ticks = _simulate(orders, place, backward_ticks, forward_ticks=2, weight_ticks=backward_ticks)
         busy = 2 * (1 + backward_ticks) * virtual * num_micro_batches
     else:
-        _, ticks = _simulate(orders, virtual, backward_ticks)
+        _, ticks = _simulate(orders, place, backward_ticks)
         busy = (1 + backward_ticks) * virtual * num_micro_batches
     return (ticks - busy) / busy
 
@@ -399,10 +470,8 @@ class _PendingTransfers:
 
     def add(self, works: list, step: "Exchange", sent: tuple, output_to_free: Optional[torch.Tensor]) -> None:
         transfer = _Transfer(works)
-        if step.recv_prev is not None:
-            self.receives[("input", step.recv_prev)] = transfer
-        if step.recv_next is not None:
-            self.receives[("grad", step.recv_next)] = transfer
+        for received in step.receives():
+            self.receives[received] = transfer
         if sent:
             self.sends.append((transfer, sent, output_to_free))
 
@@ -441,7 +510,7 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
              p2p: PipelineP2P, forward_step: ForwardStep, forward_only: bool = False,
              on_chunk_grads_ready: Optional[GradsReady] = None,
              stats: Optional[ScheduleStats] = None, overlap_p2p: bool = False,
-             wgrad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
+             wgrad_store: Optional[WeightGradStore] = None, v_shape: bool = False) -> torch.Tensor:
     """Execute one rank's plan; return its summed weighted loss (zero on ranks without the loss).
 
     ``overlap_p2p``: post each exchange without waiting; wait for a received tensor only right
@@ -454,8 +523,12 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
     but accumulate the per-parameter sums only at the chunk's last W, so every parameter receives
     exactly one gradient after the reduction was armed, and a bucket starts only once complete
     (unless the store's ``hold_after_last_backward`` is off: no reduction is armed then).
+
+    ``v_shape``: the chunks sit in a V (:class:`Placement`, ZBV): the last stage hands its first chunk's
+    output to its second chunk, and that chunk's input gradient back, without a message.
     """
     stages, stage, virtual = p2p.stages, p2p.stage, len(model_chunks)
+    place = Placement(stages, virtual, v_shape)
     inputs: dict[Unit, torch.Tensor] = {}  # received stage inputs, kept for their gradient
     outputs: dict[Unit, torch.Tensor] = {}  # stage outputs (or loss sums) awaiting their backward
     output_grads: dict[Unit, torch.Tensor] = {}
@@ -480,47 +553,58 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
                     and index > chunk_last_backward[step.chunk])
             stats.deferred_gemms += wgrad_store.compute(step.unit, hold=hold)
             if hold and index == chunk_last_weight[step.chunk]:
-                wgrad_store.accumulate_held()
+                wgrad_store.accumulate_held(step.chunk)
             awaiting_w.discard(step.unit)
             stats.weight_grads += 1
             continue
         if isinstance(step, Exchange):
-            send_next = outputs[step.send_next] if step.send_next is not None else None
-            send_prev = input_grads.pop(step.send_prev) if step.send_prev is not None else None
+            # By direction: an activation or (ZBV's second chunk) a gradient to the next stage, and so on.
+            sent_output = step.send_next if step.send_next is not None else step.send_prev_activation
+            to_next = (outputs[step.send_next] if step.send_next is not None
+                       else input_grads.pop(step.send_next_grad) if step.send_next_grad is not None else None)
+            to_prev = (input_grads.pop(step.send_prev) if step.send_prev is not None
+                       else outputs[step.send_prev_activation] if step.send_prev_activation is not None else None)
+            want_prev = step.recv_prev is not None or step.recv_prev_grad is not None
+            want_next = step.recv_next is not None or step.recv_next_activation is not None
             if pending is None:
-                from_prev, from_next = p2p.exchange(send_next, send_prev, step.recv_prev is not None,
-                                                    step.recv_next is not None)
+                from_prev, from_next = p2p.exchange(to_next, to_prev, want_prev, want_next)
             else:
                 pending.release_completed()
-                from_prev, from_next, works = p2p.exchange(send_next, send_prev, step.recv_prev is not None,
-                                                           step.recv_next is not None, wait=False)
-                pending.add(works, step, tuple(t for t in (send_next, send_prev) if t is not None),
-                            None if forward_only else send_next)
+                from_prev, from_next, works = p2p.exchange(to_next, to_prev, want_prev, want_next, wait=False)
+                pending.add(works, step, tuple(t for t in (to_next, to_prev) if t is not None),
+                            None if forward_only or sent_output is None else outputs[sent_output])
             stats.exchanges += 1
-            if step.send_next is not None:
+            if sent_output is not None:
                 if forward_only:
-                    del outputs[step.send_next]
+                    del outputs[sent_output]
                 elif pending is None:
-                    free_output(outputs[step.send_next])
-            if from_prev is not None:
+                    free_output(outputs[sent_output])
+            if step.recv_prev is not None:
                 inputs[step.recv_prev] = from_prev.requires_grad_(not forward_only)
-            if from_next is not None:
+            if step.recv_prev_grad is not None:
+                output_grads[step.recv_prev_grad] = from_prev
+            if step.recv_next is not None:
                 output_grads[step.recv_next] = from_next
+            if step.recv_next_activation is not None:
+                inputs[step.recv_next_activation] = from_next.requires_grad_(not forward_only)
             continue
         unit, model = step.unit, model_chunks[step.chunk]
         if pending is not None:
             pending.wait_for("grad" if step.backward else "input", unit)
         if not step.backward:
-            is_loss = stage == stages - 1 and step.chunk == virtual - 1
+            is_loss = place.has_loss(stage, step.chunk)
             with torch.set_grad_enabled(not forward_only):
                 out = _stage_tensor(*forward_step(model, micro_batches[step.micro_batch], inputs.get(unit)),
                                     has_loss=is_loss)
             stats.forwards += 1
             if is_loss:
                 total = out.detach() if total is None else total + out.detach()
+            handed_over = _local_consumer(stage, step, place)
+            if handed_over is not None:  # a V's turn on the last stage: the next chunk's input, no message
+                inputs[handed_over.unit] = out if forward_only else out.detach().requires_grad_()
             if forward_only:
                 inputs.pop(unit, None)
-                if not is_loss:
+                if not is_loss and handed_over is None:
                     outputs[unit] = out  # until it is sent
                 continue
             outputs[unit] = out
@@ -535,7 +619,12 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
                 torch.autograd.backward(out, grad_tensors=output_grads.pop(unit, None))
             x = inputs.pop(unit, None)
             if x is not None:  # a stage whose output ignores its input still owes the previous one a gradient
-                input_grads[unit] = x.grad if x.grad is not None else torch.zeros_like(x)
+                grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                handed_back = _local_consumer(stage, step, place)
+                if handed_back is not None:  # back down the V's turn: the previous chunk's output gradient
+                    output_grads[handed_back.unit] = grad
+                else:
+                    input_grads[unit] = grad
             stats.backwards += 1
     if pending is not None:
         pending.finish()
@@ -543,6 +632,12 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
         device = next(model_chunks[0].parameters()).device
         total = torch.zeros((), dtype=torch.float32, device=device)
     return total
+
+
+def _local_consumer(stage: int, c: Compute, place: Placement) -> Optional[Compute]:
+    """The pass on this same stage that consumes what ``c`` produces (a V's turn), else None."""
+    message = _message(stage, c, place)
+    return message[1] if message is not None and message[0] == stage else None
 
 
 def forward_backward_pipelining(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch],
@@ -563,7 +658,8 @@ def forward_backward_pipelining(model_chunks: Sequence[nn.Module], micro_batches
     name = _schedule_name(schedule, len(model_chunks))
     plan = pipeline_plans(p2p.stages, len(model_chunks), len(micro_batches), forward_only,
                           OVERLAPPED_BACKWARD_TICKS if overlap_p2p else 1, name)[p2p.stage]
-    if name != "zero-bubble-h1":
+    v_shape = name == "zbv"
+    if name not in SPLIT_BACKWARD:
         return run_plan(plan, model_chunks, micro_batches, p2p, forward_step, forward_only, on_chunk_grads_ready,
                         stats, overlap_p2p)
     from meshtron.pipeline.zero_bubble import attach_weight_grad_store
@@ -574,7 +670,7 @@ def forward_backward_pipelining(model_chunks: Sequence[nn.Module], micro_batches
     wgrad_store.enabled = not forward_only
     try:
         total = run_plan(plan, model_chunks, micro_batches, p2p, forward_step, forward_only, on_chunk_grads_ready,
-                         stats, overlap_p2p, wgrad_store if not forward_only else None)
+                         stats, overlap_p2p, wgrad_store if not forward_only else None, v_shape)
     except BaseException:
         wgrad_store.discard()  # a failed iteration's deferred GEMMs must not reach the next one
         raise

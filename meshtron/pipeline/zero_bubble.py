@@ -62,6 +62,88 @@ def zero_bubble_h1_order(stages: int, stage: int, num_micro_batches: int,
     return order
 
 
+#: ``--pipeline-schedule`` value of the V-shaped zero-bubble schedule.
+ZBV = "zbv"
+
+
+def zbv_orders(stages: int, num_micro_batches: int, forward_only: bool = False) -> list[list]:
+    """Every rank's passes under ZBV (two chunks per rank in a V: stage ``r`` holds model chunks ``r`` and
+    ``2 PP - 1 - r``; Qi et al., "Pipeline Parallelism with Controllable Memory", 2024), in order.
+
+    The order comes from a greedy simulation in which F, B and W last one tick each and a tensor handed on
+    at the end of a tick can be used at the next: at each tick every rank runs, of the passes whose inputs
+    are there, the oldest micro-batch's B (the critical path: input gradients travel on at once), else a
+    forward (chunk 1's first, whose backward comes sooner) unless the rank already holds ``2 PP``
+    chunk-forwards of activations (``PP`` micro-batches of its layers: 1F1B's first stage), else the
+    oldest pending W. What it defers into W fills the ticks in which a rank would wait; the last W run at
+    the end. Forward-only runs (evaluation) take the same rule without B and W.
+    """
+    from meshtron.pipeline.schedules import Compute, WeightGrad
+
+    m, p = num_micro_batches, stages
+    cap = 2 * p
+    done: dict[tuple, int] = {}  # (stage, kind, chunk, micro-batch) -> tick it ended
+    orders: list[list] = [[] for _ in range(p)]
+    next_forward = [[0, 0] for _ in range(p)]  # per stage and chunk: the next micro-batch to forward
+    next_backward = [[0, 0] for _ in range(p)]
+    pending_w: list[deque] = [deque() for _ in range(p)]
+    held = [0] * p
+    total = p * 2 * m * (1 if forward_only else 3)
+    tick = 0
+
+    def ready(stage: int, kind: str, chunk: int, mb: int) -> bool:
+        if kind == "F":
+            if chunk == 0:
+                source = None if stage == 0 else (stage - 1, "F", 0, mb)
+            else:
+                source = (stage, "F", 0, mb) if stage == p - 1 else (stage + 1, "F", 1, mb)
+        else:
+            if chunk == 1:
+                source = (stage, "F", 1, mb) if stage == 0 else (stage - 1, "B", 1, mb)
+            else:
+                source = (stage, "B", 1, mb) if stage == p - 1 else (stage + 1, "B", 0, mb)
+        return source is None or done.get(source, tick) < tick
+
+    while len(done) < total:
+        ran = []
+        for stage in range(p):
+            choice = None
+            if not forward_only:
+                candidates = [(next_backward[stage][c], -c, c) for c in (0, 1)
+                              if next_backward[stage][c] < next_forward[stage][c]
+                              and ready(stage, "B", c, next_backward[stage][c])]
+                if candidates:
+                    mb, _, c = min(candidates)
+                    choice = ("B", c, mb)
+            if choice is None and (forward_only or held[stage] < cap):
+                for c in (1, 0):
+                    mb = next_forward[stage][c]
+                    if mb < m and ready(stage, "F", c, mb):
+                        choice = ("F", c, mb)
+                        break
+            if choice is None and pending_w[stage]:
+                choice = ("W",) + pending_w[stage].popleft()
+            if choice is not None:
+                ran.append((stage, choice))
+        if not ran:
+            raise RuntimeError(f"the ZBV order for {p} stages and {m} micro-batches deadlocked at tick {tick}")
+        for stage, (kind, c, mb) in ran:
+            done[(stage, kind, c, mb)] = tick
+            if kind == "F":
+                next_forward[stage][c] += 1
+                held[stage] += 0 if forward_only else 1
+                orders[stage].append(Compute(False, c, mb))
+            elif kind == "B":
+                next_backward[stage][c] += 1
+                pending_w[stage].append((c, mb))
+                orders[stage].append(Compute(True, c, mb))
+            else:
+                held[stage] -= 1
+                orders[stage].append(WeightGrad(c, mb))
+        tick += 1
+    return orders
+
+
 class WeightGradStore:
     """The weight-gradient GEMMs that B passes deferred, by micro-batch, until their W pass.
 
@@ -80,7 +162,8 @@ class WeightGradStore:
         self.enabled = False
         self._unit: Optional[Unit] = None
         self._deferred: dict[Unit, list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]] = {}
-        self._held: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # id(param) -> (param, fp32 sum)
+        # model chunk -> id(param) -> (param, fp32 sum): each chunk's reduction is armed at its own last B
+        self._held: dict[int, dict[int, tuple[nn.Parameter, torch.Tensor]]] = {}
 
     def defer(self, param: nn.Parameter, weight_grad: Callable[[], torch.Tensor]) -> None:
         """Keep ``weight_grad()`` (the GEMM producing ``param``'s gradient) for the current B's W."""
@@ -107,7 +190,7 @@ class WeightGradStore:
         Returns the number of GEMMs run.
         """
         entries = self._deferred.pop(unit, [])
-        sums: dict[int, tuple[nn.Parameter, torch.Tensor]] = self._held if hold else {}
+        sums: dict[int, tuple[nn.Parameter, torch.Tensor]] = self._held.setdefault(unit[0], {}) if hold else {}
         for param, weight_grad in entries:
             grad = weight_grad()
             key = id(param)
@@ -119,10 +202,9 @@ class WeightGradStore:
             _accumulate(sums)
         return len(entries)
 
-    def accumulate_held(self) -> None:
-        """Accumulate the sums that :meth:`compute` held, once per parameter."""
-        held, self._held = self._held, {}
-        _accumulate(held)
+    def accumulate_held(self, chunk: int = 0) -> None:
+        """Accumulate the sums that :meth:`compute` held for model chunk ``chunk``, once per parameter."""
+        _accumulate(self._held.pop(chunk, {}))
 
     def discard(self) -> None:
         """Drop every deferred GEMM and held sum (after a failed iteration)."""

@@ -397,7 +397,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         if rank == pp - 1 and m.mtp_num_layers:
             time += m.mtp_num_layers * _mtp_depth_cost(cfg, cost(m.num_layers - 1, recomputed(len(layers))), loss,
                                                        embed, profile)
-        if p.pipeline_schedule == "zero-bubble-h1" and t.compile:
+        if p.pipeline_schedule in ("zero-bubble-h1", "zbv") and t.compile:
             time += len(layers) * ZB_H1_LINEARS * ZB_H1_BREAK_US * 1e-6
         stage_times.append(time)
         stage_layers.append(len(layers))

@@ -31,11 +31,11 @@ from meshtron.memory_report import record_memory
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization, weights_norm
 from meshtron.optim.lr_schedule import learning_rate
-from meshtron.parallel.context import ParallelContext, context_from_config
+from meshtron.parallel.context import ParallelContext, context_from_config, loss_stage
 from meshtron.parallel.cp_split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
 from meshtron.pipeline import get_schedule, is_data_rank
-from meshtron.pipeline.batches import broadcast_from_last_stage, eval_batches, train_batches
+from meshtron.pipeline.batches import broadcast_from_loss_stage, eval_batches, train_batches
 from meshtron.pipeline.balance import pipeline_balance_hint
 from meshtron.resilience.faults import FaultInjector
 from meshtron.resilience.hang import Progress, enable_nccl_flight_recorder, hang_watchdog, report_directory
@@ -82,6 +82,7 @@ class Trainer:
         from meshtron.training.logging_sinks import TrainingLogger
 
         self.cfg, self.ctx = cfg, ctx
+        ctx.loss_stage = loss_stage(cfg)  # where the schedule puts the loss (ZBV: on the first stage)
         self.device = ctx.device
         self.dtype = compute_dtype(cfg)
         t = cfg.train
@@ -156,12 +157,12 @@ class Trainer:
         return mbs
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """Global-batch mean loss from this rank's weighted sum (summed over DP x CP), as the last
-        pipeline stage computed it, on every rank."""
+        """Global-batch mean loss from this rank's weighted sum (summed over DP x CP), as the pipeline
+        stage with the loss computed it, on every rank."""
         loss = loss_sum.float().clone().reshape(1)
         if self.ctx.dp_cp_group is not None:
             dist.all_reduce(loss, group=self.ctx.dp_cp_group)
-        return broadcast_from_last_stage(loss, self.ctx)
+        return broadcast_from_loss_stage(loss, self.ctx)
 
     def _lap(self, section: str, last: bool = False) -> None:
         """Close a straggler-timing section (nothing without --log-straggler-interval)."""

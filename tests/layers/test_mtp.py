@@ -27,7 +27,7 @@ from meshtron.parallel.cp_split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import canonical_shapes, gather_canonical, initialize_parameters, spec_of
 from meshtron.pipeline import get_schedule
-from meshtron.pipeline.batches import broadcast_from_last_stage, empty_micro_batches
+from meshtron.pipeline.batches import broadcast_from_loss_stage, empty_micro_batches
 from meshtron.presets import count_parameters
 from meshtron.training.state import TrainingState
 from meshtron.validation import validate_config
@@ -134,7 +134,7 @@ def _reduced(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     x = x.float().clone().reshape(-1)
     if ctx.dp_cp_group is not None:
         dist.all_reduce(x, group=ctx.dp_cp_group)
-    return broadcast_from_last_stage(x, ctx)
+    return broadcast_from_loss_stage(x, ctx)
 
 
 def _build(cfg: MeshtronConfig, ctx: ParallelContext):

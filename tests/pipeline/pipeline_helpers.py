@@ -12,11 +12,11 @@ from meshtron.build import build_model_chunks, gpt_forward_step
 from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization
-from meshtron.parallel.context import ParallelContext, build_groups
+from meshtron.parallel.context import ParallelContext, build_groups, loss_stage
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import gather_canonical, iter_pieces
 from meshtron.pipeline import ScheduleStats, get_schedule
-from meshtron.pipeline.batches import broadcast_from_last_stage, empty_micro_batches
+from meshtron.pipeline.batches import broadcast_from_loss_stage, empty_micro_batches
 from tests.distributed.late_gather import land_gathers_at_wait
 
 VOCAB = 96
@@ -77,7 +77,7 @@ def rank_micro_batches(cfg: MeshtronConfig, ctx: ParallelContext, iteration: int
     Middle pipeline stages get empty micro-batches, as in training."""
     tokens, labels, mask = global_batch(cfg, iteration)
     mbs, per_rank = cfg.train.micro_batch_size, cfg.train.global_batch_size // ctx.dp
-    if not (ctx.is_first_stage or ctx.is_last_stage):
+    if not (ctx.is_first_stage or ctx.is_loss_stage):
         return empty_micro_batches(per_rank // mbs)
     start = ctx.dp_rank * per_rank
     inv = 1.0 / mask.sum()
@@ -99,6 +99,7 @@ def train_and_collect(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int
     the first iteration and the canonical parameters after the last step (gathered over the world),
     the evaluation loss, this rank's schedule statistics of the first iteration, and its tied pieces.
     """
+    ctx.loss_stage = loss_stage(cfg)  # as the trainer sets it (ZBV: the first stage)
     tracker = RNGTracker(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, ctx.device)
     tracker.seed_default()
     chunks = build_model_chunks(cfg, ctx, VOCAB, tracker, torch.float32)
@@ -139,11 +140,11 @@ def train_and_collect(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int
 
 
 def _reduce(loss: torch.Tensor, ctx: ParallelContext) -> float:
-    """The global-batch loss as the trainer logs it: summed over DP, taken from the last stage."""
+    """The global-batch loss as the trainer logs it: summed over DP, taken from the stage with the loss."""
     loss = loss.float().clone().reshape(1)
     if ctx.dp_cp_group is not None:
         dist.all_reduce(loss, group=ctx.dp_cp_group)
-    return float(broadcast_from_last_stage(loss, ctx))
+    return float(broadcast_from_loss_stage(loss, ctx))
 
 
 def layout_worker(rank: int, world: int, cases: list, device: str = "cpu") -> list[dict]:

@@ -12,40 +12,42 @@ import torch
 
 from meshtron.config import ConfigError
 from meshtron.pipeline.p2p import free_output
-from meshtron.pipeline.schedules import (Compute, Exchange, interleaved_warmup, max_in_flight, pipeline_plans,
-                                         simulated_bubble)
+from meshtron.pipeline.schedules import (Compute, Exchange, Placement, interleaved_warmup, max_in_flight,
+                                         pipeline_plans, simulated_bubble)
 
 LAYOUTS = [(pp, 1, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 16)]
 LAYOUTS += [(pp, v, m) for pp in (2, 3, 4) for v in (2, 3, 4) for m in (pp, 2 * pp, 4 * pp)]
 
 
 def _messages(step: Exchange, stage: int, stages: int) -> list[tuple]:
-    """The ops of one exchange as (op, peer, direction, unit), in the order PipelineP2P posts them."""
+    """The ops of one exchange as (op, peer, kind, unit), in the order PipelineP2P posts them: to the next
+    stage, from the previous, to the previous, from the next (``kind``: "fwd" an activation, "bwd" a
+    gradient; ZBV's second chunk sends activations to the previous stage and gradients to the next)."""
     nxt, prev = (stage + 1) % stages, (stage - 1) % stages
     ops = []
-    if step.send_next is not None:
-        ops.append(("send", nxt, "fwd", step.send_next))
-    if step.recv_prev is not None:
-        ops.append(("recv", prev, "fwd", step.recv_prev))
-    if step.send_prev is not None:
-        ops.append(("send", prev, "bwd", step.send_prev))
-    if step.recv_next is not None:
-        ops.append(("recv", nxt, "bwd", step.recv_next))
+    for op, peer, fields in (("send", nxt, (("fwd", step.send_next), ("bwd", step.send_next_grad))),
+                             ("recv", prev, (("fwd", step.recv_prev), ("bwd", step.recv_prev_grad))),
+                             ("send", prev, (("bwd", step.send_prev), ("fwd", step.send_prev_activation))),
+                             ("recv", nxt, (("bwd", step.recv_next), ("fwd", step.recv_next_activation)))):
+        present = [(kind, unit) for kind, unit in fields if unit is not None]
+        assert len(present) <= 1, f"stage {stage}: two tensors to one neighbour in one exchange: {step}"
+        ops += [(op, peer, kind, unit) for kind, unit in present]
     return ops
 
 
-def _consumer(stage: int, stages: int, virtual: int, direction: str, unit: tuple) -> tuple:
+def _consumer(stage: int, place: Placement, direction: str, unit: tuple) -> tuple:
     """The (chunk, micro-batch) on the receiving rank that consumes what ``stage`` sends for ``unit``."""
     chunk, mb = unit
-    if direction == "fwd":
-        return (chunk + 1, mb) if stage == stages - 1 else (chunk, mb)
-    return (chunk - 1, mb) if stage == 0 else (chunk, mb)
+    pos = place.position(stage, chunk) + (1 if direction == "fwd" else -1)
+    return place.at(pos)[1], mb
 
 
-def execute_like_nccl(plans, stages: int, virtual: int) -> None:
+def execute_like_nccl(plans, stages: int, virtual: int, v_shape: bool = False) -> None:
     """Run the plans with NCCL's semantics: an exchange completes only once every send in it is
     matched by the peer's receive (per pair of ranks, in posting order) and every receive by a send.
-    Fails on a deadlock, on a message delivered to the wrong pass, or on a pass run before its input."""
+    Fails on a deadlock, on a message delivered to the wrong pass, or on a pass run before its input.
+    ``v_shape``: ZBV's placement (the last stage hands its first chunk's tensors to its second itself)."""
+    place = Placement(stages, virtual, v_shape)
     pos = [0] * stages
     posted = [False] * stages
     channel = defaultdict(list)  # (src, dst) -> sends posted, in order
@@ -58,13 +60,16 @@ def execute_like_nccl(plans, stages: int, virtual: int) -> None:
         for s in range(stages):
             while pos[s] < len(plans[s]) and isinstance(plans[s][pos[s]], Compute):
                 c = plans[s][pos[s]]
-                needs_input = not (c.backward and s == stages - 1 and c.chunk == virtual - 1) and not (
-                    not c.backward and s == 0 and c.chunk == 0)
+                needs_input = not (c.backward and place.has_loss(s, c.chunk)) and not (
+                    not c.backward and place.has_embedding(s, c.chunk))
                 if needs_input:
                     assert (("bwd" if c.backward else "fwd"), c.unit) in have[s], f"rank {s} runs {c} before its input"
                 if c.backward:
                     assert (False, c.unit) in done[s], f"rank {s} runs {c} before its forward"
                 done[s].add((c.backward, c.unit))
+                step_pos = place.position(s, c.chunk) + (-1 if c.backward else 1)
+                if 0 <= step_pos < stages * virtual and place.at(step_pos)[0] == s:  # a V's turn: no message
+                    have[s].add((("bwd" if c.backward else "fwd"), (place.at(step_pos)[1], c.micro_batch)))
                 pos[s] += 1
                 progressed = True
             if pos[s] == len(plans[s]):
@@ -89,7 +94,7 @@ def execute_like_nccl(plans, stages: int, virtual: int) -> None:
                     if op == "recv":
                         sent_direction, sent_unit = channel[(peer, s)][my_index[(s, i)]]
                         assert sent_direction == direction, f"rank {s} received a {sent_direction} tensor as {direction}"
-                        assert _consumer(peer, stages, virtual, sent_direction, sent_unit) == unit, \
+                        assert _consumer(peer, place, sent_direction, sent_unit) == unit, \
                             f"rank {s} received {sent_unit} of rank {peer} for {unit}"
                         have[s].add((direction, unit))
                 pos[s] += 1

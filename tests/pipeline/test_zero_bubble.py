@@ -103,7 +103,7 @@ def _cfg(**parallel) -> MeshtronConfig:
 @pytest.mark.parametrize("change,message", [
     (lambda c: setattr(c.parallel, "virtual_pipeline_model_parallel_size", 2), "--pipeline-schedule interleaved"),
     (lambda c: setattr(c.parallel, "pipeline_schedule", "interleaved"), "--virtual-pipeline-model-parallel-size"),
-    (lambda c: setattr(c.parallel, "pipeline_schedule", "zbv"), "--pipeline-schedule 'zbv' is not known"),
+    (lambda c: setattr(c.parallel, "pipeline_schedule", "dualpipe"), "--pipeline-schedule .dualpipe. is not known"),
 ], ids=["virtual-stages", "interleaved-without-virtual-stages", "unknown"])
 def test_config_refuses_what_the_schedule_cannot_run(change, message, monkeypatch):
     monkeypatch.setattr("meshtron.validation._cuda_available", lambda: True)
