@@ -447,6 +447,14 @@ def _fp8_tensorwise(cfg: MeshtronConfig) -> bool:
 # Layout helpers.
 # ---------------------------------------------------------------------------------------------
 
+def _split_backward_in_flight(schedule: str, stages: int, virtual: int, micro_batches: int, rank: int) -> float:
+    """Micro-batches' worth of a rank's activations that a zero-bubble plan holds at most (its chunk-forwards
+    not yet through their W, over the chunks per rank)."""
+    from meshtron.pipeline.schedules import max_in_flight, pipeline_plans
+
+    return max_in_flight(pipeline_plans(stages, virtual, micro_batches, False, 1, schedule)[rank]) / virtual
+
+
 def virtual_stages(cfg: MeshtronConfig) -> int:
     """Virtual pipeline stages per rank (1 without interleaving)."""
     return layout_from_config(cfg).virtual_stages
@@ -608,8 +616,10 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         return kept, window
 
     out: list[MemoryEstimate] = []
+    zbv = par.pipeline_schedule == "zbv" and pp > 1
     for rank, chunks in enumerate(stage_chunks(cfg)):
-        first, last = rank == 0, rank == pp - 1
+        # ``last``: the rank with the final norm, output layer and loss (the first under ZBV's V).
+        first, last = rank == 0, rank == (0 if zbv else pp - 1)
         # Parameters on this rank.
         dense = expert = 0.0
         layer_sizes = []  # parameters of each layer on this rank
@@ -663,7 +673,11 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                 pending = max(pending, timeline.backlog)
             per_micro += offload_kept  # what the offloaded layers moved off the device
             working = max(working, extra)
-        if v == 1:
+        if par.pipeline_schedule in ("zero-bubble-h1", "zbv") and pp > 1:
+            # A micro-batch's activations live until its W: as many as the plan holds at once (ZB-H1: PP on
+            # every rank; ZBV: at most 2 PP chunk-forwards, each half the rank's layers).
+            in_flight = _split_backward_in_flight(par.pipeline_schedule, pp, v, n_micro, rank)
+        elif v == 1:
             in_flight = float(min(pp - rank, n_micro))
         else:
             in_flight = min(n_micro * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v

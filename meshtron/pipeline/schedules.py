@@ -19,6 +19,10 @@ in the order of one of Megatron-LM's schedules:
 * ZB-H1 (``--pipeline-schedule zero-bubble-h1``, one chunk): each backward splits into B (input
   gradient) and W (weight gradients, :class:`WeightGrad`), W deferred to fill the bubbles; see
   :mod:`meshtron.pipeline.zero_bubble`. Bubble ``(PP - 1) / (3 M)`` when F, B and W last as long.
+* ZBV (``--pipeline-schedule zbv``, two chunks in a V, :class:`Placement`): the same split over two chunks
+  per rank, stage 0 holding the first and the last layers; the order comes from a greedy simulation
+  (:func:`meshtron.pipeline.zero_bubble.zbv_orders`). Bubble ``(PP - 1) / (6 M)`` for ``M >= PP``, half of
+  ZB-H1's, with at most ``2 PP`` chunk-forwards (PP micro-batches of a rank's layers) held on every rank.
 
 Where the point-to-point exchanges go is derived from those orders by a lock-step
 simulation (:func:`build_plans`): at each tick every free rank starts its next pass if

@@ -390,11 +390,13 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     kinds = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "dp": 0.0, "pp": 0.0}
     slowest_kind: dict = {}
     params_by_stage = []
+    loss_rank = 0 if p.pipeline_schedule == "zbv" else pp - 1  # ZBV's V ends on the first stage
     for rank, rank_chunks in enumerate(chunks):
         layers = [i for c in rank_chunks for i in c]
         costs = [cost(i, recomputed(pos)) for pos, i in enumerate(layers)]
-        time = sum(c.compute + c.comm for c in costs) + (loss if rank == pp - 1 else 0.0) + (embed if rank == 0 else 0.0)
-        if rank == pp - 1 and m.mtp_num_layers:
+        time = (sum(c.compute + c.comm for c in costs) + (loss if rank == loss_rank else 0.0)
+                + (embed if rank == 0 else 0.0))
+        if rank == loss_rank and m.mtp_num_layers:
             time += m.mtp_num_layers * _mtp_depth_cost(cfg, cost(m.num_layers - 1, recomputed(len(layers))), loss,
                                                        embed, profile)
         if p.pipeline_schedule in ("zero-bubble-h1", "zbv") and t.compile:
@@ -403,7 +405,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         stage_layers.append(len(layers))
         stage_fwd.append(sum(c.forward for c in costs))
         stage_comm.append({k: sum(c.comm_kind[k] for c in costs) for k in ("tp", "cp", "ep")})
-        params_by_stage.append(_rank_parameters(cfg, layers, rank == 0, rank == pp - 1, vocab))
+        params_by_stage.append(_rank_parameters(cfg, layers, rank == 0, rank == loss_rank, vocab))
     if t.offload_activations:
         # The backward's waits for the host copies the side stream has not finished (memory.offload_timeline).
         from meshtron.memory import stage_estimates
