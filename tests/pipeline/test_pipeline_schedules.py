@@ -103,6 +103,24 @@ def execute_like_nccl(plans, stages: int, virtual: int, v_shape: bool = False) -
         assert progressed, f"deadlock at {[plans[s][pos[s]] if pos[s] < len(plans[s]) else None for s in range(stages)]}"
 
 
+def assert_split_passes_once_in_order(plan, stage: int, chunks: int, m: int) -> None:
+    """A zero-bubble plan runs every F, B and W of its ``chunks`` chunks and ``m`` micro-batches once, each B
+    after its forward and each W after its B."""
+    from meshtron.pipeline.schedules import WeightGrad
+
+    seen = []
+    for step in plan:
+        if isinstance(step, WeightGrad):
+            assert ("B", step.unit) in seen, f"stage {stage}: {step} before its B"
+            seen.append(("W", step.unit))
+        elif isinstance(step, Compute):
+            if step.backward:
+                assert ("F", step.unit) in seen, f"stage {stage}: {step} before its forward"
+            seen.append(("B" if step.backward else "F", step.unit))
+    expected = {(kind, (c, i)) for kind in "FBW" for c in range(chunks) for i in range(m)}
+    assert len(seen) == len(expected) and set(seen) == expected, f"stage {stage}"
+
+
 @pytest.mark.parametrize("stages,virtual,m", LAYOUTS, ids=[f"pp{p}-v{v}-m{m}" for p, v, m in LAYOUTS])
 @pytest.mark.parametrize("backward_ticks", [1, 2], ids=["blocking-plans", "overlapped-plans"])
 def test_plans_run_every_pass_once_and_never_deadlock(stages, virtual, m, backward_ticks):

@@ -21,7 +21,7 @@ from meshtron.pipeline.partition import partition_layers
 from meshtron.pipeline.schedules import Compute, WeightGrad, max_in_flight, pipeline_plans, simulated_bubble
 from meshtron.validation import validate_config
 from pipeline_helpers import model_config, run_config
-from test_pipeline_schedules import execute_like_nccl
+from test_pipeline_schedules import assert_split_passes_once_in_order, execute_like_nccl
 
 ZBV = "zbv"
 LAYOUTS = [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
@@ -31,17 +31,7 @@ LAYOUTS = [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 def test_plans_run_every_pass_once_in_dependency_order(stages, m):
     plans = pipeline_plans(stages, 2, m, False, 1, ZBV)
     for stage, plan in enumerate(plans):
-        seen = []
-        for step in plan:
-            if isinstance(step, WeightGrad):
-                assert ("B", step.unit) in seen, f"stage {stage}: {step} before its B"
-                seen.append(("W", step.unit))
-            elif isinstance(step, Compute):
-                if step.backward:
-                    assert ("F", step.unit) in seen, f"stage {stage}: {step} before its forward"
-                seen.append(("B" if step.backward else "F", step.unit))
-        expected = {(kind, (c, i)) for kind in "FBW" for c in (0, 1) for i in range(m)}
-        assert len(seen) == len(expected) and set(seen) == expected
+        assert_split_passes_once_in_order(plan, stage, 2, m)
         assert max_in_flight(plan) <= 2 * stages  # chunk-forwards: PP micro-batches of the stage's layers
     execute_like_nccl([[s for s in plan if not isinstance(s, WeightGrad)] for plan in plans], stages, 2, v_shape=True)
     forward_only = pipeline_plans(stages, 2, m, True, 1, ZBV)

@@ -24,12 +24,12 @@ from meshtron.config import MeshtronConfig
 from meshtron.errors import ConfigError
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.random import RNGTracker
-from meshtron.pipeline.schedules import (Compute, WeightGrad, max_in_flight, pipeline_plans, simulated_bubble)
+from meshtron.pipeline.schedules import (WeightGrad, max_in_flight, pipeline_plans, simulated_bubble)
 from meshtron.pipeline.zero_bubble import WeightGradStore, attach_weight_grad_store, zero_bubble_h1_order
 from meshtron.validation import validate_config
 from pipeline_helpers import VOCAB, model_config, rank_micro_batches, run_config, train_and_collect
 from test_pipeline_parallel import OVERLAP, assert_close_dict, reference
-from test_pipeline_schedules import execute_like_nccl
+from test_pipeline_schedules import assert_split_passes_once_in_order, execute_like_nccl
 from tests.distributed.launch import run_distributed
 
 ZB = "zero-bubble-h1"
@@ -43,17 +43,7 @@ ORDER_LAYOUTS = [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 def test_plans_run_every_pass_once_in_dependency_order(stages, m):
     plans = pipeline_plans(stages, 1, m, False, 1, ZB)
     for stage, plan in enumerate(plans):
-        seen = []
-        for step in plan:
-            if isinstance(step, WeightGrad):
-                assert ("B", step.unit) in seen, f"stage {stage}: {step} before its B"
-                seen.append(("W", step.unit))
-            elif isinstance(step, Compute):
-                if step.backward:
-                    assert ("F", step.unit) in seen, f"stage {stage}: {step} before its forward"
-                seen.append(("B" if step.backward else "F", step.unit))
-        expected = {(kind, (0, i)) for kind in "FBW" for i in range(m)}
-        assert len(seen) == len(expected) and set(seen) == expected
+        assert_split_passes_once_in_order(plan, stage, 1, m)
         # A micro-batch's activations live until its W: at most PP of them, the peak of 1F1B's first stage.
         assert max_in_flight(plan) == min(stages, m)
     # W passes exchange nothing: without them the plans must still run under NCCL's matching rules.
