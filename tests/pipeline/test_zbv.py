@@ -5,9 +5,9 @@ after its B, with matched exchanges under NCCL's rules (the last stage's turn of
 rank holds at most 2 PP chunk-forwards of activations (PP micro-batches of its layers, 1F1B's first stage);
 the simulated bubble is half of ZB-H1's. The layout puts the embedding and the loss on the first stage.
 The configuration refuses what it cannot run. With processes: PP=2 with DP=2 and an overlapped gradient
-reduction, TP=2 with sequence parallelism and PP=4 equal the one-process run (losses, gradients,
-parameters, evaluation loss) and 1F1B on the same layout; through the trainer, PP=2 with DP=2 logs the
-one-process losses and gradient norms.
+reduction (also against 1F1B on the same layout), TP=2 x PP=2 with sequence parallelism and overlapped
+transfers, and PP=4 equal the one-process run (losses, gradients, parameters, evaluation loss); through the
+trainer, PP=2 with DP=2 and with TP=2 log the one-process losses, gradient norms and evaluation losses.
 """
 
 from __future__ import annotations
@@ -83,15 +83,14 @@ def _zbv(cfg):
 
 
 UNTIED = model_config(tied=False)
-#: Four processes, one launch: (name, config); each ZBV case's 1F1B twin follows it.
+#: Four processes, one launch: (name, config); the first ZBV case's 1F1B twin follows it (the others are compared
+#: with one process only, which the 1F1B cases of tests/pipeline/test_pipeline_parallel.py equal as well).
 WORLD_4 = [
     ("pp2-dp2-zbv-overlapped-grad-reduce", _zbv(run_config(UNTIED, pp=2, overlap_grad_reduce=True,
                                                            ddp_bucket_size=2048))),
     ("pp2-dp2-1f1b-overlapped-grad-reduce", run_config(UNTIED, pp=2, overlap_grad_reduce=True, ddp_bucket_size=2048)),
     ("tp2-pp2-zbv-sp-overlapped-p2p", _zbv(run_config(UNTIED, tp=2, pp=2, sp=True, overlap_p2p_comm=True))),
-    ("tp2-pp2-1f1b-sp-overlapped-p2p", run_config(UNTIED, tp=2, pp=2, sp=True, overlap_p2p_comm=True)),
     ("pp4-zbv-8-layers", _zbv(run_config(model_config(tied=False, layers=8), pp=4))),
-    ("pp4-1f1b-8-layers", run_config(model_config(tied=False, layers=8), pp=4)),
 ]
 TRAINER_RUNS = [(1, 2), (2, 2)]  # (TP, PP) under ZBV through the trainer on 4 processes: DP 2, then 1
 
@@ -131,7 +130,7 @@ def world4():
     return run_distributed(_worker, 4, [cfg for _, cfg in WORLD_4], TRAINER_RUNS, timeout=300)
 
 
-@pytest.mark.parametrize("index", [0, 2, 4], ids=[WORLD_4[i][0] for i in (0, 2, 4)])
+@pytest.mark.parametrize("index", [0, 2, 3], ids=[WORLD_4[i][0] for i in (0, 2, 3)])
 def test_zbv_matches_single_process_and_one_f_one_b(world4, index):
     import torch
 
@@ -140,14 +139,18 @@ def test_zbv_matches_single_process_and_one_f_one_b(world4, index):
     name, cfg = WORLD_4[index]
     ref = reference(cfg)
     for rank, (per_rank, _) in enumerate(world4):
-        out, twin, where = per_rank[index], per_rank[index + 1], f"{name} rank {rank}"
+        out, where = per_rank[index], f"{name} rank {rank}"
         torch.testing.assert_close(out["losses"], ref["losses"], rtol=1e-5, atol=1e-6, msg=lambda s: f"{where}: {s}")
         torch.testing.assert_close(out["norms"], ref["norms"], rtol=1e-5, atol=1e-6, msg=lambda s: f"{where}: {s}")
         torch.testing.assert_close(out["eval_loss"], ref["eval_loss"], rtol=1e-5, atol=1e-6)
         assert_close_dict(out["grads"], ref["grads"], f"{where} gradient")
         assert_close_dict(out["params"], ref["params"], f"{where} parameter", rtol=1e-4, atol=1e-5)
-        assert_close_dict(out["grads"], twin["grads"], f"{where} gradient against 1F1B", rtol=1e-5, atol=1e-6)
-        assert out["deferred_gemms"] > 0 and twin["deferred_gemms"] == 0, where
+        assert out["deferred_gemms"] > 0, where
+        if index == 0:  # against its 1F1B twin
+            twin = per_rank[1]
+            assert_close_dict(out["grads"], twin["grads"], f"{where} gradient against 1F1B", rtol=1e-5, atol=1e-6)
+            assert_close_dict(out["params"], twin["params"], f"{where} parameter against 1F1B", rtol=1e-5, atol=1e-6)
+            assert twin["deferred_gemms"] == 0, where
         assert out["max_in_flight"] <= 2 * cfg.parallel.pipeline_model_parallel_size, where
 
 
