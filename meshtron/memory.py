@@ -18,6 +18,9 @@ Weights, gradients, optimizer state (bytes per parameter)
   row-parallel biases are replicated), the vocab-parallel embedding on the first stage and
   the output layer on the last (a tied embedding has a copy there when PP > 1). Experts are
   split over EP and the expert tensor-parallel size.
+- ``--release-grad-buffer`` (the default with ``no_shard``) frees the gradients after each step and
+  allocates each bucket when backward reaches it: with one micro-batch per step a rank's peak (the end
+  of its forward) holds only the output layer's gradient (untied) and the running layer's.
 - ``--use-distributed-optimizer`` divides the optimizer state over DP x CP (expert weights:
   over the expert data-parallel group, DP x CP x TP / (EP x ETP)); gradients stay whole.
   ``--optimizer-cpu-offload`` moves ``--optimizer-offload-fraction`` of it off the GPU.
@@ -582,6 +585,9 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     # --data-parallel-sharding-strategy (meshtron.optim.accounting): what is split over DP x CP (dense) and
     # over the expert-data-parallel ranks (experts).
     strategy = sharding_strategy(cfg)
+    # --release-grad-buffer (meshtron.optim.strategy.releases_gradients): no gradients between steps.
+    flat_weights = cfg.optim.optimizer_cpu_offload and cfg.optim.optimizer_offload_fraction > 0
+    releases = par.release_grad_buffer and strategy == "no_shard" and not flat_weights
     dense_shard = dp * cp if strategy != "no_shard" else 1
     expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if strategy != "no_shard" else 1
 
@@ -653,6 +659,12 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             # loss's backward to the embedding's. Measured: 1.84 GiB of llama3-3b's peak (h63, h65).
             grads += (params - sum(layer_sizes) + unit) * g_bytes
         optim = (dense / dense_shard + expert / expert_shard) * o_bytes * opt_gpu
+        if releases and n_micro == 1:
+            # The buckets are allocated as backward reaches them, after the forward's peak: at the peak only
+            # the output layer's (untied: the loss hands it over as backward starts; a tied embedding's sum
+            # waits for the input embedding's part) and the running layer's are there.
+            output = vocab * m.hidden_size / tp if last and (m.untie_embeddings_and_output_weights or pp > 1) else 0
+            grads = (output + max(layer_sizes, default=0.0)) * g_bytes
 
         # Activations: in-flight micro-batches (1F1B) or chunk-forwards (interleaved).
         kept_and_work = [chunk_activation(layers) for layers in chunks]

@@ -145,19 +145,37 @@ def test_context_parallel_halves_layer_activations():
 @pytest.mark.parametrize("preset_name,vocab", [("tiny", 4096), ("gpt2-small", 50304), ("llama3-8b", 128256),
                                                 ("mixtral-8x7b", 32000)])
 def test_one_rank_holds_every_parameter_once(preset_name, vocab):
-    cfg = config(preset_name, device="cpu")  # fp32: 4 + 4 + 8 bytes per parameter
+    # fp32: 4 + 4 + 8 bytes per parameter (the gradients kept between steps)
+    cfg = config(preset_name, device="cpu", release_grad_buffer=False)
     total = count_parameters(cfg.model, vocab)["total"]
     est = estimate_memory(cfg, vocab)
     assert est.weights == 4 * total and est.gradients == 4 * total and est.optimizer_state == 8 * total
 
 
 def test_bf16_bytes_per_parameter_and_grad_reduce_in_bf16():
-    cfg = config("tiny")  # GPU default: bf16 weights, fp32 grads, 12 bytes of optimizer state
+    cfg = config("tiny", release_grad_buffer=False)  # bf16 weights, fp32 grads, 12 bytes of optimizer state
     total = count_parameters(cfg.model, 4096)["total"]
     est = estimate_memory(cfg, 4096)
     assert (est.weights, est.gradients, est.optimizer_state) == (2 * total, 4 * total, 12 * total)
     cfg.parallel.grad_reduce_in_bf16 = True
     assert estimate_memory(cfg, 4096).gradients == 2 * total
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_released_gradients_at_the_peak_of_one_micro_batch(untied):
+    """--release-grad-buffer (default): with one micro-batch per step the peak holds the output layer's
+    gradient (untied) and one layer's; with two, every gradient (the second forward runs after the first
+    backward); the distributed optimizer keeps its flat buffer."""
+    cfg = config("llama3-1b", untie_embeddings_and_output_weights=untied, micro_batch_size=2, global_batch_size=2)
+    layer = sum(layer_parameters(cfg.model, 0))
+    output = 128256 * cfg.model.hidden_size if untied else 0
+    assert estimate_memory(cfg, 128256).gradients == 4 * (layer + output)
+    total = count_parameters(cfg.model, 128256)["total"]
+    cfg.train.global_batch_size = 4
+    assert estimate_memory(cfg, 128256).gradients == 4 * total
+    cfg.train.global_batch_size = 2
+    cfg.parallel.use_distributed_optimizer = True
+    assert estimate_memory(cfg, 128256).gradients == 4 * total
 
 
 def test_distributed_optimizer_divides_optimizer_state_by_dp():

@@ -156,8 +156,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weighted, _grad_losses):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_weighted.to(grad_hidden.dtype),
-                (grad_weight * grad_weighted).to(ctx.weight_dtype), None, None, None, None, None, None)
+        # Scaled in place: the saved gradients serve this one backward, and an fp32 product of the output
+        # weight's size would be allocated as backward starts, next to the forward's activations.
+        return (grad_hidden.mul_(grad_weighted.to(grad_hidden.dtype)),
+                grad_weight.mul_(grad_weighted).to(ctx.weight_dtype), None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

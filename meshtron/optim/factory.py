@@ -110,7 +110,8 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
     params = layout.params
     grad_dtype = torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32
     strategy = build_strategy(name, model_chunks, layout, ctx, grad_dtype, overlap_grad_reduce=par.overlap_grad_reduce,
-                              overlap_param_gather=par.overlap_param_gather, flat_weights=offload > 0.0)
+                              overlap_param_gather=par.overlap_param_gather, flat_weights=offload > 0.0,
+                              release_grad_buffer=par.release_grad_buffer)
     shard = strategy.shards_optimizer
 
     kv_first = _kv_first(model_chunks)

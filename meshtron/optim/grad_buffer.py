@@ -10,6 +10,13 @@ unwritten, and a parameter's first gradient of the iteration is copied into its 
 instead of added (one pass over the buffer saved, and the copy reads less than an add).
 ``zero_unwritten()`` zeroes the views of parameters that got no gradient; the gradient
 reduction calls it before anything reads the buffer.
+
+With ``release=True`` (a bucketed layout) every bucket has a tensor of its own, allocated when its
+first gradient of an iteration arrives and freed by :meth:`GradBuffer.release` after the optimizer
+step. The gradients then take no memory from the optimizer step to the next backward: with one
+micro-batch per step the forward's activations (the peak) and the gradients, which backward produces
+as it frees those activations, do not meet. The parameters' ``main_grad`` are views of the bucket
+tensors and stay valid across a release (they share the storage, which is resized, never replaced).
 """
 
 from __future__ import annotations
@@ -23,19 +30,21 @@ from meshtron.optim.buckets import BufferLayout
 
 
 class GradBuffer:
-    """One flat gradient tensor for ``params``, with per-parameter views ``param.main_grad``.
+    """The gradient tensor(s) for ``params``, with per-parameter views ``param.main_grad``.
 
     Without ``layout`` the parameters are packed in the given order (padded at the end
     to a multiple of ``pad_to``); with a :class:`~meshtron.optim.buckets.BufferLayout`
     they sit at the layout's offsets (reverse order, buckets, shard padding).
     ``on_grad_ready`` (optional) is called with the parameter after its gradient has
     been added, which is where overlapped data-parallel reduction hooks in.
+    ``release``: one tensor per bucket, freed between steps (see the module docstring); ``data`` is then
+    None and :meth:`region` addresses the buffer.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None, pad_to: int = 1,
                  on_grad_ready: Optional[Callable[[nn.Parameter], None]] = None,
-                 layout: Optional[BufferLayout] = None):
+                 layout: Optional[BufferLayout] = None, release: bool = False):
         self.params = list(params)
         self.dtype = dtype
         self.layout = layout
@@ -46,6 +55,8 @@ class GradBuffer:
             self.offsets = list(layout.offsets)
             total = layout.numel
         else:
+            if release:
+                raise ValueError("GradBuffer: release=True needs a bucketed layout")
             self.offsets = []
             offset = 0
             for p in self.params:
@@ -53,20 +64,70 @@ class GradBuffer:
                 offset += p.numel()
             total = -(-offset // pad_to) * pad_to
         self.numel = sum(n for _, n in self.offsets)
-        self.data = torch.zeros(total, dtype=dtype, device=device)
+        self.total_numel = total
+        self.releases = release
         self.on_grad_ready = on_grad_ready
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._written = [False] * len(self.params)  # the buffer starts zeroed: every view is a valid sum
+        if release:
+            self.data: Optional[torch.Tensor] = None
+            self._pieces = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
+            self._bucket_of = list(layout.bucket_of_param)
+        else:
+            self.data = torch.zeros(total, dtype=dtype, device=device)
+        self._allocated = [True] * (len(layout.buckets) if release else 0)
         self._hooks = []
-        for p, (start, n) in zip(self.params, self.offsets):
-            p.main_grad = self.data[start:start + n].view(p.shape)
+        for i, p in enumerate(self.params):
+            p.main_grad = self.view_of(i).view(p.shape)
             self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
 
+    # ----------------------------------------------------------------------------------- storage
+    def region(self, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flat buffer (with ``release``: inside one bucket)."""
+        if self.data is not None:
+            return self.data[start:end]
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.start <= start and end <= bucket.end:
+                self._ensure(b)
+                return self._pieces[b][start - bucket.start:end - bucket.start]
+        raise ValueError(f"GradBuffer.region: [{start}, {end}) is not inside one bucket")
+
+    def view_of(self, index: int) -> torch.Tensor:
+        start, n = self.offsets[index]
+        if self.data is not None:
+            return self.data[start:start + n]
+        b = self._bucket_of[index]
+        first = self.layout.buckets[b].start
+        return self._pieces[b][start - first:start - first + n]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding gradients (each allocated, its unwritten views zeroed)."""
+        self.zero_unwritten()
+        return [self.data] if self.data is not None else list(self._pieces)
+
+    def _ensure(self, b: int) -> None:
+        if not self._allocated[b]:
+            piece = self._pieces[b]
+            piece.untyped_storage().resize_(piece.numel() * piece.element_size())
+            self._allocated[b] = True
+
+    def release(self) -> None:
+        """Free every bucket's tensor until its next gradient (no-op without ``release``); the gradients
+        are gone, as after :meth:`zero`."""
+        self.zero()
+        for b, piece in enumerate(self._pieces if self.releases else ()):
+            if self._allocated[b]:
+                piece.untyped_storage().resize_(0)
+                self._allocated[b] = False
+
+    # ----------------------------------------------------------------------------------- accumulation
     def _accumulate(self, param: nn.Parameter) -> None:
         i = self._index[id(param)]
         if self._written[i]:
             param.main_grad.add_(param.grad)
         else:  # the iteration's first gradient of this parameter
+            if self.releases:
+                self._ensure(self._bucket_of[i])
             # The multi-tensor copy is vectorised where copy_ converting bf16 to fp32 is not: on an H200
             # 6.6 against 10.4 ms for every gradient of llama3-3b (benchmarks/optimizer_probe.py).
             torch._foreach_copy_([param.main_grad], [param.grad])
@@ -83,12 +144,14 @@ class GradBuffer:
         """Zero the views of parameters that received no gradient since :meth:`zero`."""
         for i, written in enumerate(self._written):
             if not written:
+                if self.releases:
+                    self._ensure(self._bucket_of[i])
                 self.params[i].main_grad.zero_()
                 self._written[i] = True
 
-    def view_of(self, index: int) -> torch.Tensor:
-        start, n = self.offsets[index]
-        return self.data[start:start + n]
+    def bytes(self) -> int:
+        """Bytes of the buffer while allocated (padding included)."""
+        return self.total_numel * torch.tensor([], dtype=self.dtype).element_size()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

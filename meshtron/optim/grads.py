@@ -190,10 +190,10 @@ class GradientSync:
         group = bucket.reduce.group
         if group is None:
             return
-        region = self.buffer.data[bucket.start:bucket.end]
+        region = self.buffer.region(bucket.start, bucket.end)
         if self.reduce_scatter:
             s, e = bucket.shard_range()
-            work = reduce_scatter_single(self.buffer.data[s:e], region, group, async_op=True)
+            work = reduce_scatter_single(self.buffer.region(s, e), region, group, async_op=True)
         else:
             work = dist.all_reduce(region, group=group, async_op=True)
         self._handles.append(work)
@@ -216,8 +216,7 @@ class GradientSync:
         for bucket, index in self._embedding:
             if self.reduce_scatter:
                 s, e = bucket.shard_range()
-                region = self.buffer.data[s:e]
+                region = self.buffer.region(s, e)
             else:
-                start, n = self.layout.offsets[index]
-                region = self.buffer.data[start:start + n]
+                region = self.buffer.view_of(index)
             dist.all_reduce(region, group=self.ctx.embedding_group)

@@ -81,7 +81,8 @@ class DataParallelStrategy:
     #: Whether the optimizer steps only this rank's shards (DistributedOptimizer with shard=True).
     shards_optimizer: bool = False
     layout: BufferLayout
-    grad_data: torch.Tensor  # the gradients the optimizer reads (full buffer or compact shards)
+    grad_data: Optional[torch.Tensor]  # the gradients the optimizer reads (full buffer or compact shards; None:
+    # per-parameter views only, in buckets released between steps)
     param_data: Optional[torch.Tensor] = None  # the weights it writes (None: the parameters themselves)
     gather: Optional[WeightGather] = None
     compact: Optional[CompactShards] = None  # set when grad_data / param_data are compact shards
@@ -99,6 +100,9 @@ class DataParallelStrategy:
     def finish(self) -> None:
         """After the last backward: complete the gradient reduction."""
         raise NotImplementedError
+
+    def after_step(self) -> None:
+        """After the optimizer step (or its skip): the gradients are no longer needed."""
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The tensors holding this rank's gradients (zeroed before a re-run, corrupted by fault drills)."""
@@ -125,12 +129,18 @@ class ReplicatedGradients(DataParallelStrategy):
 
     def __init__(self, model_chunks: Sequence[nn.Module], layout: BufferLayout, ctx: ParallelContext,
                  grad_dtype: torch.dtype, shard: bool, overlap_grad_reduce: bool, overlap_param_gather: bool,
-                 flat_weights: bool):
+                 flat_weights: bool, release_grads: bool = False):
+        """``release_grads``: free the gradient buckets after each step (GradBuffer's ``release``); only
+        where the optimizer reads per-parameter views (no flat weights, no sharded optimizer)."""
         self.name = "optim" if shard else "no_shard"
         self.shards_optimizer = shard
         self.layout = layout
         params = layout.params
-        self.grad_buffer = GradBuffer(params, dtype=grad_dtype, device=ctx.device, layout=layout)
+        if release_grads and (shard or flat_weights):
+            raise ValueError("releasing the gradient buffer between steps needs the no_shard strategy without "
+                             "optimizer offload (the distributed optimizer addresses one flat buffer)")
+        self.grad_buffer = GradBuffer(params, dtype=grad_dtype, device=ctx.device, layout=layout,
+                                      release=release_grads)
         self.grad_sync = GradientSync(model_chunks, params, ctx, self.grad_buffer, overlap=overlap_grad_reduce,
                                       reduce_scatter=shard)
         self.grad_data = self.grad_buffer.data
@@ -149,16 +159,30 @@ class ReplicatedGradients(DataParallelStrategy):
     def finish(self) -> None:
         self.grad_sync.finish()
 
+    def after_step(self) -> None:
+        self.grad_buffer.release()
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return self.grad_buffer.tensors()
+
+    def clear_gradients(self) -> None:
+        if self.grad_buffer.releases:
+            self.grad_buffer.release()  # the next gradients are copied in, the missing ones zeroed
+        else:
+            super().clear_gradients()
+
     def local_gradients(self) -> Optional[list[torch.Tensor]]:
         self.grad_buffer.zero_unwritten()
         return [self.grad_buffer.view_of(i) for i in range(len(self.layout.params))]
 
     def allocated(self) -> AllocatedBytes:
+        """The gradients are counted whole, also where they are freed between steps (they are allocated
+        from the first backward to the optimizer step)."""
         if self.param_buffer is not None:
             weights = self.param_buffer.data.numel() * self.param_buffer.data.element_size()
         else:
             weights = sum(p.numel() * p.element_size() for p in self.layout.params)
-        return AllocatedBytes(weights, self.grad_data.numel() * self.grad_data.element_size())
+        return AllocatedBytes(weights, self.grad_buffer.bytes())
 
     def remove_hooks(self) -> None:
         self.grad_buffer.remove_hooks()
@@ -216,14 +240,21 @@ class ShardedGradStrategy(DataParallelStrategy):
             self.gather.remove_hooks()
 
 
+def releases_gradients(name: str, release_grad_buffer: bool, flat_weights: bool) -> bool:
+    """Whether strategy ``name`` frees its gradient buffer between steps (``--release-grad-buffer``,
+    where the optimizer reads per-parameter views: ``no_shard`` without optimizer offload)."""
+    return release_grad_buffer and name == "no_shard" and not flat_weights
+
+
 def build_strategy(name: str, model_chunks: Sequence[nn.Module], layout: BufferLayout, ctx: ParallelContext,
                    grad_dtype: torch.dtype, overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                   flat_weights: bool = False) -> DataParallelStrategy:
+                   flat_weights: bool = False, release_grad_buffer: bool = False) -> DataParallelStrategy:
     """The strategy ``name`` (one of :data:`STRATEGIES`) for ``layout``'s parameters."""
     if name in ("no_shard", "optim"):
         return ReplicatedGradients(model_chunks, layout, ctx, grad_dtype, shard=name == "optim",
                                    overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                                   flat_weights=flat_weights or name == "optim")
+                                   flat_weights=flat_weights or name == "optim",
+                                   release_grads=releases_gradients(name, release_grad_buffer, flat_weights))
     if name in ("optim_grads", "optim_grads_params"):
         return ShardedGradStrategy(model_chunks, layout, ctx, grad_dtype, shard_params=name == "optim_grads_params",
                                    overlap_param_gather=overlap_param_gather)

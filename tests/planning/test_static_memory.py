@@ -78,9 +78,10 @@ def _allocated(rank: int, world: int, layouts: dict) -> dict:
         optimizer = optim.optimizer
         optimizer.ensure_state()  # the moments exist from the first step on; create them now
         params = [q for chunk in chunks for q in chunk.parameters()]
+        grads = optim.grad_buffer.tensors()  # as allocated during backward (one tensor, or one per bucket)
         row = {"parameters": sum(q.numel() for q in params),
-               "grad_buffer_numel": optim.grad_buffer.data.numel(),
-               "gradients": optim.grad_buffer.data.numel() * optim.grad_buffer.data.element_size(),
+               "grad_buffer_numel": sum(t.numel() for t in grads),
+               "gradients": sum(t.numel() * t.element_size() for t in grads),
                "model_buffers": sum(b.numel() * b.element_size() for chunk in chunks for b in chunk.buffers()),
                "buckets": len(optim.layout.buckets)}
         if isinstance(optimizer, DistributedOptimizer):
