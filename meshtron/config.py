@@ -179,11 +179,12 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
     ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient-reduction bucket (default max(40M, 1M*DP)).")
     grad_reduce_in_bf16: bool = opt(False, "Reduce gradients in bf16 instead of fp32.")
-    release_grad_buffer: bool = opt(True, "Free the gradient buffer's buckets after each optimizer step and "
-                                          "allocate each again when backward reaches it (no_shard without "
-                                          "optimizer offload): with one micro-batch per step the gradients and "
-                                          "the forward's activations never take memory together. "
-                                          "--no-release-grad-buffer keeps one persistent buffer.")
+    release_grad_buffer: bool = opt(True, "Free the gradient buffer's buckets as each iteration starts and "
+                                          "allocate each again when backward reaches it (no_shard and optim, "
+                                          "the strategies with a full gradient buffer): with one micro-batch "
+                                          "per step the gradients and the forward's activations never take "
+                                          "memory together. --no-release-grad-buffer keeps one persistent "
+                                          "buffer.")
     accumulate_allreduce_grads_in_fp32: bool = compat(False, "meshtron accumulates and reduces gradients in fp32 "
                                                              "unless --grad-reduce-in-bf16")
     ddp_average_in_collective: bool = compat(False, "the loss is already scaled by 1 / the global batch's tokens, so "

@@ -18,9 +18,10 @@ Weights, gradients, optimizer state (bytes per parameter)
   row-parallel biases are replicated), the vocab-parallel embedding on the first stage and
   the output layer on the last (a tied embedding has a copy there when PP > 1). Experts are
   split over EP and the expert tensor-parallel size.
-- ``--release-grad-buffer`` (the default with ``no_shard``) frees the gradients after each step and
-  allocates each bucket when backward reaches it: with one micro-batch per step a rank's peak (the end
-  of its forward) holds only the output layer's gradient (untied) and the running layer's.
+- ``--release-grad-buffer`` (the default with a full gradient buffer: ``no_shard``, ``optim``) frees the
+  gradients as each iteration starts and allocates each bucket when backward reaches it: with one micro-batch
+  per step a rank's peak (the end of its forward) holds no gradient (with full recomputation: the output
+  layer's, untied, and one layer's, for a peak in the first recomputed layer's backward).
 - ``--use-distributed-optimizer`` divides the optimizer state over DP x CP (expert weights:
   over the expert data-parallel group, DP x CP x TP / (EP x ETP)); gradients stay whole.
   ``--optimizer-cpu-offload`` moves ``--optimizer-offload-fraction`` of it off the GPU.
@@ -586,8 +587,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     # over the expert-data-parallel ranks (experts).
     strategy = sharding_strategy(cfg)
     # --release-grad-buffer (meshtron.optim.strategy.releases_gradients): no gradients between steps.
-    flat_weights = cfg.optim.optimizer_cpu_offload and cfg.optim.optimizer_offload_fraction > 0
-    releases = par.release_grad_buffer and strategy == "no_shard" and not flat_weights
+    releases = par.release_grad_buffer and strategy in ("no_shard", "optim")
     dense_shard = dp * cp if strategy != "no_shard" else 1
     expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if strategy != "no_shard" else 1
 
@@ -660,11 +660,16 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             grads += (params - sum(layer_sizes) + unit) * g_bytes
         optim = (dense / dense_shard + expert / expert_shard) * o_bytes * opt_gpu
         if releases and n_micro == 1:
-            # The buckets are allocated as backward reaches them, after the forward's peak: at the peak only
-            # the output layer's (untied: the loss hands it over as backward starts; a tied embedding's sum
-            # waits for the input embedding's part) and the running layer's are there.
-            output = vocab * m.hidden_size / tp if last and (m.untie_embeddings_and_output_weights or pp > 1) else 0
-            grads = (output + max(layer_sizes, default=0.0)) * g_bytes
+            # The buckets are allocated as backward reaches them, after the forward's peak, which then holds
+            # no gradient. With full recomputation the peak can be the first recomputed layer's backward,
+            # beside the output layer's gradient (untied: the loss hands it over as backward starts; a tied
+            # embedding's sum waits for the input embedding's part) and that layer's. Measured (h97-h109): the
+            # untied MoE shapes' peaks lie 0.4-6.1 GiB under a model that counts those two without
+            # recomputation too.
+            grads = 0.0
+            if tr.recompute_granularity == "full":
+                output = vocab * m.hidden_size / tp if last and (m.untie_embeddings_and_output_weights or pp > 1) else 0
+                grads = (output + max(layer_sizes, default=0.0)) * g_bytes
 
         # Activations: in-flight micro-batches (1F1B) or chunk-forwards (interleaved).
         kept_and_work = [chunk_activation(layers) for layers in chunks]

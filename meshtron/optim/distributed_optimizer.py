@@ -22,7 +22,7 @@ order), ``load_state_tensors(i, tensors)`` (keeps this rank's segments),
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,7 @@ import torch.nn as nn
 from meshtron.config import OptimConfig
 from meshtron.optim.buckets import BufferLayout
 from meshtron.optim.collectives import all_gather_single
+from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.offload import Segment, split_for_offload
 from meshtron.optim.optimizer import no_weight_decay
 from meshtron.optim.segment_adam import SegmentAdamW
@@ -61,15 +62,16 @@ def owned_segments(layout: BufferLayout, shard: bool, compact: Optional[CompactS
 class DistributedOptimizer:
     """AdamW on this rank's shards of the flat buffers, then an all-gather of the weights."""
 
-    def __init__(self, layout: BufferLayout, grad_data: torch.Tensor, param_data: torch.Tensor,
+    def __init__(self, layout: BufferLayout, grad_data: Union[torch.Tensor, GradBuffer], param_data: torch.Tensor,
                  param_gather: "WeightGather", cfg: OptimConfig, shard: bool = True, offload_fraction: float = 0.0,
                  compact: Optional[CompactShards] = None, param_buffer=None):
         """``grad_data`` / ``param_data``: the flat gradient and weight tensors the segments address (the
-        full buffers, or with ``compact`` this rank's compact shards); ``param_gather`` brings the
+        full buffers, or with ``compact`` this rank's compact shards; the gradients may be a GradBuffer whose
+        buckets are tensors of their own); ``param_gather`` brings the
         updated shards to every rank (:class:`meshtron.optim.strategy.WeightGather`)."""
         self.layout = layout
         self.params: list[nn.Parameter] = layout.params
-        self.grad_data, self.param_data, self.param_gather = grad_data, param_data, param_gather
+        self.param_data, self.param_gather = param_data, param_gather
         self.param_buffer = param_buffer  # the full flat weights (a ParamBuffer), where the strategy has them
         self.shard = shard
         self.segments = owned_segments(layout, shard, compact)
@@ -169,7 +171,7 @@ class DistributedOptimizer:
         self.param_gather.wait_all()
         param = self.params[index]
         keys = STATE_KEYS if self._has_state else ("master",)
-        device = self.grad_data.device
+        device = self.param_data.device
         lo, hi = self._param_range(index)
         mine = torch.zeros(len(keys), hi - lo, dtype=torch.float32, device=device)
         for part, pos in self._where[index]:

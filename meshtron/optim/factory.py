@@ -14,7 +14,7 @@ from meshtron.optim.accounting import BytesPerParameter, sharding_strategy, stra
 from meshtron.optim.buckets import BufferLayout, build_layout, default_bucket_size
 from meshtron.optim.clip import GradNorm, data_copy_counted, model_copy_counted
 from meshtron.optim.distributed_optimizer import DistributedOptimizer
-from meshtron.optim.grad_buffer import GradBuffer
+from meshtron.optim.grad_buffer import GradBuffer, grad_region
 from meshtron.optim.grads import GradientSync, kv_replica_params, tied_embedding_params
 from meshtron.optim.optimizer import MixedPrecisionAdamW, moment_dtypes
 from meshtron.optim.sharded_params import unit_layout
@@ -118,14 +118,13 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
     counted = [model_copy_counted(p, ctx, kv_first) for p in params]
     optimizer: Union[MixedPrecisionAdamW, DistributedOptimizer]
     if strategy.gather is not None:
-        optimizer = DistributedOptimizer(layout, strategy.grad_data, strategy.param_data, strategy.gather, opt,
+        optimizer = DistributedOptimizer(layout, strategy.grad_source, strategy.param_data, strategy.gather, opt,
                                          shard=shard, offload_fraction=offload, compact=strategy.compact,
                                          param_buffer=strategy.param_buffer)
     else:
         optimizer = MixedPrecisionAdamW(params, opt)
     if shard:  # owned shards partition the elements: each rank counts its own
-        data = strategy.grad_data
-        views = [data[s.buffer_offset:s.buffer_offset + s.length]
+        views = [grad_region(strategy.grad_source, s.buffer_offset, s.buffer_offset + s.length)
                  for s in optimizer.segments if counted[s.param_index]]
     else:
         views = [strategy.grad_buffer.view_of(i) for i, p in enumerate(params)

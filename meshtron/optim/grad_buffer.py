@@ -12,16 +12,16 @@ instead of added (one pass over the buffer saved, and the copy reads less than a
 reduction calls it before anything reads the buffer.
 
 With ``release=True`` (a bucketed layout) every bucket has a tensor of its own, allocated when its
-first gradient of an iteration arrives and freed by :meth:`GradBuffer.release` after the optimizer
-step. The gradients then take no memory from the optimizer step to the next backward: with one
-micro-batch per step the forward's activations (the peak) and the gradients, which backward produces
-as it frees those activations, do not meet. The parameters' ``main_grad`` are views of the bucket
+first gradient of an iteration arrives and freed when the next iteration starts (:meth:`GradBuffer.zero`;
+the last step's gradients stay readable until then, for logging). The gradients then take no memory
+during the forward pass: with one micro-batch per step the forward's activations (the peak) and the
+gradients, which backward produces as it frees those activations, do not meet. The parameters' ``main_grad`` are views of the bucket
 tensors and stay valid across a release (they share the storage, which is resized, never replaced).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -114,7 +114,7 @@ class GradBuffer:
     def release(self) -> None:
         """Free every bucket's tensor until its next gradient (no-op without ``release``); the gradients
         are gone, as after :meth:`zero`."""
-        self.zero()
+        self._written = [False] * len(self.params)
         for b, piece in enumerate(self._pieces if self.releases else ()):
             if self._allocated[b]:
                 piece.untyped_storage().resize_(0)
@@ -137,8 +137,9 @@ class GradBuffer:
             self.on_grad_ready(param)
 
     def zero(self) -> None:
-        """Start a new accumulation (no device work: the next gradients overwrite the old ones)."""
-        self._written = [False] * len(self.params)
+        """Start a new accumulation (no device work: the next gradients overwrite the old ones; with
+        ``release`` the buckets are freed until backward reaches them)."""
+        self.release()
 
     def zero_unwritten(self) -> None:
         """Zero the views of parameters that received no gradient since :meth:`zero`."""
@@ -157,3 +158,9 @@ class GradBuffer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def grad_region(grads: Union[torch.Tensor, GradBuffer], start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of a flat gradient tensor, or of a :class:`GradBuffer` (whose buckets may be
+    tensors of their own: then the range lies inside one). A view: it stays valid across releases."""
+    return grads.region(start, end) if isinstance(grads, GradBuffer) else grads[start:end]

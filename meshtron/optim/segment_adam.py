@@ -10,13 +10,14 @@ decay follows the parameter each segment belongs to (none for 1-D norms and bias
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 from meshtron.config import OptimConfig
 from meshtron.optim import fused_adamw
+from meshtron.optim.grad_buffer import GradBuffer, grad_region
 from meshtron.optim.offload import HostCopier, Segment
 from meshtron.optim.optimizer import low_precision_moments, moment_dtypes, scaled_gradients
 
@@ -28,10 +29,15 @@ class SegmentAdamW:
     updated weights travel through :class:`~meshtron.optim.offload.HostCopier`.
     """
 
-    def __init__(self, segments: Sequence[Segment], grad_data: torch.Tensor, param_data: torch.Tensor,
-                 cfg: OptimConfig, host: bool = False):
+    def __init__(self, segments: Sequence[Segment], grad_data: Union[torch.Tensor, GradBuffer],
+                 param_data: torch.Tensor, cfg: OptimConfig, host: bool = False):
+        """``grad_data``: the flat gradients the segments' ``buffer_offset`` address (a tensor, or the
+        GradBuffer itself where its buckets are tensors of their own)."""
         self.segments = [s for s in segments if s.length > 0]
-        self.grad_data, self.param_data = grad_data, param_data
+        self.param_data = param_data
+        # Views made once: a released gradient bucket keeps its storage object, so they stay valid.
+        self.grad_views = [grad_region(grad_data, s.buffer_offset, s.buffer_offset + s.length) for s in self.segments]
+        self.grad_dtype = grad_data.dtype
         self.host = host
         self.numel = sum(s.length for s in self.segments)
         state_device = torch.device("cpu") if host else param_data.device
@@ -67,7 +73,7 @@ class SegmentAdamW:
         self.copier: Optional[HostCopier] = None
         if host and self.segments:
             self.copier = HostCopier(param_data.device)
-            self.grad_stage = self.copier.empty(self.numel, grad_data.dtype)
+            self.grad_stage = self.copier.empty(self.numel, self.grad_dtype)
             self.param_stage = self.copier.empty(self.numel, param_data.dtype)
 
     # ----------------------------------------------------------------------------------- step
@@ -81,12 +87,12 @@ class SegmentAdamW:
     def scale_grads(self, coef: torch.Tensor) -> None:
         """Multiply this partition's gradients in the device buffer by ``coef`` in place."""
         if self.segments:
-            torch._foreach_mul_(self._buffer_views(self.grad_data), coef)
+            torch._foreach_mul_(self.grad_views, coef)
 
     def fetch_grads(self) -> None:
         """Start copying this partition's gradients to the host (host partitions only)."""
         if self.copier is not None:
-            self.copier.to_host(list(zip(self._stage_views(self.grad_stage), self._buffer_views(self.grad_data))))
+            self.copier.to_host(list(zip(self._stage_views(self.grad_stage), self.grad_views)))
 
     @torch.no_grad()
     def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None, step_number: int = 0) -> None:
@@ -118,8 +124,8 @@ class SegmentAdamW:
 
     def _fp32_device_grads(self) -> list[torch.Tensor]:
         """This partition's gradients from the device buffer, as fp32 (copies where it holds bf16)."""
-        grads = self._buffer_views(self.grad_data)
-        return grads if self.grad_data.dtype == torch.float32 else [g.float() for g in grads]
+        grads = self.grad_views
+        return grads if self.grad_dtype == torch.float32 else [g.float() for g in grads]
 
     def _kernel_step(self, lr: float, grad_coef: Optional[torch.Tensor], step_number: int) -> None:
         if step_number < 1:

@@ -82,7 +82,8 @@ class DataParallelStrategy:
     shards_optimizer: bool = False
     layout: BufferLayout
     grad_data: Optional[torch.Tensor]  # the gradients the optimizer reads (full buffer or compact shards; None:
-    # per-parameter views only, in buckets released between steps)
+    # buckets that are tensors of their own, released between steps)
+    grad_source: "torch.Tensor | GradBuffer"  # what the optimizer's views are made from (grad_data or the buffer)
     param_data: Optional[torch.Tensor] = None  # the weights it writes (None: the parameters themselves)
     gather: Optional[WeightGather] = None
     compact: Optional[CompactShards] = None  # set when grad_data / param_data are compact shards
@@ -101,8 +102,6 @@ class DataParallelStrategy:
         """After the last backward: complete the gradient reduction."""
         raise NotImplementedError
 
-    def after_step(self) -> None:
-        """After the optimizer step (or its skip): the gradients are no longer needed."""
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The tensors holding this rank's gradients (zeroed before a re-run, corrupted by fault drills)."""
@@ -130,20 +129,19 @@ class ReplicatedGradients(DataParallelStrategy):
     def __init__(self, model_chunks: Sequence[nn.Module], layout: BufferLayout, ctx: ParallelContext,
                  grad_dtype: torch.dtype, shard: bool, overlap_grad_reduce: bool, overlap_param_gather: bool,
                  flat_weights: bool, release_grads: bool = False):
-        """``release_grads``: free the gradient buckets after each step (GradBuffer's ``release``); only
-        where the optimizer reads per-parameter views (no flat weights, no sharded optimizer)."""
+        """``release_grads``: free the gradient buckets from each iteration's start until backward reaches
+        them (GradBuffer's ``release``); the optimizer reads the gradients through views made once
+        (``grad_source``)."""
         self.name = "optim" if shard else "no_shard"
         self.shards_optimizer = shard
         self.layout = layout
         params = layout.params
-        if release_grads and (shard or flat_weights):
-            raise ValueError("releasing the gradient buffer between steps needs the no_shard strategy without "
-                             "optimizer offload (the distributed optimizer addresses one flat buffer)")
         self.grad_buffer = GradBuffer(params, dtype=grad_dtype, device=ctx.device, layout=layout,
                                       release=release_grads)
         self.grad_sync = GradientSync(model_chunks, params, ctx, self.grad_buffer, overlap=overlap_grad_reduce,
                                       reduce_scatter=shard)
         self.grad_data = self.grad_buffer.data
+        self.grad_source = self.grad_buffer if release_grads else self.grad_data
         self.param_buffer: Optional[ParamBuffer] = None
         if flat_weights:  # the distributed optimizer (or CPU offload) addresses weights in one flat buffer
             self.param_buffer = ParamBuffer(layout, ctx.device)
@@ -158,9 +156,6 @@ class ReplicatedGradients(DataParallelStrategy):
 
     def finish(self) -> None:
         self.grad_sync.finish()
-
-    def after_step(self) -> None:
-        self.grad_buffer.release()
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         return self.grad_buffer.tensors()
@@ -202,7 +197,7 @@ class ShardedGradStrategy(DataParallelStrategy):
         self.layout = layout
         self.grads = ShardedGradients(model_chunks, layout, ctx, grad_dtype, ctx.device)
         self.compact = self.grads.shards
-        self.grad_data = self.grads.data
+        self.grad_data = self.grad_source = self.grads.data
         self.param_buffer = None
         if shard_params:
             self.sharded_params = ShardedParams(layout, model_chunks, ctx.device, prefetch=True)
@@ -240,10 +235,10 @@ class ShardedGradStrategy(DataParallelStrategy):
             self.gather.remove_hooks()
 
 
-def releases_gradients(name: str, release_grad_buffer: bool, flat_weights: bool) -> bool:
-    """Whether strategy ``name`` frees its gradient buffer between steps (``--release-grad-buffer``,
-    where the optimizer reads per-parameter views: ``no_shard`` without optimizer offload)."""
-    return release_grad_buffer and name == "no_shard" and not flat_weights
+def releases_gradients(name: str, release_grad_buffer: bool) -> bool:
+    """Whether strategy ``name`` frees its gradient buffer between steps (``--release-grad-buffer``; the
+    strategies with a full gradient buffer, ``no_shard`` and ``optim``)."""
+    return release_grad_buffer and name in ("no_shard", "optim")
 
 
 def build_strategy(name: str, model_chunks: Sequence[nn.Module], layout: BufferLayout, ctx: ParallelContext,
@@ -254,7 +249,7 @@ def build_strategy(name: str, model_chunks: Sequence[nn.Module], layout: BufferL
         return ReplicatedGradients(model_chunks, layout, ctx, grad_dtype, shard=name == "optim",
                                    overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                                    flat_weights=flat_weights or name == "optim",
-                                   release_grads=releases_gradients(name, release_grad_buffer, flat_weights))
+                                   release_grads=releases_gradients(name, release_grad_buffer))
     if name in ("optim_grads", "optim_grads_params"):
         return ShardedGradStrategy(model_chunks, layout, ctx, grad_dtype, shard_params=name == "optim_grads_params",
                                    overlap_param_gather=overlap_param_gather)

@@ -231,7 +231,6 @@ class Trainer:
             self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters), grad_coef=coef)
             if self.faults is not None:
                 self.faults.after_optimizer_step(iteration, self.params)
-        self.dp_strategy.after_step()
         self._lap("optimizer", last=True)
         if self.moe is not None:
             self.moe.after_step(applied)

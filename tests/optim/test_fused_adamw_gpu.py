@@ -82,15 +82,16 @@ def test_segment_optimizer_with_the_kernel_equals_torch_kernels():
     g = torch.Generator(device="cuda").manual_seed(2)
     weights = torch.randn(512, device="cuda", generator=g).to(torch.bfloat16)
     start = weights.float()
-    parts = {}
+    parts, grads = {}, {}
     for name in ("kernel", "torch"):
-        parts[name] = (SegmentAdamW(segments, torch.zeros(512, device="cuda"), weights.clone(), cfg))
+        grads[name] = torch.zeros(512, device="cuda")
+        parts[name] = (SegmentAdamW(segments, grads[name], weights.clone(), cfg))
     parts["torch"].kernel = False
     assert parts["kernel"].kernel
     for step in (1, 2):
         grad = torch.randn(512, device="cuda", generator=g)
-        for part in parts.values():
-            part.grad_data.copy_(grad)
+        for name, part in parts.items():
+            grads[name].copy_(grad)
             part.step(cfg.lr, torch.tensor(0.5, device="cuda"), step_number=step)
             part.store_params()
     a, b = parts["kernel"], parts["torch"]

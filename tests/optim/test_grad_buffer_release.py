@@ -1,6 +1,6 @@
-"""The gradient buffer freed between steps (``--release-grad-buffer``, the default with ``no_shard``).
+"""The gradient buffer freed between steps (``--release-grad-buffer``, the default with a full buffer).
 
-Its buckets are allocated when backward reaches them and freed after the optimizer step; the sums it
+Its buckets are allocated when backward reaches them and freed when the next iteration starts; the sums it
 holds equal the persistent buffer's bit for bit (over accumulated micro-batches, with parameters that
 get no gradient), and training through the trainer is unchanged.
 """
@@ -98,9 +98,13 @@ MOCK = ["--mock-data", "--vocab-size", "256", "--model", "tiny", "--seq-length",
 
 
 def test_training_is_unchanged_by_releasing_the_buffer():
-    """One micro-batch per step and two, with clipping: the same losses and gradient norms exactly."""
-    for batch in (["--micro-batch-size", "4", "--global-batch-size", "4"],
-                  ["--micro-batch-size", "2", "--global-batch-size", "4", "--clip-grad", "0.5"]):
+    """One micro-batch per step and two, with clipping, with the distributed optimizer (whose segments view the
+    released buckets; the gradients read after the step for --log-num-zeros-in-grad) and half of it offloaded to
+    the CPU: the same losses exactly."""
+    one = ["--micro-batch-size", "4", "--global-batch-size", "4"]
+    for batch in (one, ["--micro-batch-size", "2", "--global-batch-size", "4", "--clip-grad", "0.5"],
+                  one + ["--use-distributed-optimizer", "--clip-grad", "0.5", "--log-num-zeros-in-grad"],
+                  one + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]):
         runs = [run_training(build_config(MOCK + batch + extra))
                 for extra in ([], ["--no-release-grad-buffer"])]
         assert runs[0].train_losses == runs[1].train_losses
