@@ -158,6 +158,8 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
         times.append(time.perf_counter() - start)
     step = statistics.median(times[warmup:])
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    # What the caching allocator took from the device (fragmentation included; what torchtitan reports).
+    reserved = torch.cuda.max_memory_reserved(dev) / 2**30 if dev.type == "cuda" else None
     sites = None
     if memory_sites and dev.type == "cuda":
         from meshtron.memory_report import memory_report, record_memory
@@ -204,7 +206,7 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
                                                                       else ("bf16" if t.bf16 else "fp32")),
         "compile": bool(t.compile), "step_s": step, "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu,
         "tflops_per_gpu": speed.tflops_per_gpu,
-        "mfu": speed.mfu, "peak_mem_gib": peak,
+        "mfu": speed.mfu, "peak_mem_gib": peak, "peak_reserved_gib": reserved,
         "est_mem_gib": est.total / 2**30, "leftover_mem_gib": leftover, "forward_s": fwd,
         "backward_s": None if fwd is None else max(0.0, fwdbwd - fwd),
         "optimizer_s": None if fwd is None else max(0.0, step - fwdbwd - comm - data_time),
@@ -226,7 +228,7 @@ def format_table(rows: Sequence[dict]) -> str:
             ("gbs", "global_batch", "{}"), ("seq", "seq", "{}"), ("recompute", "recompute", "{}"),
             ("prec", "precision", "{}"), ("tok/s/GPU", "tokens_per_sec_per_gpu", "{:,.0f}"),
             ("TFLOP/s", "tflops_per_gpu", "{:.1f}"), ("MFU", "mfu", "{:.1%}"), ("peak GiB", "peak_mem_gib", "{:.1f}"),
-            ("est GiB", "est_mem_gib", "{:.1f}"), ("step ms", "step_s", "{:.0f}"), ("fwd ms", "forward_s", "{:.0f}"),
+            ("reserved GiB", "peak_reserved_gib", "{:.1f}"), ("est GiB", "est_mem_gib", "{:.1f}"), ("step ms", "step_s", "{:.0f}"), ("fwd ms", "forward_s", "{:.0f}"),
             ("bwd ms", "backward_s", "{:.0f}"), ("opt ms", "optimizer_s", "{:.0f}"), ("comm ms", "exposed_comm_s", "{:.0f}"),
             ("data ms", "data_s", "{:.1f}")]
     ms_keys = {"step_s", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "data_s"}

@@ -21,7 +21,8 @@ Weights, gradients, optimizer state (bytes per parameter)
 - ``--release-grad-buffer`` (the default with a full gradient buffer: ``no_shard``, ``optim``) frees the
   gradients as each iteration starts and allocates each bucket when backward reaches it: with one micro-batch
   per step a rank's peak (the end of its forward) holds no gradient (with full recomputation: the output
-  layer's, untied, and one layer's, for a peak in the first recomputed layer's backward).
+  layer's, untied, and one layer's, for a peak in the first recomputed layer's backward), unless the
+  optimizer step's (every gradient, no activation) is higher.
 - ``--use-distributed-optimizer`` divides the optimizer state over DP x CP (expert weights:
   over the expert data-parallel group, DP x CP x TP / (EP x ETP)); gradients stay whole.
   ``--optimizer-cpu-offload`` moves ``--optimizer-offload-fraction`` of it off the GPU.
@@ -659,6 +660,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             # loss's backward to the embedding's. Measured: 1.84 GiB of llama3-3b's peak (h63, h65).
             grads += (params - sum(layer_sizes) + unit) * g_bytes
         optim = (dense / dense_shard + expert / expert_shard) * o_bytes * opt_gpu
+        all_grads = grads
         if releases and n_micro == 1:
             # The buckets are allocated as backward reaches them, after the forward's peak, which then holds
             # no gradient. With full recomputation the peak can be the first recomputed layer's backward,
@@ -715,6 +717,10 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                 # activations, the offloading's fetched layers) in the backward: never together.
                 transient = logits - 4.0 * m.hidden_size * (vocab // tp) * (1 + mtp)
                 activations -= min(working, transient)
+        if all_grads > grads:
+            # By the optimizer step every gradient is there and the activations are gone: the peak is the
+            # larger of the two moments (the step's, for a large model on a small micro-batch).
+            grads = max(grads, all_grads - activations - logits)
         out.append(MemoryEstimate(weights=round(weights), gradients=round(grads), optimizer_state=round(optim),
                                   activations=round(activations), logits=round(logits), stage=rank,
                                   microbatches_in_flight=in_flight,

@@ -181,3 +181,12 @@ def test_released_gradients_at_the_peak_of_one_micro_batch(untied):
     assert estimate_memory(cfg, 128256).gradients == 0
     cfg.parallel.data_parallel_sharding_strategy = "optim_grads"
     assert estimate_memory(cfg, 128256).gradients == 4 * total
+
+
+def test_released_gradients_peak_at_the_optimizer_step_of_a_large_model():
+    """A model whose gradients outweigh one micro-batch's activations peaks at the optimizer step."""
+    cfg = config("llama3-8b", micro_batch_size=1, global_batch_size=1, seq_length=1024)
+    est = estimate_memory(cfg, 128256)
+    total = count_parameters(cfg.model, 128256)["total"]
+    assert est.gradients + est.activations + est.logits == pytest.approx(4 * total, rel=1e-9)
+    assert 0 < est.gradients < 4 * total

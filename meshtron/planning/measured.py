@@ -31,7 +31,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "replaces": (str, type(None)),
 }
 #: Further fields ``meshtron bench --json`` prints (kept by ``--record``; optional in the schema).
-BENCH_EXTRAS = frozenset({"leftover_mem_gib", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "data_s",
+BENCH_EXTRAS = frozenset({"leftover_mem_gib", "peak_reserved_gib", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s", "data_s",
                           "memory_sites_gib", "comm_kernel_s", "exposed_comm_kernel_s", "compute_kernel_s",
                           "comm_by_kind_s", "error"})
 #: Optional fields: present on some records only.
