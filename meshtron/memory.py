@@ -260,7 +260,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            flash_attention: bool = True,
                            selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
                            compiled: bool = True, local_experts: bool = True, fc2_keeps_product: bool = False,
-                           saves: int = LAYER_SAVES) -> float:
+                           saves: int = LAYER_SAVES, rowwise_fp8: bool = False) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
 
     ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
@@ -272,7 +272,10 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     (every expert on this rank, no capacity; else through the token dispatcher). ``fc2_keeps_product``: the
     down projection keeps SwiGLU's product (a zero-bubble schedule's deferred weight gradients, rowwise FP8).
     ``saves``: the revision of what layers keep (:data:`LAYER_SAVES`), to compare with rows measured at
-    earlier code. See the module docstring.
+    earlier code. ``rowwise_fp8``: the dense linears run FP8 rowwise, compiled; their autograd function saves
+    its bf16 input, which the compiler recomputes where it is a norm's output (the norm's input and statistics
+    are kept anyway), and SwiGLU's product too (counted on the CPU, tests/layers/test_saved_activations.py).
+    See the module docstring.
     """
     fp8_sp_path = sequence_parallel and tp > 1  # FP8 linears cast before their sequence-parallel collectives
     if recompute not in (None, "selective", "full"):
@@ -329,7 +332,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         part += e * (2 * qk + kv_kept + n * dv) + lin * n * dv
     else:
         q_out, kv_out = heads * d, 2 * groups * d
-        if "norm" not in selective:
+        if "norm" not in selective and not rowwise_fp8:
             rep += lin * h  # the first norm's output (the QKV projection's input)
             part += gathered  # ... and the rest of its all-gathered sequence (compiled, SP, bf16)
         # RoPE (and the head norms) write new queries and keys, which the attention kernel keeps, and the
@@ -356,7 +359,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         product is recomputed by fc2's backward, in FP8 with its casts, except on the sequence-parallel
         FP8 path)."""
         recomputed = "act" in selective or (m.swiglu and not fc2_keeps_product and saves >= 1
-                                            and not (linear_fp8 and fp8_sp_path))
+                                            and not (linear_fp8 and fp8_sp_path)) or (m.swiglu and rowwise_fp8)
         out = 0.0 if recomputed else width * (1 if linear_fp8 else e)
         return (e * (2 * width if m.swiglu else width) + out) / divisor
 
@@ -392,7 +395,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
             fs = m.moe_shared_expert_intermediate_size
             part += lin * h + mlp_part(fs, tp, False)  # its fc1's input (the normed tokens); fc2 runs in bf16
     else:
-        if "norm" not in selective:
+        if "norm" not in selective and not rowwise_fp8:
             rep += lin * h  # the second norm's output (fc1's input)
             part += gathered  # ... and the rest of its all-gathered sequence
         part += mlp_part(ffn_size(m), tp, fp8)
@@ -595,6 +598,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     fp8 = _fp8_tensorwise(cfg)
     fc2_recomputes = fc2_recomputes_product(cfg, saves)
     compiled = _layers_compiled(cfg)
+    rowwise = bool(cfg.train.fp8_format) and not fp8 and compiled and not sp
     # MoELayer.forward's direct path: every expert here, nothing dropped, the grouped GEMM (bf16)
     local_experts = ep == 1 and m.moe_expert_capacity_factor is None and bf16
 
@@ -604,7 +608,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                                        expert_tp=etp, flash_attention=flash_attention,
                                        selective_modules=selective_modules, fp8=fp8, compiled=compiled,
                                        local_experts=local_experts, saves=saves,
-                                       fc2_keeps_product=not fc2_recomputes)
+                                       fc2_keeps_product=not fc2_recomputes, rowwise_fp8=rowwise)
         if fp8 and recompute != "full" and saves < 2:  # FP8 weight copies, kept before revision 2
             saved += fp8_weight_copy_bytes(m, layer, tp, fc2_recast=fc2_recomputes)
         return saved

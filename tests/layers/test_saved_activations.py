@@ -142,3 +142,24 @@ def test_fp8_layer_keeps_no_weight_copy(compiled):
     if compiled:
         expected = layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=SEQ, act_bytes=4, compiled=True, fp8=True)
         assert sum(saved.values()) == expected
+
+
+def test_compiled_rowwise_fp8_layer_saves_what_the_model_counts():
+    """FP8 rowwise linears save their bf16 inputs; compiled, the norms' outputs among them and SwiGLU's
+    product are recomputed in backward (no matmul): the layer keeps the memory model's rowwise count."""
+    from meshtron.layers.fp8 import enable_fp8
+
+    cfg, model, layer = _layer(False)
+    enable_fp8(layer, "e4m3", "rowwise")
+    layer.compile()
+    x = torch.randn(SEQ, BATCH, 64, requires_grad=True)
+    rope = model._rope(SEQ, None, x.device, torch.float32)
+    tables = {t.untyped_storage().data_ptr() for t in rope}
+    for _ in range(2):
+        out, storages = saved_storages(layer, x, rope, None, params=list(model.parameters()))
+        matmuls = backward_matmuls(out, fp8=True)
+    assert matmuls == 8
+    saved = sum(n for ptr, n in storages.items() if ptr not in tables)
+    kwargs = dict(micro_batch=BATCH, seq=SEQ, act_bytes=4, compiled=True)
+    assert saved == layer_activation_bytes(cfg.model, rowwise_fp8=True, **kwargs)
+    assert layer_activation_bytes(cfg.model, **kwargs) - saved == SEQ * BATCH * 4 * 2 * 64  # the norms' outputs
