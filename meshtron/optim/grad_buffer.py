@@ -16,7 +16,9 @@ first gradient of an iteration arrives and freed when the next iteration starts 
 the last step's gradients stay readable until then, for logging). The gradients then take no memory
 during the forward pass: with one micro-batch per step the forward's activations (the peak) and the
 gradients, which backward produces as it frees those activations, do not meet. The parameters' ``main_grad`` are views of the bucket
-tensors and stay valid across a release (they share the storage, which is resized, never replaced).
+tensors and stay valid across a release (they share the storage, which is resized, never replaced); code
+that writes them itself, outside backward, calls :meth:`GradBuffer.zero_unwritten` first (after
+:meth:`GradBuffer.zero` a released bucket has no storage until then).
 """
 
 from __future__ import annotations

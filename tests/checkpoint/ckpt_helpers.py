@@ -83,6 +83,7 @@ def elementwise_steps(optimizer, buffer: GradBuffer, steps: int, lr: float = 1e-
     """
     for _ in range(steps):
         buffer.zero()
+        buffer.zero_unwritten()  # allocated (a released buffer frees its buckets in zero()) before writing
         for p in optimizer.params:
             p.main_grad.copy_(torch.sin(7.0 * p.detach().float()) + 0.1)
         optimizer.step(lr)
