@@ -178,6 +178,7 @@ from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is
 from meshtron.layers.cross_entropy import chunk_size  # the fused loss's chunk rule
 from meshtron.accounting import mla_rank_parameters
 from meshtron.optim.accounting import sharding_strategy
+from meshtron.pipeline.partition import SPLIT_BACKWARD, loss_stage_of
 from meshtron.validation import layout_from_config
 
 GIB = 2**30
@@ -433,7 +434,7 @@ def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> boo
     weight gradients, rowwise FP8, the sequence-parallel FP8 path or eager FP8; not before revision 1 of
     ``saves``."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not m.swiglu or saves < 1 or p.pipeline_schedule in ("zero-bubble-h1", "zbv"):
+    if not m.swiglu or saves < 1 or p.pipeline_schedule in SPLIT_BACKWARD:
         return False
     if not t.fp8_format:
         return True
@@ -627,10 +628,10 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         return kept, window
 
     out: list[MemoryEstimate] = []
-    zbv = par.pipeline_schedule == "zbv" and pp > 1
+    loss_rank = loss_stage_of(par.pipeline_schedule, pp)
     for rank, chunks in enumerate(stage_chunks(cfg)):
         # ``last``: the rank with the final norm, output layer and loss (the first under ZBV's V).
-        first, last = rank == 0, rank == (0 if zbv else pp - 1)
+        first, last = rank == 0, rank == loss_rank
         # Parameters on this rank.
         dense = expert = 0.0
         layer_sizes = []  # parameters of each layer on this rank
@@ -696,7 +697,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                 pending = max(pending, timeline.backlog)
             per_micro += offload_kept  # what the offloaded layers moved off the device
             working = max(working, extra)
-        if par.pipeline_schedule in ("zero-bubble-h1", "zbv") and pp > 1:
+        if par.pipeline_schedule in SPLIT_BACKWARD and pp > 1:
             # A micro-batch's activations live until its W: as many as the plan holds at once (ZB-H1: PP on
             # every rank; ZBV: at most 2 PP chunk-forwards, each half the rank's layers).
             in_flight = _split_backward_in_flight(par.pipeline_schedule, pp, v, n_micro, rank)

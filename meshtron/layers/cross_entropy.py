@@ -156,10 +156,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weighted, _grad_losses):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # Scaled in place: the saved gradients serve this one backward, and an fp32 product of the output
-        # weight's size would be allocated as backward starts, next to the forward's activations.
-        return (grad_hidden.mul_(grad_weighted.to(grad_hidden.dtype)),
-                grad_weight.mul_(grad_weighted).to(ctx.weight_dtype), None, None, None, None, None, None)
+        # The weight's gradient is cast first and then scaled in place (equal to scaling in fp32 for the
+        # usual upstream gradient of 1): an fp32 product of the output weight's size would be allocated as
+        # backward starts, next to the forward's activations. The saved tensors stay untouched (a second
+        # backward with retain_graph reads them).
+        weight_grad = grad_weight.to(ctx.weight_dtype, copy=True).mul_(grad_weighted.to(ctx.weight_dtype))
+        return (grad_hidden * grad_weighted.to(grad_hidden.dtype), weight_grad,
+                None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

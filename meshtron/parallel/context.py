@@ -253,6 +253,8 @@ def context_from_config(cfg) -> ParallelContext:
 
 
 def loss_stage(cfg) -> int:
-    """The pipeline stage with the loss for ``cfg``'s schedule: 0 under ZBV (its V ends on the first
-    stage), else -1 (the last)."""
-    return 0 if cfg.parallel.pipeline_schedule == "zbv" else -1
+    """The pipeline stage with the loss for ``cfg``'s schedule (:func:`meshtron.pipeline.partition.loss_stage_of`)."""
+    from meshtron.pipeline.partition import loss_stage_of
+
+    p = cfg.parallel
+    return loss_stage_of(p.pipeline_schedule, p.pipeline_model_parallel_size)

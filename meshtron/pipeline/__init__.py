@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from meshtron.config import MeshtronConfig
 from meshtron.errors import ConfigError
+from meshtron.pipeline.partition import SPLIT_BACKWARD
 from meshtron.pipeline.partition import PipelineLayout, check_micro_batches, partition_layers
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: Forwar
     p2p = PipelineP2P(ctx, activation_shape(cfg, ctx), dtype, ctx.device)
     schedule = cfg.parallel.pipeline_schedule
     extra = {}
-    if schedule in ("zero-bubble-h1", "zbv"):
+    if schedule in SPLIT_BACKWARD:
         from meshtron.pipeline.zero_bubble import WeightGradStore
 
         # Only an overlapped reduction is armed by on_chunk_grads_ready, and only it needs the held sums.

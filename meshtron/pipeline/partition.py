@@ -33,6 +33,24 @@ from typing import Optional
 
 from meshtron.errors import ConfigError
 
+#: ``--pipeline-schedule`` values with W passes (weight gradients deferred from B into a WeightGradStore).
+SPLIT_BACKWARD = ("zero-bubble-h1", "zbv")
+
+
+def chunk_position(stages: int, stage: int, virtual: int, v_shape: bool = False) -> int:
+    """The model chunk (its index in model order) that chunk ``virtual`` of pipeline stage ``stage`` holds:
+    round-robin ``virtual * stages + stage`` (1F1B, interleaved), or in a V (ZBV, two chunks per stage)
+    ``stage`` for chunk 0 and ``2 * stages - 1 - stage`` for chunk 1."""
+    if v_shape:
+        return stage if virtual == 0 else 2 * stages - 1 - stage
+    return virtual * stages + stage
+
+
+def loss_stage_of(schedule: Optional[str], stages: int) -> int:
+    """The pipeline stage holding the final norm, output layer and loss: the last, or the first under ZBV
+    (its V of chunks ends there)."""
+    return 0 if schedule == "zbv" and stages > 1 else stages - 1
+
 _FIRST = "--decoder-first-pipeline-num-layers"
 _LAST = "--decoder-last-pipeline-num-layers"
 _PP = "--pipeline-model-parallel-size"
@@ -54,9 +72,7 @@ class PipelineLayout:
 
     def position(self, stage: int, virtual: int = 0) -> int:
         """The model chunk that chunk ``virtual`` of ``stage`` holds (its index in model order)."""
-        if self.v_shape:
-            return stage if virtual == 0 else 2 * self.stages - 1 - stage
-        return virtual * self.stages + stage
+        return chunk_position(self.stages, stage, virtual, self.v_shape)
 
     def layers(self, stage: int, virtual: int = 0) -> list[int]:
         """Global indices of the layers held by chunk ``virtual`` of pipeline stage ``stage``."""
@@ -77,7 +93,7 @@ class PipelineLayout:
     @property
     def loss_stage(self) -> int:
         """The pipeline stage with the loss: the last one, or the first in a V."""
-        return 0 if self.v_shape else self.stages - 1
+        return loss_stage_of("zbv" if self.v_shape else None, self.stages)
 
 
 def stage_layer_counts(num_layers: int, stages: int, first: Optional[int] = None,

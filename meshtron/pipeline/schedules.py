@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from meshtron.pipeline.p2p import PipelineP2P, free_output
-from meshtron.pipeline.partition import check_micro_batches
+from meshtron.pipeline.partition import SPLIT_BACKWARD, check_micro_batches, chunk_position
 
 if TYPE_CHECKING:
     from meshtron.pipeline.zero_bubble import WeightGradStore
@@ -162,8 +162,6 @@ Step = Union[Compute, Exchange, WeightGrad]
 #: ``--pipeline-schedule`` values (None: 1F1B, or interleaved 1F1B with virtual stages).
 SCHEDULES = ("1f1b", "interleaved", "zero-bubble-h1", "zbv")
 
-#: Schedules with W passes (weight gradients deferred from B into a :class:`WeightGradStore`).
-SPLIT_BACKWARD = ("zero-bubble-h1", "zbv")
 
 
 @dataclass(frozen=True)
@@ -181,9 +179,7 @@ class Placement:
     v_shape: bool = False
 
     def position(self, stage: int, chunk: int) -> int:
-        if self.v_shape:
-            return stage if chunk == 0 else 2 * self.stages - 1 - stage
-        return chunk * self.stages + stage
+        return chunk_position(self.stages, stage, chunk, self.v_shape)
 
     def at(self, position: int) -> tuple[int, int]:
         """(stage, chunk) of model chunk ``position``."""

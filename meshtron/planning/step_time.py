@@ -49,6 +49,7 @@ from typing import Optional
 
 from meshtron.config import MeshtronConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads, padded_vocab_size
 from meshtron.memory import LAYER_SAVES
+from meshtron.pipeline.partition import SPLIT_BACKWARD, loss_stage_of
 from meshtron.planning.profiles import DeviceProfile
 
 #: Flash attention's backward does 2.5x its forward's FLOPs (five matmuls for two, the scores recomputed).
@@ -390,7 +391,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     kinds = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "dp": 0.0, "pp": 0.0}
     slowest_kind: dict = {}
     params_by_stage = []
-    loss_rank = 0 if p.pipeline_schedule == "zbv" else pp - 1  # ZBV's V ends on the first stage
+    loss_rank = loss_stage_of(p.pipeline_schedule, pp)
     for rank, rank_chunks in enumerate(chunks):
         layers = [i for c in rank_chunks for i in c]
         costs = [cost(i, recomputed(pos)) for pos, i in enumerate(layers)]
@@ -399,7 +400,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         if rank == loss_rank and m.mtp_num_layers:
             time += m.mtp_num_layers * _mtp_depth_cost(cfg, cost(m.num_layers - 1, recomputed(len(layers))), loss,
                                                        embed, profile)
-        if p.pipeline_schedule in ("zero-bubble-h1", "zbv") and t.compile:
+        if p.pipeline_schedule in SPLIT_BACKWARD and t.compile:
             time += len(layers) * ZB_H1_LINEARS * ZB_H1_BREAK_US * 1e-6
         stage_times.append(time)
         stage_layers.append(len(layers))
