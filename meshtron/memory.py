@@ -177,7 +177,7 @@ from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is
                              padded_vocab_size)
 from meshtron.layers.cross_entropy import chunk_size  # the fused loss's chunk rule
 from meshtron.accounting import mla_rank_parameters
-from meshtron.optim.accounting import sharding_strategy
+from meshtron.optim.accounting import releases_gradients, sharding_strategy
 from meshtron.pipeline.partition import SPLIT_BACKWARD, loss_stage_of
 from meshtron.validation import layout_from_config
 
@@ -591,8 +591,8 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     # --data-parallel-sharding-strategy (meshtron.optim.accounting): what is split over DP x CP (dense) and
     # over the expert-data-parallel ranks (experts).
     strategy = sharding_strategy(cfg)
-    # --release-grad-buffer (meshtron.optim.strategy.releases_gradients): no gradients between steps.
-    releases = par.release_grad_buffer and strategy in ("no_shard", "optim")
+    # --release-grad-buffer: no gradients from an iteration's start to its backward.
+    releases = releases_gradients(strategy, par.release_grad_buffer)
     dense_shard = dp * cp if strategy != "no_shard" else 1
     expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if strategy != "no_shard" else 1
 

@@ -55,6 +55,12 @@ def sharding_strategy(cfg) -> str:
     return "optim" if p.use_distributed_optimizer else "no_shard"
 
 
+def releases_gradients(name: str, release_grad_buffer: bool) -> bool:
+    """Whether strategy ``name`` frees its gradient buffer between steps (``--release-grad-buffer``; the
+    strategies with a full gradient buffer, ``no_shard`` and ``optim``)."""
+    return release_grad_buffer and name in ("no_shard", "optim")
+
+
 def strategy_bytes_per_parameter(strategy: str, weight_bytes: int = 2, grad_bytes: int = 4, dp: int = 1,
                                  offload_fraction: float = 0.0, moment_bytes: float = 8.0) -> BytesPerParameter:
     """Per-parameter device memory of ``strategy`` over ``dp`` data-parallel ranks (DP x CP), between steps.

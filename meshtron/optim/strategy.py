@@ -27,6 +27,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 import torch.nn as nn
 
+from meshtron.optim.accounting import releases_gradients
 from meshtron.optim.buckets import BufferLayout
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.grads import GradientSync
@@ -102,7 +103,6 @@ class DataParallelStrategy:
         """After the last backward: complete the gradient reduction."""
         raise NotImplementedError
 
-
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The tensors holding this rank's gradients (zeroed before a re-run, corrupted by fault drills)."""
         return [self.grad_data]
@@ -172,7 +172,7 @@ class ReplicatedGradients(DataParallelStrategy):
 
     def allocated(self) -> AllocatedBytes:
         """The gradients are counted whole, also where they are freed between steps (they are allocated
-        from the first backward to the optimizer step)."""
+        from each backward to the next iteration's start)."""
         if self.param_buffer is not None:
             weights = self.param_buffer.data.numel() * self.param_buffer.data.element_size()
         else:
@@ -233,12 +233,6 @@ class ShardedGradStrategy(DataParallelStrategy):
         self.grads.remove_hooks()
         if self.gather is not None:
             self.gather.remove_hooks()
-
-
-def releases_gradients(name: str, release_grad_buffer: bool) -> bool:
-    """Whether strategy ``name`` frees its gradient buffer between steps (``--release-grad-buffer``; the
-    strategies with a full gradient buffer, ``no_shard`` and ``optim``)."""
-    return release_grad_buffer and name in ("no_shard", "optim")
 
 
 def build_strategy(name: str, model_chunks: Sequence[nn.Module], layout: BufferLayout, ctx: ParallelContext,
