@@ -191,3 +191,191 @@ def test_released_gradients_peak_at_the_optimizer_step_of_a_large_model():
     total = count_parameters(cfg.model, 128256)["total"]
     assert est.gradients + est.activations + est.logits == pytest.approx(4 * total, rel=1e-9)
     assert 0 < est.gradients < 4 * total
+
+
+def test_distributed_optimizer_divides_optimizer_state_by_dp():
+    cfg = config("llama3-1b", global_batch_size=8)
+    plain = estimate_memory(cfg, 128256, world_size=4)
+    cfg.parallel.use_distributed_optimizer = True
+    sharded = estimate_memory(cfg, 128256, world_size=4)
+    assert sharded.optimizer_state == plain.optimizer_state / 4
+    assert (sharded.weights, sharded.gradients, sharded.activations) == (plain.weights, plain.gradients,
+                                                                         plain.activations)
+    cfg.optim.optimizer_cpu_offload, cfg.optim.optimizer_offload_fraction = True, 0.5
+    assert estimate_memory(cfg, 128256, world_size=4).optimizer_state == sharded.optimizer_state / 2
+
+
+def test_tensor_parallel_shards_all_but_norms():
+    cfg = config("tiny", device="cpu", tensor_model_parallel_size=2)
+    total = count_parameters(cfg.model, 4096)["total"]
+    replicated_norms = (2 * cfg.model.num_layers + 1) * cfg.model.hidden_size
+    per_rank = estimate_memory(cfg, 4096).weights / 4
+    assert 2 * per_rank == total + replicated_norms
+
+
+def test_experts_are_split_over_expert_parallel_ranks():
+    m = config("mixtral-8x7b").model
+    dense1, expert1 = layer_parameters(m, 0, tp=1, ep=1)
+    dense2, expert2 = layer_parameters(m, 0, tp=1, ep=2)
+    assert dense1 == dense2 and expert2 == expert1 / 2 == 4 * 3 * 4096 * 14336
+
+
+def test_vocab_is_padded_like_the_model():
+    cfg = config("tiny", device="cpu")
+    # 4000 pads to 4096 (multiple of 128): same memory as 4096.
+    assert estimate_memory(cfg, 4000).weights == estimate_memory(cfg, 4096).weights
+
+
+# ------------------------------------------------------------------------------- pipeline
+
+def test_stage_chunks_even_uneven_and_interleaved():
+    assert stage_chunks(config("tiny", num_layers=8, pipeline_model_parallel_size=4)) == [
+        [[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]
+    uneven = config("tiny", num_layers=8, pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=2)
+    assert stage_chunks(uneven) == [[[0, 1]], [[2, 3, 4]], [[5, 6, 7]]]
+    inter = config("tiny", num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert stage_chunks(inter) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+
+
+def test_pipeline_stages_split_parameters_and_last_stage_copies_tied_embedding():
+    cfg = config("tiny", device="cpu", pipeline_model_parallel_size=2, global_batch_size=8)
+    total = count_parameters(cfg.model, 4096)["total"]
+    stages = stage_estimates(cfg, 4096, world_size=2)
+    assert sum(s.weights for s in stages) == 4 * (total + 4096 * cfg.model.hidden_size)
+    assert stages[0].logits == 0 and stages[1].logits > 0
+
+
+def test_1f1b_in_flight_micro_batches():
+    cfg = config("tiny", num_layers=8, pipeline_model_parallel_size=4, global_batch_size=16)
+    assert [s.microbatches_in_flight for s in stage_estimates(cfg, 4096, world_size=4)] == [4, 3, 2, 1]
+    cfg.train.global_batch_size = 2  # fewer micro-batches than stages
+    assert [s.microbatches_in_flight for s in stage_estimates(cfg, 4096, world_size=4)] == [2, 2, 2, 1]
+
+
+def test_interleaved_first_stage_factor():
+    p, v, L = 4, 2, 16
+    cfg = config("tiny", num_layers=L, pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v,
+                 global_batch_size=8)
+    stages = stage_estimates(cfg, 4096, world_size=p)
+    first = stages[0]
+    layers_on_rank = L // p
+    # Layer-forwards kept on rank 0: L * (1 + (p-1)/(p*v)) = 22.
+    assert first.microbatches_in_flight * layers_on_rank == L * (1 + (p - 1) / (p * v)) == 22
+    per_layer = layer_activation_bytes(cfg.model, micro_batch=1, seq=128)
+    token_ids = 8 * 128
+    assert first.activations == round(first.microbatches_in_flight * (layers_on_rank * per_layer + token_ids))
+
+
+# ------------------------------------------------------------------------------- whole estimate
+
+def test_activation_totals_by_hand_with_full_recompute():
+    cfg = config("tiny", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    m, tokens, h = cfg.model, 128, 128
+    layer = layer_activation_bytes(m, micro_batch=1, seq=128)
+    chunk_input = tokens * 2 * h
+    extras = 8 * tokens + tokens * (2 * 2 * h + 4)  # token ids; final norm input + output-layer input + rstd
+    est = estimate_memory(cfg, 4096)
+    # Fused chunked loss: fp32 output-weight gradient + one chunk (all 128 tokens) of bf16 logits and
+    # their bf16 gradient.
+    loss_chunk = tokens * 4096 * 4
+    assert est.logits == 4 * h * 4096 + loss_chunk
+    # 2 checkpoints + a 2-layer window in the backward, which the loss's chunk (forward) never meets.
+    assert est.activations == 2 * chunk_input + 2 * layer + extras - min(2 * layer, loss_chunk)
+    cfg.train.recompute_method, cfg.train.recompute_num_layers = "block", 1
+    assert (estimate_memory(cfg, 4096).activations
+            == chunk_input + 3 * layer + layer + extras - min(layer, loss_chunk))
+
+
+def test_recompute_orders_totals():
+    totals = {}
+    for gran in (None, "selective", "full"):
+        # A persistent gradient buffer: with a released one this one-micro-batch step peaks at the optimizer
+        # step, whatever the recomputation.
+        cfg = config("llama3-8b", seq_length=4096, micro_batch_size=2, recompute_granularity=gran,
+                     recompute_method="uniform" if gran == "full" else None, release_grad_buffer=False)
+        totals[gran] = estimate_memory(cfg, 128256).total
+    assert totals["full"] < totals["selective"] < totals[None]
+
+
+def test_sequence_parallel_and_context_parallel_reduce_activations():
+    def acts(**fields):
+        return estimate_memory(config("llama3-8b", seq_length=4096, **fields), 128256, fused_loss=False)
+
+    tp2 = acts(tensor_model_parallel_size=2)
+    tp2_sp = acts(tensor_model_parallel_size=2, sequence_parallel=True)
+    tp1 = acts()
+    assert tp2_sp.activations < tp2.activations < tp1.activations
+    cfg = config("llama3-8b", seq_length=4096)
+    tokens, layers = cfg.train.micro_batch_size * 4096, cfg.model.num_layers
+    gathered = layers * tokens * 2 * 2 * 4096 * (1 - 1 / 2)  # QKV's and fc1's all-gathered inputs (compiled)
+    # token ids are not split
+    assert tp2_sp.activations - gathered == pytest.approx(tp1.activations / 2, rel=1e-3)
+    assert tp2.logits == tp2_sp.logits == tp1.logits / 2
+    cp2 = acts(context_parallel_size=2)
+    assert cp2.logits == tp1.logits / 2 and cp2.activations == pytest.approx(tp1.activations / 2, rel=1e-6)
+
+
+def test_loss_memory_fused_and_unfused_and_fp32_doubles_activations():
+    cfg = config("llama3-1b", seq_length=4096, micro_batch_size=4)
+    tokens, v, h = 4 * 4096, 128256, 2048
+    assert estimate_memory(cfg, v, fused_loss=False).logits == tokens * v * 4  # fp32 logits kept
+    chunk = chunk_size(tokens, v)  # the fused loss's chunk of logits: two equal halves of the micro-batch
+    assert chunk == tokens // 2 and chunk * v <= CHUNK_ELEMENTS
+    fused = estimate_memory(cfg, v)
+    # bf16 logits and their gradient, and the first chunk's gradient still referenced in the second
+    assert fused.logits == 4 * h * v + chunk * v * 6
+    assert fused.logits < estimate_memory(cfg, v, fused_loss=False).logits
+    # one chunk (8192 tokens): no earlier gradient
+    one_chunk = estimate_memory(config("llama3-1b", seq_length=4096, micro_batch_size=2), v)
+    assert one_chunk.logits == 4 * h * v + 8192 * v * 4
+    cfg.train.device = "cpu"
+    fp32 = estimate_memory(cfg, v)
+    assert fp32.logits == 4 * h * v + chunk * v * (20 + 4)  # eager fp32 temporaries, the earlier gradient
+    assert fp32.activations > 1.9 * fused.activations
+
+
+def test_world_size_must_fit_the_layout():
+    with pytest.raises(ValueError, match="TP x CP x PP"):
+        estimate_memory(config("tiny", tensor_model_parallel_size=2), 4096, world_size=3)
+
+
+def test_llama3_8b_figures_and_report():
+    cfg = config("llama3-8b", seq_length=4096, micro_batch_size=2, global_batch_size=4,
+                 use_distributed_optimizer=True)
+    est = estimate_memory(cfg, 128256, world_size=2)
+    total_params = count_parameters(cfg.model, 128256)["total"]
+    assert est.weights == 2 * total_params and est.optimizer_state == 6 * total_params
+    assert est.activations == pytest.approx(32 * 2 * 4096 * 110_728, rel=0.01)  # 32 layers dominate
+    assert est.logits == 4 * 4096 * 128256 + min(2 * 4096, CHUNK_ELEMENTS // 128256) * 128256 * 4
+    d = est.as_dict()
+    assert d["total"] == est.total == sum(d[k] for k in ("weights", "gradients", "optimizer_state",
+                                                          "activations", "logits"))
+    table = est.table()
+    assert "total" in table and f"{est.total / 2**30:.2f} GiB" in table
+    assert isinstance(est, MemoryEstimate) and math.isfinite(est.total)
+
+
+def test_offload_timeline_backlog_fetches_and_stall():
+    from meshtron.memory import offload_timeline
+
+    # Three layers of 10 bytes, the last kept; copies at 1 byte/s behind 1 s forwards. Copy 1 runs 1..11 s,
+    # copy 2 11..21 s; the backward begins at 3 s with 8 + 10 bytes not yet copied, fetches layer 1 at
+    # 21..31 s and layer 0 at 31..41 s, so its three 1 s layers end at 42 s: 36 s of waiting.
+    t = offload_timeline([10.0, 10.0, 0.0], [0.0, 0.0, 10.0], [1.0] * 3, [1.0] * 3, 0.0, 1.0)
+    assert t.backlog == 18.0  # freed tensors whose blocks the allocator holds: not in the live peak
+    assert t.peak_resident == 10.0 + 10.0  # kept last layer + layer 1 fetched
+    assert t.stall_s == 36.0
+    fast = offload_timeline([10.0, 10.0, 0.0], [0.0, 0.0, 10.0], [1.0] * 3, [1.0] * 3, 0.0, 1e6)
+    assert fast.backlog < 1e-3 and fast.stall_s < 1e-3
+    assert fast.peak_resident == pytest.approx(10.0 + 10.0 + 0.0, rel=1e-3)  # last layer kept + layer 1 fetched
+
+
+def test_offloading_lowers_the_estimate_and_keeps_the_last_layer():
+    cfg = config("llama3-1b", seq_length=8192, micro_batch_size=1)
+    base = estimate_memory(cfg, 128256)
+    cfg.set("offload_activations", True)
+    off = estimate_memory(cfg, 128256)
+    per_layer = layer_activation_bytes(cfg.model, micro_batch=1, seq=8192)
+    assert off.activations < base.activations - 2 * per_layer
+    # The chunk's last layer and a fetched one at least (in the backward, where the loss's chunk is gone).
+    assert off.activations + off.logits >= 2 * per_layer
