@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshtron.layers.context_parallel import COMM_TYPES, context_parallel_attention, context_parallel_inputs
+from meshtron.parallel.context_parallel.attention import COMM_TYPES, context_parallel_attention, context_parallel_inputs
 from meshtron.parallel.context import build_groups
 
 

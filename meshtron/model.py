@@ -19,7 +19,7 @@ from meshtron.config import ModelConfig, padded_vocab_size
 from meshtron.layers.attention import KVCache, attention_mask_from_documents
 from meshtron.layers.activation_offload import ActivationOffloader
 from meshtron.layers.attention_kinds import attention_class
-from meshtron.layers.context_parallel import check_comm_type, context_parallel_inputs
+from meshtron.parallel.context_parallel.attention import check_comm_type, context_parallel_inputs
 from meshtron.layers.cross_entropy import linear_cross_entropy
 from meshtron.layers.embedding import VocabParallelEmbedding
 from meshtron.layers.mlp import MLP
@@ -29,7 +29,7 @@ from meshtron.layers.recompute import run_with_recompute
 from meshtron.layers.rotary import inverse_frequencies, rope_table_scale, rope_tables
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.cp_split import local_token_indices
+from meshtron.parallel.context_parallel.split import local_token_indices
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import ShardSpec, new_param, shard
 
@@ -187,7 +187,7 @@ class GPTModel(nn.Module):
 
         First stage: ``tokens`` [batch, seq]; other stages: ``hidden`` from the previous stage.
         With context parallelism every per-token input is this CP rank's part of the sequence
-        (:func:`meshtron.parallel.cp_split.split_micro_batch`); positions default to those tokens'.
+        (:func:`meshtron.parallel.context_parallel.split.split_micro_batch`); positions default to those tokens'.
         Last stage with ``labels``: returns (sum of loss_weight * token loss, token losses [batch, seq]).
         Last stage without labels: logits [batch, seq, vocab]. Other stages: hidden [seq, batch, hidden].
         With ``mtp_labels`` (training with multi-token prediction, fields of

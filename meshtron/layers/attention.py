@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshtron.config import ModelConfig, head_dim, num_kv_heads
-from meshtron.layers.context_parallel import context_parallel_attention
+from meshtron.parallel.context_parallel.attention import context_parallel_attention
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.layers.norm import Norm
 from meshtron.layers.rotary import apply_rope

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from meshtron.config import ModelConfig
 from meshtron.layers.attention import KVCache, core_attention
-from meshtron.layers.context_parallel import context_parallel_attention
+from meshtron.parallel.context_parallel.attention import context_parallel_attention
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.layers.norm import Norm
 from meshtron.layers.rotary import apply_rope, rope_kind, yarn_mscale

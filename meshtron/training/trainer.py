@@ -32,7 +32,7 @@ from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization, weights_norm
 from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context import ParallelContext, context_from_config, loss_stage
-from meshtron.parallel.cp_split import split_micro_batch
+from meshtron.parallel.context_parallel.split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
 from meshtron.pipeline import get_schedule, is_data_rank
 from meshtron.pipeline.batches import broadcast_from_loss_stage, eval_batches, train_batches

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 
 from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.layers.attention import attention_mask_from_documents
-from meshtron.layers.context_parallel import context_parallel_attention, context_parallel_inputs
+from meshtron.parallel.context_parallel.attention import context_parallel_attention, context_parallel_inputs
 from meshtron.model import GPTModel
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.grads import GradientSync
 from meshtron.parallel.context import ParallelContext, build_groups
-from meshtron.parallel.cp_split import gather_sequence, split_micro_batch, split_sequence
+from meshtron.parallel.context_parallel.split import gather_sequence, split_micro_batch, split_sequence
 from meshtron.parallel.sharding import gather_canonical, initialize_parameters
 
 VOCAB = 100

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.layers.attention import attention_mask_from_documents
-from meshtron.layers.context_parallel import context_parallel_attention, context_parallel_inputs
-from meshtron.layers.cp_kernels import select_kernel
+from meshtron.parallel.context_parallel.attention import context_parallel_attention, context_parallel_inputs
+from meshtron.parallel.context_parallel.kernels import select_kernel
 from meshtron.parallel.context import build_groups
-from meshtron.parallel.cp_split import gather_sequence, split_sequence
+from meshtron.parallel.context_parallel.split import gather_sequence, split_sequence
 from tests.distributed.launch import run_distributed
 
 pytestmark = [pytest.mark.gpu,

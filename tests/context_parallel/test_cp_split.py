@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.config import ConfigError
-from meshtron.layers.context_parallel import (Block, _merge, allgather_plan, check_comm_type, plan_pairs,
+from meshtron.parallel.context_parallel.attention import (Block, _merge, allgather_plan, check_comm_type, plan_pairs,
                                               ring_plan)
-from meshtron.layers.cp_kernels import MATH, select_kernel
-from meshtron.parallel.cp_split import (SEQUENCE_KEYS, causal_pairs_per_rank, chunk_ids, local_token_indices,
+from meshtron.parallel.context_parallel.kernels import MATH, select_kernel
+from meshtron.parallel.context_parallel.split import (SEQUENCE_KEYS, causal_pairs_per_rank, chunk_ids, local_token_indices,
                                         restore_sequence_order, split_micro_batch, split_sequence)
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshtron.layers.attention import core_attention
-from meshtron.layers.cp_kernels import MATH, select_kernel
+from meshtron.parallel.context_parallel.kernels import MATH, select_kernel
 from tests.layers.test_mla import YARN, mla_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

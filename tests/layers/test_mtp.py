@@ -23,7 +23,7 @@ from meshtron.layers.mtp import add_mtp_inputs, mtp_blocks
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization
 from meshtron.parallel.context import ParallelContext, build_groups
-from meshtron.parallel.cp_split import split_micro_batch
+from meshtron.parallel.context_parallel.split import split_micro_batch
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import canonical_shapes, gather_canonical, initialize_parameters, spec_of
 from meshtron.pipeline import get_schedule

@@ -1,7 +1,7 @@
 """Context-parallel attention: a rank's queries against the keys of every CP rank.
 
 Each CP rank holds two chunks of the sequence (chunk ``r`` and ``2 CP - 1 - r``,
-:mod:`meshtron.parallel.cp_split`) and computes attention for its own queries. The
+:mod:`meshtron.parallel.context_parallel.split`) and computes attention for its own queries. The
 keys and values of the other ranks reach it in one of two ways:
 
 * ``p2p`` (ring attention, the default): the key/value block of each rank travels
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import ConfigError
-from meshtron.layers.cp_kernels import select_kernel
+from meshtron.parallel.context_parallel.kernels import select_kernel
 from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.cp_split import chunk_owner, local_token_indices
+from meshtron.parallel.context_parallel.split import chunk_owner, local_token_indices
 
 COMM_TYPES = ("p2p", "allgather")
 _KV_TAG, _DKV_TAG = 11, 12  # distinct tags: gloo matches messages between two ranks by tag
