@@ -23,6 +23,7 @@ that writes them itself, outside backward, calls :meth:`GradBuffer.zero_unwritte
 
 from __future__ import annotations
 
+import bisect
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -75,6 +76,7 @@ class GradBuffer:
             self.data: Optional[torch.Tensor] = None
             self._pieces = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
             self._bucket_of = list(layout.bucket_of_param)
+            self._bucket_starts = [b.start for b in layout.buckets]
         else:
             self.data = torch.zeros(total, dtype=dtype, device=device)
         self._allocated = [True] * (len(layout.buckets) if release else 0)
@@ -88,10 +90,11 @@ class GradBuffer:
         """Elements ``[start, end)`` of the flat buffer (with ``release``: inside one bucket)."""
         if self.data is not None:
             return self.data[start:end]
-        for b, bucket in enumerate(self.layout.buckets):
-            if bucket.start <= start and end <= bucket.end:
-                self._ensure(b)
-                return self._pieces[b][start - bucket.start:end - bucket.start]
+        b = bisect.bisect_right(self._bucket_starts, start) - 1
+        bucket = self.layout.buckets[b] if b >= 0 else None
+        if bucket is not None and end <= bucket.end:
+            self._ensure(b)
+            return self._pieces[b][start - bucket.start:end - bucket.start]
         raise ValueError(f"GradBuffer.region: [{start}, {end}) is not inside one bucket")
 
     def view_of(self, index: int) -> torch.Tensor:
@@ -106,6 +109,11 @@ class GradBuffer:
         """Every tensor holding gradients (each allocated, its unwritten views zeroed)."""
         self.zero_unwritten()
         return [self.data] if self.data is not None else list(self._pieces)
+
+    def _ensure_holding(self, index: int) -> None:
+        """Allocate the bucket that holds parameter ``index``'s gradient (no-op without ``release``)."""
+        if self.releases:
+            self._ensure(self._bucket_of[index])
 
     def _ensure(self, b: int) -> None:
         if not self._allocated[b]:
@@ -128,8 +136,7 @@ class GradBuffer:
         if self._written[i]:
             param.main_grad.add_(param.grad)
         else:  # the iteration's first gradient of this parameter
-            if self.releases:
-                self._ensure(self._bucket_of[i])
+            self._ensure_holding(i)
             # The multi-tensor copy is vectorised where copy_ converting bf16 to fp32 is not: on an H200
             # 6.6 against 10.4 ms for every gradient of llama3-3b (benchmarks/optimizer_probe.py).
             torch._foreach_copy_([param.main_grad], [param.grad])
@@ -147,8 +154,7 @@ class GradBuffer:
         """Zero the views of parameters that received no gradient since :meth:`zero`."""
         for i, written in enumerate(self._written):
             if not written:
-                if self.releases:
-                    self._ensure(self._bucket_of[i])
+                self._ensure_holding(i)
                 self.params[i].main_grad.zero_()
                 self._written[i] = True
 
