@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from meshtron import __version__
+from meshtron.allocator import default_to_expandable_segments
 from meshtron.config import SECTIONS, ConfigError, MeshtronConfig, flag_name
 from meshtron.launcher import LAUNCHER_FIELDS, launcher_option_strings
 from meshtron.presets import PRESETS, PUBLISHED_ACTIVE, apply_preset, count_parameters
@@ -706,6 +707,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG} {__version__}")
         return 0
     command, rest = args[0], args[1:]
+    default_to_expandable_segments()  # before any CUDA use (meshtron.allocator)
     try:
         if command == "train":
             return train_main(rest)
