@@ -30,6 +30,7 @@ from meshtron import __version__
 from meshtron.allocator import default_to_expandable_segments
 from meshtron.config import SECTIONS, ConfigError, MeshtronConfig, flag_name
 from meshtron.launcher import LAUNCHER_FIELDS, launcher_option_strings
+from meshtron.megatron_compat import MEGATRON_COMPAT
 from meshtron.presets import PRESETS, PUBLISHED_ACTIVE, apply_preset, count_parameters
 from meshtron.validation import validate_config
 
@@ -61,7 +62,8 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("meshtron.planning.cli", "plan_main"),
 }
 
-#: The help group of the Megatron-LM flags meshtron accepts without effect (``opt(..., megatron_compat=True)``).
+#: The help group of the Megatron-LM flags meshtron accepts without effect (:mod:`meshtron.megatron_compat`, and
+#: fields declared ``opt(..., megatron_compat=True)`` whose only valid value is meshtron's).
 COMPAT_TOPIC = "Megatron compatibility"
 
 #: Without --model and without any of these, the "tiny" preset is applied.
@@ -155,8 +157,21 @@ def flag_specs() -> tuple[FlagSpec, ...]:
                 option_strings=strings,
                 negative_strings=negatives, kind=kind, optional=optional, choices=choices, default=default,
                 help=meta.get("help", ""), nargs=meta.get("nargs"), metavar=meta.get("metavar")))
+    specs.extend(_compat_spec(flag) for flag in MEGATRON_COMPAT)
     _check_unique(specs)
     return tuple(specs)
+
+
+#: The section of the flags that have no configuration field (:mod:`meshtron.megatron_compat`).
+COMPAT_SECTION = "megatron_compat"
+
+
+def _compat_spec(flag) -> FlagSpec:
+    strings = tuple(dict.fromkeys([flag_name(flag.name), *flag.aliases]))
+    negatives = tuple("--no-" + s[2:] for s in strings if not s.startswith("--no-")) if flag.kind is bool else ()
+    return FlagSpec(name=flag.name, section=COMPAT_SECTION, topic=COMPAT_TOPIC, option_strings=strings,
+                    negative_strings=negatives, kind=flag.kind, optional=flag.optional, choices=flag.choices,
+                    default=flag.default, help=flag.help, nargs=flag.nargs, metavar=None)
 
 
 def _check_unique(specs: Sequence[FlagSpec]) -> None:
@@ -371,12 +386,23 @@ def parse_train_args(argv: Sequence[str]) -> TrainArgs:
         preset = DEFAULT_PRESET
     if preset is not None:
         apply_preset(cfg.model, preset)
+    compat = {flag.name for flag in MEGATRON_COMPAT}  # accepted, noted, never part of the configuration
     for name, value in {**base, **given}.items():
-        if name != "model":
+        if name != "model" and name not in compat:
             cfg.set(name, copy.deepcopy(value))
     if cfg.checkpoint.use_checkpoint_args:
         _apply_checkpoint_model_args(cfg, given)
+    _check_compat_values(given, cfg)
     return TrainArgs(cfg, given, config_file, tuple(name for name in base if name not in given))
+
+
+def _check_compat_values(given: dict[str, Any], cfg: MeshtronConfig) -> None:
+    """The Megatron compatibility flags whose values meshtron can still get wrong (the others take any value of
+    their type)."""
+    if given.get("offload_modules") and not cfg.train.offload_activations:
+        raise ConfigError("--offload-modules needs --offload-activations (or --fine-grained-activation-offloading)")
+    if given.get("timing_log_level", 0) not in (0, 1, 2):
+        raise ConfigError(f"--timing-log-level must be 0, 1 or 2, got {given['timing_log_level']}")
 
 
 def quickstart_base(given: dict[str, Any], config_file: Optional[str]) -> dict[str, Any]:

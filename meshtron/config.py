@@ -1,6 +1,7 @@
 """Typed configuration for every meshtron run.
 
-Each section is a dataclass; every field is also a command-line flag. The flag
+Each section is a dataclass; every field is also a command-line flag (the Megatron-LM flags that meshtron
+accepts without effect have no field: :mod:`meshtron.megatron_compat`). The flag
 name is the field name with ``_`` replaced by ``-`` (Megatron-LM's names), and a
 YAML config file uses the field names as keys. ``MeshtronConfig`` groups the
 sections. This module is the schema only: :func:`meshtron.validation.validate_config`
@@ -24,8 +25,9 @@ def opt(default: Any = None, help: str = "", choices: Optional[tuple] = None, al
         allow_inf: bool = False) -> Any:
     """A dataclass field carrying what the command line needs to expose it as a flag.
 
-    ``megatron_compat``: a Megatron-LM flag for a choice meshtron makes itself; the command line
-    accepts it and prints its help as a one-line note. ``allow_inf``: a float field for which
+    ``megatron_compat``: a Megatron-LM flag whose only valid value is meshtron's own choice (a flag that
+    changes nothing at all belongs in :mod:`meshtron.megatron_compat`); the command line prints its help as a
+    one-line note when it is given. ``allow_inf``: a float field for which
     infinity means something (NaN never does; validation refuses non-finite values elsewhere).
     """
     meta = {"help": help, "choices": choices, "aliases": aliases, "nargs": nargs, "metavar": metavar,
@@ -35,13 +37,7 @@ def opt(default: Any = None, help: str = "", choices: Optional[tuple] = None, al
     return field(default=default, metadata=meta)
 
 
-def compat(default: Any, reason: str, **kwargs: Any) -> Any:
-    """:func:`opt` for a Megatron-LM flag accepted without effect; ``reason`` says what meshtron does instead."""
-    return opt(default, f"Accepted for Megatron compatibility ({reason}).", megatron_compat=True, **kwargs)
-
-
 # Help texts several flags share.
-_COMPILE_FUSES = "torch.compile fuses the element-wise work"
 _DELAYED_SCALING_REFUSED = ("Delayed-scaling FP8 setting: refused, meshtron scales FP8 from current values "
                             "(--fp8-recipe).")
 
@@ -122,7 +118,6 @@ class ModelConfig:
     moe_layer_freq: int = opt(1, "Every n-th layer is MoE.")
     moe_first_dense_layers: int = opt(0, "The first N layers keep a dense MLP (DeepSeek-MoE's first_k_dense_replace); "
                                          "the later layers follow --moe-layer-freq.")
-    moe_grouped_gemm: bool = compat(False, "meshtron uses grouped GEMM on GPU where available")
     moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch between expert-parallel ranks (meshtron "
                                                      "implements all-to-all).", choices=("alltoall",),
                                          megatron_compat=True)
@@ -134,8 +129,6 @@ class ModelConfig:
                                                      "consecutive experts (DeepSeek-V3; with --moe-router-group-topk).")
     moe_router_group_topk: Optional[int] = opt(None, "Group-limited routing: groups each token may choose its experts "
                                                      "from (the best by the sum of their top topk/this scores).")
-    moe_shared_expert_overlap: bool = compat(False, "meshtron runs the shared experts after the routed experts' "
-                                                    "dispatch, not overlapped")
     # Multi-token prediction (DeepSeek-V3; docs/models.md).
     mtp_num_layers: Optional[int] = opt(None, "Multi-token prediction: this many extra prediction depths on the last "
                                               "pipeline stage, depth k predicting the token k+1 positions ahead "
@@ -185,11 +178,6 @@ class ParallelConfig:
                                           "per step the gradients and the forward's activations never take "
                                           "memory together. --no-release-grad-buffer keeps one persistent "
                                           "buffer.")
-    accumulate_allreduce_grads_in_fp32: bool = compat(False, "meshtron accumulates and reduces gradients in fp32 "
-                                                             "unless --grad-reduce-in-bf16")
-    ddp_average_in_collective: bool = compat(False, "the loss is already scaled by 1 / the global batch's tokens, so "
-                                                    "the reduction is a plain sum")
-    no_async_tensor_model_parallel_allreduce: bool = compat(False, "see --no-tp-comm-overlap for meshtron's switch")
     async_tensor_parallel: bool = opt(False, "Experimental: let torch.compile split each sequence-parallel "
                                              "all-gather + matmul and matmul + reduce-scatter into overlapping "
                                              "pieces (micro-pipelined TP over symmetric memory; CUDA, compiled "
@@ -232,9 +220,6 @@ class OptimConfig:
     """Optimizer, learning-rate schedule and clipping."""
 
     optimizer: str = opt("adam", "Optimizer (AdamW with decoupled weight decay).", choices=("adam",))
-    override_opt_param_scheduler: bool = compat(False, "meshtron's learning-rate schedule always comes from the "
-                                                       "flags and the iteration",
-                                                       aliases=("--override-opt_param-scheduler",))
     lr: float = opt(3e-4, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
     lr_decay_style: str = opt("cosine", "Decay after warm-up.",
@@ -254,7 +239,6 @@ class OptimConfig:
     adam_eps: float = opt(1e-8, "Adam epsilon.")
     optimizer_cpu_offload: bool = opt(False, "Keep the optimizer state and step on the CPU.", aliases=("--cpu-optimizer",))
     optimizer_offload_fraction: float = opt(1.0, "Fraction of the optimizer state offloaded with --optimizer-cpu-offload.")
-    cpu_optimizer_type: str = compat("ADAM", "meshtron's CPU step is AdamW", choices=("ADAM", "adam"))
     max_nonfinite_steps: int = opt(5, "Stop after this many consecutive steps with a non-finite loss or gradient.")
     use_precision_aware_optimizer: bool = opt(False, "Let --exp-avg-dtype / --exp-avg-sq-dtype store the Adam moments "
                                                      "in bf16 (the step computes in fp32 and rounds what it stores): "
@@ -286,9 +270,6 @@ class TrainConfig:
     fp16: bool = opt(False, "Not supported: use --bf16.")
     loss_scale: Optional[float] = opt(None, "fp16 loss scaling: refused (fp16 is not supported; use --bf16).")
     initial_loss_scale: Optional[float] = opt(None, "fp16 loss scaling: refused (fp16 is not supported; use --bf16).")
-    attention_softmax_in_fp32: bool = compat(False, "SDPA's softmax accumulates in fp32")
-    calculate_per_token_loss: bool = compat(False, "meshtron always averages the loss over all loss tokens of the "
-                                                   "global batch")
     check_for_nan_in_loss_and_grad: bool = opt(True, "Re-run an iteration whose loss or gradient norm is NaN/inf "
                                                      "(per --rerun-mode; the check reads the norm's existing host "
                                                      "sync). Off, or with --rerun-mode disabled, such a step is "
@@ -339,8 +320,6 @@ class TrainConfig:
     offload_activations_num_layers: Optional[int] = opt(None, "With --offload-activations: only the first N layers "
                                                               "of each model chunk offload (default: all but its "
                                                               "last).", aliases=("--cpu-offloading-num-layers",))
-    offload_modules: list = compat([], "with --offload-activations meshtron offloads everything a layer saves for "
-                                       "its backward, the inputs of all of these modules included", nargs="+")
     compile: Optional[bool] = opt(None, "torch.compile each transformer layer (default on CUDA).")
     eval_interval: int = opt(100, "Evaluate on the validation split every N iterations (0 disables).")
     eval_iters: int = opt(10, "Validation iterations per evaluation.")
@@ -364,23 +343,6 @@ class TrainConfig:
                                  "(ARG seconds per iteration), nan, nan-persistent or bitflip; see "
                                  "docs/resilience.md.", nargs="+", metavar="KIND:RANK:ITERATION[:ARG]")
     generate_sample: bool = opt(True, "After training, print a sample generated by the model (default corpus only).")
-    use_mcore_models: bool = compat(False, "meshtron has one model implementation")
-    transformer_impl: Optional[str] = compat(None, "meshtron uses its own layers",
-                                                   choices=("local", "transformer_engine"))
-    use_flash_attn: bool = compat(False, "flash/cuDNN attention is the default on CUDA")
-    attention_backend: str = compat("auto", "meshtron's attention is SDPA with the fused cuDNN kernel first, "
-                                            "then flash", choices=("auto", "flash", "fused"))
-    no_gradient_accumulation_fusion: bool = compat(False, "meshtron accumulates gradients in fp32 buffers without a "
-                                                          "fused matmul")
-    cross_entropy_loss_fusion: bool = compat(False, "meshtron's loss is always fused with the output layer")
-    moe_permute_fusion: bool = compat(False, "token permutation is index-based")
-    no_masked_softmax_fusion: bool = compat(False, "softmax runs inside SDPA")
-    no_bias_swiglu_fusion: bool = compat(False, _COMPILE_FUSES)
-    no_bias_gelu_fusion: bool = compat(False, _COMPILE_FUSES)
-    no_bias_dropout_fusion: bool = compat(False, _COMPILE_FUSES)
-    no_rope_fusion: bool = compat(False, _COMPILE_FUSES)
-    log_throughput: bool = compat(False, "meshtron always logs tokens/s, TFLOP/s and MFU")
-    timing_log_level: int = compat(0, "meshtron logs the step time; `meshtron bench` gives the step split; 0, 1 or 2")
     fp8_amax_history_len: Optional[int] = opt(None, _DELAYED_SCALING_REFUSED)
     fp8_amax_compute_algo: Optional[str] = opt(None, _DELAYED_SCALING_REFUSED,
                                                  choices=("max", "most_recent"))
@@ -411,8 +373,6 @@ class DataConfig:
     tokenizer_model: Optional[str] = opt(None, "Tokenizer file or directory (tokenizer.json, HF directory, .model, tiktoken file).")
     vocab_file: Optional[str] = opt(None, "GPT-2 BPE vocabulary (vocab.json).")
     merge_file: Optional[str] = opt(None, "GPT-2 BPE merges (merges.txt).")
-    dataloader_type: str = compat("single", "meshtron's sampler is deterministic",
-                                            choices=("single", "cyclic", "external"))
     num_workers: int = opt(2, "Data loader worker processes.")
     reset_position_ids: bool = opt(False, "Restart position ids after each end-of-document token.")
     reset_attention_mask: bool = opt(False, "Do not attend across end-of-document tokens.")
@@ -436,18 +396,10 @@ class CheckpointConfig:
     no_verify_checkpoint: bool = opt(False, "Load a checkpoint without checking its files against the checksums "
                                             "its save recorded (a damaged file then loads silently).")
     finetune: bool = opt(False, "Load weights only and start at iteration 0.")
-    ckpt_format: str = compat("torch_dist", "meshtron writes torch.distributed.checkpoint",
-                                            choices=("torch_dist", "torch"))
     use_checkpoint_args: bool = opt(False, "With --load: take the model's architecture (every model flag) from the "
                                            "checkpoint's saved configuration.")
     exit_on_missing_checkpoint: bool = opt(False, "With --load: stop with an error when there is no checkpoint "
                                                   "instead of training from scratch.")
-    use_dist_ckpt: bool = compat(False, "meshtron always writes torch.distributed.checkpoint")
-    auto_detect_ckpt_format: bool = compat(False, "one checkpoint format")
-    ckpt_fully_parallel_save: bool = compat(True, "every rank writes its own shards")
-    ckpt_fully_parallel_load: bool = compat(False, "every rank reads its own shards")
-    ckpt_assume_constant_structure: bool = compat(False, "meshtron checks a checkpoint's structure whenever it "
-                                                         "loads one")
 
 
 @dataclass
@@ -492,12 +444,6 @@ class LogConfig:
                                           "than this times the median rank's (and at least 10%% of a step more).")
     straggler_minmax_count: int = opt(0, "With straggler detection: also log the N slowest and fastest ranks by "
                                          "their own work per step.")
-    log_memory_to_tensorboard: bool = compat(False, "every logged number, peak memory included, goes to TensorBoard")
-    apply_query_key_layer_scaling: bool = compat(False, "an fp16 safeguard that does not change the math; meshtron "
-                                                        "trains in bf16/fp32")
-    log_timers_to_tensorboard: bool = compat(False, "the step time goes to TensorBoard with every logged record")
-    log_world_size_to_tensorboard: bool = compat(False, "the layout and world size are printed at start")
-    log_validation_ppl_to_tensorboard: bool = compat(False, "validation loss and perplexity always go to TensorBoard")
 
 
 SECTIONS = {

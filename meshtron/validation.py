@@ -624,8 +624,6 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
                                                          or t.offload_activations_num_layers < 1):
         raise ConfigError("--offload-activations-num-layers needs --offload-activations and a value of at least 1, "
                           f"got {t.offload_activations_num_layers}")
-    if t.offload_modules and not t.offload_activations:
-        raise ConfigError("--offload-modules needs --offload-activations (or --fine-grained-activation-offloading)")
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     if t.recompute_granularity and tp > 1 and (m.attention_dropout > 0 or
                                                 (m.hidden_dropout > 0 and cfg.parallel.sequence_parallel)):
@@ -713,8 +711,6 @@ def _check_training(cfg: MeshtronConfig) -> None:
     if lg.profile and not 1 <= lg.profile_step_start < lg.profile_step_end:
         raise ConfigError(f"--profile-step-start ({lg.profile_step_start}) must be at least 1 and below "
                           f"--profile-step-end ({lg.profile_step_end})")
-    if t.timing_log_level not in (0, 1, 2):
-        raise ConfigError(f"--timing-log-level must be 0, 1 or 2, got {t.timing_log_level}")
     if t.manual_gc_interval < 0:
         raise ConfigError(f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}")
     if t.manual_gc_interval and not t.manual_gc:

@@ -1,4 +1,5 @@
-"""Write docs/cli.md, the reference of every `meshtron train` flag, from the configuration dataclasses.
+"""Write docs/cli.md, the reference of every `meshtron train` flag, from the configuration dataclasses and the
+Megatron compatibility flags.
 
 Usage: python scripts/gen_cli_doc.py [--check]
 (--check exits 1 when docs/cli.md differs from what the config describes.)
@@ -16,7 +17,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 INTRO = """\
 # `meshtron train` flags
 
-Generated from `meshtron/config.py` by `python scripts/gen_cli_doc.py`; do not edit by hand.
+Generated from `meshtron/config.py` and `meshtron/megatron_compat.py` by `python scripts/gen_cli_doc.py`; do not
+edit by hand.
 `meshtron train --help` prints the same flags.
 
 - Flag names are Megatron-LM's: every configuration field `hidden_size` is the flag `--hidden-size`.
@@ -29,7 +31,8 @@ Generated from `meshtron/config.py` by `python scripts/gen_cli_doc.py`; do not e
 - List flags (`--data-path`) take several values: `--data-path 0.7 A 0.3 B` (YAML: a list or a string).
 - Errors (unknown flag, bad value, impossible layout, missing file) are one line naming the flag, exit code 2.
 - The Megatron compatibility flags are accepted so that Megatron scripts run unchanged; meshtron prints a one-line
-  note when one is given.
+  note when one is given. They are not part of the run's configuration: a checkpoint's `config.yaml` does not list
+  them.
 
 ## How a configuration is checked
 

@@ -221,9 +221,33 @@ def test_train_help_in_a_subprocess() -> None:
 
 def test_every_field_has_a_flag() -> None:
     from meshtron.config import FIELD_SECTION
+    from meshtron.megatron_compat import MEGATRON_COMPAT
 
-    assert {s.name for s in flag_specs()} == set(FIELD_SECTION)
+    compat = {flag.name for flag in MEGATRON_COMPAT}
+    assert not compat & set(FIELD_SECTION)  # accepted flags without effect have no configuration field
+    assert {s.name for s in flag_specs()} == set(FIELD_SECTION) | compat
     assert all(s.help for s in flag_specs())
+
+
+def test_compat_flags_stay_out_of_the_configuration(tmp_path) -> None:
+    from meshtron.checkpoint.metadata import config_from_dict
+
+    yaml_file = tmp_path / "megatron.yaml"
+    yaml_file.write_text("use_flash_attn: true\ntransformer_impl: transformer_engine\nckpt_format: torch_dist\n")
+    args = parse_train_args(["--config", str(yaml_file), "--use-mcore-models", "--no-rope-fusion",
+                             "--timing-log-level", "2", "--hidden-size", "64", "--num-layers", "2",
+                             "--num-attention-heads", "4"])
+    assert {"use_flash_attn", "transformer_impl", "ckpt_format", "use_mcore_models", "no_rope_fusion",
+            "timing_log_level"} <= set(args.given)
+    saved = args.config.to_dict()
+    assert not {"use_flash_attn", "use_mcore_models", "no_rope_fusion", "timing_log_level"} & set(saved)
+    # A checkpoint's config.yaml written before these flags left the configuration still loads.
+    reloaded = config_from_dict({**saved, "use_flash_attn": True, "ckpt_format": "torch_dist"}).to_dict()
+    assert reloaded.keys() == saved.keys() and reloaded["hidden_size"] == 64
+    with pytest.raises(ConfigError, match="--timing-log-level must be 0, 1 or 2"):
+        parse_train_args(["--timing-log-level", "3"])
+    with pytest.raises(ConfigError, match="--transformer-impl"):
+        parse_train_args(["--transformer-impl", "te"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,11 +138,11 @@ def test_bad_combinations_name_the_flags(change, match):
 
 
 def test_offload_modules_needs_offloading():
-    cfg = MeshtronConfig(model=tiny(vocab_size=96))
-    cfg.data.mock_data = True
-    cfg.train.offload_modules = ["core_attn"]
+    from meshtron.cli import build_config
+
     with pytest.raises(ConfigError, match="--offload-modules needs --offload-activations"):
-        validate_config(cfg, 1)
+        build_config(["--mock-data", "--offload-modules", "core_attn"])
+    build_config(["--mock-data", "--offload-modules", "core_attn", "--fine-grained-activation-offloading"])
 
 
 # ----------------------------------------------------------------------------------------------- trainer
