@@ -170,7 +170,7 @@ class _KVLayout:
 
 
 def _global_order(gathered: torch.Tensor) -> torch.Tensor:
-    """[cp, b, 2c, width] as gathered by rank -> [b, S, width] in sequence order."""
+    """[cp, b, 2c, ...] as gathered by rank -> [b, S, ...] in sequence order (rows of width, or token values)."""
     cp, c = gathered.shape[0], gathered.shape[2] // 2
     parts = []
     for chunk in range(2 * cp):
@@ -194,7 +194,7 @@ class _Masks:
         self.cp, self.rank, self.chunk = inputs.cp, inputs.rank, seq_local // 2
         if self.docs is not None:
             self.positions = [local_token_indices(seq_local, self.cp, j, device) for j in range(self.cp)]
-            self.global_docs = _global_order_tokens(self.docs)
+            self.global_docs = _global_order(self.docs)
 
     def block(self, b: Block) -> Optional[torch.Tensor]:
         """Boolean [batch, 1, sq, sk]: same document and not in the future (by sequence index)."""
@@ -210,16 +210,6 @@ class _Masks:
             k_pos, k_doc = self.positions[b.source][k_rows], self.docs[b.source][:, k_rows]
         mask = (q_doc[:, :, None] == k_doc[:, None, :]) & (k_pos[None, None, :] <= q_pos[None, :, None])
         return mask[:, None]
-
-
-def _global_order_tokens(docs: torch.Tensor) -> torch.Tensor:
-    """[cp, b, 2c] per-rank token values -> [b, S] in sequence order."""
-    cp, c = docs.shape[0], docs.shape[2] // 2
-    parts = []
-    for chunk in range(2 * cp):
-        owner, half = chunk_owner(chunk, cp)
-        parts.append(docs[owner, :, half * c:(half + 1) * c])
-    return torch.cat(parts, dim=1)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
