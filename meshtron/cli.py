@@ -116,7 +116,7 @@ def _topic(section: str, name: str, megatron_compat: bool) -> str:
         return COMPAT_TOPIC
     if section == "model" and (name == "num_experts" or name.startswith("moe_")):
         return "Mixture of experts"
-    if section == "parallel" and name in LAUNCHER_FIELDS:
+    if section == "launcher":
         return "Launcher"
     if section == "train" and (name in _PRECISION_FIELDS or name.startswith(("fp8", "recompute"))):
         return "Precision and recomputation"
@@ -567,15 +567,15 @@ def train_main(argv: Sequence[str]) -> int:
     args = parse_train_args(argv)
     cfg = args.config
     if cfg.train.dry_run:  # the plan of this run, in this process: no launch, no process group
-        world = (launcher.planned_world_size(cfg.parallel) if launcher.should_launch(cfg.parallel)
+        world = (launcher.planned_world_size(cfg.launcher) if launcher.should_launch(cfg.launcher)
                  else launcher.env_world_size())
         return _load_entry("train", "meshtron.planning.cli", "dry_run")(cfg, world)
     from meshtron.slurm import adopt_slurm_environment, check_not_doubly_launched
 
-    if launcher.should_launch(cfg.parallel):
-        check_not_doubly_launched(os.environ, cfg.parallel.nproc_per_node)
+    if launcher.should_launch(cfg.launcher):
+        check_not_doubly_launched(os.environ, cfg.launcher.nproc_per_node)
         launcher.check_before_launch(cfg)  # errors once, here, rather than in every worker
-        return launcher.launch(cfg.parallel, argv)
+        return launcher.launch(cfg.launcher, argv)
     adopt_slurm_environment()  # srun with one task per GPU: rank, world size and master from SLURM's variables
     world_size = launcher.env_world_size()
     if _is_rank_zero():

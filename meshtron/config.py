@@ -201,7 +201,15 @@ class ParallelConfig:
                                       "reduce-scatter, sequence all-gather) with the weight-gradient matmul.")
     distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))
     distributed_timeout_minutes: float = opt(10.0, "Timeout of collective operations, in minutes.")
-    # Launcher (the shortcut `meshtron train --nproc-per-node N`, passed to torch.distributed.run).
+
+@dataclass
+class LauncherConfig:
+    """How the ``meshtron train --nproc-per-node N`` shortcut starts the workers (passed to torch.distributed.run).
+
+    These configure the launch, not the run: the workers get their command line without them, and a checkpoint's
+    ``config.yaml`` does not list them (:meth:`MeshtronConfig.to_dict`).
+    """
+
     nproc_per_node: Optional[int] = opt(None, "Start N processes on this node through torch.distributed.run.",
                                         aliases=("--nproc_per_node",))
     nnodes: str = opt("1", "Number of nodes (or MIN:MAX) for the launcher.")
@@ -449,6 +457,7 @@ class LogConfig:
 SECTIONS = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
+    "launcher": LauncherConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
     "data": DataConfig,
@@ -463,6 +472,7 @@ class MeshtronConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -470,10 +480,11 @@ class MeshtronConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
-        """A flat {field: value} dict (YAML-compatible)."""
+        """A flat {field: value} dict (YAML-compatible) of the run's settings: every section but the launcher's."""
         out: dict = {}
         for name in SECTIONS:
-            out.update(dataclasses.asdict(getattr(self, name)))
+            if name != "launcher":
+                out.update(dataclasses.asdict(getattr(self, name)))
         return out
 
     def set(self, key: str, value: Any) -> None:

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from meshtron.config import ConfigError, ParallelConfig
+from meshtron.config import ConfigError, LauncherConfig
 from meshtron.launcher import LAUNCHER_FIELDS, launcher_option_strings
 
 PROG = "meshtron doctor"
@@ -107,7 +107,7 @@ def doctor_parser() -> argparse.ArgumentParser:
                      description="Measure every device's matmul rate and memory bandwidth and every link's and "
                                  "group's bandwidth; name what is more than --threshold below the median "
                                  "(exit 1), else exit 0.")
-    defaults = ParallelConfig()
+    defaults = LauncherConfig()
     for name in LAUNCHER_FIELDS:
         kind = int if name in ("nproc_per_node", "node_rank", "master_port") else str
         parser.add_argument(*launcher_option_strings(name), dest=name, type=kind, default=getattr(defaults, name),
@@ -172,7 +172,7 @@ def _launch(opts: argparse.Namespace, argv: Sequence[str]) -> int:
     """Start the workers through torch.distributed.run; the exit code is the one rank 0 wrote."""
     from meshtron import launcher
 
-    p = ParallelConfig(**{name: getattr(opts, name) for name in LAUNCHER_FIELDS})
+    p = LauncherConfig(**{name: getattr(opts, name) for name in LAUNCHER_FIELDS})
     with tempfile.TemporaryDirectory(prefix="meshtron-doctor-") as tmp:
         path = os.path.join(tmp, "verdict")
         os.environ[VERDICT_ENV] = path

@@ -16,18 +16,15 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from meshtron.config import ConfigError, MeshtronConfig, ParallelConfig, flag_name
+from meshtron.config import ConfigError, LauncherConfig, MeshtronConfig, flag_name
 
-#: ParallelConfig fields that configure the launcher rather than the run itself.
-LAUNCHER_FIELDS: tuple[str, ...] = (
-    "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
-    "max_restarts",
-)
+#: The launcher's settings (LauncherConfig), which configure how the workers start rather than the run itself.
+LAUNCHER_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LauncherConfig))
 
 
 def launcher_option_strings(field_name: str) -> tuple[str, ...]:
     """Every spelling of a launcher flag: ``--nproc-per-node``, its aliases and torchrun's ``--nproc_per_node``."""
-    meta = {f.name: f.metadata for f in dataclasses.fields(ParallelConfig)}[field_name]
+    meta = {f.name: f.metadata for f in dataclasses.fields(LauncherConfig)}[field_name]
     spellings = [flag_name(field_name), *meta.get("aliases", ()), "--" + field_name]
     return tuple(dict.fromkeys(spellings))  # ordered, without duplicates
 
@@ -46,7 +43,7 @@ def env_world_size() -> int:
         raise ConfigError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
 
 
-def should_launch(p: ParallelConfig) -> bool:
+def should_launch(p: LauncherConfig) -> bool:
     """True when this process is the ``--nproc-per-node`` shortcut and must start the workers itself."""
     return p.nproc_per_node is not None and not running_under_torchrun()
 
@@ -64,7 +61,7 @@ def parse_nnodes(nnodes: str) -> tuple[int, int]:
     return low, high
 
 
-def planned_world_size(p: ParallelConfig) -> Optional[int]:
+def planned_world_size(p: LauncherConfig) -> Optional[int]:
     """World size the shortcut will start (nproc x nnodes), or None for an elastic node range."""
     low, high = parse_nnodes(p.nnodes)
     if low != high or p.nproc_per_node is None:
@@ -72,7 +69,7 @@ def planned_world_size(p: ParallelConfig) -> Optional[int]:
     return p.nproc_per_node * low
 
 
-def check_launcher(p: ParallelConfig) -> None:
+def check_launcher(p: LauncherConfig) -> None:
     """Check the launcher flags (called by validation). Raises ConfigError naming the flag."""
     low, high = parse_nnodes(p.nnodes)
     if p.nproc_per_node is not None and p.nproc_per_node < 1:
@@ -92,8 +89,8 @@ def check_before_launch(cfg: MeshtronConfig) -> None:
     """
     from meshtron.validation import validate_config  # validation calls check_launcher: import it late
 
-    trial = validate_config(copy.deepcopy(cfg), planned_world_size(cfg.parallel))
-    nproc = cfg.parallel.nproc_per_node
+    trial = validate_config(copy.deepcopy(cfg), planned_world_size(cfg.launcher))
+    nproc = cfg.launcher.nproc_per_node
     if trial.train.device == "cuda":
         import torch
 
@@ -119,7 +116,7 @@ def strip_launcher_flags(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def torchrun_args(p: ParallelConfig, entry: Sequence[str]) -> list[str]:
+def torchrun_args(p: LauncherConfig, entry: Sequence[str]) -> list[str]:
     """torch.distributed.run's argument list for the launcher flags, followed by ``entry``.
 
     ``entry`` is what each worker runs, e.g. ``["-m", "meshtron", "train", ...]``.
@@ -248,7 +245,7 @@ def run_torchrun(args: Sequence[str], nproc_per_node: Optional[int] = None) -> i
     return 0
 
 
-def launch(p: ParallelConfig, argv: Sequence[str]) -> int:
+def launch(p: LauncherConfig, argv: Sequence[str]) -> int:
     """Start ``--nproc-per-node`` workers running ``python -m meshtron train <argv minus launcher flags>``."""
     entry = ["-m", "meshtron", "train", *strip_launcher_flags(argv)]
     return run_torchrun(torchrun_args(p, entry), p.nproc_per_node)

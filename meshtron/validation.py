@@ -113,7 +113,7 @@ def check(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     _check_data(cfg.data, cfg.model)
     _check_checkpoint(cfg.checkpoint)
     _check_logging(cfg.log)
-    check_launcher(cfg.parallel)
+    check_launcher(cfg.launcher)
     check_resilience(cfg, world_size)
     check_detection_flags(cfg)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -359,12 +360,21 @@ def test_aliases() -> None:
     assert build_config(["--cpu-optimizer"]).optim.optimizer_cpu_offload is True
     assert build_config(["--cpu-optimizer", "--no-cpu-optimizer"]).optim.optimizer_cpu_offload is False
     for argv in (["--nproc_per_node", "2"], ["--nproc_per_node=2"], ["--nproc-per-node", "2"]):
-        assert build_config(argv).parallel.nproc_per_node == 2
+        assert build_config(argv).launcher.nproc_per_node == 2
     cfg = build_config(["--node_rank", "1", "--master_addr", "h", "--master_port", "1234", "--rdzv_backend", "c10d",
                         "--rdzv_endpoint", "h:1", "--nnodes=2"])
-    p = cfg.parallel
+    p = cfg.launcher
     assert (p.node_rank, p.master_addr, p.master_port, p.rdzv_backend, p.rdzv_endpoint, p.nnodes) == \
         (1, "h", 1234, "c10d", "h:1", "2")
+
+
+def test_launcher_settings_are_not_the_runs() -> None:
+    from meshtron.launcher import LAUNCHER_FIELDS
+
+    cfg = build_config(["--nproc-per-node", "2", "--max-restarts", "3", "--master-port", "1234"])
+    assert (cfg.launcher.nproc_per_node, cfg.launcher.max_restarts) == (2, 3)
+    assert not set(LAUNCHER_FIELDS) & set(cfg.to_dict())  # a checkpoint's config.yaml does not list them
+    assert not set(LAUNCHER_FIELDS) & {f.name for f in dataclasses.fields(type(cfg.parallel))}
 
 
 def test_choices_are_case_insensitive() -> None:
@@ -421,7 +431,7 @@ def test_megatron_guide_70b_script_validates(tmp_path: Path, monkeypatch: pytest
       --merge-file /path/to/merges.txt""".split()
     args = parse_train_args([paths.get(a, a) for a in argv])
     cfg = args.config
-    assert launcher.planned_world_size(cfg.parallel) == 64
+    assert launcher.planned_world_size(cfg.launcher) == 64
     validation.validate_config(cfg, 64)
     assert validation.data_parallel_size(cfg, 64) == 4
     assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
@@ -473,7 +483,7 @@ def test_strip_launcher_flags() -> None:
 def test_torchrun_args() -> None:
     cfg = build_config(["--nproc-per-node", "8", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                         "head:29500"])
-    args = launcher.torchrun_args(cfg.parallel, ["-m", "meshtron", "train", "--bf16"])
+    args = launcher.torchrun_args(cfg.launcher, ["-m", "meshtron", "train", "--bf16"])
     assert args == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
                     "--master-port", "29500", "--rdzv-backend", "c10d", "--max-restarts", "0",
                     "--rdzv-endpoint", "head:29500", "-m", "meshtron", "train", "--bf16"]
@@ -482,9 +492,9 @@ def test_torchrun_args() -> None:
 def test_launcher_flags_ignored_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = build_config(["--nproc-per-node", "2"])
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert launcher.should_launch(cfg.parallel)
+    assert launcher.should_launch(cfg.launcher)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not launcher.should_launch(cfg.parallel)
+    assert not launcher.should_launch(cfg.launcher)
     assert launcher.env_world_size() == 2
 
 
@@ -498,8 +508,8 @@ def test_launcher_validates_before_starting_workers() -> None:
 
 
 def test_elastic_nnodes_has_no_planned_world_size() -> None:
-    assert launcher.planned_world_size(build_config(["--nproc-per-node", "4", "--nnodes", "1:2"]).parallel) is None
-    assert launcher.planned_world_size(build_config(["--nproc-per-node", "4", "--nnodes", "3"]).parallel) == 12
+    assert launcher.planned_world_size(build_config(["--nproc-per-node", "4", "--nnodes", "1:2"]).launcher) is None
+    assert launcher.planned_world_size(build_config(["--nproc-per-node", "4", "--nnodes", "3"]).launcher) == 12
 
 
 def _free_port() -> int:
@@ -515,7 +525,7 @@ def test_torchrun_starts_workers_with_the_launch_environment(tmp_path: Path) -> 
                       "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write("
                       "os.environ['WORLD_SIZE'] + ' ' + os.environ['LOCAL_RANK'] + ' ' + ' '.join(sys.argv[2:]))\n")
     cfg = build_config(["--nproc-per-node", "2", "--master-port", str(_free_port())])
-    code = launcher.run_torchrun(launcher.torchrun_args(cfg.parallel, [str(script), str(tmp_path), "--bf16"]))
+    code = launcher.run_torchrun(launcher.torchrun_args(cfg.launcher, [str(script), str(tmp_path), "--bf16"]))
     assert code == 0
     assert sorted(p.read_text() for p in tmp_path.glob("rank*")) == ["2 0 --bf16", "2 1 --bf16"]
 
@@ -524,7 +534,7 @@ def test_torchrun_failure_returns_the_worker_exit_code(tmp_path: Path, capsys: p
     script = tmp_path / "fail.py"
     script.write_text("import sys\nsys.exit(3)\n")
     cfg = build_config(["--nproc-per-node", "1", "--master-port", str(_free_port())])
-    assert launcher.run_torchrun(launcher.torchrun_args(cfg.parallel, [str(script)])) == 3
+    assert launcher.run_torchrun(launcher.torchrun_args(cfg.launcher, [str(script)])) == 3
     assert "worker process(es) failed" in capsys.readouterr().err
 
 

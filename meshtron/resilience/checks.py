@@ -16,7 +16,7 @@ def check_resilience(cfg: Any, world_size: Optional[int]) -> None:
         check_faults(t.inject_fault, world_size if world_size is not None else 1 << 62, t.train_iters)
     for flag, value in (("--hang-timeout-seconds", t.hang_timeout_seconds),
                         ("--hang-startup-timeout-seconds", t.hang_startup_timeout_seconds),
-                        ("--max-restarts", p.max_restarts)):
+                        ("--max-restarts", cfg.launcher.max_restarts)):
         if value < 0:
             raise ConfigError(f"{flag} must be >= 0, got {value:g}")
     collective_timeout = 60.0 * p.distributed_timeout_minutes

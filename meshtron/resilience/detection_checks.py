@@ -13,7 +13,7 @@ from meshtron.config import ConfigError
 
 def restarts_configured(cfg: Any) -> bool:
     """Whether a failed attempt is restarted: ``--max-restarts`` here, or torchrun's in a worker's environment."""
-    if getattr(cfg.parallel, "max_restarts", 0):
+    if cfg.launcher.max_restarts:
         return True
     try:
         return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
