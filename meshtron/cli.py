@@ -30,7 +30,7 @@ from meshtron import __version__
 from meshtron.allocator import default_to_expandable_segments
 from meshtron.config import SECTIONS, ConfigError, MeshtronConfig, flag_name
 from meshtron.launcher import LAUNCHER_FIELDS, launcher_option_strings
-from meshtron.megatron_compat import MEGATRON_COMPAT
+from meshtron.megatron_compat import MEGATRON_COMPAT, CompatFlag
 from meshtron.presets import PRESETS, PUBLISHED_ACTIVE, apply_preset, count_parameters
 from meshtron.validation import validate_config
 
@@ -162,11 +162,12 @@ def flag_specs() -> tuple[FlagSpec, ...]:
     return tuple(specs)
 
 
-#: The section of the flags that have no configuration field (:mod:`meshtron.megatron_compat`).
+#: The section of the flags that have no configuration field (:mod:`meshtron.megatron_compat`), and their names.
 COMPAT_SECTION = "megatron_compat"
+COMPAT_NAMES = frozenset(flag.name for flag in MEGATRON_COMPAT)
 
 
-def _compat_spec(flag) -> FlagSpec:
+def _compat_spec(flag: CompatFlag) -> FlagSpec:
     strings = tuple(dict.fromkeys([flag_name(flag.name), *flag.aliases]))
     negatives = tuple("--no-" + s[2:] for s in strings if not s.startswith("--no-")) if flag.kind is bool else ()
     return FlagSpec(name=flag.name, section=COMPAT_SECTION, topic=COMPAT_TOPIC, option_strings=strings,
@@ -386,9 +387,8 @@ def parse_train_args(argv: Sequence[str]) -> TrainArgs:
         preset = DEFAULT_PRESET
     if preset is not None:
         apply_preset(cfg.model, preset)
-    compat = {flag.name for flag in MEGATRON_COMPAT}  # accepted, noted, never part of the configuration
     for name, value in {**base, **given}.items():
-        if name != "model" and name not in compat:
+        if name != "model" and name not in COMPAT_NAMES:  # accepted, noted, never part of the configuration
             cfg.set(name, copy.deepcopy(value))
     if cfg.checkpoint.use_checkpoint_args:
         _apply_checkpoint_model_args(cfg, given)
