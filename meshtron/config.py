@@ -202,6 +202,7 @@ class ParallelConfig:
     distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))
     distributed_timeout_minutes: float = opt(10.0, "Timeout of collective operations, in minutes.")
 
+
 @dataclass
 class LauncherConfig:
     """How the ``meshtron train --nproc-per-node N`` shortcut starts the workers (passed to torch.distributed.run).

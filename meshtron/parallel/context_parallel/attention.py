@@ -279,6 +279,14 @@ class _Blocks:
         return _rows(block.k_rows, self.c), dk_b, dv_b
 
 
+def _start_forward(q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
+    """(blocks, this rank's keys and values packed in one buffer, zeroed output and log-sum-exp accumulators):
+    what both schedules' forwards begin with."""
+    layout = _KVLayout.of(k, v)
+    out, lse = _accumulators(q, v.shape[-1])
+    return _Blocks(q, layout, inputs, dropout_p, scale), layout.pack(k, v), out, lse
+
+
 def _save_forward(ctx, blocks: _Blocks, q, kv, out, lse) -> torch.Tensor:
     out = out.to(q.dtype)
     ctx.save_for_backward(q, kv, out, lse)
@@ -300,10 +308,7 @@ def _unpack_grads(dkv: torch.Tensor, layout: _KVLayout, dtype: torch.dtype) -> t
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
-        layout = _KVLayout.of(k, v)
-        blocks = _Blocks(q, layout, inputs, dropout_p, scale)
-        out, lse = _accumulators(q, v.shape[-1])
-        kv = layout.pack(k, v)
+        blocks, kv, out, lse = _start_forward(q, k, v, inputs, dropout_p, scale)
         cur = kv
         for step, block in enumerate(ring_plan(inputs.cp, inputs.rank)):
             nxt, works = None, []
@@ -356,10 +361,7 @@ def _gather_kv(kv: torch.Tensor, inputs: ContextParallelInputs):
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
-        layout = _KVLayout.of(k, v)
-        blocks = _Blocks(q, layout, inputs, dropout_p, scale)
-        out, lse = _accumulators(q, v.shape[-1])
-        kv = layout.pack(k, v)
+        blocks, kv, out, lse = _start_forward(q, k, v, inputs, dropout_p, scale)
         gathered, work = _gather_kv(kv, inputs)
         full = None
         for block in allgather_plan(inputs.cp, inputs.rank):
