@@ -605,7 +605,8 @@ def _run_worker(cfg: MeshtronConfig, world_size: int, run_training: Callable[...
     lifecycle = RunLifecycle(f"{PROG} train", rank=int(os.environ.get("RANK", "0")), world_size=world_size,
                              timeout_s=60.0 * cfg.parallel.distributed_timeout_minutes,
                              bad_input=bad_input, failures=failures,
-                             quiet_interrupt=launcher.launched_by_meshtron())
+                             quiet_interrupt=launcher.launched_by_meshtron(),
+                             on_exit_code=launcher.report_exit_status)
 
     def body() -> int:
         result = run_training(cfg)

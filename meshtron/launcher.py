@@ -147,7 +147,8 @@ def launched_by_meshtron() -> bool:
 
 
 def report_exit_status(code: int) -> None:
-    """Leave this worker's exit code where the shortcut that started it will read it (if it did)."""
+    """Leave this worker's exit code where the shortcut that started it will read it (if it did): once when
+    the code is known, before the teardown (whose end a peer may not wait for), and again at the exit."""
     folder = os.environ.get(EXIT_STATUS_DIR_ENV)
     if not folder or not running_under_torchrun():
         return
@@ -179,12 +180,14 @@ def _exit_code_of(exitcode: object) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
-def _failure_exit_code(err) -> int:
+def _failure_exit_code(err, statuses: Sequence[int] = ()) -> int:
     """The launcher's exit code for failed workers: 2 when a worker found bad input (the other ranks'
     failures are then its consequence: a peer left, or the launcher stopped them), else the first
-    failure's code."""
+    failure's code. ``statuses`` are the codes the workers reported (:func:`report_exit_status`): a worker
+    reports its code before its teardown, so a bad-input worker that the launcher stopped during the teardown,
+    after a peer had already failed on its departure, is still counted as bad input."""
     codes = [_exit_code_of(f.exitcode) for f in err.failures.values()]
-    if 2 in codes:
+    if 2 in codes or 2 in statuses:
         return 2
     _, first = err.get_first_failure()
     code = _exit_code_of(first.exitcode)
@@ -229,7 +232,7 @@ def run_torchrun(args: Sequence[str], nproc_per_node: Optional[int] = None) -> i
         torch_run.run(torch_run.parse_args(list(args)))
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        code = _failure_exit_code(err)
+        code = _failure_exit_code(err, _read_exit_statuses(status_dir))
         print(f"meshtron train: error: {len(err.failures)} worker process(es) failed "
               f"(first: rank {rank}, exit code {_exit_code_of(failure.exitcode)}); their output is above",
               file=sys.stderr)

@@ -114,11 +114,12 @@ class RunLifecycle:
     and 1; any other exception is a bug and keeps its traceback (exit 1). Ctrl-C (SIGINT) gives
     130; a second Ctrl-C during the teardown is recorded, not raised, so that the teardown finishes.
     ``quiet_interrupt`` leaves the "interrupted" line to the launcher, which prints one for all ranks.
+    ``on_exit_code`` is called with the exit code as soon as it is known, before the teardown.
     """
 
     def __init__(self, prog: str, rank: int, world_size: int, timeout_s: float,
                  bad_input: tuple[type[BaseException], ...] = (), failures: tuple[type[BaseException], ...] = (),
-                 quiet_interrupt: bool = False) -> None:
+                 quiet_interrupt: bool = False, on_exit_code: Optional[Callable[[int], None]] = None) -> None:
         self.prog = prog
         self.rank = rank
         self.world_size = world_size
@@ -126,6 +127,7 @@ class RunLifecycle:
         self.bad_input = bad_input
         self.failures = failures
         self.quiet_interrupt = quiet_interrupt
+        self.on_exit_code = on_exit_code
         self.signal_received: Optional[int] = None
         self.exit_code: Optional[int] = None
         self._interrupt_raises = False  # True while the body runs: a Ctrl-C then stops it
@@ -144,6 +146,8 @@ class RunLifecycle:
                 code = self._report(err)
             # The exception, its traceback and the frames holding the run's objects are gone here, so
             # that the collection in shutdown_distributed() can free the process groups.
+            if self.on_exit_code is not None:  # before the teardown: peers see this rank leave during it
+                self.on_exit_code(code)
             if not shutdown_distributed(self.timeout_s):
                 print(f"{self.prog}: warning: {self._where()}the teardown did not finish within "
                       f"{self.timeout_s:g}s (--distributed-timeout-minutes); exiting now", file=sys.stderr)

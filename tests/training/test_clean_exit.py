@@ -269,15 +269,27 @@ class _ChildFailed:
         return self._first, self.failures[self._first]
 
 
-@pytest.mark.parametrize("codes,first,expected", [
-    ({1: 2, 0: -15}, 0, 2),  # rank 1 found bad input; the launcher then stopped rank 0 with SIGTERM
-    ({1: 2, 0: 1}, 0, 2),    # ... or rank 0 lost its peer
-    ({0: 1, 1: -15}, 0, 1),
-    ({0: -9}, 0, 137),       # killed (e.g. out of memory): 128 + 9
-    ({0: -6, 1: -15}, 0, 134),
+@pytest.mark.parametrize("codes,first,statuses,expected", [
+    ({1: 2, 0: -15}, 0, [], 2),  # rank 1 found bad input; the launcher then stopped rank 0 with SIGTERM
+    ({1: 2, 0: 1}, 0, [], 2),    # ... or rank 0 lost its peer
+    # rank 1 reported bad input, rank 0 lost it as rank 1 tore down, and the launcher stopped rank 1 then
+    ({0: 1, 1: -15}, 0, [2], 2),
+    ({0: 1, 1: -15}, 0, [], 1),
+    ({0: 1, 1: -15}, 0, [1], 1),
+    ({0: -9}, 0, [], 137),       # killed (e.g. out of memory): 128 + 9
+    ({0: -6, 1: -15}, 0, [], 134),
 ])
-def test_launcher_exit_code_of_failed_workers(codes: dict, first: int, expected: int):
-    assert launcher._failure_exit_code(_ChildFailed(codes, first)) == expected
+def test_launcher_exit_code_of_failed_workers(codes: dict, first: int, statuses: list, expected: int):
+    assert launcher._failure_exit_code(_ChildFailed(codes, first), statuses) == expected
+
+
+def test_the_exit_code_is_reported_before_the_teardown(monkeypatch):
+    import meshtron.training.lifecycle as lifecycle
+
+    order = []
+    monkeypatch.setattr(lifecycle, "shutdown_distributed", lambda timeout_s: order.append("teardown") or True)
+    code = _lifecycle(world_size=2, on_exit_code=lambda c: order.append(c)).run(_raise(ConfigError("--x: bad")))
+    assert code == 2 and order == [2, "teardown"]
 
 
 @pytest.mark.parametrize("statuses,expected_workers,code", [
