@@ -5,7 +5,7 @@ Usage: python benchmarks/profile_step.py [train flags...]   (e.g. --model llama3
 With PROFILE_TRACE=path.json set, rank 0 also writes the Chrome trace of the profiled steps (one stream
 per row: where the compute stream waits, what overlaps what). PROFILE_CPU=1 records the host's operators
 too (and Python calls, in the trace), to see where a host-bound step spends its host time. PROFILE_STEPS=N profiles
-N steps (default 2).
+N steps (default 2). PROFILE_ROWS=N prints the top N kernels (default 30).
 """
 
 import os
@@ -40,7 +40,8 @@ def main(argv):
             trainer.train_step(batches, 10 + i)
         torch.cuda.synchronize()
     if ctx.rank == 0:
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=int(os.environ.get("PROFILE_ROWS", "30")),
+                                           max_name_column_width=110)
         print(table)
         print_categories(prof)
         if host:
