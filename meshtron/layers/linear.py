@@ -226,7 +226,7 @@ class RowParallelLinear(nn.Module):
             else:
                 y = row_sequence_parallel_fp8(x, self.weight, self.group, gradient_dtype(self.fp8_format))
             return y if self.bias is None else y + self.bias
-        return self._reduce(_linear(x, self.weight, None, self.fp8_format, self.fp8_recipe, self.wgrad_store))
+        return self.reduce_output(_linear(x, self.weight, None, self.fp8_format, self.fp8_recipe, self.wgrad_store))
 
     def _swiglu_matmul(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
         """``forward(silu(gate) * up)`` for fc1's output ``gate_up`` = [gate, up] without keeping the
@@ -248,14 +248,14 @@ class RowParallelLinear(nn.Module):
             # inside the FP8 linear's autograd function): eager FP8 keeps the product's one-byte copy.
             if sp_fp8 or self.fp8_recipe != "tensorwise" or not torch.compiler.is_compiling():
                 return None
-            return self._reduce(_swiglu_fp8_recomputed(gate_up, self.weight, self.fp8_format))
+            return self.reduce_output(_swiglu_fp8_recomputed(gate_up, self.weight, self.fp8_format))
         if torch.compiler.is_compiling():
             # The compiler would merge _SwiGLUMatmul's recomputation with the forward's product and keep
             # it: the recomputation is forced instead.
-            return self._reduce(recompute_all_but_matmuls(_swiglu_linear, gate_up, self.weight))
-        return self._reduce(_SwiGLUMatmul.apply(gate_up, self.weight))
+            return self.reduce_output(recompute_all_but_matmuls(_swiglu_linear, gate_up, self.weight))
+        return self.reduce_output(_SwiGLUMatmul.apply(gate_up, self.weight))
 
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
         """Sum the partial products over TP (reduce-scatter to sequence shards under SP), add the bias."""
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence(y, self.group)
@@ -308,6 +308,16 @@ class _SwiGLUMatmul(torch.autograd.Function):
         grad_weight = weight_grad(grad_out, silu * up) if ctx.needs_input_grad[1] else None
         grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
         return torch.cat([grad_gate, grad_product * silu], dim=-1), grad_weight
+
+
+def fuses_fp8_swiglu(fc1: ColumnParallelLinear, fc2: RowParallelLinear) -> bool:
+    """Whether a SwiGLU block's two linears run as one FP8 function (:mod:`meshtron.layers.fp8.swiglu`): both
+    FP8 tensorwise in the same format, no biases, not on the sequence-parallel FP8 path (which casts before
+    its collectives), no zero-bubble weight-gradient deferral."""
+    return (fc1.fp8_format is not None and fc1.fp8_format == fc2.fp8_format
+            and fc1.fp8_recipe == fc2.fp8_recipe == "tensorwise" and fc1.bias is None and fc2.bias is None
+            and not (fc1.sequence_parallel and comm.group_size(fc1.group) > 1)
+            and not _defers(fc1.wgrad_store, fc1.weight) and not _defers(fc2.wgrad_store, fc2.weight))
 
 
 def _sequence_parallel_fp8(layer: nn.Module) -> bool:

@@ -7,7 +7,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtron.config import ModelConfig, ffn_size
-from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
+from meshtron.layers.fp8 import gradient_dtype
+from meshtron.layers.fp8.swiglu import fp8_swiglu_mlp
+from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear, fuses_fp8_swiglu
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import Piece, scaled_std, shard
 
@@ -34,6 +36,12 @@ class MLP(nn.Module):
                                      sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu and fuses_fp8_swiglu(self.fc1, self.fc2):
+            # One FP8 function from fc1's input to fc2's output: the gradient of gate and up goes straight into
+            # fc1's FP8 operands, never written in bf16. The layer's pre-hook has brought both weights.
+            x = self.fc1.prepare_input(x)
+            y = fp8_swiglu_mlp(x, self.fc1.weight, self.fc2.weight, gradient_dtype(self.fc1.fp8_format))
+            return self.fc2.reduce_output(y)
         h = self.fc1(x)
         if self.swiglu:
             return self.fc2(h, gate_up=True)  # the module call: its pre-hooks bring the weight
