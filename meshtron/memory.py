@@ -58,8 +58,8 @@ two hidden-dropout masks (if p > 0)   2*h                only with SP
 
 (Without RoPE and head norms, q and k are views of the QKV output, which then stays whole: ``e*(q + 2k)``.
 SwiGLU's down projection recomputes the product from gate and up in its backward
-(``linear._SwiGLUMatmul``), compiled FP8 tensorwise with its casts; zero-bubble weight-gradient deferral, the
-sequence-parallel FP8 path and eager FP8 keep it (``e*f``, one byte per element in FP8). A GeLU MLP keeps ``e*f`` for the GeLU input and ``e*f`` for its output. ``--qk-layernorm``
+(``linear._SwiGLUMatmul``), FP8 tensorwise with its casts (compiled, or without biases: ``fp8.swiglu``);
+zero-bubble weight-gradient deferral, the sequence-parallel FP8 path and eager FP8 with biases keep it (``e*f``, one byte per element in FP8). A GeLU MLP keeps ``e*f`` for the GeLU input and ``e*f`` for its output. ``--qk-layernorm``
 adds the heads' statistics.) So without recomputation a layer keeps::
 
     b*s * [ e*(4h + 2q + 2k + 2f) + 4a + stats + dropout ]          (SwiGLU, RoPE)
@@ -194,9 +194,10 @@ _KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
 #: its weight again in backward; 3 = SwiGLU experts on the direct path weigh each row inside the activation
 #: and recompute SwiGLU in backward; 4 = grouped SwiGLU experts recompute SwiGLU in backward on every path
 #: (through the dispatcher too, with weights 1: the combine weighs); 5 = through the dispatcher too, SwiGLU
-#: experts without an output bias weigh their rows inside the activation, so the combine keeps no rows
-#: (today's code).
-LAYER_SAVES = 5
+#: experts without an output bias weigh their rows inside the activation, so the combine keeps no rows; 6 = the
+#: FP8 (tensorwise) SwiGLU block without biases is one function (``fp8.swiglu``), which recomputes the product
+#: eagerly too (today's code).
+LAYER_SAVES = 6
 
 
 @dataclass(frozen=True)
@@ -430,16 +431,17 @@ def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: b
 
 def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> bool:
     """Whether SwiGLU's down projection recomputes the product (in FP8 also its and its weight's casts) in
-    backward, as ``RowParallelLinear._swiglu_matmul`` decides: not under a zero-bubble schedule's deferred
-    weight gradients, rowwise FP8, the sequence-parallel FP8 path or eager FP8; not before revision 1 of
-    ``saves``."""
+    backward, as ``RowParallelLinear._swiglu_matmul`` and the FP8 SwiGLU block (``fp8.swiglu``) decide: not under
+    a zero-bubble schedule's deferred weight gradients, rowwise FP8, the sequence-parallel FP8 path or eager FP8
+    with biases (eager FP8 without them before revision 6); not before revision 1 of ``saves``."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if not m.swiglu or saves < 1 or p.pipeline_schedule in SPLIT_BACKWARD:
         return False
     if not t.fp8_format:
         return True
     sequence_parallel = p.sequence_parallel and p.tensor_model_parallel_size > 1
-    return t.fp8_recipe == "tensorwise" and not sequence_parallel and _layers_compiled(cfg)
+    fused_block = saves >= 6 and m.disable_bias_linear  # meshtron.layers.linear.fuses_fp8_swiglu
+    return t.fp8_recipe == "tensorwise" and not sequence_parallel and (_layers_compiled(cfg) or fused_block)
 
 
 def _layers_compiled(cfg: MeshtronConfig) -> bool:

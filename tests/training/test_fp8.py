@@ -184,3 +184,106 @@ def test_rowwise_fp8_training_follows_bf16():
     assert fp8.train_losses[30] < fp8.train_losses[10] - 0.5
     assert fp8.train_losses[30] == pytest.approx(bf16.train_losses[30], rel=0.03)
     assert fp8.train_losses[30] != bf16.train_losses[30]
+
+
+def _swiglu_block_inputs(seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 32, 64, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(2 * 48, 64, generator=g) * 0.1).to(torch.bfloat16)  # gate's rows, then up's
+    w2 = (torch.randn(64, 48, generator=g) * 0.1).to(torch.bfloat16)
+    grad = torch.randn(2, 32, 64, generator=g).to(torch.bfloat16)
+    return x, w1, w2, grad
+
+
+def _run_block(fn, x, w1, w2, grad):
+    x, w1, w2 = (t.clone().requires_grad_() for t in (x, w1, w2))
+    y = fn(x, w1, w2)
+    y.backward(grad)
+    return y, x.grad, w1.grad, w2.grad
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_fp8_swiglu_block_equals_the_scaled_matmuls_it_stands_for(fmt):
+    """The fused FP8 SwiGLU block: forward and the three gradients are exactly the FP8 products of the recipe,
+    with the gradient of gate and up formed in fp32, rounded to bf16 and cast with the scale of its maximum,
+    and fc2's weight gradient taken from the product cast with the forward's scale."""
+    from meshtron.layers.fp8 import gradient_dtype
+    from meshtron.layers.fp8.swiglu import fp8_swiglu_mlp
+
+    x, w1, w2, grad = _swiglu_block_inputs()
+    gdt = gradient_dtype(fmt)
+    y, gx, gw1, gw2 = _run_block(lambda a, b, c: fp8_swiglu_mlp(a, b, c, gdt), x, w1, w2, grad)
+
+    def q(t, dtype):
+        scale, inv = tensor_scale(t, dtype)
+        return scaled_cast(t, scale, dtype), scale, inv
+
+    def mm(a, b, sa, sb, fast=False):
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=sa, scale_b=sb,
+                                out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+    x2, g2 = x.reshape(-1, 64), grad.reshape(-1, 64)
+    (xq, _, xi), (w1q, _, w1i), (w2q, _, w2i), (gq, _, gi) = q(x2, E4M3), q(w1, E4M3), q(w2, E4M3), q(g2, gdt)
+    gate_up = mm(xq, w1q.t(), xi, w1i, fast=True)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    product = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+    pq, _, pi = q(product, E4M3)
+    assert torch.equal(y.reshape(-1, 64), mm(pq, w2q.t(), pi, w2i, fast=True))
+    grad_p = mm(gq, w2q, gi, w2i).float()
+    sig = torch.sigmoid(gate)
+    grad_gate_up = torch.cat([grad_p * up * sig * (1 + gate * (1 - sig)), grad_p * gate * sig], -1).to(torch.bfloat16)
+    hq, _, hi = q(grad_gate_up, gdt)
+    assert torch.equal(gw2, mm(gq.t(), pq, gi, pi))
+    assert torch.equal(gx.reshape(-1, 64), mm(hq, w1q, hi, w1i))
+    assert torch.equal(gw1, mm(hq.t(), xq, hi, xi))
+
+
+def test_fp8_swiglu_block_follows_the_fp32_block_and_two_fp8_linears():
+    """Within FP8's rounding of the fp32 block, and of the same block run as two FP8 linears (which round SiLU's
+    output to bf16 before the product, so a few FP8 values round the other way); compiled equals eager."""
+    from meshtron.layers.fp8 import E5M2
+    from meshtron.layers.fp8.swiglu import fp8_swiglu_mlp
+    from meshtron.layers.linear import swiglu
+
+    x, w1, w2, grad = _swiglu_block_inputs(4)
+
+    def fused(a, b, c):
+        return fp8_swiglu_mlp(a, b, c, E5M2)
+
+    def two_linears(a, b, c):
+        return fp8_linear(swiglu(fp8_linear(a, b, None, "hybrid")), c, None, "hybrid")
+
+    got = _run_block(fused, x, w1, w2, grad)
+    linears = _run_block(two_linears, x, w1, w2, grad)
+    fp32 = _run_block(lambda a, b, c: torch.nn.functional.linear(swiglu(a @ b.t()), c),
+                      *(t.float() for t in (x, w1, w2, grad)))
+    for a, b, c in zip(got, linears, fp32):
+        assert rel(a, c) < 0.12 and rel(b, c) < 0.12  # hybrid: e5m2 gradients through two linears
+        assert rel(a, b) < 0.03
+    torch._dynamo.reset()
+    for eager, compiled in zip(got, _run_block(torch.compile(fused, fullgraph=True), x, w1, w2, grad)):
+        assert torch.equal(eager, compiled)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_the_mlp_takes_the_fused_fp8_swiglu_block_where_it_applies(monkeypatch, bias):
+    """SwiGLU MLPs in FP8 tensorwise without biases run the fused block; with biases (or rowwise), the two linears."""
+    import meshtron.layers.mlp as mlp_module
+    from meshtron.config import ModelConfig
+    from meshtron.layers.fp8 import enable_fp8
+    from meshtron.parallel.context import ParallelContext
+    from meshtron.presets import apply_preset
+
+    m = ModelConfig()
+    apply_preset(m, "tiny")
+    m.disable_bias_linear = not bias
+    calls = []
+    monkeypatch.setattr(mlp_module, "fp8_swiglu_mlp", lambda *a: calls.append(1) or torch.zeros(()))
+    for recipe, fused in (("tensorwise", not bias), ("rowwise", False)):
+        block = mlp_module.MLP(m, ParallelContext(), "mlp", sequence_parallel=False).to_empty(device="cpu")
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        enable_fp8(block, "e4m3", recipe)
+        calls.clear()
+        block(torch.randn(16, 2, m.hidden_size))
+        assert calls == ([1] if fused else []), (recipe, bias)

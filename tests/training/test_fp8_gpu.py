@@ -75,3 +75,52 @@ def test_compiled_fp8_linear_on_cuda_follows_eager():
                                _run(torch.compile(fp8_linear, fullgraph=True), x, w, grad)):
         err = ((eager.float() - compiled.float()).norm() / eager.float().norm()).item()
         assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("rows,width", [(4096, 1024), (1000, 336), (16, 16), (0, 64)])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_triton_swiglu_gradient_passes_follow_torch(rows, width, dtype):
+    """The fused SwiGLU block's two Triton passes against their torch definitions: the same maximum and FP8
+    values, but for the rare element whose fp32 SiLU differs in its last bit (Triton's exp is not torch's)
+    and then rounds the other way in bf16."""
+    from meshtron.layers.fp8.swiglu import _amax_torch, _cast_torch, swiglu_grad_amax, swiglu_grad_cast
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gate_up = torch.randn(rows, 2 * width, device="cuda", generator=g).to(torch.bfloat16) * 3
+    grad_p = torch.randn(rows, width + 8, device="cuda", generator=g).to(torch.bfloat16)[:, :width]  # strided rows
+    p_scale = torch.tensor(40.0, device="cuda")  # some products saturate
+    product_t, amax = swiglu_grad_amax(gate_up, grad_p, p_scale, E4M3)
+    want_t, want_amax = _amax_torch(gate_up, grad_p, p_scale, E4M3)
+    assert product_t.shape == (width, rows) and product_t.is_contiguous()
+    torch.testing.assert_close(amax, want_amax, rtol=2 ** -8, atol=0)
+
+    def mismatch(a, b):
+        return (as_bytes(a) != as_bytes(b)).float().mean().item() if a.numel() else 0.0
+
+    assert mismatch(product_t, want_t) < 1e-3
+    scale = torch.finfo(dtype).max / want_amax
+    q, q_t = swiglu_grad_cast(gate_up, grad_p, scale, dtype)
+    want_q, want_q_t = _cast_torch(gate_up, grad_p, scale, dtype)
+    assert q.shape == (rows, 2 * width) and q_t.shape == (2 * width, rows) and q_t.is_contiguous()
+    assert mismatch(q, want_q) < 1e-3 and torch.equal(as_bytes(q_t), as_bytes(q.t().contiguous()))
+
+
+def test_compiled_fp8_swiglu_block_on_cuda_follows_eager():
+    from meshtron.layers.fp8.swiglu import fp8_swiglu_mlp
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4, 512, 256, device="cuda", generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(2 * 384, 256, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(256, 384, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    grad = torch.randn(4, 512, 256, device="cuda", generator=g).to(torch.bfloat16)
+
+    def run(fn):
+        xs = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        y = fn(*xs, E5M2)
+        y.backward(grad)
+        return [y] + [t.grad for t in xs]
+
+    torch._dynamo.reset()
+    for eager, compiled in zip(run(fp8_swiglu_mlp), run(torch.compile(fp8_swiglu_mlp, fullgraph=True))):
+        err = ((eager.float() - compiled.float()).norm() / eager.float().norm()).item()
+        assert err < 1e-2, err
