@@ -2,7 +2,7 @@
 
 Run with one process per GPU, e.g. Llama 3.1 8B over two GPUs with tensor parallelism::
 
-    torchrun --nproc-per-node 2 -m meshtron.checkpoint.bench --model llama3-8b --tp 2 --dir /scratch/ckpt
+    torchrun --nproc-per-node 2 benchmarks/checkpoint_io.py --model llama3-8b --tp 2 --dir /scratch/ckpt
 
 It builds the model (bf16 weights, fp32 masters and Adam moments), takes a few
 training steps, then measures: a synchronous save; an asynchronous save (the time
@@ -106,7 +106,7 @@ def bench_model(cfg: MeshtronConfig, ctx: ParallelContext) -> torch.nn.Module:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m meshtron.checkpoint.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/checkpoint_io.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dir", required=True, help="checkpoint directory (on the file system to measure)")

@@ -1,4 +1,4 @@
-"""Measure the data pipeline on this machine: ``python -m meshtron.data.bench``.
+"""Measure the data pipeline on this machine: ``python benchmarks/data_pipeline.py``.
 
 Uses only text already on the machine (the Python standard library's sources, and English prose
 from the Python documentation topics and the licence texts under /usr/share), so it runs offline:
@@ -150,7 +150,7 @@ def bench_index(entries: int, work: Path, seq_length: int = 4096) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m meshtron.data.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/data_pipeline.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--vocab-size", type=int, default=50257)
     p.add_argument("--seq-length", type=int, default=4096)
