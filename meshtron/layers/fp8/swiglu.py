@@ -64,7 +64,8 @@ def _check(gate_up: torch.Tensor, grad_product: torch.Tensor) -> tuple[int, int]
 def _amax_torch(gate_up, grad_product, product_scale, product_dtype):
     grad, product = _swiglu_grads_torch(gate_up, grad_product)
     product_t = scaled_cast(product, product_scale, product_dtype).t().contiguous()
-    return product_t, grad.abs().amax().float().reshape(1)
+    amax = grad.abs().amax().float() if grad.numel() else grad.new_zeros((), dtype=torch.float32)
+    return product_t, amax
 
 
 def _cast_torch(gate_up, grad_product, scale, dtype):
@@ -74,7 +75,7 @@ def _cast_torch(gate_up, grad_product, scale, dtype):
 
 
 _AMAX_DOC = """(the product ``silu(gate) * up`` cast with ``product_scale`` to ``product_dtype`` and transposed
-    [width, rows], the largest absolute value of the gradient of ``gate_up`` as a one-element fp32 tensor).
+    [width, rows], the largest absolute value of the gradient of ``gate_up`` as a 0-dim fp32 tensor).
 
     ``gate_up`` [rows, 2 * width] is fc1's output, ``grad_product`` [rows, width] the gradient of the product.
     """
@@ -94,7 +95,7 @@ if triton is None:
     def _amax_fake(gate_up, grad_product, product_scale, product_dtype):
         rows, width = grad_product.shape
         return (gate_up.new_empty((width, rows), dtype=product_dtype),
-                gate_up.new_empty((1,), dtype=torch.float32))
+                gate_up.new_empty((), dtype=torch.float32))
 
     @torch.library.custom_op("meshtron::fp8_swiglu_grad_cast", mutates_args=())
     def swiglu_grad_cast(gate_up: torch.Tensor, grad_product: torch.Tensor, scale: torch.Tensor,
@@ -182,7 +183,8 @@ else:
             return _amax_torch(gate_up, grad_product, product_scale, product_dtype)
         gate_up, grad_product = _contiguous_rows(gate_up), _contiguous_rows(grad_product)
         product_t = torch.empty((width, rows), dtype=product_dtype, device=gate_up.device)
-        amax = torch.zeros(1, dtype=torch.float32, device=gate_up.device)
+        # 0-dim, like the other operands' scales (the compiler's scaled-matmul templates want equal ranks).
+        amax = torch.zeros((), dtype=torch.float32, device=gate_up.device)
         if product_t.numel():
             torch.library.wrap_triton(_swiglu_grad_amax_kernel)[_grid(rows, width)](
                 gate_up, grad_product, product_scale, product_t, amax, rows, width, gate_up.stride(0),
