@@ -3,7 +3,10 @@ two FP8 linears (fc1, then fc2 recomputing the product and its casts in backward
 block) and as the fused block (meshtron.layers.fp8.swiglu), both compiled, on one GPU.
 
 Usage: python benchmarks/fp8_swiglu_probe.py   (milliseconds per forward + backward; the two Triton passes alone)
+       PROBE_SHAPE=llama3-1b python benchmarks/fp8_swiglu_probe.py   (its block at 8 x 4096 tokens)
 """
+
+import os
 
 import torch
 from triton.testing import do_bench
@@ -12,7 +15,8 @@ from meshtron.layers.fp8 import E4M3, E5M2, fp8_linear
 from meshtron.layers.fp8.swiglu import fp8_swiglu_mlp, swiglu_grad_amax, swiglu_grad_cast
 from meshtron.layers.linear import _swiglu_fp8_recomputed
 
-TOKENS, HIDDEN, FFN, LAYERS = 16384, 3072, 8192, 28
+SHAPES = {"llama3-3b": (16384, 3072, 8192, 28), "llama3-1b": (32768, 2048, 8192, 16)}  # tokens, hidden, ffn, layers
+TOKENS, HIDDEN, FFN, LAYERS = SHAPES[os.environ.get("PROBE_SHAPE", "llama3-3b")]
 
 
 def two_linears(x, w1, w2):
@@ -48,8 +52,8 @@ def main() -> None:
     # Bytes: the first pass reads gate, up and the gradient and writes the product's FP8 copy; the second reads
     # the same and writes both FP8 layouts of the gradient.
     read = (gate_up.numel() + grad_p.numel()) * 2
-    print(f"maximum pass: {amax_ms * 1e3:.1f} us ({(read + grad_p.numel()) / amax_ms / 1e9:.0f} GB/s), "
-          f"cast pass: {cast_ms * 1e3:.1f} us ({(read + 2 * gate_up.numel()) / cast_ms / 1e9:.0f} GB/s)")
+    print(f"maximum pass: {amax_ms * 1e3:.1f} us ({(read + grad_p.numel()) / amax_ms / 1e6:.0f} GB/s), "
+          f"cast pass: {cast_ms * 1e3:.1f} us ({(read + 2 * gate_up.numel()) / cast_ms / 1e6:.0f} GB/s)")
 
 
 if __name__ == "__main__":
