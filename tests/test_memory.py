@@ -379,3 +379,22 @@ def test_offloading_lowers_the_estimate_and_keeps_the_last_layer():
     assert off.activations < base.activations - 2 * per_layer
     # The chunk's last layer and a fetched one at least (in the backward, where the loss's chunk is gone).
     assert off.activations + off.logits >= 2 * per_layer
+
+
+def test_fc2_recomputes_the_product_as_the_layers_decide():
+    """The memory model's rule for SwiGLU's product against the layers' own choice: compiled FP8 tensorwise
+    recomputes it (revision 1 on); eager FP8 without biases does since revision 6 (the fused FP8 block,
+    meshtron.layers.linear.fuses_fp8_swiglu), with biases it keeps the product's one-byte copy."""
+    from meshtron.cli import build_config
+    from meshtron.memory import fc2_recomputes_product
+
+    base = ["--model", "tiny", "--bf16", "--fp8-format", "e4m3"]
+    eager = build_config(base + ["--device", "cpu"])
+    assert eager.model.disable_bias_linear
+    assert fc2_recomputes_product(eager) and not fc2_recomputes_product(eager, saves=5)
+    eager.model.disable_bias_linear = False
+    assert not fc2_recomputes_product(eager)
+    compiled = build_config(base + ["--device", "cuda"])
+    compiled.model.disable_bias_linear = False
+    assert fc2_recomputes_product(compiled, saves=5) and fc2_recomputes_product(compiled)
+    assert not fc2_recomputes_product(build_config(base + ["--device", "cuda", "--fp8-recipe", "rowwise"]))
