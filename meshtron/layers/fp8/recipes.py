@@ -115,15 +115,23 @@ def recast_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return cast_transposed(weight.detach(), scale, E4M3)
 
 
+def forward_product(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tensorwise forward ``x2 [N, K] @ weight [M, K]^T`` in e4m3: (the product [N, M], the input's transposed
+    FP8 copy and 1/scale, which the weight gradient takes, the weight's scale and 1/scale, with which backward
+    casts it again)."""
+    xq, xq_t, x_inv = cast_both_layouts(x2, E4M3)
+    wq, w_scale, w_inv = cast_weight(weight)
+    y = scaled_mm(xq, x_inv, wq.t(), w_inv, out_dtype, fast_accum=True)  # [N, K] @ [K, M]
+    return y, xq_t, x_inv, w_scale, w_inv
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, grad_dtype, deferral=None):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
         out_dtype = output_dtype(x.dtype)
-        xq, xq_t, x_inv = cast_both_layouts(x2, E4M3)
-        wq, w_scale, w_inv = cast_weight(weight)
-        y = scaled_mm(xq, x_inv, wq.t(), w_inv, out_dtype, fast_accum=True)  # [N, K] @ [K, M]
+        y, xq_t, x_inv, w_scale, w_inv = forward_product(x.reshape(-1, shape[-1]), weight, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # The input's transposed copy is what the weight gradient takes (as column-major second operand);

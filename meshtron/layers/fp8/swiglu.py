@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.layers.fp8.cast import scaled_cast
-from meshtron.layers.fp8.recipes import (E4M3, cast_both_layouts, cast_weight, output_dtype, recast_weight,
-                                         scale_from_amax, scaled_mm, tensor_scale)
+from meshtron.layers.fp8.recipes import (E4M3, cast_both_layouts, cast_weight, forward_product, output_dtype,
+                                         recast_weight, scale_from_amax, scaled_mm, tensor_scale)
 
 try:  # Triton ships with CUDA builds of torch only.
     import triton
@@ -216,9 +216,7 @@ class _FP8SwiGLUMLP(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = output_dtype(x.dtype)
-        xq, xq_t, x_inv = cast_both_layouts(x2, E4M3)
-        w1q, w1_scale, w1_inv = cast_weight(w1)
-        gate_up = scaled_mm(xq, x_inv, w1q.t(), w1_inv, out_dtype, fast_accum=True)  # [N, 2f]
+        gate_up, xq_t, x_inv, w1_scale, w1_inv = forward_product(x2, w1, out_dtype)  # [N, 2f]
         product = swiglu_product(gate_up)
         p_scale, p_inv = tensor_scale(product, E4M3)
         w2q, w2_scale, w2_inv = cast_weight(w2)
