@@ -25,7 +25,7 @@ from meshtron.config import MeshtronConfig
 from meshtron.layers.activation_offload import ActivationOffloader
 from meshtron.layers.fp8 import enable_fp8
 from meshtron.layers.linear import set_tp_comm_overlap
-from meshtron.layers.moe import moe_mlp_factory
+from meshtron.layers.moe import MoELayer, moe_mlp_factory
 from meshtron.model import GPTModel
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
@@ -78,12 +78,23 @@ def prepare_stage(model: GPTModel, cfg: MeshtronConfig, ctx: ParallelContext, tr
         model.activation_offloader = ActivationOffloader(model, ctx.device, cfg.train.offload_activations_num_layers)
     if cfg.train.compile:
         comm.set_micro_pipelined_tp(cfg.parallel.async_tensor_parallel, ctx.tp_group)
-        for layer in model.layers.values():
-            layer.compile()
+        graphs = cfg.train.enable_cuda_graph
+        layers = list(model.layers.values())
         if hasattr(model, "mtp"):  # the same regions as the main layers
-            for depth in model.mtp.layers:
-                depth.transformer_layer.compile()
+            layers += [depth.transformer_layer for depth in model.mtp.layers]
+        for layer in layers:
+            layer.compile(**compile_options(layer, graphs))
+        model.cuda_graph_layers = graphs
     return model
+
+
+def compile_options(layer: nn.Module, cuda_graphs: bool) -> dict:
+    """``torch.compile`` options of one transformer layer: with ``cuda_graphs``, dense layers run as CUDA graphs
+    (the ``reduce-overhead`` mode's graph trees); a mixture-of-experts layer sizes its dispatch from the routing
+    on the host every step, so it keeps plain compiled code."""
+    if cuda_graphs and not isinstance(layer.mlp, MoELayer):
+        return {"mode": "reduce-overhead"}
+    return {}
 
 
 def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int, tracker: RNGTracker,

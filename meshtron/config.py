@@ -330,6 +330,13 @@ class TrainConfig:
                                                               "of each model chunk offload (default: all but its "
                                                               "last).", aliases=("--cpu-offloading-num-layers",))
     compile: Optional[bool] = opt(None, "torch.compile each transformer layer (default on CUDA).")
+    enable_cuda_graph: bool = opt(False, "Replay each dense transformer layer's compiled forward and backward as "
+                                         "CUDA graphs (torch.compile's CUDA graph trees), so that the host no "
+                                         "longer launches its kernels one by one; for steps that wait on the "
+                                         "host (small layers or micro batches, FP8). Needs compiled layers on "
+                                         "CUDA and one GPU per layer: tensor, context and pipeline parallel "
+                                         "sizes of 1. Mixture-of-experts layers keep plain compiled code (their "
+                                         "token counts change every step).")
     eval_interval: int = opt(100, "Evaluate on the validation split every N iterations (0 disables).")
     eval_iters: int = opt(10, "Validation iterations per evaluation.")
     skip_train: bool = opt(False, "Do not train: load the checkpoint (--load), evaluate on the validation split "

@@ -30,6 +30,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 
 @torch.no_grad()
+# The layers run eagerly: the sequence grows by a token per step, a new shape for a compiled layer (and a new
+# recording for a CUDA-graphed one) each time.
+@torch.compiler.set_stance("force_eager")
 def generate_ids(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
                  eod: Optional[int] = None) -> list[int]:

@@ -114,6 +114,9 @@ class GPTModel(nn.Module):
                                    else "selective" if selective_recompute else None)
             # Set by meshtron.build with --offload-activations: moves the layers' saved tensors to host memory.
             self.activation_offloader: Optional[ActivationOffloader] = None
+            # Set by meshtron.build with --enable-cuda-graph: each forward of this stage begins a new step of
+            # torch.compile's CUDA graph trees (the memory of the previous step's graphs may be reused).
+            self.cuda_graph_layers = False
             if post_process:
                 self.final_norm = Norm("final_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sp)
                 tied = not cfg.untie_embeddings_and_output_weights
@@ -194,6 +197,8 @@ class GPTModel(nn.Module):
         :func:`meshtron.layers.mtp.add_mtp_inputs`) the loss sum's backward pass also carries the
         multi-token prediction objective; its value stays the main loss.
         """
+        if self.cuda_graph_layers:
+            torch.compiler.cudagraph_mark_step_begin()
         cp = self.ctx.cp
         if cp > 1 and position_ids is None:  # the global positions of this CP rank's two chunks
             seq = tokens.shape[1] if self.pre_process else hidden.shape[0] * (

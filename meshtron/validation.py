@@ -102,6 +102,7 @@ def check(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     _check_precision_and_recompute(cfg)
     _check_parallel(cfg)
     _check_pipeline_schedule(cfg)
+    _check_cuda_graphs(cfg)
     _check_mtp(cfg)
     if world_size is not None:
         dp = data_parallel_size(cfg, world_size)
@@ -633,6 +634,35 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
     if t.recompute_num_layers < 1 or t.recompute_num_layers > cfg.model.num_layers:
         raise ConfigError(f"--recompute-num-layers must be in [1, --num-layers ({cfg.model.num_layers})], "
                           f"got {t.recompute_num_layers}")
+
+
+def _check_cuda_graphs(cfg: MeshtronConfig) -> None:
+    """--enable-cuda-graph: where a graph can hold a whole layer's forward and backward."""
+    t, p = cfg.train, cfg.parallel
+    if not t.enable_cuda_graph:
+        return
+    if t.device != "cuda" or not t.compile:
+        raise ConfigError("--enable-cuda-graph needs --device cuda and compiled layers (not --no-compile): the "
+                          "graphs are those of torch.compile's layers")
+    # A graph replays its kernels without the host, but the collectives inside a layer keep buffers of the
+    # graph's memory pool alive past its recording (TP, CP); pipeline schedules keep several micro-batches
+    # of a layer in flight, each of which would need its own graphs.
+    for flag, size in (("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+                       ("--context-parallel-size", p.context_parallel_size),
+                       ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size)):
+        if size > 1:
+            raise ConfigError(f"--enable-cuda-graph needs {flag} 1 (got {size}): a layer's graph can hold no "
+                              "collective and one micro-batch at a time; drop --enable-cuda-graph")
+    if t.offload_activations:
+        raise ConfigError("--enable-cuda-graph and --offload-activations exclude each other: the offloader moves "
+                          "what a layer saves between its forward and backward, which the graphs keep in their "
+                          "own memory; give one of them")
+    from meshtron.optim.accounting import sharding_strategy
+
+    if sharding_strategy(cfg) == "optim_grads_params":
+        raise ConfigError("--enable-cuda-graph does not work with --data-parallel-sharding-strategy "
+                          "optim_grads_params: its weights are gathered into new memory before every layer, which "
+                          "a graph cannot read; use optim_grads or drop --enable-cuda-graph")
 
 
 def _check_precision_aware_optimizer(cfg: MeshtronConfig) -> None:
