@@ -12,4 +12,7 @@ if ! python3 -c "import torch,sys; sys.exit(torch.cuda.get_device_properties(0).
   sed -i 's/model: llama3-3b, micro_batch_size: 4, global_batch_size: 4/model: llama3-3b, micro_batch_size: 2, global_batch_size: 2/' $M
 fi
 cat $M
-timeout ${BENCH_TIMEOUT:-500} python3 -m meshtron bench --matrix $M --warmup 2 --steps 4 --no-split --record $OUT/rows.jsonl 2>&1 | grep -v "^\[" | tail -14
+# perf_hints logs each region that torch.compile could not capture as a graph, and why.
+TORCH_LOGS=perf_hints timeout ${BENCH_TIMEOUT:-500} python3 -m meshtron bench --matrix $M --warmup 2 --steps 4 \
+  --no-split --record $OUT/rows.jsonl > $OUT/bench.log 2>&1
+grep -i "cudagraph" $OUT/bench.log | sort | uniq -c | head -20; grep -v "^\[" $OUT/bench.log | tail -14

@@ -102,7 +102,7 @@ def check(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     _check_precision_and_recompute(cfg)
     _check_parallel(cfg)
     _check_pipeline_schedule(cfg)
-    _check_cuda_graphs(cfg)
+    check_cuda_graphs(cfg)
     _check_mtp(cfg)
     if world_size is not None:
         dp = data_parallel_size(cfg, world_size)
@@ -636,7 +636,7 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
                           f"got {t.recompute_num_layers}")
 
 
-def _check_cuda_graphs(cfg: MeshtronConfig) -> None:
+def check_cuda_graphs(cfg: MeshtronConfig) -> None:
     """--enable-cuda-graph: where a graph can hold a whole layer's forward and backward."""
     t, p = cfg.train, cfg.parallel
     if not t.enable_cuda_graph:

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from meshtron.config import MeshtronConfig
 from meshtron.errors import ConfigError
-from meshtron.validation import check, resolve
+from meshtron.validation import check, check_cuda_graphs, resolve
 
 GIB = 2**30
 
@@ -42,9 +42,11 @@ def validate_for_plan(cfg: MeshtronConfig, world_size: int) -> MeshtronConfig:
         probe.train.device = "cpu"
         probe.parallel.async_tensor_parallel = False
         probe.log.record_memory_history = False
+        probe.train.enable_cuda_graph = False  # checked below on the configuration itself
         if probe.parallel.distributed_backend == "nccl":
             probe.parallel.distributed_backend = "gloo"
     check(probe, world_size)
+    check_cuda_graphs(cfg)
     return cfg
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from meshtron import validation
 from meshtron.build import build_model_chunks, compile_options
@@ -59,6 +60,16 @@ def test_dense_layers_are_graphed_and_expert_layers_are_not():
     assert compile_options(dense, cuda_graphs=False) == {}
 
 
+def assert_layers_were_graphed() -> None:
+    """The last run recorded graphs and skipped none (torch.compile falls back to plain code when it cannot
+    capture a region, e.g. one that reads a CPU tensor or mutates an input, and only logs why)."""
+    from torch._inductor.cudagraph_trees import get_container
+
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    manager = get_container(torch.cuda.current_device()).tree_manager
+    assert manager is not None and any(manager.roots.values())
+
+
 @GPU
 @pytest.mark.gpu
 def test_cuda_graph_layers_train_as_compiled_layers_on_one_gpu():
@@ -69,7 +80,9 @@ def test_cuda_graph_layers_train_as_compiled_layers_on_one_gpu():
         cfg = run_config(model_config(), micro_batch=2, global_batch=8, device="cuda", compile=True)
         cfg.train.enable_cuda_graph = graphs
         validate_config(cfg, 1)
+        counters.clear()
         results.append(train_and_collect(cfg, ParallelContext(device=torch.device("cuda", 0)), iterations=3))
+    assert_layers_were_graphed()
     plain, graphed = results
     torch.testing.assert_close(graphed["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(graphed["eval_loss"], plain["eval_loss"], rtol=1e-5, atol=1e-6)
@@ -98,8 +111,10 @@ def test_cuda_graph_layers_train_fp8_through_the_trainer():
         data = RandomTokens(cfg.model.vocab_size, cfg.model.seq_length, 2, 2, 0)
         trainer = Trainer(cfg, ctx, data=data)
         batches = next(data.train_batches())
+        counters.clear()
         run = [float(trainer.train_step(batches, i + 1)[0]) for i in range(4)]
         losses.append(run)
         trainer.close()
+    assert_layers_were_graphed()
     assert losses[1][-1] < losses[1][0]
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-3, atol=0)
