@@ -75,8 +75,16 @@ def _loss_and_grad(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.T
     return _loss(row_max, sum_exp, target_logit), grad.to(logits.dtype)
 
 
+def _scaled_weight_grad(grad_weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad_weight * scale`` (the fp32 sum times the upstream gradient) rounded once to ``dtype``."""
+    return (grad_weight * scale).to(dtype)
+
+
 _local_stats_fast = compiled_on_cuda(_local_stats)
 _loss_and_grad_fast = compiled_on_cuda(_loss_and_grad)
+# One pass that reads the fp32 sum and writes the weight's dtype: no fp32 product of the output weight's
+# size next to the forward's activations as backward starts, and no second pass to scale the cast copy.
+_scaled_weight_grad_fast = compiled_on_cuda(_scaled_weight_grad)
 
 
 def _chunk_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, valid_cols: int, group: Group):
@@ -156,11 +164,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weighted, _grad_losses):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # The weight's gradient is cast first and then scaled in place (equal to scaling in fp32 for the
-        # usual upstream gradient of 1): an fp32 product of the output weight's size would be allocated as
-        # backward starts, next to the forward's activations. The saved tensors stay untouched (a second
-        # backward with retain_graph reads them).
-        weight_grad = grad_weight.to(ctx.weight_dtype, copy=True).mul_(grad_weighted.to(ctx.weight_dtype))
+        # The saved tensors stay untouched (a second backward with retain_graph reads them).
+        if grad_weight.dtype == ctx.weight_dtype:  # fp32 weights: the sum is already the weight's dtype
+            weight_grad = grad_weight * grad_weighted
+        else:
+            weight_grad = _scaled_weight_grad_fast(grad_weight, grad_weighted.float(), ctx.weight_dtype)
         return (grad_hidden * grad_weighted.to(grad_hidden.dtype), weight_grad,
                 None, None, None, None, None, None)
 

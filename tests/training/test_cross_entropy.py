@@ -31,6 +31,23 @@ def test_fused_loss_and_gradients_equal_torch_cross_entropy(chunk):
     assert torch.count_nonzero(w.grad[vocab:]) == 0  # padding rows: no gradient
 
 
+def test_bf16_weight_gradient_carries_the_upstream_gradient():
+    """The fp32 sum of the weight's gradient is scaled by the upstream gradient and rounded to bf16 once."""
+    g = torch.Generator().manual_seed(1)
+    n, h, vocab = 24, 16, 40
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = torch.randn(vocab, h, generator=g).bfloat16()
+    target = torch.randint(0, vocab, (n,), generator=g)
+    loss_weight = torch.full((n,), 1.0 / n)
+    w = weight.clone().requires_grad_()
+    total, _ = linear_cross_entropy(hidden, w, target, loss_weight, 0, vocab)
+    (0.3 * total).backward()
+    wr = weight.double().requires_grad_()
+    (0.3 * F.cross_entropy(hidden.double() @ wr.t(), target)).backward()
+    assert w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(w.grad.double(), wr.grad, rtol=2e-2, atol=2e-4)
+
+
 def test_a_block_of_padding_only_contributes_nothing():
     logits = torch.randn(5, 8)
     outside = torch.ones(5, dtype=torch.bool)
