@@ -40,7 +40,7 @@ def main() -> None:
         before, after = time_ms(cast_then_scale, grad, scale), time_ms(one_pass, grad, scale)
         gb = grad.numel() * 6 / 1e9  # one fp32 read and one bf16 write at the least
         print(f"{name} {list(shape)}: cast then scale {before:.3f} ms, one pass {after:.3f} ms "
-              f"({gb / after:.0f} GB/s)")
+              f"({gb / (after / 1e3):.0f} GB/s)")
 
 
 if __name__ == "__main__":
