@@ -72,13 +72,16 @@ def assert_layers_were_graphed() -> None:
 
 @GPU
 @pytest.mark.gpu
-def test_cuda_graph_layers_train_as_compiled_layers_on_one_gpu():
-    """Four micro-batches per step (the graphs replay between backward passes), three steps, then evaluation."""
+@pytest.mark.parametrize("recompute", [None, "full", "selective"])
+def test_cuda_graph_layers_train_as_compiled_layers_on_one_gpu(recompute):
+    """Four micro-batches per step (the graphs replay between backward passes), three steps, then evaluation;
+    also with the layers recomputed (inside the graphed region) in backward."""
     torch.backends.cuda.matmul.allow_tf32 = False
     results = []
     for graphs in (False, True):
         cfg = run_config(model_config(), micro_batch=2, global_batch=8, device="cuda", compile=True)
         cfg.train.enable_cuda_graph = graphs
+        cfg.train.recompute_granularity = recompute
         validate_config(cfg, 1)
         counters.clear()
         results.append(train_and_collect(cfg, ParallelContext(device=torch.device("cuda", 0)), iterations=3))
