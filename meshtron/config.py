@@ -257,7 +257,12 @@ class OptimConfig:
                              choices=("fp32", "bf16"))
     exp_avg_sq_dtype: str = opt("fp32", "With --use-precision-aware-optimizer: dtype of Adam's second moment.",
                                 choices=("fp32", "bf16"))
-    main_grads_dtype: str = opt("fp32", "Dtype of the gradient buffers the optimizer reads (meshtron keeps fp32).",
+    main_grads_dtype: str = opt("fp32", "With --use-precision-aware-optimizer: dtype of the gradient buffers that "
+                                         "accumulate the micro-batches' gradients, are reduced over data-parallel "
+                                         "ranks (bf16 implies --grad-reduce-in-bf16: it is one buffer) and feed "
+                                         "the optimizer and the gradient norm, which read bf16 as it is. bf16 "
+                                         "halves that memory and traffic; where gradients are summed (micro-"
+                                         "batches, ranks, tied weights) the sums are rounded to bf16.",
                                 choices=("fp32", "bf16"))
     main_params_dtype: str = opt("fp32", "Dtype of the master weights (meshtron keeps fp32).", choices=("fp32",))
 

@@ -82,6 +82,8 @@ def resolve(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     if dp is not None:
         _resolve_batch_and_samples(cfg, dp)
     o = cfg.optim
+    if o.main_grads_dtype == "bf16":  # the gradient buffer is both what is reduced and what the optimizer reads
+        p.grad_reduce_in_bf16 = True
     if o.lr_decay_iters is None and o.lr_decay_samples is None:
         o.lr_decay_iters = cfg.train.train_iters
     d = cfg.data
@@ -672,9 +674,11 @@ def _check_precision_aware_optimizer(cfg: MeshtronConfig) -> None:
            if getattr(o, name) != "fp32"]
     if low and not o.use_precision_aware_optimizer:
         raise ConfigError(f"{' and '.join(low)} needs --use-precision-aware-optimizer")
-    if o.main_grads_dtype != "fp32":
-        raise ConfigError(f"--main-grads-dtype {o.main_grads_dtype} is not implemented: meshtron accumulates and "
-                          "reduces gradients in fp32 buffers; use --main-grads-dtype fp32 (the default)")
+    if o.main_grads_dtype != "fp32" and not o.use_precision_aware_optimizer:
+        raise ConfigError(f"--main-grads-dtype {o.main_grads_dtype} needs --use-precision-aware-optimizer")
+    if o.main_grads_dtype == "bf16" and not cfg.train.bf16:
+        raise ConfigError("--main-grads-dtype bf16 needs --bf16: with --fp32 the weights and their gradients are "
+                          "fp32; use --main-grads-dtype fp32")
     if low and o.optimizer_cpu_offload:
         raise ConfigError(f"{' and '.join(low)} with --optimizer-cpu-offload is not implemented: the host step "
                           "keeps fp32 moments; drop one of them")

@@ -65,7 +65,8 @@ class GradNorm:
     def squared_local(self) -> torch.Tensor:
         if not self.tensors:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in self.tensors])
+        # Accumulated in fp32 whatever the gradients' dtype (bf16 buffers are read without an fp32 copy).
+        norms = torch._foreach_norm(self.tensors, 2, dtype=torch.float32)
         return torch.stack(norms).square().sum()
 
     def __call__(self) -> torch.Tensor:

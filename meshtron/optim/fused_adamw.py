@@ -9,8 +9,10 @@ agree with torch's AdamW to rounding (a few units in the last place of the weigh
 
 The moments may be stored in bf16 (``--use-precision-aware-optimizer --exp-avg-dtype bf16
 --exp-avg-sq-dtype bf16``): they are read into fp32, the update is computed in fp32 from the fp32
-values, and only what is stored is rounded. :func:`reference_step_` is the same arithmetic in torch
-operations, for devices without Triton (and the tests).
+values, and only what is stored is rounded. The gradients may be bf16 too (``--main-grads-dtype bf16``, or
+``--grad-reduce-in-bf16``): the kernel reads them as they are and computes with their fp32 values, with no fp32
+copy of them first. :func:`reference_step_` is the same arithmetic in torch operations, for devices without
+Triton (and the tests).
 
 CUDA with Triton only; :func:`available` says whether a tensor can take this path.
 """
@@ -44,7 +46,7 @@ def adamw_step_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     """Update ``master``, ``exp_avg`` and ``exp_avg_sq`` in place for step number ``step`` (1 for the
     first), using ``grad`` multiplied by ``grad_coef`` (a one-element fp32 device tensor) when given,
     and write the new master into ``weights`` (any float dtype; None: no copy). All tensors are
-    contiguous with the same number of elements; master and grad are fp32, the moments fp32 or bf16."""
+    contiguous with the same number of elements; master is fp32, grad and the moments fp32 or bf16."""
     n = master.numel()
     if n == 0:
         return
@@ -68,7 +70,8 @@ def reference_step_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     """:func:`adamw_step_`'s arithmetic in torch operations (any device; moments fp32 or bf16)."""
     bias1 = 1.0 - beta1 ** step
     bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    g = grad * grad_coef if grad_coef is not None else grad
+    g = grad.float()  # a copy only where the gradient is bf16
+    g = g * grad_coef if grad_coef is not None else g
     m = exp_avg.float() * beta1 + (1.0 - beta1) * g
     v = exp_avg_sq.float() * beta2 + (1.0 - beta2) * g * g
     master.mul_(1.0 - lr * weight_decay)
@@ -81,7 +84,7 @@ def reference_step_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
 
 def step_tensors(items: Sequence[tuple[torch.Tensor, torch.Tensor, dict, Optional[torch.Tensor], bool]],
                  cfg: OptimConfig, lr: float, step: int, grad_coef: Optional[torch.Tensor]) -> None:
-    """One AdamW step of every (master, fp32 gradient, torch AdamW state dict, weights or None, decays)
+    """One AdamW step of every (master, fp32 or bf16 gradient, torch AdamW state dict, weights or None, decays)
     item, and the state's step counters advanced (they stay true for checkpoints and torch's AdamW).
     The Triton kernel where it is available, :func:`reference_step_` elsewhere."""
     for master, grad, state, weights, decays in items:
@@ -100,7 +103,7 @@ if triton is not None:
                       HAS_COEF: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        grad = tl.load(grad_ptr + offs, mask=mask, other=0.0)
+        grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_COEF:
             grad = grad * tl.load(coef_ptr)
         # 1 - beta comes from the host in double precision: 1 - 0.999 rounded after the subtraction, not

@@ -112,8 +112,9 @@ class MixedPrecisionAdamW:
         if self._host_step is None:
             self._host_step = self.step_count  # one device-to-host read after construction or a load
         self._host_step += 1
-        items = [(m.data, g, self.inner.state[m], None if m is p else p.data, not no_weight_decay(p))
-                 for p, m, g in zip(self.params, self.masters, self._main_grads())]
+        # The kernel reads bf16 gradients as they are (no fp32 copies; torch's AdamW needs them).
+        items = [(m.data, p.main_grad, self.inner.state[m], None if m is p else p.data, not no_weight_decay(p))
+                 for p, m in zip(self.params, self.masters)]
         fused_adamw.step_tensors(items, self.cfg, lr, self._host_step, grad_coef)
 
     def state_tensors(self, index: int) -> dict[str, torch.Tensor]:

@@ -131,7 +131,7 @@ class SegmentAdamW:
         if step_number < 1:
             raise ValueError(f"SegmentAdamW: step_number must count from 1 on the kernel path, got {step_number}")
         self.ensure_state(step_number - 1)
-        grads = self._fp32_device_grads()
+        grads = self.grad_views  # the kernel reads bf16 gradients as they are
         weights = [None] * len(grads) if self.aliased else self._buffer_views(self.param_data)
         items = [(m.data, g, self.inner.state[m], w, s.decay)
                  for m, s, g, w in zip(self.masters, self.segments, grads, weights)]

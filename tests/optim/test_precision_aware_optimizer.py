@@ -87,7 +87,8 @@ def _config(**optim) -> MeshtronConfig:
 
 @pytest.mark.parametrize("optim,match", [
     (dict(exp_avg_dtype="bf16"), "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
-    (dict(main_grads_dtype="bf16"), "--main-grads-dtype bf16 is not implemented"),
+    (dict(main_grads_dtype="bf16"), "--main-grads-dtype bf16 needs --use-precision-aware-optimizer"),
+    (dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16"), "--main-grads-dtype bf16 needs --bf16"),
     (dict(use_precision_aware_optimizer=True, exp_avg_sq_dtype="bf16", optimizer_cpu_offload=True),
      "with --optimizer-cpu-offload is not implemented"),
 ])
@@ -130,6 +131,46 @@ def test_distributed_optimizer_with_bf16_moments_steps_like_one_process():
         assert losses == pytest.approx(ref, rel=1e-5), f"rank {rank}"
 
 
+@pytest.mark.parametrize("moments,dist_opt", [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_bf16_main_grads_train_exactly_where_nothing_is_summed(moments, dist_opt):
+    """One micro-batch per step on one rank: an fp32 gradient buffer only holds bf16 gradients widened, so bf16
+    main grads (read by the optimizer and the norm as they are) give the same steps bit for bit; with four
+    micro-batches per step their sums are rounded to bf16 and the losses move a little."""
+    from meshtron.training.trainer import run_training
+
+    def losses(batch: int, grads: str) -> dict:
+        cfg = _train_config(dist_opt=dist_opt, use_precision_aware_optimizer=True, exp_avg_dtype=moments,
+                            exp_avg_sq_dtype=moments, main_grads_dtype=grads)
+        cfg.train.bf16, cfg.train.global_batch_size = True, batch
+        result = run_training(cfg)
+        assert cfg.parallel.grad_reduce_in_bf16 == (grads == "bf16")
+        return result.train_losses
+
+    assert losses(1, "bf16") == losses(1, "fp32")
+    summed, exact = losses(4, "bf16"), losses(4, "fp32")
+    assert summed != exact and summed == pytest.approx(exact, rel=2e-2)
+
+
+def _dp2_bf16_grads_worker(rank: int, world: int) -> list[float]:
+    from meshtron.training.trainer import run_training
+
+    cfg = _train_config(dist_opt=True, main_grads_dtype="bf16", **BF16)
+    cfg.train.bf16 = True
+    return run_training(cfg).train_losses
+
+
+def test_bf16_main_grads_over_two_data_parallel_ranks_train_like_one_process():
+    """Two ranks sum their micro-batches and each other's gradients in bf16, one process its four micro-batches:
+    the same training to bf16 precision."""
+    from meshtron.training.trainer import run_training
+
+    cfg = _train_config(dist_opt=True, main_grads_dtype="bf16", **BF16)
+    cfg.train.bf16 = True
+    ref = run_training(cfg).train_losses
+    for rank, losses in enumerate(run_distributed(_dp2_bf16_grads_worker, 2, timeout=300)):
+        assert losses == pytest.approx(ref, rel=1e-2), f"rank {rank}"
+
+
 def test_bf16_moments_resume_from_their_checkpoint(tmp_path):
     from meshtron.training.trainer import run_training
 
@@ -162,3 +203,21 @@ def test_gpu_kernel_with_bf16_moments_matches_its_reference():
     # Triton may contract a multiply-add where torch rounds twice: at most one bf16 unit apart.
     for a, b in ((moments[0][0], moments[1][0]), (moments[0][1], moments[1][1]), (weights[0], weights[1])):
         torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fused_adamw.triton is not None), reason="needs CUDA and Triton")
+def test_gpu_kernel_reads_bf16_gradients_as_their_fp32_values():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n = 10_000
+    master = torch.randn(n, device="cuda", generator=g)
+    masters = [master.clone(), master.clone()]
+    moments = [(torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")) for _ in range(2)]
+    coef = torch.tensor(0.5, device="cuda")
+    for step in range(1, 4):
+        grad = torch.randn(n, device="cuda", generator=g).bfloat16()
+        for w, (m, v), gr in zip(masters, moments, (grad, grad.float())):
+            fused_adamw.adamw_step_(w, gr, m, v, None, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                                    step=step, grad_coef=coef)
+    assert torch.equal(masters[0], masters[1])
+    assert torch.equal(moments[0][0], moments[1][0]) and torch.equal(moments[0][1], moments[1][1])
