@@ -185,15 +185,23 @@ def test_bf16_moments_resume_from_their_checkpoint(tmp_path):
     assert widened == pytest.approx(later, rel=1e-2)
 
 
+NEEDS_TRITON_GPU = pytest.mark.skipif(not (torch.cuda.is_available() and fused_adamw.triton is not None),
+                                      reason="needs CUDA and Triton")
+
+
+def _two_states(g: torch.Generator, n: int, moment_dtype: torch.dtype) -> tuple[list, list]:
+    """Two equal fp32 masters on CUDA and two pairs of zero moments, for two ways of stepping them."""
+    master = torch.randn(n, device="cuda", generator=g)
+    moments = [tuple(torch.zeros(n, device="cuda", dtype=moment_dtype) for _ in range(2)) for _ in range(2)]
+    return [master.clone(), master.clone()], moments
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and fused_adamw.triton is not None), reason="needs CUDA and Triton")
+@NEEDS_TRITON_GPU
 def test_gpu_kernel_with_bf16_moments_matches_its_reference():
     g = torch.Generator(device="cuda").manual_seed(0)
     n = 10_000
-    master = torch.randn(n, device="cuda", generator=g)
-    masters = [master.clone(), master.clone()]
-    moments = [(torch.zeros(n, device="cuda", dtype=torch.bfloat16), torch.zeros(n, device="cuda", dtype=torch.bfloat16))
-               for _ in range(2)]
+    masters, moments = _two_states(g, n, torch.bfloat16)
     weights = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     for step in range(1, 6):
         grad = torch.randn(n, device="cuda", generator=g)
@@ -206,13 +214,11 @@ def test_gpu_kernel_with_bf16_moments_matches_its_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and fused_adamw.triton is not None), reason="needs CUDA and Triton")
+@NEEDS_TRITON_GPU
 def test_gpu_kernel_reads_bf16_gradients_as_their_fp32_values():
     g = torch.Generator(device="cuda").manual_seed(1)
     n = 10_000
-    master = torch.randn(n, device="cuda", generator=g)
-    masters = [master.clone(), master.clone()]
-    moments = [(torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")) for _ in range(2)]
+    masters, moments = _two_states(g, n, torch.float32)
     coef = torch.tensor(0.5, device="cuda")
     for step in range(1, 4):
         grad = torch.randn(n, device="cuda", generator=g).bfloat16()
