@@ -5,7 +5,8 @@ with (bf16) then need a second pass that reads every master again. This Triton k
 the same pass: on an H200, 26.3 against 35.2 ms (fused AdamW + copy) for llama3-3b's 3.6B parameters
 (benchmarks/optimizer_probe.py). The arithmetic is AdamW's as torch implements it (decoupled weight
 decay first, then the bias-corrected update), with IEEE-rounded division and square root; results
-agree with torch's AdamW to rounding (a few units in the last place of the weights).
+agree with torch's AdamW to rounding (a few units in the last place of the weights), and bit for bit with
+:func:`reference_step_` run on the same GPU: every operation is rounded on its own (no fused multiply-adds).
 
 The moments may be stored in bf16 (``--use-precision-aware-optimizer --exp-avg-dtype bf16
 --exp-avg-sq-dtype bf16``): they are read into fp32, the update is computed in fp32 from the fp32
@@ -60,7 +61,13 @@ def adamw_step_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
         master, grad, exp_avg, exp_avg_sq, out, coef, n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
         1.0 - lr * weight_decay, lr / bias1, bias2_sqrt,
-        HAS_COEF=grad_coef is not None, HAS_OUT=weights is not None, BLOCK=_BLOCK)
+        HAS_COEF=grad_coef is not None, HAS_OUT=weights is not None, BLOCK=_BLOCK,
+        # No contraction of a multiply and an add into one fused multiply-add: which pairs the compiler
+        # fuses depends on how it orders the instructions, and that differs between the bf16- and the
+        # fp32-gradient variants of the kernel (their masters differed in the last place after three
+        # steps). Rounded after every operation, the kernel equals :func:`reference_step_` bit for bit;
+        # the step is memory-bound, so the extra instructions cost nothing measurable.
+        enable_fp_fusion=False)
 
 
 @torch.no_grad()
@@ -75,7 +82,10 @@ def reference_step_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     m = exp_avg.float() * beta1 + (1.0 - beta1) * g
     v = exp_avg_sq.float() * beta2 + (1.0 - beta2) * g * g
     master.mul_(1.0 - lr * weight_decay)
-    master.sub_((lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps))
+    # Divided by a one-element device tensor, not a Python number: torch's CUDA division by a scalar multiplies
+    # by its reciprocal (another rounding), the kernel divides.
+    bias2 = torch.tensor([bias2_sqrt], dtype=torch.float32, device=v.device)
+    master.sub_((lr / bias1) * m / (v.sqrt().div_(bias2).add_(eps)))
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if weights is not None:

@@ -198,19 +198,25 @@ def _two_states(g: torch.Generator, n: int, moment_dtype: torch.dtype) -> tuple[
 
 @pytest.mark.gpu
 @NEEDS_TRITON_GPU
-def test_gpu_kernel_with_bf16_moments_matches_its_reference():
+@pytest.mark.parametrize("moment_dtype,grad_dtype,coef", [(torch.bfloat16, torch.float32, None),
+                                                          (torch.float32, torch.bfloat16, 0.5),
+                                                          (torch.bfloat16, torch.bfloat16, 0.5)])
+def test_gpu_kernel_equals_its_torch_reference_bit_for_bit(moment_dtype, grad_dtype, coef):
+    """Every operation rounded on its own (no contraction into fused multiply-adds): the kernel and its torch
+    twin, on the same GPU, give the same bits for masters, moments and weights."""
     g = torch.Generator(device="cuda").manual_seed(0)
     n = 10_000
-    masters, moments = _two_states(g, n, torch.bfloat16)
+    masters, moments = _two_states(g, n, moment_dtype)
     weights = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    grad_coef = None if coef is None else torch.tensor(coef, device="cuda")
     for step in range(1, 6):
-        grad = torch.randn(n, device="cuda", generator=g)
+        grad = torch.randn(n, device="cuda", generator=g).to(grad_dtype)
         for fn, w, (m, v), out in zip((fused_adamw.adamw_step_, fused_adamw.reference_step_), masters, moments, weights):
-            fn(w, grad, m, v, out, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
-    torch.testing.assert_close(masters[0], masters[1], rtol=1e-6, atol=1e-6)
-    # Triton may contract a multiply-add where torch rounds twice: at most one bf16 unit apart.
+            fn(w, grad, m, v, out, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step,
+               grad_coef=grad_coef)
+    assert torch.equal(masters[0], masters[1])
     for a, b in ((moments[0][0], moments[1][0]), (moments[0][1], moments[1][1]), (weights[0], weights[1])):
-        torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=1e-6)
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
