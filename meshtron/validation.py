@@ -38,6 +38,7 @@ Which module owns which rule (each rule lives in one place; the others call it):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib.util
 import math
 import os
@@ -813,6 +814,9 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
     if c.load == "":
         raise ConfigError("--load: expected a checkpoint directory, got an empty path")
     # --load DIR --save DIR with a DIR that does not exist yet is the usual start of a resumable run.
+    if c.load is not None and os.path.exists(c.load) and not os.path.isdir(c.load):
+        raise ConfigError(f"--load: {c.load} is a file, not a checkpoint directory (give a --save directory or "
+                          "one of its iter_N directories)")
     if c.load is not None and not os.path.isdir(c.load) and c.load != c.save:
         raise ConfigError(f"--load: directory {c.load} does not exist")
     if c.save is not None:
@@ -844,9 +848,26 @@ def _ensure_writable_dir(path: str, flag: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as err:
-        raise ConfigError(f"{flag}: cannot create directory {path} ({err.strerror or err})") from None
+        raise ConfigError(f"{flag}: cannot create directory {path} ({_why_not_a_dir(path, err)})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag}: directory {path} is not writable")
+
+
+def _why_not_a_dir(path: str, err: OSError) -> str:
+    """Why ``os.makedirs(path)`` failed, in words: mkdir reports a file or a symlink loop in the way as
+    "File exists", which does not say what to fix."""
+    parts = os.path.normpath(path).split(os.sep)
+    for i in range(1, len(parts) + 1):
+        prefix = os.sep.join(parts[:i]) or os.sep
+        if os.path.islink(prefix):
+            try:
+                os.stat(prefix)
+            except OSError as stat_err:
+                kind = "a symbolic link loop" if stat_err.errno == errno.ELOOP else "a dangling symbolic link"
+                return f"{prefix} is {kind}: {prefix} -> {os.readlink(prefix)}"
+        if os.path.exists(prefix) and not os.path.isdir(prefix):
+            return f"{prefix} is a file, not a directory"
+    return err.strerror or str(err)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,9 +95,14 @@ def read_latest(save_dir: str | os.PathLike) -> Optional[int]:
         if f.is_file():
             text = f.read_text(encoding="utf-8").strip()
             try:
-                return int(text)
+                iteration = int(text)
             except ValueError:
                 raise CheckpointError(f"{f} should hold an iteration number, not {text[:40]!r}") from None
+            if iteration < 0:  # no save writes one: the marker is corrupt, not a directory name to look for
+                raise CheckpointError(f"{f} holds {text[:40]!r}, which is not a valid latest-checkpoint marker "
+                                      "(an iteration number of 0 or more is expected): the file is corrupt; "
+                                      "write the iteration of a complete iter_N directory into it, or remove it")
+            return iteration
     return None
 
 
