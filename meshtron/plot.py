@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -43,6 +44,27 @@ class Run:
     train: list[dict] = field(default_factory=list)
     eval: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)  # every record that is neither train nor eval
+    skipped: list[int] = field(default_factory=list)  # numbers of the lines that are not whole JSON objects
+    last_line: int = 0  # number of the file's last non-empty line
+
+    @property
+    def damaged(self) -> bool:
+        """Whether a line other than the last was skipped (a cut-off last line is the normal end of a killed run)."""
+        return any(n != self.last_line for n in self.skipped)
+
+    def skipped_note(self, path: Path) -> Optional[str]:
+        """One line saying which lines were left out, or None when every line was read."""
+        if not self.skipped:
+            return None
+        middle = [n for n in self.skipped if n != self.last_line]
+        parts = []
+        if middle:
+            shown = ", ".join(map(str, middle[:5])) + (f" and {len(middle) - 5} more" if len(middle) > 5 else "")
+            parts.append(f"line(s) {shown} (not JSON objects: damaged?)")
+        if self.last_line in self.skipped:
+            parts.append(f"the last line ({self.last_line}), cut off (a run stopped while writing it)")
+        count = len(self.skipped)
+        return f"metrics file {path}: skipped {count} line{'s' if count > 1 else ''}: {'; '.join(parts)}"
 
     def series(self, key: str, records: Optional[list[dict]] = None, x: str = "iteration") -> tuple[list, list]:
         """(x, y) of the records that have a number for ``key`` and ``x``."""
@@ -63,7 +85,8 @@ def _is_number(value: Any) -> bool:
 
 
 def read_run(path: Path, label: Optional[str] = None) -> Run:
-    """Parse a metrics file; a line that is not JSON is an error naming the file and line."""
+    """Parse a metrics file. A line that is not a JSON object is skipped and counted in ``Run.skipped``:
+    a killed run leaves its last line cut off, and the lines before it are still worth drawing."""
     if not path.is_file():
         raise ConfigError(f"metrics file {path} does not exist")
     run = Run(label or path.stem)
@@ -74,12 +97,14 @@ def read_run(path: Path, label: Optional[str] = None) -> Run:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        run.last_line = number
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"metrics file {path}, line {number}: not JSON ({err.msg})") from None
+        except json.JSONDecodeError:
+            record = None
         if not isinstance(record, dict):
-            raise ConfigError(f"metrics file {path}, line {number}: expected a JSON object")
+            run.skipped.append(number)
+            continue
         kind = record.get("type")
         (run.train if kind == "train" else run.eval if kind == "eval" else run.events).append(record)
     # A restarted job appends the iterations it repeats: the last record of an iteration is the one that counts.
@@ -384,6 +409,10 @@ def plot_main(argv: Sequence[str]) -> int:
     if args.metrics:
         labels = args.label + [None] * (len(args.metrics) - len(args.label))
         runs = [read_run(Path(p), label) for p, label in zip(args.metrics, labels)]
+        for path, run in zip(args.metrics, runs):
+            note = run.skipped_note(Path(path))
+            if note is not None:
+                print(f"meshtron plot: {'warning' if run.damaged else 'note'}: {note}", file=sys.stderr)
         written += plot_runs(runs, opts)
     if args.bench:
         written += plot_bench(read_bench_rows(Path(args.bench)), opts)

@@ -128,11 +128,37 @@ def test_bad_input_is_one_line(tmp_path, capsys, argv, words):
     assert words in err and len(err.splitlines()) == 1
 
 
-def test_corrupt_metrics_line_names_the_line(tmp_path, capsys):
+def _train_lines(iterations: range) -> str:
+    return "".join(json.dumps({"type": "train", "iteration": i, "loss": 5.0 - 0.1 * i}) + "\n" for i in iterations)
+
+
+def test_cut_off_last_line_of_a_killed_run_is_skipped_and_counted(tmp_path, capsys):
     path = tmp_path / "m.jsonl"
-    path.write_text('{"type": "train", "iteration": 1, "loss": 2.0}\n{not json\n')
+    path.write_text(_train_lines(range(1, 6)) + '{"type": "train", "iteration": 6, "lo')  # killed mid-write
+    out = tmp_path / "o"
+    assert main(["plot", str(path), "--out", str(out)]) == 0
+    err = capsys.readouterr().err.strip()
+    assert err == (f"meshtron plot: note: metrics file {path}: skipped 1 line: the last line (6), cut off "
+                   "(a run stopped while writing it)"), err
+    assert png_size(out / "loss.png")[0] > 0
+    assert [r["iteration"] for r in read_run(path).train] == [1, 2, 3, 4, 5]
+
+
+def test_damaged_middle_line_is_skipped_with_a_warning_naming_it(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    path.write_text(_train_lines(range(1, 3)) + "{not json\n" + "[1, 2]\n" + _train_lines(range(3, 5)))
+    assert main(["plot", str(path), "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshtron plot: warning: ") and len(err.splitlines()) == 1, err
+    assert "skipped 2 lines: line(s) 3, 4 (not JSON objects" in err and "cut off" not in err, err
+    assert [r["iteration"] for r in read_run(path).train] == [1, 2, 3, 4]
+
+
+def test_a_file_with_nothing_whole_is_still_refused(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"type": "tra')
     assert main(["plot", str(path), "--out", str(tmp_path / "o")]) == 2
-    assert "line 2" in capsys.readouterr().err
+    assert "nothing to plot" in capsys.readouterr().err
 
 
 def test_missing_matplotlib_is_named(monkeypatch, tmp_path, capsys):
