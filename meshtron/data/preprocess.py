@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import errno
 import itertools
 import multiprocessing
 import os
@@ -25,6 +27,43 @@ from meshtron.data.indexed_dataset import IndexedDatasetWriter, merge_datasets, 
 from meshtron.data.readers import (TXT_UNITS, RawChunk, SkipCounts, chunk_documents, expand_inputs, file_format,
                                    iter_chunks)
 from meshtron.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+
+
+#: errno values of a file system that ran out of room or failed under the writer: a failure while running
+#: (exit 1), also when the output file is being created; any other error creating it is a bad path (exit 2).
+WRITE_FAILURE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+class OutputWriteError(Exception):
+    """Writing the dataset failed while running (full disk, quota, I/O error): exit status 1, not bad input.
+    The message names the file; the partial output is removed."""
+
+    exit_code = 1
+
+
+@contextlib.contextmanager
+def _writing(path: str, disk_errors_only: bool = False) -> Iterator[None]:
+    """Turn an OSError of writing ``path`` into :class:`OutputWriteError` naming it (a buffered write's
+    error names no file). With ``disk_errors_only`` (creating the file, or a merge that also reads), only a
+    full or failing file system is a write failure; other errors pass through as they are."""
+    try:
+        yield
+    except OSError as err:
+        if disk_errors_only and err.errno not in WRITE_FAILURE_ERRNOS:
+            raise  # a path that cannot be created (permissions, a file in the way): bad input, exit 2
+        where = err.filename or path
+        raise OutputWriteError(f"writing {where} failed: {err.strerror or err}; the partial output was removed") \
+            from None
+
+
+def _abort_all(writers: Iterable[IndexedDatasetWriter]) -> None:
+    """Remove every writer's partial files. On a full disk, closing a file may fail once more while flushing
+    its buffer; the file is closed all the same, so a second attempt removes it."""
+    for w in writers:
+        try:
+            w.abort()
+        except OSError:
+            w.abort()
 
 
 @dataclass
@@ -200,7 +239,14 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_args: Tokeni
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     summary = PreprocessSummary(files=len(paths), workers=workers)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
-    writers = {k: IndexedDatasetWriter(p, dtype) for k, p in prefixes.items()}
+    writers: dict[str, IndexedDatasetWriter] = {}
+    try:
+        for k, p in prefixes.items():
+            with _writing(p + ".bin", disk_errors_only=True):
+                writers[k] = IndexedDatasetWriter(p, dtype)
+    except BaseException:
+        _abort_all(writers.values())
+        raise
     chunks = itertools.chain.from_iterable(iter_chunks(p, json_keys, txt_unit, chunk_bytes) for p in paths)
     initargs = (tokenizer_args, json_keys, append_eod)
     if workers == 1:
@@ -217,7 +263,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_args: Tokeni
         for res in results:
             ndocs = 0
             for k in json_keys:
-                writers[k].add_documents(res.tokens[k], res.lengths[k])
+                with _writing(prefixes[k] + ".bin"):
+                    writers[k].add_documents(res.tokens[k], res.lengths[k])
                 summary.documents[k] = summary.documents.get(k, 0) + len(res.lengths[k])
                 summary.tokens[k] = summary.tokens.get(k, 0) + int(res.tokens[k].size)
                 summary.empty_documents[k] = summary.empty_documents.get(k, 0) + res.empty[k]
@@ -230,10 +277,10 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_args: Tokeni
             if not summary.tokens.get(k):
                 raise DataError(_nothing_to_write(paths, k, summary))
         for k in json_keys:
-            summary.outputs.append(writers[k].finalize())
+            with _writing(prefixes[k] + ".idx"):
+                summary.outputs.append(writers[k].finalize())
     except BaseException:
-        for w in writers.values():
-            w.abort()
+        _abort_all(writers.values())
         raise
     finally:
         bar.close()
@@ -285,13 +332,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _error(message: str) -> int:
+def _error(message: str, code: int = 2) -> int:
     print(f"meshtron preprocess: error: {message}", file=sys.stderr)
-    return 2
+    return code
 
 
 def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``meshtron preprocess``; returns the exit code (2 for bad input)."""
+    """Entry point of ``meshtron preprocess``; returns the exit code (2 for bad input, 1 when writing the
+    output failed while running, e.g. on a full disk)."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -301,7 +349,8 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
         if args.merge:
             if args.input:
                 return _error("give either --input (tokenize) or --merge (concatenate datasets), not both")
-            out = merge_datasets(args.merge, args.output_prefix)
+            with _writing(args.output_prefix + ".bin", disk_errors_only=True):
+                out = merge_datasets(args.merge, args.output_prefix)
             print(f"merged {len(args.merge)} dataset(s) into {out}.bin and {out}.idx")
             return 0
         if not args.input:
@@ -314,7 +363,9 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
                              log_interval=args.log_interval)
     except DataError as exc:
         return _error(str(exc))
-    except OSError as exc:  # unwritable output directory, unreadable input, full disk
+    except OutputWriteError as exc:  # a full disk while writing: a failure while running
+        return _error(str(exc), exc.exit_code)
+    except OSError as exc:  # unwritable output directory, unreadable input
         return _error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
     print(summary.report(args.json_keys))
     return 0
