@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import secrets
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -29,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from meshtron.checkpoint import hf
 from meshtron.checkpoint.dcp_reader import read_dcp_metadata, safe_dcp_load
 from meshtron.checkpoint.errors import (
-    CheckpointError, CheckpointSaveError, describe_dcp_failure, describe_os_error, is_disk_full,
+    DISK_FULL_ERRNOS, CheckpointError, CheckpointSaveError, describe_dcp_failure, describe_os_error, is_disk_full,
 )
 from meshtron.checkpoint.load import read_checkpoint_tokenizer, resolve_checkpoint
 from meshtron.checkpoint.metadata import (
@@ -216,7 +219,13 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
     meta["converted_from"] = {"format": "huggingface", "path": str(src.resolve())}
     job = SaveJob(save_dir=out, iteration=0, rank=0, state_dict=to_state_dict(chunks), meta=meta,
                   config_text=config_yaml(cfg), rng=None, group=None, tokenizer=tokenizer)
-    return write_and_publish(job)
+    created = _first_missing(out)
+    try:
+        return write_and_publish(job)  # on failure it removes its partial iter_0000000.tmp and says why
+    except BaseException:
+        if created is not None:  # and the --output directory it made, now empty
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 def _config_from_file(config_file: Path, notices: list[str]):
@@ -336,33 +345,75 @@ def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture:
         raise CheckpointError(f"{ckpt_dir}: the embedding has {vocab} rows but the metadata says vocabulary "
                               f"{meta['model']['vocab_size']}")
     hf_tensors = hf.meshtron_to_hf_tensors(tensors, cfg.model, architecture)
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        write_hf_tensors(hf_tensors, out, max_shard_bytes)
-        eos, bos = _export_tokenizer(ckpt_dir, out, notices)
+
+    def write(directory: Path) -> None:
+        write_hf_tensors(hf_tensors, directory, max_shard_bytes)
+        eos, bos = _export_tokenizer(ckpt_dir, directory, notices)
         dtype_name = DTYPE_NAMES.get(next(iter(tensors.values())).dtype, "float32")
         config = hf.hf_config(cfg.model, vocab, architecture, dtype_name, eos, bos)
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         gen = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}
-        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
-    except (OSError, CheckpointError) as err:
-        _remove_partial_output(out, created)  # --output was empty or absent: nothing of the user's is lost
-        if isinstance(err, CheckpointError):
+        (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+
+    needed = sum(t.numel() * t.element_size() for t in hf_tensors.values())
+    return write_all_or_nothing(out, write, f"the export needs about {needed / 1e9:.2f} GB")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing an output directory whole or not at all.
+# ---------------------------------------------------------------------------------------------
+
+def write_all_or_nothing(out: Path, write: Callable[[Path], None], size_hint: str) -> Path:
+    """Run ``write(directory)`` into a fresh directory beside ``out``, then rename it to ``out`` (absent or
+    empty: rename replaces an empty directory in one step). On any failure the partial directory, and the
+    parents of ``out`` this call created, are removed: ``--output`` is as it was. A write that failed (full
+    disk, I/O error; from Python or from safetensors) becomes one CheckpointSaveError (exit 1) naming ``out``
+    and the error, with ``size_hint``; a process killed meanwhile leaves a hidden ``.NAME.tmp-*`` beside it."""
+    created = _first_missing(out.parent)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        write(tmp)
+        os.replace(tmp, out)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        cause = _write_failure(err)
+        if cause is None:
             raise
-        needed = sum(t.numel() * t.element_size() for t in hf_tensors.values())
-        cause = "no space left on device" if is_disk_full(err) else describe_os_error(err)
-        raise CheckpointSaveError(f"writing {out} failed: {cause} (the export needs about {needed / 1e9:.2f} GB); "
-                                  "the partial export was removed") from None
+        raise CheckpointSaveError(f"writing {out} failed: {cause} ({size_hint}); nothing was left there") from None
     return out
 
 
-def _remove_partial_output(out: Path, created: bool) -> None:
-    if created:
-        shutil.rmtree(out, ignore_errors=True)
-    elif out.is_dir():
-        for entry in out.iterdir():
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+def _first_missing(path: Path) -> Optional[Path]:
+    """The outermost of ``path`` and its parents that does not exist yet (None when ``path`` exists)."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            break
+        missing = p
+    return missing
+
+
+#: How safetensors (Rust) words an operating-system error: "... I/O error: No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _write_failure(err: BaseException) -> Optional[str]:
+    """The cause of a failed write in a few words, or None when ``err`` is not a failed write."""
+    if isinstance(err, OSError):
+        return "no space left on device" if is_disk_full(err) else describe_os_error(err)
+    from safetensors import SafetensorError
+
+    if isinstance(err, SafetensorError):
+        match = _RUST_OS_ERROR.search(str(err))
+        if match is None:
+            return f"safetensors: {str(err).strip().splitlines()[0] if str(err).strip() else 'error'}"
+        code = int(match.group(1))
+        return "no space left on device" if code in DISK_FULL_ERRNOS else os.strerror(code)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
