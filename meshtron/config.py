@@ -430,6 +430,10 @@ class LogConfig:
     log_interval: int = opt(10, "Log every N iterations.")
     metrics_file: Optional[str] = opt(None, "Append JSON metrics, one object per line (rank 0).")
     tensorboard_dir: Optional[str] = opt(None, "Write TensorBoard scalars here.")
+    record_collectives: Optional[str] = opt(None, "Write every collective and point-to-point operation of this "
+                                            "rank (iteration, op, group, group size, bytes, dtype, async) as JSON "
+                                            "lines to PATH.rank<r>.jsonl; recorded steps run slower "
+                                            "(docs/emulation.md).")
     wandb_project: Optional[str] = opt(None, "Log to this Weights & Biases project (needs wandb installed).")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name.")
     wandb_save_dir: Optional[str] = opt(None, "Directory for Weights & Biases' local files.")
