@@ -26,12 +26,13 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from meshtron import __version__
+from meshtron import __version__, quickstart
 from meshtron.allocator import default_to_expandable_segments
 from meshtron.config import SECTIONS, ConfigError, MeshtronConfig, flag_name
 from meshtron.launcher import LAUNCHER_FIELDS, launcher_option_strings
 from meshtron.megatron_compat import MEGATRON_COMPAT, CompatFlag
 from meshtron.presets import PRESETS, PUBLISHED_ACTIVE, apply_preset, count_parameters
+from meshtron.quickstart import SHAPE_FIELDS, quickstart_base
 from meshtron.validation import validate_config
 
 PROG = "meshtron"
@@ -43,7 +44,7 @@ COMMANDS: dict[str, str] = {
     "generate": "Sample text from a checkpoint.",
     "preprocess": "Turn text/JSONL documents into Megatron .bin/.idx datasets.",
     "tokenizer": "Train a tokenizer.",
-    "convert": "Convert checkpoints (resharding, Hugging Face import/export).",
+    "convert": "Convert checkpoints to and from Hugging Face (a checkpoint loads into any layout as it is).",
     "bench": "Run a matrix of benchmark configurations and print a table.",
     "plot": "Draw figures from metrics files (loss, throughput, stragglers) or bench rows.",
     "doctor": "Check every device's and link's speed before a job; name the slow ones (exit 1).",
@@ -66,10 +67,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
 #: fields declared ``opt(..., megatron_compat=True)`` whose only valid value is meshtron's).
 COMPAT_TOPIC = "Megatron compatibility"
 
-#: Without --model and without any of these, the "tiny" preset is applied.
-SHAPE_FIELDS: tuple[str, ...] = ("num_layers", "hidden_size", "num_attention_heads")
-#: Any of these says where the data comes from (so the quick-start job's defaults do not apply).
-DATA_FIELDS: tuple[str, ...] = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "mock_data")
+#: Without --model and without any of SHAPE_FIELDS, the "tiny" preset is applied.
 DEFAULT_PRESET = "tiny"
 
 #: Help groups of `meshtron train --help`, in order.
@@ -80,6 +78,8 @@ TOPICS: tuple[str, ...] = (
 _SECTION_TOPIC = {"model": "Model", "parallel": "Parallelism", "optim": "Optimizer and learning rate",
                   "train": "Training", "data": "Data and tokenizer", "checkpoint": "Checkpoints", "log": "Logging"}
 _PRECISION_FIELDS = ("bf16", "fp32", "fp16", "compile")
+#: List flags whose YAML string is one item, not words: dataset prefixes (see meshtron.validation.data_path_items).
+DATA_PATH_FIELDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 #: List flags that may be given several times, each time adding its values (``--inject-fault a --inject-fault b``).
 _REPEATABLE_FIELDS = ("inject_fault",)
 
@@ -214,11 +214,16 @@ def coerce(spec: FlagSpec, value: Any) -> Any:
     if spec.kind is list:
         if isinstance(value, dict):
             raise ValueError(f"expected a list of values, got a mapping {value!r}")
-        items = value if isinstance(value, (list, tuple)) else str(value).split()
+        if isinstance(value, (list, tuple)):
+            items = value
+        elif spec.name in DATA_PATH_FIELDS:  # one item, read like a command-line one (a path may hold spaces)
+            items = [value]
+        else:
+            items = str(value).split()
         nested = [v for v in items if isinstance(v, (list, tuple, dict)) or v is None]
         if nested:
             raise ValueError(f"expected a flat list of values, got {nested[0]!r} in it")
-        return [str(v) for v in items]
+        return [_check_choice(spec, str(v)) for v in items]
     if spec.kind is bool:
         if isinstance(value, bool):
             return value
@@ -359,6 +364,7 @@ class TrainArgs:
     given: dict[str, Any]   # {field: value} given in the YAML file or on the command line
     config_file: Optional[str] = None
     quickstart_defaults: tuple[str, ...] = ()  # the quick-start settings that no flag overrode
+    quickstart_adapted: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> how it was adapted
 
 
 def build_config(argv: Sequence[str]) -> MeshtronConfig:
@@ -398,34 +404,38 @@ def parse_train_args(argv: Sequence[str]) -> TrainArgs:
 
 def _check_compat_values(given: dict[str, Any], cfg: MeshtronConfig) -> None:
     """The Megatron compatibility flags whose values meshtron can still get wrong (the others take any value of
-    their type)."""
+    their type): a value with a ``refuse`` rule (:mod:`meshtron.megatron_compat`), and combinations."""
+    for flag in MEGATRON_COMPAT:
+        rule = flag.rule_for(given[flag.name]) if flag.name in given else None
+        if rule is not None and rule.action == "refuse":
+            raise ConfigError(f"{_shown_compat_value(flag.name, given[flag.name])}: {rule.message}")
     if given.get("offload_modules") and not cfg.train.offload_activations:
         raise ConfigError("--offload-modules needs --offload-activations (or --fine-grained-activation-offloading)")
     if given.get("timing_log_level", 0) not in (0, 1, 2):
         raise ConfigError(f"--timing-log-level must be 0, 1 or 2, got {given['timing_log_level']}")
+    bf16_reduce = ("--main-grads-dtype bf16" if cfg.optim.main_grads_dtype == "bf16"
+                   else "--grad-reduce-in-bf16" if cfg.parallel.grad_reduce_in_bf16 else None)
+    if given.get("accumulate_allreduce_grads_in_fp32") and bf16_reduce:
+        raise ConfigError(f"--accumulate-allreduce-grads-in-fp32 asks for fp32 gradient reduction and {bf16_reduce} "
+                          f"for bf16: drop one of them")
 
 
-def quickstart_base(given: dict[str, Any], config_file: Optional[str]) -> dict[str, Any]:
-    """The quick-start job's settings (README) when neither a model, nor data, nor a config file is given;
-    otherwise nothing. Flags then override them one by one, so that ``meshtron train --train-iters 50`` is the
-    quick-start job with 50 iterations, not a different job."""
-    from meshtron.presets import QUICKSTART
-
-    chooses_model = "model" in given or "use_checkpoint_args" in given or any(n in given for n in SHAPE_FIELDS)
-    chooses_data = any(name in given for name in DATA_FIELDS)
-    return {} if config_file or chooses_model or chooses_data else dict(QUICKSTART)
+def _shown_compat_value(name: str, value: Any) -> str:
+    """``--flag`` for True, ``--flag a b`` for a list, ``--flag value`` otherwise."""
+    flag = flag_name(name)
+    if value is True:
+        return flag
+    return f"{flag} {' '.join(map(str, value))}" if isinstance(value, list) else f"{flag} {value}"
 
 
 def quickstart_notice(args: TrainArgs) -> Optional[str]:
-    """The one line that says which quick-start defaults a run uses (None when it uses none)."""
-    if not args.quickstart_defaults:
-        return None
-    from meshtron.presets import QUICKSTART
+    """The one line that lists the quick-start settings a run uses, and how each adapted one was (None: none)."""
+    return quickstart.notice(args.config, args.quickstart_defaults, args.quickstart_adapted, PROG)
 
-    shown = ", ".join(f"{flag_name(name)} {QUICKSTART[name]}" if name != "model" else f"--model {QUICKSTART[name]}"
-                      for name in args.quickstart_defaults)
-    return (f"{PROG} train: note: no --model, data or --config given: the quick-start job's defaults apply "
-            f"({shown}); each flag given overrides one of them")
+
+def adapt_quickstart(args: TrainArgs, world_size: Optional[int]) -> None:
+    """Adapt the quick-start defaults in use to the flags given and the world size (:mod:`meshtron.quickstart`)."""
+    args.quickstart_adapted = quickstart.adapt(args.config, args.given, args.quickstart_defaults, world_size)
 
 
 def _apply_checkpoint_model_args(cfg: MeshtronConfig, given: dict) -> None:
@@ -550,48 +560,69 @@ def _is_rank_zero() -> bool:
 
 
 def compat_notices(args: TrainArgs) -> list[str]:
-    """One line per Megatron-compatibility flag the user gave."""
-    lines = []
+    """One line per Megatron-compatibility flag the user gave: a note, then the warnings (``WARNING``, in capitals,
+    for a value whose no-op changes what a Megatron user gets: :mod:`meshtron.megatron_compat`)."""
+    notes, warnings = [], []
+    compat = {flag.name: flag for flag in MEGATRON_COMPAT}
     for spec in flag_specs():
         if spec.topic == COMPAT_TOPIC and spec.name in args.given:
             value = args.given[spec.name]
-            shown = spec.flag if value is True else f"{spec.flag} {value}"
-            lines.append(f"{PROG} train: note: {shown}: {spec.help}")
-    return lines
+            shown = _shown_compat_value(spec.name, value)
+            rule = compat[spec.name].rule_for(value) if spec.name in compat else None
+            if rule is not None and rule.action == "warn":
+                warnings.append(f"{PROG} train: WARNING: {shown}: {rule.message}")
+            else:
+                notes.append(f"{PROG} train: note: {shown}: {spec.help}")
+    return notes + warnings
 
 
 def train_main(argv: Sequence[str]) -> int:
     """``meshtron train``: build and validate the config, then train (or launch the workers that will)."""
     from meshtron import launcher
+    from meshtron.slurm import adopt_slurm_environment, check_not_doubly_launched
 
     args = parse_train_args(argv)
     cfg = args.config
+    launching = launcher.should_launch(cfg.launcher)
+    if launching:
+        world_size = _planned_world_size(cfg)
+    else:
+        if not cfg.train.dry_run:
+            adopt_slurm_environment()  # srun with one task per GPU: rank, world size and master from SLURM's variables
+        world_size = launcher.env_world_size()
+    adapt_quickstart(args, world_size)
+    # The notices come first, before any error: an error about a quick-start default is read with that default
+    # in sight. The launching process speaks for the workers it starts.
+    if _is_rank_zero() and not launcher.launched_by_meshtron():
+        for line in filter(None, [quickstart_notice(args), *compat_notices(args)]):
+            print(line, file=sys.stderr)
+    launcher.check_launcher(cfg.launcher)  # a bad --nproc-per-node is named before a world size is made of it
     if cfg.train.dry_run:  # the plan of this run, in this process: no launch, no process group
-        world = (launcher.planned_world_size(cfg.launcher) if launcher.should_launch(cfg.launcher)
-                 else launcher.env_world_size())
-        return _load_entry("train", "meshtron.planning.cli", "dry_run")(cfg, world)
-    from meshtron.slurm import adopt_slurm_environment, check_not_doubly_launched
-
-    if launcher.should_launch(cfg.launcher):
+        return _load_entry("train", "meshtron.planning.cli", "dry_run")(cfg, world_size)
+    if launching:
         check_not_doubly_launched(os.environ, cfg.launcher.nproc_per_node)
         launcher.check_before_launch(cfg)  # errors once, here, rather than in every worker
         return launcher.launch(cfg.launcher, argv)
-    adopt_slurm_environment()  # srun with one task per GPU: rank, world size and master from SLURM's variables
-    world_size = launcher.env_world_size()
-    if _is_rank_zero():
-        for line in compat_notices(args):
-            print(line, file=sys.stderr)
     try:
         validate_config(cfg, world_size)
     except ConfigError:
         if not _is_rank_zero():
             return 2  # every rank has the same config: rank 0 alone says what is wrong
         raise
-    notice = quickstart_notice(args)
-    if notice is not None and _is_rank_zero():
-        print(notice, file=sys.stderr)
     run_training = _load_entry("train", "meshtron.training.trainer", "run_training")
     return _run_worker(cfg, world_size, run_training)
+
+
+def _planned_world_size(cfg: MeshtronConfig) -> Optional[int]:
+    """The world size the shortcut will start; None when elastic or when the launcher flags are wrong (the
+    check that follows the notices names the flag)."""
+    from meshtron import launcher
+
+    try:
+        launcher.check_launcher(cfg.launcher)
+    except ConfigError:
+        return None
+    return launcher.planned_world_size(cfg.launcher)
 
 
 def _run_worker(cfg: MeshtronConfig, world_size: int, run_training: Callable[..., Any]) -> int:

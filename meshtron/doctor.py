@@ -154,6 +154,8 @@ def doctor_main(argv: Sequence[str]) -> int:
 
     opts = doctor_parser().parse_args(list(argv))
     if opts.nproc_per_node is not None and not launcher.running_under_torchrun():
+        # The launcher flags first, as for meshtron train: torch.distributed.run would assert on --nproc-per-node 0.
+        launcher.check_launcher(LauncherConfig(**{name: getattr(opts, name) for name in LAUNCHER_FIELDS}))
         _check(opts, opts.nproc_per_node * launcher.parse_nnodes(opts.nnodes)[0])
         return _launch(opts, argv)
     world = launcher.env_world_size()

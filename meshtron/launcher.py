@@ -73,7 +73,8 @@ def check_launcher(p: LauncherConfig) -> None:
     """Check the launcher flags (called by validation). Raises ConfigError naming the flag."""
     low, high = parse_nnodes(p.nnodes)
     if p.nproc_per_node is not None and p.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node must be at least 1, got {p.nproc_per_node}")
+        raise ConfigError(f"--nproc-per-node must be a whole number >= 1 (the processes to start on each node, "
+                          f"e.g. its GPU count), got {p.nproc_per_node}")
     if p.node_rank < 0 or (low == high and p.node_rank >= high):
         raise ConfigError(f"--node-rank {p.node_rank} must be in [0, {high - 1}] with --nnodes {p.nnodes}")
     if not 0 < p.master_port < 65536:

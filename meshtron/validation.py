@@ -180,12 +180,43 @@ def _data_parallel_size_or_none(cfg: MeshtronConfig, world_size: Optional[int]) 
 # Parsing helpers of list-valued flags.
 # ---------------------------------------------------------------------------------------------
 
+def data_path_items(values: Sequence[str]) -> list[str]:
+    """The words of a ``--data-path`` list (Megatron's ``[WEIGHT] PREFIX ...``): weights and prefixes, in order.
+
+    Each item (one command-line argument, one YAML list item, or a YAML string) is kept whole, so that a prefix
+    may contain spaces, except where it is itself weighted:
+
+    - ``"0.7 A 0.3 B"``: every other word is a number, starting with one: a whole blend in one item, split into
+      its words (the form of Megatron's ``DATA_PATH="0.7 A 0.3 B"`` once quoted, or of a YAML string);
+    - ``"0.7 /data/my corpus"``: a number, then the rest: one ``WEIGHT PREFIX`` pair, whose prefix keeps its spaces;
+    - anything else is one prefix: ``"/data/my corpus/text_document"``.
+
+    argparse already separates the command line's arguments, so nothing else is split. A relative prefix whose
+    first word is a number reads as weighted: write it ``./2024 corpus/text``. Several prefixes with spaces in a
+    blend go in separate items.
+    """
+    words: list[str] = []
+    for value in values:
+        item = str(value).strip()
+        parts = item.split()
+        if len(parts) <= 1:
+            words += parts
+        elif len(parts) % 2 == 0 and all(_is_float(w) for w in parts[0::2]) \
+                and not any(_is_float(p) for p in parts[1::2]):
+            words += parts
+        elif _is_float(parts[0]):
+            words += [parts[0], item[len(parts[0]):].strip()]
+        else:
+            words.append(item)
+    return words
+
+
 def parse_data_path(values: Sequence[str], flag: str = "--data-path") -> list[tuple[Optional[float], str]]:
     """``["0.7", "A", "0.3", "B"]`` -> [(0.7, "A"), (0.3, "B")]; ``["A", "B"]`` -> [(None, "A"), (None, "B")].
 
-    Megatron's blend syntax: either prefixes only, or weight/prefix pairs.
+    Megatron's blend syntax: either prefixes only, or weight/prefix pairs (items as in :func:`data_path_items`).
     """
-    tokens = [t for v in values for t in str(v).split()]
+    tokens = data_path_items(values)
     is_number = [_is_float(t) for t in tokens]
     if not any(is_number):
         return [(None, t) for t in tokens]
@@ -781,8 +812,10 @@ def _check_data(d: DataConfig, m: ModelConfig) -> None:
             for _, prefix in parse_data_path(value, flag):
                 for suffix in (".bin", ".idx"):
                     if not os.path.isfile(prefix + suffix):
+                        spaces = (" (one item with spaces is one path: give several prefixes as separate items)"
+                                  if any(c.isspace() for c in prefix) else "")
                         raise ConfigError(f"{flag}: {prefix + suffix} does not exist (a dataset prefix needs "
-                                          f"PREFIX.bin and PREFIX.idx, made by `meshtron preprocess`)")
+                                          f"PREFIX.bin and PREFIX.idx, made by `meshtron preprocess`){spaces}")
     if d.num_workers < 0:
         raise ConfigError(f"--num-workers must be >= 0, got {d.num_workers}")
     _check_tokenizer(d, m)
@@ -802,6 +835,25 @@ def _check_tokenizer(d: DataConfig, m: ModelConfig) -> None:
     path = d.tokenizer_model
     if path and not os.path.exists(path) and not (kind == "HuggingFaceTokenizer" and _looks_like_hub_id(path)):
         raise ConfigError(f"--tokenizer-model: {path} does not exist")
+
+
+def check_vocab_size(m: ModelConfig, tokenizer_vocab: int, tokenizer_kind: str) -> None:
+    """``--vocab-size`` beside a tokenizer: the model takes the tokenizer's vocabulary (as Megatron does), so a
+    smaller ``--vocab-size`` would be ignored while the user believes the embedding is that small: refuse it.
+
+    Called by the data pipeline once the tokenizer is loaded (its size is not known before). Passes: no
+    ``--vocab-size``, the ``--model`` preset's own size (a published shape, which the tokenizer replaces), and
+    NullTokenizer, whose vocabulary is ``--vocab-size`` plus its end-of-document id.
+    """
+    from meshtron.presets import PRESETS  # presets import the accounting code: only when a tokenizer is loaded
+
+    given = m.vocab_size
+    from_preset = m.model in PRESETS and PRESETS[m.model][0].get("vocab_size") == given
+    if given is None or from_preset or tokenizer_kind == "NullTokenizer" or given >= tokenizer_vocab:
+        return
+    raise ConfigError(f"--vocab-size {given} is smaller than the tokenizer's vocabulary of {tokenizer_vocab} "
+                      f"tokens ({tokenizer_kind}): the model takes the tokenizer's size; drop --vocab-size or give "
+                      f"at least {tokenizer_vocab}")
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -909,5 +961,6 @@ def _is_float(text: str) -> bool:
     return True
 
 
-__all__ = ["validate_config", "resolve", "check", "check_finite", "check_expert_ranks", "data_parallel_size",
-           "data_parallel_size_of", "layout_from_config", "parse_data_path", "parse_split"]
+__all__ = ["validate_config", "resolve", "check", "check_finite", "check_expert_ranks", "check_vocab_size",
+           "data_parallel_size", "data_parallel_size_of", "data_path_items", "layout_from_config", "parse_data_path",
+           "parse_split"]

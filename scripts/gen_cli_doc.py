@@ -28,10 +28,16 @@ edit by hand.
   Without `--model` and without any of `--num-layers`, `--hidden-size`, `--num-attention-heads`,
   the `tiny` preset is used.
 - Boolean flags: `--flag` sets it, `--no-flag` clears it (YAML: `flag: true` / `flag: false`).
-- List flags (`--data-path`) take several values: `--data-path 0.7 A 0.3 B` (YAML: a list or a string).
+- List flags (`--data-path`) take several values: `--data-path 0.7 A 0.3 B` (YAML: a list or a string). A dataset
+  path item stays whole, so a path may hold spaces (`--data-path "/data/my corpus/text"`, or one YAML list item);
+  an item whose first word is a number is weighted: `"0.7 /data/my corpus/text"` is one pair, `"0.7 A 0.3 B"` a
+  whole blend.
 - Errors (unknown flag, bad value, impossible layout, missing file) are one line naming the flag, exit code 2.
 - The Megatron compatibility flags are accepted so that Megatron scripts run unchanged; meshtron prints a one-line
-  note when one is given. They are not part of the run's configuration: a checkpoint's `config.yaml` does not list
+  note when one is given. A value that would quietly give a Megatron user something else is refused, exit 2
+  (`--dataloader-type external`, `--ckpt-format torch`, `--accumulate-allreduce-grads-in-fp32` with bf16 gradient
+  reduction), or, where the run still gives what was asked in another way, named in a `WARNING` line
+  (`--offload-modules`). They are not part of the run's configuration: a checkpoint's `config.yaml` does not list
   them.
 
 ## How a configuration is checked

@@ -20,6 +20,7 @@ from meshtron.cli import TOPICS, build_config, flag_specs, main, parse_train_arg
 from meshtron.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
+QUICKSTART_NOTICE = "meshtron train: note: no --model, data or --config given"
 
 
 def run_meshtron(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -119,9 +120,10 @@ BAD_VALUES = [
 def test_bad_values_are_one_line_errors_naming_the_flag(argv: list[str], expected: str, no_cuda: None,
                                                         no_training: None, capsys: pytest.CaptureFixture) -> None:
     assert main(["train", "--device", "cpu", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("meshtron train: error: ") and err.count("\n") == 1, err
-    assert expected in err
+    lines = capsys.readouterr().err.splitlines()
+    # one line, after the quick-start notice where that job's defaults are in use (the notice comes first)
+    assert len(lines) <= 2 and all(line.startswith(QUICKSTART_NOTICE) for line in lines[:-1]), lines
+    assert lines[-1].startswith("meshtron train: error: ") and expected in lines[-1]
 
 
 BAD_YAML = [
@@ -502,9 +504,11 @@ def test_launcher_validates_before_starting_workers() -> None:
     """A layout that cannot fit the requested processes fails once, in the launching process."""
     result = run_meshtron("train", "--nproc-per-node", "2", "--tensor-model-parallel-size", "4", "--device", "cpu")
     assert result.returncode == 2
-    assert result.stderr == ("meshtron train: error: world size 2 is not divisible by TP(4) x CP(1) x PP(1) = 4: "
-                             "choose --tensor-model-parallel-size, --context-parallel-size and "
-                             "--pipeline-model-parallel-size whose product divides 2\n")
+    notice, error = result.stderr.splitlines()  # the quick-start notice first, then the one error line
+    assert notice.startswith(QUICKSTART_NOTICE)
+    assert error == ("meshtron train: error: world size 2 is not divisible by TP(4) x CP(1) x PP(1) = 4: "
+                     "choose --tensor-model-parallel-size, --context-parallel-size and "
+                     "--pipeline-model-parallel-size whose product divides 2")
 
 
 def test_elastic_nnodes_has_no_planned_world_size() -> None:
@@ -579,9 +583,9 @@ def test_train_passes_a_validated_config(monkeypatch: pytest.MonkeyPatch, capsys
     # the quick-start job with micro batches of 4: its global batch of 8 stays
     assert (cfg.train.device, cfg.train.global_batch_size, cfg.model.model) == ("cpu", 8, "tiny")
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == ("meshtron train: note: --use-flash-attn: Accepted for Megatron compatibility "
+    assert err[0].startswith(QUICKSTART_NOTICE) and len(err) == 2  # the quick-start notice first
+    assert err[1] == ("meshtron train: note: --use-flash-attn: Accepted for Megatron compatibility "
                       "(flash/cuDNN attention is the default on CUDA).")
-    assert err[1].startswith("meshtron train: note: no --model, data or --config given") and len(err) == 2
 
 
 @pytest.mark.parametrize("error,code", [(ConfigError("--data-path: x.bin does not exist"), 2),
@@ -616,3 +620,86 @@ def test_use_checkpoint_args_with_a_damaged_checkpoint_is_one_line(tmp_path: Pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("meshtron train: error: --use-checkpoint-args: ")
     assert "should hold an iteration number" in err[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 37: what the help says, Megatron no-ops that would change what a user gets, launcher values.
+# ---------------------------------------------------------------------------------------------
+
+def test_overview_says_convert_is_hugging_face_conversion(capsys: pytest.CaptureFixture) -> None:
+    """Resharding happens when any checkpoint loads into another layout; `convert` is HF import/export."""
+    assert main(["--help"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("convert")]
+    assert "Hugging Face" in line and "resharding" not in line
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--dataloader-type", "external"], "--dataloader-type external: an external data loader comes from a "
+                                        "training script of one's own"),
+    (["--ckpt-format", "torch"], "--ckpt-format torch: Megatron's legacy per-rank torch checkpoints are not "
+                                 "written or read by meshtron"),
+    (["--offload-activations", "--offload-modules", "core_attn", "embedding"],
+     "--offload-modules: invalid value 'embedding'; valid: attn_norm, qkv_linear, core_attn"),
+    (["--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16"],
+     "--accumulate-allreduce-grads-in-fp32 asks for fp32 gradient reduction and --grad-reduce-in-bf16 for bf16"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be a whole number >= 1"),
+])
+def test_megatron_values_meshtron_cannot_honour_are_refused(argv: list[str], expected: str, no_cuda: None,
+                                                           no_training: None, capsys: pytest.CaptureFixture) -> None:
+    assert main(["train", "--mock-data", "--vocab-size", "64", *argv]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("meshtron train: error: " + expected.split(":")[0]) and expected in line, line
+
+
+def test_offload_modules_from_yaml_are_checked_too(tmp_path: Path) -> None:
+    config = write(tmp_path / "run.yaml", "offload_activations: true\noffload_modules: [core_attn, bogus]\n")
+    with pytest.raises(ConfigError, match="offload_modules: invalid value 'bogus'"):
+        parse_train_args(["--config", config])
+
+
+def test_offload_modules_warns_in_capitals_and_cyclic_is_a_note(monkeypatch: pytest.MonkeyPatch, no_cuda: None,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    _fake_trainer(monkeypatch, lambda cfg: 0)
+    argv = ["train", "--mock-data", "--vocab-size", "64", "--offload-activations", "--offload-modules", "core_attn",
+            "expert_fc1", "--dataloader-type", "cyclic", "--device", "cpu"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("meshtron train: note: --dataloader-type cyclic: Accepted for Megatron compatibility")
+    assert err[1].startswith("meshtron train: WARNING: --offload-modules core_attn expert_fc1: meshtron does not "
+                             "offload single modules") and len(err) == 2
+
+
+def test_data_path_items_with_spaces_stay_whole(tmp_path: Path, no_cuda: None) -> None:
+    """A prefix with a space, on the command line and as a YAML list item or string, is one path."""
+    spaced = tmp_path / "my corpus" / "text_document"
+    spaced.parent.mkdir()
+    for suffix in (".bin", ".idx"):
+        Path(str(spaced) + suffix).write_bytes(b"")
+    other = tmp_path / "other"
+    for suffix in (".bin", ".idx"):
+        Path(str(other) + suffix).write_bytes(b"")
+    common = ["--vocab-file", write(tmp_path / "v.json", "{}"), "--merge-file", write(tmp_path / "m.txt", ""),
+              "--device", "cpu"]
+    cfg = build_config(["--data-path", str(spaced), *common])
+    assert cfg.data.data_path == [str(spaced)]
+    assert validation.parse_data_path(cfg.data.data_path) == [(None, str(spaced))]
+    validation.validate_config(cfg, 1)  # the files are found: the path was not split at its space
+    config = write(tmp_path / "run.yaml", f'data_path: ["0.7 {spaced}", "0.3 {other}"]\n')
+    cfg = build_config(["--config", config, *common])
+    assert validation.parse_data_path(cfg.data.data_path) == [(0.7, str(spaced)), (0.3, str(other))]
+    validation.validate_config(cfg, 1)
+    config = write(tmp_path / "one.yaml", f"data_path: {spaced}\n")  # a YAML string: one item too
+    assert build_config(["--config", config, *common]).data.data_path == [str(spaced)]
+
+
+def test_vocab_size_below_the_tokenizers_is_refused_through_the_cli(tmp_path: Path, no_cuda: None,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """The built-in corpus's tokenizer has 2,048 tokens: --vocab-size 100 was silently replaced by it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "--vocab-size", "100", "--train-iters", "1", "--no-generate-sample"]) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith("meshtron train: error: --vocab-size 100 is smaller than the tokenizer's vocabulary of "
+                            "2048 tokens"), error

@@ -278,6 +278,48 @@ def test_parse_data_path() -> None:
         parse_data_path(["-1", "A", "2", "B"])
 
 
+@pytest.mark.parametrize("items,words", [
+    (["/data/my corpus/text"], ["/data/my corpus/text"]),                      # a prefix with a space: whole
+    (["0.7 /data/my corpus/a", "0.3 b"], ["0.7", "/data/my corpus/a", "0.3", "b"]),  # weighted items
+    (["0.7 A 0.3 B"], ["0.7", "A", "0.3", "B"]),                                # a whole blend in one item
+    (["0.7", "A", " B "], ["0.7", "A", "B"]),                                   # argparse's items, stripped
+])
+def test_data_path_items_split_only_weighted_items(items: list[str], words: list[str]) -> None:
+    assert validation.data_path_items(items) == words
+
+
+def test_data_pipeline_reads_data_path_items_the_same_way() -> None:
+    from meshtron.data.build import parse_weighted_paths
+
+    assert parse_weighted_paths(["/data/my corpus/text"], "--data-path") == (None, ["/data/my corpus/text"])
+    assert parse_weighted_paths(["0.7 /data/my corpus/a", "0.3 b"], "--data-path") == (
+        [0.7, 0.3], ["/data/my corpus/a", "b"])
+
+
+def test_missing_prefix_with_a_space_says_an_item_is_one_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="one item with spaces is one path"):
+        validated(SHAPE + ["--data-path", str(tmp_path / "a b"), "--vocab-size", "64", "--tokenizer-type",
+                           "NullTokenizer"])
+
+
+@pytest.mark.parametrize("model,vocab,kind,refused", [
+    (None, 100, "HuggingFaceTokenizer", True), (None, 200000, "HuggingFaceTokenizer", False),
+    (None, None, "HuggingFaceTokenizer", False), (None, 100, "NullTokenizer", False),
+    ("gpt2-small", 50257, "TikTokenizer", False),  # the preset's own size: replaced by the tokenizer's
+    ("gpt2-small", 1000, "TikTokenizer", True),
+])
+def test_vocab_size_below_the_tokenizers_is_refused(model, vocab, kind, refused) -> None:
+    from meshtron.config import ModelConfig
+
+    m = ModelConfig(model=model, vocab_size=vocab)
+    if not refused:
+        validation.check_vocab_size(m, 128256, kind)
+        return
+    with pytest.raises(ConfigError, match=f"--vocab-size {vocab} is smaller than the tokenizer's vocabulary of "
+                                          f"128256 tokens \\({kind}\\)"):
+        validation.check_vocab_size(m, 128256, kind)
+
+
 def test_parse_split() -> None:
     assert parse_split("969,30,1") == [969, 30, 1]
     assert parse_split("98/2") == [98, 2, 0]

@@ -62,3 +62,13 @@ def test_neighbour_groups_compare_with_each_other() -> None:
     table = [row(r, 5e-3 if r in (2, 3) else 1e-3) for r in range(6)]
     report = build_report(table, [list(range(6)), [0, 1], [2, 3], [4, 5]], sizes, "cpu", "gloo", 0.1)
     assert [(f.name, f.metric) for f in report.findings] == [("group 2-3", "all_reduce_busbw_gbps")]
+
+
+def test_nproc_per_node_zero_is_one_line_naming_the_flag(capsys) -> None:
+    """torch.distributed.run used to stop on it with a bare AssertionError traceback."""
+    from meshtron.cli import main
+
+    assert main(["doctor", "--device", "cpu", "--nproc-per-node", "0"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "meshtron doctor: error: --nproc-per-node must be a whole number >= 1 (the processes to start on each node, "
+        "e.g. its GPU count), got 0"]
