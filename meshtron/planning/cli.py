@@ -5,10 +5,13 @@
 
 ``meshtron plan --dry-run [meshtron train flags] --world-size N [--ranks 0,last] [--json]`` builds the
 model stage of each chosen global rank on the meta device and prints its exact static memory
-(:mod:`meshtron.planning.static_memory`: parameters, gradient buffer, optimizer state on device and
-host, flat weight buffer, model buffers), then the activation estimate of its pipeline stage from
-:mod:`meshtron.memory` and their sum. ``meshtron train --dry-run ...`` prints the same for the run it
-was given and exits 0.
+(:mod:`meshtron.planning.static_memory`: parameters, gradient buffer or shards, optimizer state on device
+and host, flat weight buffer or shards, model buffers), what the sharded strategies add during a step
+(ZeRO-3's gathered layers, ZeRO-2/3's gradient buckets in reduction; :mod:`meshtron.planning.transient_memory`),
+then the activation estimate of its pipeline stage from :mod:`meshtron.memory` and the estimated peak: their
+sum, each part at its own largest (an upper estimate), with the gradients a released buffer
+(``--release-grad-buffer``) holds at the peak as :mod:`meshtron.memory` models them. ``meshtron train
+--dry-run ...`` prints the same for the run it was given and exits 0.
 
 The plan is for GPUs: without ``--device`` it assumes ``--device cuda`` (bf16 and compiled layers,
 the GPU defaults), whether or not this machine has one.
@@ -23,6 +26,7 @@ from typing import Optional, Sequence
 
 from meshtron.config import MeshtronConfig
 from meshtron.errors import ConfigError
+from meshtron.optim.accounting import releases_gradients, sharding_strategy
 from meshtron.validation import check, check_cuda_graphs, resolve
 
 GIB = 2**30
@@ -84,14 +88,18 @@ def plan_rows(cfg: MeshtronConfig, world_size: int, ranks: Sequence[int]) -> lis
 
     vocab = vocab_of(cfg)
     stages = stage_estimates(cfg, vocab, world_size=world_size)
+    releases = releases_gradients(sharding_strategy(cfg), cfg.parallel.release_grad_buffer)
     rows = []
     for rank in ranks:
         static = rank_memory(cfg, vocab, world_size, rank)
         stage = stages[static.coordinates["pp"]]
+        # A released gradient buffer is not all there at the peak (meshtron.memory says how much is).
+        grads_at_peak = min(static.gradients, stage.gradients) if releases else static.gradients
         row = static.as_dict()
         row.update(activations=stage.activations, logits=stage.logits,
-                   microbatches_in_flight=stage.microbatches_in_flight,
-                   estimated_peak=static.device_total + static.pipeline_message + stage.activations + stage.logits)
+                   microbatches_in_flight=stage.microbatches_in_flight, gradients_at_peak=grads_at_peak,
+                   estimated_peak=static.device_total - static.gradients + grads_at_peak + static.pipeline_message
+                   + static.step_transients + stage.activations + stage.logits)
         rows.append(row)
     return rows
 
@@ -100,25 +108,55 @@ def _gib(n: float) -> str:
     return f"{n / GIB:10.2f} GiB"
 
 
+#: How each --data-parallel-sharding-strategy is named in the plan's header.
+STRATEGY_NAMES = {"no_shard": "no_shard (replicated)", "optim": "optim (ZeRO-1)", "optim_grads": "optim_grads (ZeRO-2)",
+                  "optim_grads_params": "optim_grads_params (ZeRO-3)"}
+
+
+def _weights_detail(row: dict) -> str:
+    """What the weights line holds: the flat buffer, and/or this rank's shard of it."""
+    flat, shard = row["param_buffer_numel"], row.get("weight_shard_numel")
+    if shard is not None and flat:  # ZeRO-2: every weight, plus the shard the optimizer writes
+        return f"  flat buffer of {flat:,} elements + this rank's shard of {shard:,}"
+    if shard is not None:  # ZeRO-3
+        return f"  this rank's shard: {shard:,} of {row['layout_numel']:,} elements"
+    return f"  flat buffer of {flat:,} elements" if flat else ""
+
+
+def _gradients_detail(row: dict) -> str:
+    layout = (f"({row['padding_numel']:,} padding) in {row['buckets']} buckets")
+    if row.get("weight_shard_numel") is not None:
+        return (f"  fp32 shard of {row['grad_buffer_numel']:,} elements of a layout of {row['layout_numel']:,} "
+                + layout)
+    return f"  buffer of {row['grad_buffer_numel']:,} elements " + layout
+
+
 def format_row(row: dict) -> str:
     """A small human table of one rank's plan."""
     c, opt = row["coordinates"], row["optimizer"]
-    flat = row["param_buffer_numel"]
     lines = [f"rank {row['rank']} (tp {c['tp']}, cp {c['cp']}, dp {c['dp']}, pp {c['pp']}, ep {c['ep']})",
              f"  parameters        {row['parameters']:>16,} (experts {row['expert_parameters']:,})",
-             f"  weights         {_gib(row['weights'])}" + (f"  flat buffer of {flat:,} elements" if flat else ""),
-             f"  gradients       {_gib(row['gradients'])}  buffer of {row['grad_buffer_numel']:,} elements "
-             f"({row['padding_numel']:,} padding) in {row['buckets']} buckets",
+             f"  weights         {_gib(row['weights'])}" + _weights_detail(row),
+             f"  gradients       {_gib(row['gradients'])}" + _gradients_detail(row),
              f"  optimizer state {_gib(opt['device_bytes'])}  on the device, {opt['host_bytes'] / GIB:.2f} GiB on "
              f"the host (masters and moments of {opt['master_numel']:,} elements)",
              f"  model buffers   {_gib(row['model_buffers'])}",
              f"  static total    {_gib(row['device_total'])}  (exact)"]
     if row["pipeline_message"]:
         lines.append(f"  pipeline message{_gib(row['pipeline_message'])}  per transfer")
+    if row.get("gathered_weights"):
+        lines.append(f"  gathered layers {_gib(row['gathered_weights'])}  during a step (the root unit and the two "
+                     "largest neighbouring layers)")
+    if row.get("reduction_buckets"):
+        lines.append(f"  gradient buckets{_gib(row['reduction_buckets'])}  during backward (full buckets being "
+                     "filled or reduce-scattered)")
+    if row.get("gradients_at_peak", row["gradients"]) != row["gradients"]:
+        lines.append(f"  gradients at the peak{row['gradients_at_peak'] / GIB:6.2f} GiB  (the buffer is released "
+                     "between steps; estimate)")
     lines += [f"  activations     {_gib(row['activations'])}  (estimate; micro-batches in flight: "
               f"{row['microbatches_in_flight']:g})",
               f"  loss            {_gib(row['logits'])}  (estimate)",
-              f"  estimated peak  {_gib(row['estimated_peak'])}"]
+              f"  estimated peak  {_gib(row['estimated_peak'])}  (each part at its largest)"]
     return "\n".join(lines)
 
 
@@ -132,9 +170,8 @@ def print_plan(cfg: MeshtronConfig, world_size: int, ranks: Sequence[int], as_js
     dp = world_size // (p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size)
     print(f"meshtron plan: {cfg.model.model or 'custom model'} on {world_size} ranks: "
           f"TP={p.tensor_model_parallel_size} CP={p.context_parallel_size} DP={dp} "
-          f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size}"
-          + (", distributed optimizer" if p.use_distributed_optimizer else "")
-          + (f", {'bf16' if cfg.train.bf16 else 'fp32'}"))
+          f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size}, "
+          f"{STRATEGY_NAMES[sharding_strategy(cfg)]}, {'bf16' if cfg.train.bf16 else 'fp32'}")
     for row in rows:
         print(format_row(row))
 

@@ -29,7 +29,9 @@ Per rank:
 - model buffers (router expert biases, MoE counters) and one pipeline message (the activation a stage
   sends, and the gradient it receives, per transfer).
 
-Activations are not static: :mod:`meshtron.memory` models them.
+Beside them, what the sharded strategies allocate only while a step runs (ZeRO-3's gathered layers,
+ZeRO-2/3's gradient buckets being reduced), replayed from the same layout by
+:mod:`meshtron.planning.transient_memory`. Activations are not static: :mod:`meshtron.memory` models them.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import spec_of
 from meshtron.planning.fake_context import group_rank, planned_context, without_data_parallel_groups
+from meshtron.planning.transient_memory import gathered_weight_bytes, reduction_bucket_bytes
+
+#: The strategies that keep gradient shards instead of a full gradient buffer.
+SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
 
 
 def build_stage(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int) -> list[nn.Module]:
@@ -86,28 +92,39 @@ class RankMemory:
     parameters: int  # elements of this rank's parameters
     expert_parameters: int
     weights: int
-    param_buffer_numel: Optional[int]  # the flat weight buffer (distributed optimizer / offload), else None
-    grad_buffer_numel: int
+    param_buffer_numel: Optional[int]  # the flat weight buffer (distributed optimizer / offload, ZeRO-2), else None
+    grad_buffer_numel: int  # the gradients kept: the full buffer, or (ZeRO-2/3) this rank's shards of it
     gradients: int
     optimizer: OptimizerState
     model_buffers: int
     pipeline_message: int  # one activation (or gradient) crossing a stage boundary; 0 without PP
     buckets: int
+    strategy: str = "no_shard"  # --data-parallel-sharding-strategy
+    layout_numel: int = 0  # the flat layout of every parameter of this rank, padding included
+    weight_shard_numel: Optional[int] = None  # ZeRO-2/3: this rank's compact shard of the weights
+    gathered_weights: int = 0  # ZeRO-3: most bytes of layer weights gathered at once during a step
+    reduction_buckets: int = 0  # ZeRO-2/3: most bytes of full gradient buckets and shards being reduced
 
     @property
     def padding_numel(self) -> int:
         """Elements the bucket layout adds to align and split its buckets."""
-        return self.grad_buffer_numel - self.parameters
+        return self.layout_numel - self.parameters
 
     @property
     def device_total(self) -> int:
         """Bytes on the GPU before the first step (no activations)."""
         return self.weights + self.gradients + self.optimizer.device_bytes + self.model_buffers
 
+    @property
+    def step_transients(self) -> int:
+        """Bytes a sharded strategy adds during a step (gathered weights, gradient buckets in reduction)."""
+        return self.gathered_weights + self.reduction_buckets
+
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["optimizer"] = {**out["optimizer"], "numel": self.optimizer.numel}
-        out.update(padding_numel=self.padding_numel, device_total=self.device_total)
+        out.update(padding_numel=self.padding_numel, device_total=self.device_total,
+                   step_transients=self.step_transients)
         return out
 
 
@@ -189,17 +206,24 @@ def rank_memory(cfg: MeshtronConfig, vocab_size: int, world_size: int, rank: int
                                               and cfg.optim.optimizer_offload_fraction > 0.0)
     # The sharded strategies (meshtron.optim.strategy) keep this rank's shard of every bucket compactly.
     shard_numel = sum(b.shard_size for b in layout.buckets)
+    sharded = strategy in SHARDED_GRADIENTS
     weights_numel = {"optim_grads": layout.numel + shard_numel, "optim_grads_params": shard_numel}.get(
         strategy, layout.numel if flat_weights else numel)
-    grad_numel = shard_numel if strategy in ("optim_grads", "optim_grads_params") else layout.numel
-    grad_bytes_kept = 4 if strategy in ("optim_grads", "optim_grads_params") else grad_bytes  # fp32 shards
+    grad_numel = shard_numel if sharded else layout.numel
+    grad_bytes_kept = 4 if sharded else grad_bytes  # fp32 shards
     buffers = sum(b.numel() * b.element_size() for chunk in chunks for b in chunk.buffers())
     coordinates = {"tp": ctx.tp_rank, "cp": ctx.cp_rank, "dp": ctx.dp_rank, "pp": ctx.pp_rank, "ep": ctx.ep_rank,
                    "expert_dp": ctx.expert_dp_rank}
+    micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ctx.dp)
     return RankMemory(
         rank=rank, coordinates=coordinates, parameters=numel, expert_parameters=expert,
         weights=weights_numel * weight_bytes,
-        param_buffer_numel=layout.numel if flat_weights else None,
+        # ZeRO-3 has no flat weight buffer: each bucket's full tensor is empty between uses.
+        param_buffer_numel=layout.numel if flat_weights and strategy != "optim_grads_params" else None,
         grad_buffer_numel=grad_numel, gradients=grad_numel * grad_bytes_kept,
         optimizer=optimizer_state(cfg, layout, weights_fp32, grad_bytes, weight_bytes),
-        model_buffers=buffers, pipeline_message=pipeline_message_bytes(cfg, ctx), buckets=len(layout.buckets))
+        model_buffers=buffers, pipeline_message=pipeline_message_bytes(cfg, ctx), buckets=len(layout.buckets),
+        strategy=strategy, layout_numel=layout.numel, weight_shard_numel=shard_numel if sharded else None,
+        gathered_weights=(gathered_weight_bytes(layout, chunks, weight_bytes)
+                          if strategy == "optim_grads_params" else 0),
+        reduction_buckets=(reduction_bucket_bytes(layout, chunks, grad_bytes, micro_batches) if sharded else 0))
