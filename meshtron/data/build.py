@@ -20,6 +20,7 @@ from meshtron.data.indexed_dataset import IndexedDataset
 from meshtron.data.loader import RankSampler, iterate
 from meshtron.data.mock import MockDataset
 from meshtron.data.tokenizers import Tokenizer, tokenizer_from_config
+from meshtron.validation import check_vocab_size, data_path_items
 
 if TYPE_CHECKING:
     from meshtron.config import MeshtronConfig
@@ -102,11 +103,12 @@ def _number(text: str) -> Optional[float]:
 def parse_weighted_paths(values: Sequence[str], flag: str) -> tuple[Optional[list[float]], list[str]]:
     """``[PREFIX ...]`` -> (None, prefixes); ``[W1 PREFIX1 W2 PREFIX2 ...]`` -> (weights, prefixes).
 
-    Values may also hold several space-separated items (``"0.7 A 0.3 B"``, as a YAML string). The list
+    Values may also hold several space-separated items (``"0.7 A 0.3 B"``, as a YAML string); otherwise an item
+    is one prefix, spaces included (:func:`meshtron.validation.data_path_items`). The list
     is weighted when its first item is a number (as Megatron reads it); every weight must then be a
     finite number >= 0, with a positive sum (a dataset of weight 0 is not used).
     """
-    values = [t for v in values for t in str(v).split()]
+    values = data_path_items(values)
     if not values:
         raise DataError(f"{flag}: expected dataset prefixes, or 'WEIGHT PREFIX' pairs")
     if _number(values[0]) is None:
@@ -294,6 +296,7 @@ def build_data(cfg: "MeshtronConfig", dp_rank: int, dp_size: int, *, is_data_ran
             if has_tokenizer_flags:
                 logger.warning("the default corpus uses its own tokenizer; tokenizer flags apply to --data-path only")
         vocab = tokenizer.vocab_size
+        check_vocab_size(m, vocab, tokenizer.kind)  # the model takes the tokenizer's size
         files = _FileDatasets(cfg, default_prefix, samples, G)
         datasets = _rank_zero_first(files.build)
         description = source
