@@ -47,6 +47,8 @@ COMMANDS: dict[str, str] = {
     "convert": "Convert checkpoints to and from Hugging Face (a checkpoint loads into any layout as it is).",
     "bench": "Run a matrix of benchmark configurations and print a table.",
     "plot": "Draw figures from metrics files (loss, throughput, stragglers) or bench rows.",
+    "emulate": "Run chosen ranks of an N-GPU layout for real on this device, every collective emulated; "
+               "predict the step.",
     "doctor": "Check every device's and link's speed before a job; name the slow ones (exit 1).",
     "plan": "Plan a run without GPUs: search layouts (--gpus N), exact static memory (--dry-run), --calibrate.",
 }
@@ -59,6 +61,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("meshtron.checkpoint.convert", "convert_main"),
     "bench": ("meshtron.bench", "bench_main"),
     "plot": ("meshtron.plot", "plot_main"),
+    "emulate": ("meshtron.emulation.cli", "emulate_main"),
     "doctor": ("meshtron.doctor", "doctor_main"),
     "plan": ("meshtron.planning.cli", "plan_main"),
 }
