@@ -279,7 +279,11 @@ def build_data(cfg: "MeshtronConfig", dp_rank: int, dp_size: int, *, is_data_ran
         vocab = m.vocab_size or (tokenizer.vocab_size if tokenizer else None)
         if not vocab:
             raise DataError("--mock-data needs --vocab-size (or a tokenizer) to know which token ids to draw")
-        datasets = {s: (MockDataset(vocab, m.seq_length, t.seed, s, n) if n > 0 else None) for s, n in samples.items()}
+        # A split given no share by --split has no mock set either (as Megatron's mock data): no test
+        # evaluation with --split 99,1,0. The training set is always there.
+        shares = dict(zip(SPLIT_NAMES, parse_split(d.split)))
+        datasets = {s: (MockDataset(vocab, m.seq_length, t.seed, s, n) if n > 0 and (s == "train" or shares[s] > 0)
+                        else None) for s, n in samples.items()}
         description = f"mock data: random tokens below {vocab}"
     else:
         default_prefix = None

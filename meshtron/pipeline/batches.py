@@ -35,15 +35,15 @@ def train_batches(data, ctx: ParallelContext, reads_data: bool, start_iteration:
         yield empty_micro_batches(num_micro_batches)
 
 
-def eval_batches(data, ctx: ParallelContext, reads_data: bool,
-                 num_micro_batches: int) -> Optional[Iterator[list[dict]]]:
-    """Validation micro-batches, or None without validation data.
+def eval_batches(data, ctx: ParallelContext, reads_data: bool, num_micro_batches: int,
+                 split: str = "valid") -> Optional[Iterator[list[dict]]]:
+    """Micro-batches of ``split`` ("valid", or "test": ``data.test_batches()``), or None without that data.
 
     With pipeline stages, the first stage tells the others (one broadcast per iteration)
     whether another iteration follows, so that middle stages, which have no data, run
     exactly as many as the data ranks.
     """
-    batches = data.valid_batches() if reads_data else None
+    batches = getattr(data, f"{split}_batches")() if reads_data else None
     if ctx.pp_group is None:
         return batches
     return _follow_first_stage(batches, ctx, num_micro_batches)

@@ -20,6 +20,11 @@ in the first execution's gradients cannot be placed: the reduction has summed th
 by the time they are checked, so the event's rank is then null. Local flags are gathered over
 the world only on this failure path.
 
+With ZeRO-2/3 (``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``) a rank
+keeps only its reduced shard of the gradients, and the gradient norm sums only the elements it
+counts; so each rank also checks its whole shard and its own loss, and the verdict is reduced
+over the world (:func:`nonfinite_on_any_rank`): a bad step's norm is then NaN on every rank.
+
 ``report_stats`` runs every iteration twice and reports how much the two executions differ
 (loss and gradient norm, relative): a measure of the run's non-determinism. Its checks act as
 in ``validate_results``. ``disabled``: no re-run; a non-finite step is skipped as before.
@@ -250,6 +255,26 @@ def _first_rank(table: Sequence[Sequence[float]], reason: Optional[str]) -> Opti
             if row[column] > 0:
                 return r
     return None
+
+
+def nonfinite_on_any_rank(tensors: Sequence[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
+    """Whether any rank's ``tensors`` hold a NaN/inf: a 0-d float tensor, 1.0 or 0.0, the same on every rank.
+
+    Used for what no global norm sees whole: a ZeRO-2/3 rank's gradient shard and own loss (the
+    gradient norm counts only some of the elements), and the weights at the end of a run. Each rank
+    reads its tensors once (their max-abs, which a NaN or inf survives, without a copy of the
+    tensors), and the flag is maximised over the world: it holds every data-parallel group, dense
+    and expert, and every rank must take the same decision (skip or re-run) to stay in step. No host sync.
+    """
+    tensors = [t.detach() for t in tensors if t.numel() > 0]
+    device = tensors[0].device if tensors else ctx.device
+    flag = torch.zeros(1, dtype=torch.float32, device=device)
+    if tensors:
+        peaks = torch.stack([m.float() for m in torch._foreach_norm(tensors, float("inf"))])
+        flag = (~torch.isfinite(peaks)).any().float().reshape(1)
+    if ctx.world_size > 1 and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag[0]
 
 
 def local_nonfinite(loss_sum: torch.Tensor, grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -35,9 +35,9 @@ TRAIN_FIELDS: dict[str, str] = {
     "mfu": "number",
     "peak_mem_gib": "number",
 }
-#: Required keys of an eval record.
+#: Required keys of an eval record (validation split) and of a test record (test split, at the end of a run).
 EVAL_FIELDS: dict[str, str] = {"iteration": "int", "loss": "number", "ppl": "number"}
-RECORD_FIELDS: dict[str, dict[str, str]] = {"train": TRAIN_FIELDS, "eval": EVAL_FIELDS}
+RECORD_FIELDS: dict[str, dict[str, str]] = {"train": TRAIN_FIELDS, "eval": EVAL_FIELDS, "test": EVAL_FIELDS}
 
 TB_INSTALL_HINT = "--tensorboard-dir needs the tensorboard package: pip install 'meshtron[tb]'"
 WANDB_INSTALL_HINT = "--wandb-project needs the wandb package: pip install wandb"
@@ -192,7 +192,7 @@ class TensorBoardSink:
         self._scalars("train", record)
 
     def log_eval(self, record: dict) -> None:
-        self._scalars("eval", record)
+        self._scalars(record.get("type", "eval"), record)  # "eval" or "test"
 
     def close(self) -> None:
         self._writer.close()
@@ -219,7 +219,7 @@ class WandbSink:
         self._log("train", record)
 
     def log_eval(self, record: dict) -> None:
-        self._log("eval", record)
+        self._log(record.get("type", "eval"), record)  # "eval" or "test"
 
     def close(self) -> None:
         self._run.finish()
@@ -249,8 +249,25 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return format(value, spec) + suffix
 
 
-def format_train_line(record: dict, total_iters: int) -> str:
-    """The human line printed every log interval (Megatron's order of fields)."""
+def _positional(value: float, digits: int) -> str:
+    """``value`` with at least ``digits`` significant digits, never in exponent notation (so that a
+    field keeps one look through a run: '0.0000433', not '4.33e-05' after '0.000739')."""
+    if value == 0 or abs(value) >= 10 ** (digits - 1):
+        return f"{value:.0f}" if value else "0"
+    decimals = min(digits - 1 - math.floor(math.log10(abs(value))), 15)
+    return f"{value:.{decimals}f}"
+
+
+def _fmt_extra(value: Any) -> str:
+    """An optional field: integers as integers (consumed_tokens: 1228800, never 1.229e+06), floats positional."""
+    if isinstance(value, float) and math.isfinite(value):
+        return _positional(value, 4)
+    return str(value)  # an int, nan/inf, a bool or a string
+
+
+def format_train_line(record: dict, total_iters: int, device_label: str = "GPU") -> str:
+    """The human line printed every log interval (Megatron's order of fields). ``device_label`` names what
+    the per-device rates are per ("GPU", or "CPU" for a CPU run); the metrics file's keys keep ``_per_gpu``."""
     width = len(str(total_iters))
     mfu = record["mfu"]
     mem = _fmt(record["peak_mem_gib"], ".2f", " GiB")
@@ -265,22 +282,28 @@ def format_train_line(record: dict, total_iters: int) -> str:
         f"loss: {_fmt(record['loss'], '.4f')}",
         f"grad norm: {_fmt(record['grad_norm'], '.3f')}",
         f"step: {_fmt(step_ms, '.1f', ' ms')}",
-        f"tok/s/GPU: {_fmt(record['tokens_per_sec_per_gpu'], ',.0f')}",
-        f"TFLOP/s/GPU: {_fmt(tflops, '.1f' if tflops is not None and abs(tflops) >= 10 else '.3g')}",
+        f"tok/s/{device_label}: {_fmt(record['tokens_per_sec_per_gpu'], ',.0f')}",
+        f"TFLOP/s/{device_label}: {_fmt_tflops(tflops)}",
         f"MFU: {_fmt(None if mfu is None else mfu * 100.0, '.1f', '%')}",
         f"mem: {mem}",
     ]
     for key, value in record.items():
         if key in TRAIN_FIELDS or key in ("type", "peak_mem_reserved_gib"):
             continue
-        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        parts.append(f"{key}: {_fmt(value, '.4g') if numeric else value}")
+        parts.append(f"{key}: {'n/a' if value is None else _fmt_extra(value)}")
     return " | ".join(parts)
 
 
+def _fmt_tflops(tflops: Optional[float]) -> str:
+    if tflops is None or not math.isfinite(tflops) or abs(tflops) >= 10:
+        return _fmt(tflops, ".1f")
+    return _positional(tflops, 3)
+
+
 def format_eval_line(record: dict) -> str:
-    """The human line printed after each evaluation."""
-    parts = [f"validation at iteration {record['iteration']}", f"loss: {_fmt(record['loss'], '.4f')}",
+    """The human line printed after each evaluation (a ``test`` record: on the test split)."""
+    split = "test" if record.get("type") == "test" else "validation"
+    parts = [f"{split} at iteration {record['iteration']}", f"loss: {_fmt(record['loss'], '.4f')}",
              f"ppl: {_fmt(record['ppl'], '.3f')}"]
     for key, value in record.items():
         if key not in EVAL_FIELDS and key != "type":
@@ -311,9 +334,10 @@ class TrainingLogger:
 
     def __init__(self, log_cfg: LogConfig, is_logging_rank: bool, total_iters: int, *,
                  start_iter: int = 0, stream: Optional[TextIO] = None, err_stream: Optional[TextIO] = None,
-                 run_config: Optional[dict] = None) -> None:
+                 run_config: Optional[dict] = None, device_label: str = "GPU") -> None:
         self.enabled = is_logging_rank
         self.total_iters = total_iters
+        self.device_label = device_label  # the console's per-device unit: "GPU", or "CPU" on a CPU run
         self._stream = stream if stream is not None else sys.stdout
         self._err = err_stream if err_stream is not None else sys.stderr
         self._quiet = log_cfg.quiet
@@ -387,13 +411,13 @@ class TrainingLogger:
             self.advance(rec["iteration"])
             self._bar.set_postfix_str(f"loss {_fmt(rec['loss'], '.4f')}", refresh=True)
         if not self._quiet:
-            self._emit(f"{_timestamp()} {format_train_line(rec, self.total_iters)}")
+            self._emit(f"{_timestamp()} {format_train_line(rec, self.total_iters, self.device_label)}")
 
     def log_eval(self, record: dict) -> None:
-        """An eval record: ``iteration``, ``loss``, ``ppl``."""
+        """An eval record: ``iteration``, ``loss``, ``ppl``; with ``"type": "test"``, the test split's."""
         if not self.enabled:
             return
-        rec = normalize_record(record, "eval")
+        rec = normalize_record(record, "test" if record.get("type") == "test" else "eval")
         for sink in self._sinks:
             sink.log_eval(rec)
         if not self._quiet:

@@ -39,7 +39,7 @@ from meshtron.pipeline.batches import broadcast_from_loss_stage, eval_batches, t
 from meshtron.pipeline.balance import pipeline_balance_hint
 from meshtron.resilience.faults import FaultInjector
 from meshtron.resilience.hang import Progress, enable_nccl_flight_recorder, hang_watchdog, report_directory
-from meshtron.resilience.rerun import RerunGuard, local_nonfinite
+from meshtron.resilience.rerun import RerunGuard, local_nonfinite, nonfinite_on_any_rank
 from meshtron.resilience.restart import restart_count, restart_event, resume_candidates
 from meshtron.resilience.straggler import StragglerDetector
 from meshtron.resilience.weight_hash import WeightHashCheck, mismatch_message
@@ -59,7 +59,8 @@ class TrainingResult:
     """What a finished run reports (used by tests and `meshtron bench`)."""
 
     train_losses: dict = field(default_factory=dict)  # iteration -> global-batch mean loss
-    eval_losses: dict = field(default_factory=dict)
+    eval_losses: dict = field(default_factory=dict)  # iteration -> validation loss
+    test_losses: dict = field(default_factory=dict)  # iteration -> test-split loss (at the end of a run)
     grad_norms: dict = field(default_factory=dict)
     step_times: dict = field(default_factory=dict)
     final_iteration: int = 0
@@ -72,6 +73,15 @@ def compute_dtype(cfg: MeshtronConfig) -> torch.dtype:
 
 def _to_device(mb: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+
+
+def device_label(device: torch.device) -> str:
+    """What the console's per-device rates are per: "GPU" on CUDA, else the device kind ("CPU")."""
+    return "GPU" if device.type == "cuda" else device.type.upper()
+
+
+#: Strategies whose gradients are reduced as backward produces them and kept as this rank's shard.
+SHARDED_GRAD_STRATEGIES = ("optim_grads", "optim_grads_params")
 
 
 class Trainer:
@@ -87,7 +97,8 @@ class Trainer:
         self.dtype = compute_dtype(cfg)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
-        self.logger = TrainingLogger(cfg.log, ctx.is_logging_rank, t.train_iters)
+        self.logger = TrainingLogger(cfg.log, ctx.is_logging_rank, t.train_iters,
+                                     device_label=device_label(self.device))
         self.reads_data = is_data_rank(ctx, cfg)  # middle pipeline stages read no data
         self.data = data if data is not None else build_data(cfg, ctx.dp_rank, ctx.dp,
                                                              is_data_rank=self.reads_data)
@@ -99,6 +110,10 @@ class Trainer:
         self.optim = build_optimization(cfg, ctx, self.model_chunks)
         # The data-parallel strategy owns the gradients, their reduction and the weights' gather.
         self.dp_strategy, self.optimizer = self.optim.strategy, self.optim.optimizer
+        # ZeRO-2/3 keep only reduced shards, and the norm sums only the parts it counts: with
+        # --check-for-nan-in-loss-and-grad every rank's shard and own loss are checked as well.
+        self.grads_sharded = self.dp_strategy.name in SHARDED_GRAD_STRATEGIES
+        self.check_shards = self.grads_sharded and t.check_for_nan_in_loss_and_grad
         self.schedule = get_schedule(cfg, ctx, gpt_forward_step)
         # Router-loss weighting, expert-bias updates and MoE metrics (None for dense models).
         self.moe = (MoETrainingHooks(self.model_chunks, ctx, self.num_micro_batches, cfg.model)
@@ -120,6 +135,8 @@ class Trainer:
         self.weight_hash = WeightHashCheck.from_config(cfg, ctx, self.model_chunks)
         self._weights_checked_at = -1
         self._skip_explained = False  # the re-run guard already logged why this step was skipped
+        self._first_skipped: Optional[int] = None  # this process's first skipped (non-finite) iteration
+        self._weights_finite_at = -1  # the iteration whose weights were last found finite
 
     def close(self) -> None:
         """Release the hooks that keep this run's parameters and buffers alive after it ends."""
@@ -188,7 +205,8 @@ class Trainer:
         loss_sum = self.schedule(self.model_chunks, mbs, on_chunk_grads_ready=overlap)
         if self.faults is not None:
             loss_sum = self.faults.corrupt_loss(iteration, attempt, loss_sum)
-            self.faults.corrupt_grads(iteration, attempt, self.dp_strategy.gradient_tensors())
+            if not self.grads_sharded:
+                self.faults.corrupt_grads(iteration, attempt, self.dp_strategy.gradient_tensors())
         local_bad = None
         if check_local:
             # Strategies that reduce gradients as they arrive have no unreduced ones: the loss is checked.
@@ -196,8 +214,19 @@ class Trainer:
         self._lap("forward_backward")
         self.progress.phase = "gradient-sync"
         self.dp_strategy.finish()
+        if self.faults is not None and self.grads_sharded:
+            # Into the reduced shard: written before finish(), the drill's NaN would be overwritten by
+            # the reductions still in flight.
+            self.faults.corrupt_grads(iteration, attempt, self.dp_strategy.gradient_tensors())
         self._lap("communication")
-        return loss_sum, self.optim.grad_norm(), local_bad
+        norm = self.optim.grad_norm()
+        if self.check_shards:
+            # A NaN/inf in any rank's gradient shard or own loss makes the step's gradient non-finite, also
+            # where the norm does not count it: the norm is then NaN on every rank, so every rank skips or
+            # re-runs the step alike (no host sync here; it is read with the norm).
+            bad = nonfinite_on_any_rank([loss_sum.reshape(1), *self.dp_strategy.gradient_tensors()], self.ctx)
+            norm = torch.where(bad > 0, torch.full_like(norm, float("nan")), norm)
+        return loss_sum, norm, local_bad
 
     def _synced(self, norm: torch.Tensor, loss_sum: torch.Tensor) -> list[float]:
         """The step's one host sync: [grad norm], or [grad norm, global loss] when the re-run guard
@@ -271,8 +300,10 @@ class Trainer:
         return loss2, norm2, values2, False
 
     @torch.no_grad()
-    def evaluate(self) -> Optional[float]:
-        batches = eval_batches(self.data, self.ctx, self.reads_data, self.num_micro_batches)
+    def evaluate(self, split: str = "valid") -> Optional[float]:
+        """The mean loss over --eval-iters batches of ``split`` ("valid" or "test"), on every rank; None
+        without that split."""
+        batches = eval_batches(self.data, self.ctx, self.reads_data, self.num_micro_batches, split=split)
         if batches is None:
             return None
         for chunk in self.model_chunks:
@@ -332,13 +363,13 @@ class Trainer:
             return
         if self.weight_hash is not None:  # never save weights that the replicas disagree on
             self._check_weight_hash(self.state.iteration)
+        self._check_weights_finite(self.state.iteration)  # nor NaN/inf weights over the last good checkpoint
         self.progress.phase = "checkpoint"
         self.state.rng = capture_rng_state(self.tracker)
         self._finish_param_gather()
         checkpoint.save_checkpoint(ck.save, self.state, self.model_chunks, None if ck.no_save_optim else self.optimizer,
                              self.ctx, self.cfg, tokenizer=self.data.tokenizer, async_save=ck.async_save,
-                             retain=ck.save_retain, save_rng=not ck.no_save_rng)
-        self.logger.info(f"saved checkpoint at iteration {self.state.iteration} to {ck.save}")
+                             retain=ck.save_retain, save_rng=not ck.no_save_rng, report=self.logger.info)
 
     def _log_record(self, iteration: int, loss: float, norm: float, lr: float, step_time: float) -> dict:
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
@@ -366,6 +397,7 @@ class Trainer:
 
     def train(self) -> TrainingResult:
         """Resume, train to --train-iters (or an exit condition) and save, watched by the hang watchdog."""
+        save_lock = checkpoint.lock_save_dir(self.cfg.checkpoint.save, self.ctx)  # one job per --save directory
         watchdog = hang_watchdog(self.cfg, self.ctx, self.progress)  # None with --hang-timeout-seconds 0
         if watchdog is not None:
             watchdog.start()
@@ -374,12 +406,15 @@ class Trainer:
         finally:
             if watchdog is not None:
                 watchdog.stop()
+            save_lock.release()  # once a background save still in flight has finished
 
     def _train(self) -> TrainingResult:
         t = self.cfg.train
         self.load()
-        if t.skip_train:  # evaluation only
+        if t.skip_train:  # evaluation only: validation, then the test split (as Megatron-LM)
             self._evaluate_and_log(self.state.iteration)
+            self._evaluate_and_log(self.state.iteration, split="test")
+            self._check_run_health()
             self.result.final_iteration = self.state.iteration
             return self.result
         if t.eval_interval and self.state.iteration == 0:
@@ -452,6 +487,8 @@ class Trainer:
             else:
                 self.state.nonfinite_in_a_row += 1
                 self.state.skipped_iterations += 1
+                if self._first_skipped is None:
+                    self._first_skipped = iteration
                 if not self._skip_explained:
                     self.logger.warning(f"iteration {iteration}: non-finite loss or gradient norm ({norm}); "
                                         "step skipped")
@@ -488,6 +525,7 @@ class Trainer:
                 manual_gc.around_evaluation()
                 interval_start = time.perf_counter()
             manual_gc.after_step(iteration)
+            checkpoint.poll_async_saves(self.device)  # "saved ... (durable)", or its failure, without waiting
             stop = self._should_stop(iteration, start_time, signal_handler)
             if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0 or stop:
                 self.save()
@@ -498,6 +536,12 @@ class Trainer:
         else:
             if t.eval_interval and self.state.iteration % t.eval_interval != 0:
                 self._evaluate_and_log(self.state.iteration)
+            if t.eval_interval:  # the test split once, at the end of a completed run (Megatron-LM's do_test)
+                self._evaluate_and_log(self.state.iteration, split="test")
+            self._check_run_health()  # before the last save: a broken model ends the run with exit code 1
+            if self.state.skipped_iterations:
+                self.logger.warning(f"{self.state.skipped_iterations} of {self.state.iteration} iterations were "
+                                    "skipped as non-finite")
             if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
                                         or self.state.iteration % cfg.checkpoint.save_interval != 0):
                 self.save()
@@ -527,13 +571,50 @@ class Trainer:
             self.logger.log_event(verdict.event())
             raise TrainingError(mismatch_message(verdict, self.cfg.train.weight_hash_mismatch == "restart"))
 
-    def _evaluate_and_log(self, iteration: int) -> None:
-        loss = self.evaluate()
+    def _evaluate_and_log(self, iteration: int, split: str = "valid") -> None:
+        """Evaluate ``split`` and log it: an ``eval`` record for validation, a ``test`` record for the test split."""
+        self.progress.phase = "eval"
+        loss = self.evaluate(split)
         if loss is None:
             return
-        self.result.eval_losses[iteration] = loss
+        (self.result.test_losses if split == "test" else self.result.eval_losses)[iteration] = loss
         ppl = math.exp(min(loss, 50.0))
-        self.logger.log_eval({"type": "eval", "iteration": iteration, "loss": loss, "ppl": ppl})
+        self.logger.log_eval({"type": "test" if split == "test" else "eval", "iteration": iteration,
+                              "loss": loss, "ppl": ppl})
+
+    def _check_run_health(self) -> None:
+        """End a run whose model is broken with exit code 1 (TrainingError), in one line: the weights hold a
+        NaN/inf, or the last validation or test loss is non-finite. A run that skipped a transient
+        non-finite step and recovered passes."""
+        iteration = self.state.iteration
+        self._check_weights_finite(iteration)
+        for name, losses in (("validation", self.result.eval_losses), ("test", self.result.test_losses)):
+            if losses and not math.isfinite(losses[max(losses)]):
+                raise TrainingError(f"the {name} loss at iteration {max(losses)} is {losses[max(losses)]}, "
+                                    f"although the weights are finite{self._skipped_note()}; the trained model is "
+                                    "not usable")
+
+    def _check_weights_finite(self, iteration: int) -> None:
+        """TrainingError when any rank's weights hold a NaN/inf (a collective: every rank calls it)."""
+        if self._weights_finite_at == iteration:
+            return
+        self._finish_param_gather()
+        weights = self.dp_strategy.param_data  # what the optimizer writes: flat weights or this rank's shard
+        tensors = [weights] if weights is not None else [p.detach() for p in self.params]
+        bad = nonfinite_on_any_rank(tensors, self.ctx)
+        if bad.item():
+            raise TrainingError(f"the model's weights hold NaN/inf values at iteration {iteration}"
+                                f"{self._skipped_note()}; the run failed and these weights are not saved. Try a "
+                                "lower --lr, a longer --lr-warmup-iters or --clip-grad 1.0.")
+        self._weights_finite_at = iteration
+
+    def _skipped_note(self) -> str:
+        """How many iterations were skipped as non-finite (nothing when none were)."""
+        skipped = self.state.skipped_iterations
+        if not skipped:
+            return ""
+        first = f", the first at iteration {self._first_skipped}" if self._first_skipped is not None else ""
+        return f" ({skipped} of {self.state.iteration} iterations were skipped as non-finite{first})"
 
     def _should_stop(self, iteration: int, start_time: float, signal_handler) -> Optional[str]:
         t = self.cfg.train
@@ -573,7 +654,18 @@ def run_training(cfg: MeshtronConfig) -> TrainingResult:
     if (cfg.parallel.distributed_backend or ("nccl" if cfg.train.device == "cuda" else "gloo")) == "nccl":
         enable_nccl_flight_recorder(report_directory(cfg.checkpoint.save, cfg.log.metrics_file))
     ctx = context_from_config(cfg)
-    trainer = Trainer(cfg, ctx)
+    from meshtron.emulation.trace import recording
+
+    # --record-collectives: every operation from the model's build on; the trainer then says where it is.
+    with recording(ctx, cfg.log.record_collectives) as recorder:
+        trainer = Trainer(cfg, ctx)
+        if recorder is not None:
+            recorder.where = lambda: (trainer.progress.iteration, trainer.progress.phase)
+        return _run_trainer(cfg, ctx, trainer)
+
+
+def _run_trainer(cfg: MeshtronConfig, ctx: ParallelContext, trainer: Trainer) -> TrainingResult:
+    """Train with ``trainer`` (built by :func:`run_training`), then the sample and clean-up."""
     trainer.logger.info(f"meshtron: {ctx.describe()} on {ctx.device.type}, "
                         f"{sum(p.numel() for p in trainer.params):,} parameters on this rank, "
                         f"{trainer.num_micro_batches} micro-batches of {cfg.train.micro_batch_size} per iteration")
