@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
@@ -38,7 +38,8 @@ def build_meta(state: TrainingState, model_chunks: Sequence[nn.Module], optimize
 
 def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.Module], optimizer,
                     ctx: ParallelContext, cfg: MeshtronConfig, tokenizer=None, async_save: bool = False,
-                    retain: Optional[int] = None, save_rng: bool = True) -> None:
+                    retain: Optional[int] = None, save_rng: bool = True,
+                    report: Optional[Callable[[str], None]] = None) -> None:
     """Save checkpoint ``state.iteration`` under ``save_dir`` (collective: every rank calls it).
 
     Each rank writes only its own chunks of the canonical tensors (chunks several ranks
@@ -51,6 +52,11 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
     ``save_rng`` False no RNG states (``--no-save-optim``, ``--no-save-rng``): loading such a
     checkpoint starts fresh Adam moments / keeps the seeded RNG. Raises CheckpointError on any
     failure (the previous checkpoint stays the latest).
+
+    ``report`` (the train loop's console) is told "saved checkpoint at iteration N to DIR" when a
+    synchronous save is complete; for an asynchronous one, "saving checkpoint at iteration N to DIR
+    (in the background)" when its write starts, and "saved ... (durable)" only once it is published
+    (:func:`~meshtron.checkpoint.async_save.poll_async_saves` at a later iteration, or any wait).
     """
     writer = process_writer()
     writer.wait()  # one save in flight; also surfaces a failed background save
@@ -73,11 +79,15 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
     job.state_dict = to_state_dict(chunks)
     if async_save:
         job.timings["blocking_s"] = time.perf_counter() - start
-        writer.submit(job)
+        writer.submit(job, report)
+        if report is not None:
+            report(f"saving checkpoint at iteration {job.iteration} to {save_dir} (in the background)")
     else:
         write_and_publish(job)
         job.timings["blocking_s"] = time.perf_counter() - start
         writer.last_timings = job.timings
+        if report is not None:
+            report(f"saved checkpoint at iteration {job.iteration} to {save_dir}")
 
 
 def _collect_chunks(model_chunks: Sequence[nn.Module], optimizer, stager) -> list[SavedShard]:
