@@ -18,7 +18,7 @@ import numbers
 import os
 import sys
 import time
-from typing import Any, Optional, Protocol, TextIO
+from typing import Any, Callable, Optional, Protocol, TextIO
 
 from meshtron.config import ConfigError, LogConfig
 
@@ -132,28 +132,57 @@ class Sink(Protocol):
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``path`` and flushes every line.
+    """Appends one JSON object per line to ``path``, each line handed to the OS as it is logged.
 
     The file is opened (and its folder created) at construction, so an unwritable
     ``--metrics-file`` fails before training starts. Lines are appended: a resumed run
     continues the same file.
+
+    A line that cannot be written (a full disk, a quota, an I/O error) never ends the run: the
+    first failure is reported once through ``warn`` (naming the file and the error), the lines
+    logged meanwhile are dropped, and writing resumes as soon as the file takes data again
+    (then ``warn`` says how many were lost). A line cut off by the failure is ended with a
+    newline first, so that every later line is whole.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, warn: Optional[Callable[[str], None]] = None) -> None:
         self.path = path
+        self._warn = warn if warn is not None else _warn_on_stderr
+        self._lost = 0  # lines dropped since the current outage began
+        self._mid_line = False  # the file ends inside a line that a failed write cut off
         try:
             folder = os.path.dirname(os.path.abspath(path))
             os.makedirs(folder, exist_ok=True)
-            self._file: Optional[TextIO] = open(path, "a", encoding="utf-8")
+            # Unbuffered appends: nothing waits in a buffer to fail again at close, and a failed write is
+            # known at once, to the byte.
+            self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise ConfigError(f"--metrics-file {path}: cannot open for appending ({e.strerror or e})") from e
 
     def write(self, record: dict) -> None:
         """Write one record (already plain Python values; see :func:`normalize_record`)."""
-        if self._file is None:
+        if self._fd is None:
             raise ValueError(f"metrics file {self.path} is closed")
-        self._file.write(to_json_line(record) + "\n")
-        self._file.flush()
+        data = (b"\n" if self._mid_line else b"") + (to_json_line(record) + "\n").encode()
+        try:
+            self._append(data)
+        except OSError as err:
+            if self._lost == 0:
+                self._warn(f"--metrics-file {self.path}: cannot write ({err.strerror or err}); metrics are not "
+                           "recorded there until it takes data again; training goes on")
+            self._lost += 1
+            return
+        if self._lost:
+            self._warn(f"--metrics-file {self.path}: writing again; {self._lost} record(s) were lost")
+            self._lost = 0
+
+    def _append(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            if n > 0:
+                self._mid_line = view[n - 1] != ord("\n")
+            view = view[n:]
 
     def log_train(self, record: dict) -> None:
         self.write(record)
@@ -162,9 +191,16 @@ class MetricsWriter:
         self.write(record)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError:  # nothing is buffered: every line written is in the file already
+                pass
+
+
+def _warn_on_stderr(message: str) -> None:
+    print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
 class TensorBoardSink:
@@ -223,6 +259,14 @@ class WandbSink:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def _close_quietly(sink: Sink) -> None:
+    """Close a sink; an I/O error while closing (a full disk) is not worth more than the warning already given."""
+    try:
+        sink.close()
+    except OSError:
+        pass
 
 
 def check_optional_sinks(log_cfg: LogConfig) -> None:
@@ -347,7 +391,7 @@ class TrainingLogger:
             return
         try:
             if log_cfg.metrics_file:
-                self._sinks.append(MetricsWriter(log_cfg.metrics_file))
+                self._sinks.append(MetricsWriter(log_cfg.metrics_file, warn=self.warning))
             if log_cfg.tensorboard_dir:
                 self._sinks.append(TensorBoardSink(log_cfg.tensorboard_dir))
             if log_cfg.wandb_project:
@@ -405,8 +449,7 @@ class TrainingLogger:
         if not self.enabled:
             return
         rec = normalize_record(record, "train")
-        for sink in self._sinks:
-            sink.log_train(rec)
+        self._to_sinks("log_train", rec)
         if self._bar is not None:
             self.advance(rec["iteration"])
             self._bar.set_postfix_str(f"loss {_fmt(rec['loss'], '.4f')}", refresh=True)
@@ -418,10 +461,21 @@ class TrainingLogger:
         if not self.enabled:
             return
         rec = normalize_record(record, "test" if record.get("type") == "test" else "eval")
-        for sink in self._sinks:
-            sink.log_eval(rec)
+        self._to_sinks("log_eval", rec)
         if not self._quiet:
             self._emit(f"{_timestamp()} {format_eval_line(rec)}")
+
+    def _to_sinks(self, method: str, record: dict) -> None:
+        """Hand ``record`` to every sink. A sink whose storage fails (TensorBoard's folder on a full disk)
+        is dropped with one warning: a log line must never end a run."""
+        for sink in list(self._sinks):
+            try:
+                getattr(sink, method)(record)
+            except OSError as err:
+                self._sinks.remove(sink)
+                self.warning(f"{type(sink).__name__}: cannot write ({err.strerror or err}); it records nothing "
+                             "more in this run; training goes on")
+                _close_quietly(sink)
 
     def log_event(self, record: dict) -> None:
         """An event line of the metrics file (``restart``, ``hang``, ``rerun``, ...: DESIGN section 6),
@@ -463,7 +517,7 @@ class TrainingLogger:
             self._bar = None
         sinks, self._sinks = self._sinks, []
         for sink in sinks:
-            sink.close()
+            _close_quietly(sink)
 
     def __enter__(self) -> "TrainingLogger":
         return self

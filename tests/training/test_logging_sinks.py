@@ -1,8 +1,10 @@
 """Metrics file schema, console/progress-bar modes, TensorBoard and W&B fan-out."""
 
+import errno
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -20,6 +22,7 @@ from meshtron.training.logging_sinks import (
     check_optional_sinks,
     normalize_record,
     read_metrics,
+    to_json_line,
 )
 
 
@@ -138,6 +141,98 @@ def test_unwritable_metrics_file_names_the_flag(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="--metrics-file"):
         MetricsWriter(str(blocker / "metrics.jsonl"))
+
+
+class FullDisk:
+    """``os.write`` for the files opened while it is installed fails with ENOSPC while ``full`` is set; the
+    first failing call writes ``partial`` bytes first (a write cut off by the disk filling up)."""
+
+    def __init__(self, monkeypatch, partial: int = 0) -> None:
+        self.full, self.partial, self.fds = False, partial, set()
+        self._open, self._write = os.open, os.write
+        monkeypatch.setattr(os, "open", self.open)
+        monkeypatch.setattr(os, "write", self.write)
+
+    def open(self, path, flags, *args, **kwargs):
+        fd = self._open(path, flags, *args, **kwargs)
+        if str(path).endswith(".jsonl"):
+            self.fds.add(fd)
+        return fd
+
+    def write(self, fd, data):
+        if fd in self.fds and self.full:
+            if self.partial:
+                n, self.partial = self._write(fd, bytes(data)[:self.partial]), 0
+                return n
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self._write(fd, data)
+
+
+def test_full_disk_is_warned_once_and_writing_resumes_with_whole_lines(tmp_path, monkeypatch):
+    disk = FullDisk(monkeypatch, partial=7)
+    err = NotTTY()
+    log = make_logger(tmp_path, err=err)
+    log.log_train(train_record(1))
+    disk.full = True
+    for it in (2, 3, 4):
+        log.log_train(train_record(it))  # 2 is cut off after 7 bytes, 3 and 4 are refused
+    log.log_eval({"iteration": 4, "loss": 1.0, "ppl": math.e})
+    disk.full = False  # someone made room
+    log.log_train(train_record(5))
+    log.close()  # nothing buffered fails again here
+    path = tmp_path / "metrics.jsonl"
+    warnings = err.getvalue().splitlines()
+    assert warnings == [f"WARNING: --metrics-file {path}: cannot write (No space left on device); metrics are not "
+                        "recorded there until it takes data again; training goes on",
+                        f"WARNING: --metrics-file {path}: writing again; 4 record(s) were lost"], warnings
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and lines[1] == to_json_line(normalize_record(train_record(2), "train"))[:7]
+    assert [json.loads(lines[i])["iteration"] for i in (0, 2)] == [1, 5]  # the cut line is ended, the next whole
+
+
+def test_a_sink_whose_disk_fails_is_dropped_with_one_warning(tmp_path):
+    class FailingSink:
+        closed = False
+
+        def log_train(self, record):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        log_eval = log_train
+
+        def close(self):
+            self.closed = True
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # flushing what it buffered fails again
+
+    err = NotTTY()
+    log = make_logger(tmp_path, err=err)
+    sink = FailingSink()
+    log._sinks.append(sink)
+    log.log_train(train_record(1))
+    log.log_eval({"iteration": 1, "loss": 1.0, "ppl": math.e})
+    log.close()
+    assert err.getvalue() == ("WARNING: FailingSink: cannot write (No space left on device); it records nothing "
+                              "more in this run; training goes on\n")
+    assert sink.closed and len(read_metrics(str(tmp_path / "metrics.jsonl"))) == 2  # the other sinks went on
+
+
+def test_full_disk_under_metrics_file_never_ends_the_run(tmp_path, monkeypatch, capsys):
+    from meshtron.checkpoint.layout import list_iterations, read_latest
+    from meshtron.cli import main as meshtron_main
+
+    disk = FullDisk(monkeypatch, partial=5)
+    disk.full = True  # from the first line on
+    metrics, save = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    assert meshtron_main(["train", "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
+                          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
+                          "--global-batch-size", "1", "--device", "cpu", "--log-interval", "1",
+                          "--no-generate-sample", "--eval-interval", "2", "--eval-iters", "1", "--train-iters", "4",
+                          "--save", str(save), "--save-interval", "2", "--metrics-file", str(metrics)]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "error:" not in captured.err, captured.err
+    warnings = [line for line in captured.err.splitlines() if "--metrics-file" in line]
+    assert len(warnings) == 1 and str(metrics) in warnings[0] and "No space left on device" in warnings[0], warnings
+    assert "iteration 4/4" in captured.out  # training went on
+    assert list_iterations(save) == [2, 4] and read_latest(save) == 4  # and so did the checkpoints
 
 
 # ------------------------------------------------------------------------------- ranks and console
