@@ -37,6 +37,10 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--profile", help="a device profile JSON (meshtron plan --calibrate --out FILE)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per rank")
     parser.add_argument("--steps", type=int, default=3, help="timed iterations per rank (median)")
+    parser.add_argument("--measure-micro-batches", type=int, metavar="K",
+                        help="run steps of K micro-batches instead of the job's (faster for large global batches): "
+                             "passes and per-micro-batch communication are scaled to the job's count, the bubble "
+                             "is simulated at it")
     parser.add_argument("--record-collectives", metavar="PATH", help="write each rank's trace to PATH.rank<r>.jsonl")
     parser.add_argument("--as-train", action="store_true",
                         help="run the meshtron train program itself as each chosen rank (no timing)")
@@ -102,19 +106,25 @@ def emulate_main(argv: Sequence[str]) -> int:
                                       if args.record_collectives else [])
             runner.emulate_training(argv_rank, args.world_size, rank)
         return 0
+    import torch
+
     profile = _profile(args)
     rows = []
     for rank in ranks:
-        emulated = runner.emulate_rank(train_argv, args.world_size, rank, args.gpus_per_node, args.warmup,
-                                       args.steps, args.record_collectives)
+        try:
+            emulated = runner.emulate_rank(train_argv, args.world_size, rank, args.gpus_per_node, args.warmup,
+                                           args.steps, args.record_collectives, args.measure_micro_batches)
+        except torch.OutOfMemoryError as err:  # the answer "does not fit" is a result, not a crash
+            rows.append({"rank": rank, "world_size": args.world_size, "argv": " ".join(train_argv),
+                         "error": "out of memory: " + " ".join(str(err).split())[:300]})
+            print(json.dumps(rows[-1]) if args.json else f"rank {rank}: {rows[-1]['error']}", flush=True)
+            continue
         rows.append(report_row(emulated, train_argv, args.world_size, args.gpus_per_node, profile))
         if args.json:
             print(json.dumps(rows[-1]), flush=True)
     if not args.json:
-        print(format_rows(rows))
+        print(format_rows([r for r in rows if "error" not in r]))
     if args.out:
-        import torch
-
         stamp = {"device_kind": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                  "commit": _commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
         with open(args.out, "a", encoding="utf-8") as out:
@@ -133,11 +143,12 @@ def report_row(emulated, train_argv: Sequence[str], world: int, gpus_per_node: i
     cfg = _config(train_argv, world, 1)
     p, t = cfg.parallel, cfg.train
     pp, vp = p.pipeline_model_parallel_size, (p.virtual_pipeline_model_parallel_size or 1)
-    comm = summarise_step(emulated.records, emulated.spans_nodes, profile, emulated.forward_s, emulated.backward_s,
-                          pp, emulated.micro_batches)
+    scale = emulated.micro_batches / emulated.measured_micro_batches
+    forward, backward = emulated.forward_s * scale, emulated.backward_s * scale
+    comm = summarise_step(emulated.records, emulated.spans_nodes, profile, forward, backward, pp, scale)
     bubble = bubble_fraction(pp, vp, emulated.micro_batches, p.pipeline_schedule)
     other = max(0.0, emulated.step_s - emulated.forward_s - emulated.backward_s - emulated.optimizer_s)
-    pred = predict_rank(emulated.forward_s, emulated.backward_s, emulated.optimizer_s, other, comm, bubble)
+    pred = predict_rank(forward, backward, emulated.optimizer_s, other, comm, bubble)
     vocab = cfg.model.vocab_size or 32000
     tokens = t.global_batch_size * cfg.model.seq_length
     fpt = flops_per_token(cfg.model, vocab)
@@ -151,6 +162,7 @@ def report_row(emulated, train_argv: Sequence[str], world: int, gpus_per_node: i
         "rank": emulated.rank, "coordinates": emulated.coordinates, "layout": emulated.layout, "world_size": world,
         "gpus_per_node": gpus_per_node, "argv": " ".join(train_argv), "device": emulated.device,
         "profile": profile.name, "micro_batches": emulated.micro_batches,
+        "measured_micro_batches": emulated.measured_micro_batches,
         "measured": {"peak_mem_gib": emulated.peak_mem_gib, "peak_reserved_gib": emulated.peak_reserved_gib,
                      "step_s_comm_emulated": emulated.step_s, "forward_s": emulated.forward_s,
                      "backward_s": emulated.backward_s, "optimizer_s": emulated.optimizer_s},

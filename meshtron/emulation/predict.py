@@ -58,11 +58,18 @@ class CommSummary:
         return sum(self.exposed_by_group.values())
 
 
+#: Groups whose operations come once per micro-batch (the rest once per step).
+PER_MICRO_BATCH_GROUPS = ("tp", "ep", "cp", "pp")
+
+
 def summarise_step(records: Sequence[dict], spans_nodes: dict, profile: DeviceProfile, forward_s: float,
-                   backward_s: float, pp: int, micro_batches: int) -> CommSummary:
+                   backward_s: float, pp: int, micro_batch_scale: float = 1.0) -> CommSummary:
     """Model the operations of one step (``records`` of one iteration) and apply the overlap rules.
 
-    ``spans_nodes``: group name -> whether its ranks sit on more than one node."""
+    ``spans_nodes``: group name -> whether its ranks sit on more than one node. ``micro_batch_scale``: the
+    step ran that many times fewer micro-batches than the job has (``--measure-micro-batches``): the
+    per-micro-batch groups' operations are counted that many times over; ``forward_s`` and ``backward_s``
+    are the job's (already scaled)."""
     seconds, nbytes, calls = defaultdict(float), defaultdict(int), defaultdict(int)
     async_seconds = defaultdict(float)
     per_transfer = defaultdict(list)
@@ -70,6 +77,8 @@ def summarise_step(records: Sequence[dict], spans_nodes: dict, profile: DevicePr
         group = r["group"]
         bw = (profile.network_gbps if spans_nodes.get(group, False) else profile.nvlink_gbps) * 1e9
         t = collective_seconds(r["op"], r["bytes"], r["group_size"], bw, profile.collective_latency_us * 1e-6)
+        if group in PER_MICRO_BATCH_GROUPS or group.startswith("tp_sub"):
+            t *= micro_batch_scale
         seconds[group] += t
         nbytes[group] += r["bytes"]
         calls[group] += 1
@@ -89,8 +98,8 @@ def summarise_step(records: Sequence[dict], spans_nodes: dict, profile: DevicePr
             exposed[group] = (t - hidden) + _overlapped(hidden, backward_s, profile)
         elif group == "pp":
             transfers = per_transfer[group]
-            mean = t / max(1, len(transfers))
-            path = min(len(transfers), 2 * (pp - 1))
+            mean = t / max(1.0, len(transfers) * micro_batch_scale)
+            path = min(len(transfers) * micro_batch_scale, 2 * (pp - 1))
             exposed[group] = path * mean + profile.overlap_cost * (t - path * mean)
         else:
             exposed[group] = t

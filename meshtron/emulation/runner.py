@@ -95,7 +95,8 @@ class EmulatedRank:
     coordinates: dict  # tp/cp/dp/pp/ep ranks
     layout: str
     device: str
-    micro_batches: int
+    micro_batches: int  # the job's per step
+    measured_micro_batches: int  # what the measured steps ran (fewer with --measure-micro-batches)
     peak_mem_gib: Optional[float]  # the allocator's peak (None on CPU)
     peak_reserved_gib: Optional[float]
     est_mem_gib: float  # meshtron's memory model for this stage
@@ -126,8 +127,13 @@ def _spans_nodes(ctx, gpus_per_node: int) -> dict:
 
 
 def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node: int = 8, warmup: int = 2,
-                 steps: int = 3, record_path: Optional[str] = None) -> EmulatedRank:
-    """Build and run rank ``rank`` of ``world_size`` for ``warmup + steps`` timed iterations plus one recorded."""
+                 steps: int = 3, record_path: Optional[str] = None,
+                 measure_micro_batches: Optional[int] = None) -> EmulatedRank:
+    """Build and run rank ``rank`` of ``world_size`` for ``warmup + steps`` timed iterations plus one recorded.
+
+    ``measure_micro_batches``: run steps of that many micro-batches (a smaller global batch) instead of the
+    job's; :attr:`EmulatedRank.micro_batches` stays the job's and the caller scales (a pipeline's passes and
+    per-micro-batch communication grow linearly with the micro-batches; the bubble is simulated at the job's)."""
     from meshtron.bench import RandomTokens, _measure
     from meshtron.parallel.context import context_from_config
     from meshtron.training.trainer import Trainer
@@ -136,12 +142,17 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
     trainer = None
     try:
         cfg = _config(argv, world_size, warmup + steps + 1)
+        t = cfg.train
+        dp = world_size // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.context_parallel_size
+                            * cfg.parallel.pipeline_model_parallel_size)
+        job_micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+        if measure_micro_batches and measure_micro_batches < job_micro_batches:
+            t.global_batch_size = measure_micro_batches * t.micro_batch_size * dp
         ctx = context_from_config(cfg)
         dev = ctx.device
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
-        t = cfg.train
         n_micro = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         data = RandomTokens(cfg.model.vocab_size or 32000, cfg.model.seq_length, t.micro_batch_size, n_micro, t.seed)
         trainer = Trainer(cfg, ctx, data=data)
@@ -161,7 +172,8 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
                 trainer.train_step(batches, iteration)
         coords = {"tp": ctx.tp_rank, "cp": ctx.cp_rank, "dp": ctx.dp_rank, "pp": ctx.pp_rank, "ep": ctx.ep_rank}
         return EmulatedRank(
-            rank=rank, coordinates=coords, layout=ctx.describe(), device=str(dev.type), micro_batches=n_micro,
+            rank=rank, coordinates=coords, layout=ctx.describe(), device=str(dev.type),
+            micro_batches=job_micro_batches, measured_micro_batches=n_micro,
             peak_mem_gib=row["peak_mem_gib"], peak_reserved_gib=row["peak_reserved_gib"],
             est_mem_gib=row["est_mem_gib"], step_s=row["step_s"], forward_s=row["forward_s"] or 0.0,
             backward_s=row["backward_s"] or 0.0, optimizer_s=row["optimizer_s"] or 0.0, data_s=row["data_s"] or 0.0,

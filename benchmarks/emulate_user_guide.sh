@@ -1,0 +1,29 @@
+# One device call: every pipeline stage of the user guide's layouts (../shared/reference/megatron-core-user-guide.md)
+# and of the published Megatron-Bridge ones, emulated on this GPU (meshtron emulate), rows to $OUT/emulated.jsonl.
+#   bash benchmarks/emulate_user_guide.sh [names...]   (on the GPU machine, OUT set; names: see the case list)
+# Steps run --measure-micro-batches micro-batches and are scaled to the job's count (docs/emulation.md).
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+common="--bf16 --seq-length 4096 --micro-batch-size 1 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
+declare -A CASE
+CASE[llama2-7b-dp8]="--world-size 8 --model llama2-7b $common --global-batch-size 1024"
+CASE[llama2-13b-tp2dp4]="--world-size 8 --model llama2-13b $common --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 1024"
+CASE[llama3-70b-tp4pp4dp4]="--world-size 64 --model llama3-70b $common --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 4 --global-batch-size 1024"
+CASE[llama3-405b-tp8pp8cp2]="--world-size 128 --model llama3-405b $common --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 8 --context-parallel-size 2 --global-batch-size 1024"
+CASE[mixtral-8x7b-tp2ep4dp4]="--world-size 32 --model mixtral-8x7b $common --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4 --global-batch-size 1024"
+names=${*:-llama2-7b-dp8 llama2-13b-tp2dp4 llama3-70b-tp4pp4dp4 mixtral-8x7b-tp2ep4dp4 llama3-405b-tp8pp8cp2}
+for name in $names; do
+  echo "== $name"
+  timeout ${CASE_TIMEOUT:-240} python3 -m meshtron emulate ${CASE[$name]} --measure-micro-batches ${MB:-4} --warmup 1 --steps 2 \
+    --json --out $OUT/emulated.jsonl > $OUT/$name.log 2>&1
+  echo "rc=$?"; grep -v '^{' $OUT/$name.log | grep -v "^\[" | tail -4
+  python3 - "$OUT/$name.log" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        r = json.loads(line); m, p, pl = r["measured"], r["predicted"], r["planner"]
+        print(f"rank {r['rank']} stage {r['coordinates']['pp']}: peak {m['peak_mem_gib']:.1f} GiB (planner est {pl['est_mem_gib']:.1f}), "
+              f"fwd {m['forward_s']*1e3:.0f} bwd {m['backward_s']*1e3:.0f} opt {m['optimizer_s']*1e3:.0f} ms per {r['measured_micro_batches']} mb; "
+              f"predicted step {p['step_s']:.2f} s, {p['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU; planner step {pl['step_s'] or float('nan'):.2f} s")
+PY
+done
