@@ -132,11 +132,18 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
         from meshtron.memory_report import record_memory
 
         record_memory(dev.type == "cuda")  # from before the model is built, so weights are in the trace
-    trainer = Trainer(cfg, ctx, data=data)
-    try:
-        return _measure(trainer, cfg, ctx, data, warmup, steps, split, profile_comm, memory_sites, leftover, argv)
-    finally:
-        trainer.close()  # its hooks would keep the parameters alive into the next row
+    from meshtron.emulation.trace import recording
+
+    # --record-collectives: this row's operations (its steps run slower for it: a dispatch mode sees every op).
+    with recording(ctx, cfg.log.record_collectives) as recorder:
+        trainer = Trainer(cfg, ctx, data=data)
+        if recorder is not None:
+            recorder.where = lambda: (trainer.progress.iteration, trainer.progress.phase)
+        try:
+            return _measure(trainer, cfg, ctx, data, warmup, steps, split, profile_comm, memory_sites, leftover,
+                            argv)
+        finally:
+            trainer.close()  # its hooks would keep the parameters alive into the next row
 
 
 def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int, steps: int, split: bool,
@@ -152,6 +159,7 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
     for it in range(1, warmup + steps + 1):
         _sync(dev)
         start = time.perf_counter()
+        trainer.progress.iteration = it  # where the hang watchdog and a collective trace see this rank
         trainer.train_step(batches, it)
         trainer.periodic_checks(it)  # straggler report and weight-hash check, when their flags ask
         _sync(dev)

@@ -9,8 +9,8 @@ Why meshtron's own group and not torch's ``fake`` backend: torch's fake group le
 allocated, so a pipeline stage would compute on whatever memory the allocator handed out and the MoE
 dispatch would size its buffers from garbage token counts. Here an operation completes with well-formed
 contents: an all-to-all returns what this rank sent (the exchange of a balanced world, where every rank sends
-and receives alike), an all-gather repeats this rank's part, a receive is zeros, a reduction keeps this rank's
-values. The values are never the real ones; the shapes, dtypes, devices and the order of operations are.
+and receives alike), an all-gather repeats this rank's part, a receive is standard normal values, a reduction
+keeps this rank's values. The values are never the real ones; the shapes, dtypes, devices and the order of operations are.
 
 torch routes two operations past Python process groups: the single-tensor all-gather and reduce-scatter
 (``all_gather_single`` / ``reduce_scatter_single``, also inside compiled code) go straight to the group's
@@ -133,7 +133,12 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def recv(self, tensors, src, tag):
         _note("recv", self, tensors)
         for t in tensors:
-            t.zero_()  # an activation or gradient from a neighbour: finite, of the right shape
+            # An activation or gradient from a neighbour: finite, of the right shape, and varied (a stage's MoE
+            # router would send every token of an all-zero input to the same experts).
+            if t.is_floating_point():
+                t.normal_()
+            else:
+                t.zero_()
         return _completed(tensors)
 
 
