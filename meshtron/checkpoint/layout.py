@@ -3,6 +3,7 @@
 ::
 
     <save_dir>/
+      .meshtron_save.lock                  the running job's exclusive lock (meshtron.checkpoint.save_lock)
       latest                               the iteration of the newest complete checkpoint
       latest_checkpointed_iteration.txt    the same, under Megatron-LM's name
       iter_0000100/                        one complete checkpoint
