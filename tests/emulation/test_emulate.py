@@ -1,0 +1,90 @@
+"""meshtron emulate on CPU: one rank of a larger world built and run here, its prediction, and the link model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtron.emulation.predict import collective_seconds, predict_rank, summarise_step
+from meshtron.planning.profiles import builtin_profile
+
+REPO = Path(__file__).resolve().parents[2]
+H100 = builtin_profile("H100")
+TINY = ["--device", "cpu", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+        "32", "--vocab-size", "128", "--micro-batch-size", "1"]
+
+
+def test_ring_times_follow_the_bus_bandwidth():
+    bw, lat = 100e9, 10e-6
+    assert collective_seconds("all_reduce", 10**9, 8, bw, lat) == pytest.approx(2 * 10**9 * 7 / 8 / bw + lat)
+    assert collective_seconds("all_gather", 10**9, 4, bw, lat) == pytest.approx(10**9 * 3 / 4 / bw + lat)
+    assert collective_seconds("send", 10**6, 2, bw, lat) == pytest.approx(10**6 / bw + lat)
+    assert collective_seconds("all_reduce", 10**9, 1, bw, lat) == 0.0
+
+
+def _rec(op, group, nbytes, size=8, is_async=False):
+    return {"iteration": 3, "phase": "x", "op": op, "group": group, "group_size": size, "bytes": nbytes,
+            "dtype": "bfloat16", "async": is_async}
+
+
+def test_overlap_rules_expose_tp_and_hide_overlapped_data_parallel_reduction():
+    records = [_rec("all_gather", "tp", 10**8), _rec("reduce_scatter", "dp_cp", 10**9, is_async=True),
+               _rec("all_reduce", "dp_cp", 10**9, is_async=False)]
+    comm = summarise_step(records, {"tp": False, "dp_cp": True}, H100, forward_s=1.0, backward_s=2.0, pp=1)
+    assert comm.exposed_by_group["tp"] == pytest.approx(comm.seconds_by_group["tp"])
+    network = collective_seconds("reduce_scatter", 10**9, 8, H100.network_gbps * 1e9, H100.collective_latency_us * 1e-6)
+    blocking = collective_seconds("all_reduce", 10**9, 8, H100.network_gbps * 1e9, H100.collective_latency_us * 1e-6)
+    assert comm.seconds_by_group["dp_cp"] == pytest.approx(network + blocking)
+    # The asynchronous reduce-scatter hides behind the 2 s backward except overlap_cost of it; the all-reduce is exposed.
+    assert comm.exposed_by_group["dp_cp"] == pytest.approx(blocking + H100.overlap_cost * network)
+
+
+def test_per_micro_batch_operations_scale_with_the_jobs_micro_batches():
+    records = [_rec("all_gather", "tp", 10**7), _rec("all_reduce", "dp", 10**8)]
+    one = summarise_step(records, {}, H100, 1.0, 1.0, pp=1, micro_batch_scale=1.0)
+    four = summarise_step(records, {}, H100, 1.0, 1.0, pp=1, micro_batch_scale=4.0)
+    assert four.seconds_by_group["tp"] == pytest.approx(4 * one.seconds_by_group["tp"])
+    assert four.seconds_by_group["dp"] == pytest.approx(one.seconds_by_group["dp"])
+
+
+def test_predicted_step_adds_bubble_communication_and_optimizer():
+    comm = summarise_step([_rec("all_gather", "tp", 10**8)], {}, H100, 1.0, 2.0, pp=1)
+    pred = predict_rank(1.0, 2.0, 0.5, 0.1, comm, bubble_fraction=0.25)
+    assert pred.step_s == pytest.approx(3.0 * 1.25 + comm.exposed_s + 0.5 + 0.1)
+
+
+def _emulate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtron", "emulate", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+
+
+def test_one_stage_of_a_64_rank_layout_runs_here_and_is_predicted(tmp_path):
+    out = tmp_path / "emulated.jsonl"
+    run = _emulate("--world-size", "64", "--gpus-per-node", "8", "--ranks", "56", "--json", "--out", str(out),
+                   "--warmup", "1", "--steps", "1", "--record-collectives", str(tmp_path / "trace"), *TINY,
+                   "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+                   "--use-distributed-optimizer", "--global-batch-size", "64", "--measure-micro-batches", "2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "every collective is emulated" in run.stderr
+    row = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][0])
+    assert row["layout"] == "TP=2 CP=1 DP=16 PP=2 EP=1" and row["coordinates"]["pp"] == 1
+    assert row["micro_batches"] == 4 and row["measured_micro_batches"] == 2  # 64 / (1 x DP 16), run at 2
+    groups = row["modelled"]["comm_bytes_by_group"]
+    assert {"tp", "pp", "dp_cp"} <= set(groups)  # SP gathers, pipeline transfers, the distributed optimizer
+    assert row["predicted"]["step_s"] > row["measured"]["forward_s"] + row["measured"]["backward_s"]
+    assert row["planner"]["step_s"] is not None and row["planner"]["est_mem_gib"] > 0
+    assert json.loads(out.read_text().splitlines()[0])["rank"] == 56
+    trace = [json.loads(line) for line in (tmp_path / "trace.rank56.jsonl").read_text().splitlines()]
+    assert trace and {r["group"] for r in trace} >= {"tp", "pp"}
+    assert all(r["iteration"] == 3 for r in trace if r["phase"] != "setup")
+
+
+def test_bad_ranks_name_the_flag():
+    run = _emulate("--world-size", "4", "--ranks", "7", *TINY)
+    assert run.returncode == 2 and "--ranks" in run.stderr and "0..3" in run.stderr
+    run = _emulate("--world-size", "4", "--ranks", "first", *TINY)
+    assert run.returncode == 2 and "comma-separated" in run.stderr
