@@ -75,12 +75,12 @@ def test_second_job_is_refused_then_takes_over_when_the_first_dies(tmp_path, oth
 def test_two_rank_job_holds_one_lock_and_is_refused_as_a_whole(tmp_path, other_job):
     save = tmp_path / "ckpt"
 
-    def run() -> subprocess.CompletedProcess:
+    def run(*flags: str) -> subprocess.CompletedProcess:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         return subprocess.run([sys.executable, "-m", "meshtron", "train", "--nproc-per-node", "2", "--master-port",
-                               str(port), *TRAIN, "--save", str(save)],
+                               str(port), *TRAIN, "--save", str(save), *flags],
                               capture_output=True, text=True, cwd=REPO, env=_env(), timeout=240)
 
     refused = run()
@@ -89,10 +89,13 @@ def test_two_rank_job_holds_one_lock_and_is_refused_as_a_whole(tmp_path, other_j
     assert "Traceback" not in refused.stderr
     other_job.stdin.close()  # the holder ends normally
     other_job.wait(timeout=30)
-    # Two ranks, one lock: were rank 1 to lock too, one of the two processes would refuse the other.
-    done = run()
+    # Two ranks, one lock: were rank 1 to lock too, one of the two processes would refuse the other. (With
+    # background saves, whose completion every rank checks together at each iteration boundary.)
+    done = run("--async-save", "--save-interval", "1")
     assert done.returncode == 0, done.stderr
     assert read_latest(save) == 2 and "took over" not in done.stderr
+    for it in (1, 2):
+        assert f"saved checkpoint at iteration {it} to {save} (durable)" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
