@@ -193,6 +193,12 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--headroom", type=float, default=0.1,
                         help="fraction of device memory kept free beyond the estimate (search; default 0.1)")
     parser.add_argument("--top", type=int, default=5, help="layouts to print (search)")
+    parser.add_argument("--emulate", type=int, default=0, metavar="K",
+                        help="re-measure the first K layouts of the search by emulation on this device (every "
+                             "pipeline stage's first rank, meshtron emulate) and print planner and emulation side "
+                             "by side")
+    parser.add_argument("--measure-micro-batches", type=int, default=4, metavar="M",
+                        help="with --emulate: steps of M micro-batches, scaled to the job's")
     parser.add_argument("--no-fp8", dest="fp8", action="store_false", help="search bf16 layouts only")
     parser.add_argument("--compare", default=None, metavar="TP=a,PP=b,...",
                         help="also show the best layout with these sizes (TP, CP, PP, EP, VPP) and how it compares")

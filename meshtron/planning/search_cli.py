@@ -102,6 +102,9 @@ def search_main(args: argparse.Namespace, train_argv: Sequence[str]) -> int:
         print("no layout fits: more GPUs, a shorter sequence, or less --headroom")
         return 1
     print(format_plans(plans, profile, args.headroom))
+    if getattr(args, "emulate", 0):
+        print(emulate_plans(plans[:args.emulate], args.gpus, args.gpus_per_node, profile,
+                            args.measure_micro_batches))
     if args.compare:
         if not compared:
             print(f"--compare {args.compare}: no layout with these sizes fits")
@@ -112,3 +115,36 @@ def search_main(args: argparse.Namespace, train_argv: Sequence[str]) -> int:
                   f"{c.tokens_per_sec_per_gpu:,.0f} tok/s/GPU ({ratio:.1%} of the first choice)\n   "
                   + " ".join(c.command))
     return 0
+
+
+def emulate_plans(plans: Sequence, gpus: int, gpus_per_node: int, profile, measure_micro_batches: int) -> str:
+    """Each plan's pipeline stages emulated on this device (:mod:`meshtron.emulation`), beside the planner's figures:
+    memory (the planner's estimate against the allocator's measured peak of the fullest stage) and step time."""
+    from meshtron.emulation.cli import report_row
+    from meshtron.emulation.runner import default_ranks, emulate_rank
+
+    lines = ["", "planner against emulation (memory: the fullest stage; step: the slowest stage's prediction)",
+             "| # | layout | planner GiB | emulated peak GiB | diff | planner tok/s/GPU | emulated tok/s/GPU | diff |",
+             "|---|---|---|---|---|---|---|---|"]
+    for index, plan in enumerate(plans, 1):
+        argv = plan.command[2:]  # without "meshtron train"
+        argv = argv[:argv.index("--nproc-per-node")] if "--nproc-per-node" in argv else argv
+        rows = []
+        for rank in default_ranks(gpus, plan.layout.tp, plan.layout.cp, plan.layout.pp):
+            try:
+                emulated = emulate_rank(argv, gpus, rank, gpus_per_node, 1, 2, None, measure_micro_batches)
+            except Exception as err:  # noqa: BLE001 - an out-of-memory stage is an answer, reported in the table
+                rows = [f"rank {rank}: {' '.join(str(err).split())[:120]}"]
+                break
+            rows.append(report_row(emulated, argv, gpus, gpus_per_node, profile))
+        if rows and isinstance(rows[0], str):
+            lines.append(f"| {index} | {plan.layout.describe()} | {plan.memory_bytes / 2**30:.1f} | {rows[0]} |")
+            continue
+        peaks = [r["measured"]["peak_mem_gib"] or r["planner"]["est_mem_gib"] for r in rows]
+        speed = min(r["predicted"]["tokens_per_sec_per_gpu"] for r in rows)
+        planned_gib = plan.memory_bytes / 2**30
+        lines.append(f"| {index} | {plan.layout.describe()} | {planned_gib:.1f} | {max(peaks):.1f} | "
+                     f"{planned_gib / max(peaks) - 1:+.1%} | {plan.tokens_per_sec_per_gpu:,.0f} | {speed:,.0f} | "
+                     f"{plan.tokens_per_sec_per_gpu / speed - 1:+.1%} |")
+    lines.append("emulated: memory and compute measured on this device, communication modelled (docs/emulation.md)")
+    return "\n".join(lines)
