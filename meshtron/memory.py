@@ -119,9 +119,22 @@ Recomputation
   sequence (its reduce-scatter is recomputed): ``e*h*(1 - 1/TP)`` more than its shard.
 - ``full`` keeps only each checkpointed chunk's input (``e*h`` per token, split over TP with
   SP); ``uniform`` checkpoints chunks of ``--recompute-num-layers`` layers and, during the
-  backward, holds that many layers' full activations; ``block`` recomputes the first
-  ``--recompute-num-layers`` layers of each stage and keeps the rest. A checkpointed layer keeps
-  no FP8 weight copy.
+  backward, holds that many layers' full activations (less the chunk's input, already kept); ``block``
+  recomputes the first ``--recompute-num-layers`` layers of each stage and keeps the rest. A checkpointed
+  layer keeps no FP8 weight copy.
+
+The backward of a layer
+-----------------------
+On top of what is saved, a layer's backward holds the gradient it receives (``e*h`` per token) and, at its
+peak in the MLP, SwiGLU's recomputed product and the gradient of gate and up (``3*e*f``, split over TP;
+``2*e*f`` for GeLU): :func:`backward_working_bytes`. The last stage has two moments that never meet: the
+loss (its chunk, its fp32 weight gradient, the final norm's and output layer's inputs) and a layer's
+backward (the working set above; the head's inputs are freed and the weight gradient rounded to the
+weights' dtype, which a tied embedding keeps until its own part arrives). The peak is the larger: the loss
+for short sequences, the first recomputed layer's backward for long ones with full recomputation (on one
+H100, llama3-1b at 1 x 131072: the recomputed layer's 55,432 bytes per token and 49,408 above the received
+gradient, against 55,432 and ``3*e*f = 49,152`` modelled; 38.2 GiB measured and modelled, where the loss's
+moment alone gave 33.6).
 
 Pipeline, embedding and loss
 ----------------------------
@@ -404,6 +417,32 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     return tokens * (rep / sp_div + part)
 
 
+def backward_working_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
+                           sequence_parallel: bool = False, act_bytes: int = 2, moe: bool = False,
+                           expert_tp: Optional[int] = None) -> float:
+    """Bytes one layer's backward allocates beyond what the layer saved, at its peak (in its MLP), on one TP rank.
+
+    The gradient it receives (``e*h`` per token, split over TP with SP) and the MLP's: a SwiGLU MLP recomputes
+    the product for fc2's weight gradient (``e*f``) and writes the gradient of gate and up (``2*e*f``), both
+    alive together (``3*e*f``, split over TP); a GeLU MLP the gradients of the activation's output and input
+    (``2*e*f``). Measured on an H100 (llama3-1b, 1 x 131072, compiled layer, bf16): 49,408 bytes per token
+    above the saved tensors and the received gradient, against ``3*e*f = 49,152``
+    (``benchmarks/long_seq_memory_probe.py``). A MoE layer's experts are counted the same way per routing
+    choice, and a shared expert like a dense MLP (not measured).
+    """
+    e, h = act_bytes, m.hidden_size
+    sp_div = tp if sequence_parallel and tp > 1 else 1
+    per_width = 3 if m.swiglu else 2
+    if moe:
+        fe = m.moe_ffn_hidden_size or ffn_size(m)
+        mlp = m.moe_router_topk * per_width * e * fe / (expert_tp or tp)
+        if m.moe_shared_expert_intermediate_size:
+            mlp = max(mlp, per_width * e * m.moe_shared_expert_intermediate_size / tp)
+    else:
+        mlp = per_width * e * ffn_size(m) / tp
+    return micro_batch * seq * (e * h / sp_div + mlp)
+
+
 def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: bool = False) -> float:
     """Bytes of the FP8 (tensorwise) weight copies one layer's linears kept per micro-batch on one TP rank
     before revision 2 of :data:`LAYER_SAVES` (today each linear casts its weight again in backward).
@@ -616,18 +655,26 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             saved += fp8_weight_copy_bytes(m, layer, tp, fc2_recast=fc2_recomputes)
         return saved
 
+    def backward_work(layers: list[int]) -> float:
+        """The largest of the layers' backward working sets (:func:`backward_working_bytes`)."""
+        return max((backward_working_bytes(m, micro_batch=tr.micro_batch_size, seq=seq, tp=tp, sequence_parallel=sp,
+                                           act_bytes=e, moe=_is_moe_layer(m, i), expert_tp=etp) for i in layers),
+                   default=0.0)
+
     def chunk_activation(layers: list[int]) -> tuple[float, float]:
-        """(bytes kept per micro-batch, extra working bytes while a recomputed chunk runs backward)."""
+        """(bytes kept per micro-batch, extra working bytes while a layer of the chunk runs backward: a recomputed
+        chunk's activations, less its input, which is kept, plus the backward's own working set)."""
         gran, n = tr.recompute_granularity, max(1, tr.recompute_num_layers)
         if gran != "full":
-            return sum(act(i, gran) for i in layers), 0.0
+            return sum(act(i, gran) for i in layers), backward_work(layers)
         full = [act(i, None) for i in layers]
         if tr.recompute_method == "block":
             kept = sum(act(i, "full") for i in layers[:n]) + sum(full[n:])
-            return kept, (max(full[:n]) if layers[:n] else 0.0)
+            window = max((full[i] - act(layers[i], "full") for i in range(min(n, len(layers)))), default=0.0)
+            return kept, window + backward_work(layers)
         kept = sum(act(layers[i], "full") for i in range(0, len(layers), n))  # one input per chunk of n
-        window = max((sum(full[i:i + n]) for i in range(0, len(layers), n)), default=0.0)
-        return kept, window
+        window = max((sum(full[i:i + n]) - act(layers[i], "full") for i in range(0, len(layers), n)), default=0.0)
+        return kept, window + backward_work(layers)
 
     out: list[MemoryEstimate] = []
     loss_rank = loss_stage_of(par.pipeline_schedule, pp)
@@ -698,7 +745,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                 stall += timeline.stall_s
                 pending = max(pending, timeline.backlog)
             per_micro += offload_kept  # what the offloaded layers moved off the device
-            working = max(working, extra)
+            working = max(working, extra + max(backward_work(layers) for layers in chunks))
         if par.pipeline_schedule in SPLIT_BACKWARD and pp > 1:
             # A micro-batch's activations live until its W: as many as the plan holds at once (ZB-H1: PP on
             # every rank; ZBV: at most 2 PP chunk-forwards, each half the rank's layers).
@@ -714,16 +761,21 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         logits = 0.0
         if last:
             stats = 4 if m.normalization == "RMSNorm" else 8
-            activations += tokens * (2 * e * m.hidden_size + stats) / sp_div
+            head = tokens * (2 * e * m.hidden_size + stats) / sp_div  # the final norm's and output layer's inputs
             logits = loss_bytes(m.hidden_size, vocab // tp, tr.micro_batch_size * m.seq_length // cp, e, fused_loss)
             if mtp:  # each prediction depth's loss keeps its own output-weight gradient (or logits) too
                 logits += mtp * (4.0 * m.hidden_size * (vocab // tp) if fused_loss
                                  else 4.0 * tr.micro_batch_size * m.seq_length // cp * (vocab // tp))
             if fused_loss:
-                # The loss's chunk lives in the forward, the working set above (a recomputed chunk's
-                # activations, the offloading's fetched layers) in the backward: never together.
-                transient = logits - 4.0 * m.hidden_size * (vocab // tp) * (1 + mtp)
-                activations -= min(working, transient)
+                # Two moments never meet: the loss (its chunk, its fp32 weight gradient, the head's inputs) and a
+                # layer's backward (the working set above), when the head's inputs are freed and the weight
+                # gradient is rounded to the weights' dtype, which a tied embedding keeps until its own part
+                # arrives. Measured (llama3-1b, full recomputation, one H100): the loss's moment is the peak at
+                # 65,536 tokens, the first recomputed layer's backward at 131,072.
+                tied = e * m.hidden_size * (vocab // tp) if (first and not m.untie_embeddings_and_output_weights) else 0
+                activations += max(head + logits, working + tied) - logits - working
+            else:
+                activations += head
         if all_grads > grads:
             # By the optimizer step every gradient is there and the activations are gone: the peak is the
             # larger of the two moments (the step's, for a large model on a small micro-batch).

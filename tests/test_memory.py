@@ -9,6 +9,7 @@ from meshtron.layers.cross_entropy import CHUNK_ELEMENTS, chunk_size
 from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.memory import (
     MemoryEstimate,
+    backward_working_bytes,
     estimate_memory,
     layer_activation_bytes,
     layer_parameters,
@@ -263,27 +264,67 @@ def test_interleaved_first_stage_factor():
     assert first.microbatches_in_flight * layers_on_rank == L * (1 + (p - 1) / (p * v)) == 22
     per_layer = layer_activation_bytes(cfg.model, micro_batch=1, seq=128)
     token_ids = 8 * 128
-    assert first.activations == round(first.microbatches_in_flight * (layers_on_rank * per_layer + token_ids))
+    work = backward_working_bytes(cfg.model, micro_batch=1, seq=128)  # the one layer in its backward
+    assert first.activations == round(first.microbatches_in_flight * (layers_on_rank * per_layer + token_ids) + work)
 
 
 # ------------------------------------------------------------------------------- whole estimate
 
+def test_backward_working_set_by_hand():
+    """The received gradient and, in the MLP, SwiGLU's recomputed product and the gradient of gate and up."""
+    m = config("llama3-1b").model
+    h, f = 2048, 8192
+    assert backward_working_bytes(m, micro_batch=1, seq=131072) == 131072 * (2 * h + 3 * 2 * f)
+    assert (backward_working_bytes(m, micro_batch=2, seq=1024, tp=2, sequence_parallel=True)
+            == 2048 * (2 * h / 2 + 3 * 2 * f / 2))
+    assert backward_working_bytes(gpt_layer(), micro_batch=1, seq=S) == S * (2 * H + 2 * 2 * 4 * H)  # GeLU: two
+    moe = config("mixtral-8x7b").model
+    assert (backward_working_bytes(moe, micro_batch=1, seq=4096, moe=True, expert_tp=1)
+            == 4096 * (2 * 4096 + 2 * 3 * 2 * 14336))  # per routing choice
+
+
 def test_activation_totals_by_hand_with_full_recompute():
+    """Two moments never meet: the loss (its chunk and fp32 weight gradient, the head's inputs) and the first
+    recomputed chunk's backward (its layers' activations less its input, which is kept, the backward's working
+    set, and the tied output weight's gradient in bf16)."""
     cfg = config("tiny", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
     m, tokens, h = cfg.model, 128, 128
     layer = layer_activation_bytes(m, micro_batch=1, seq=128)
+    work = backward_working_bytes(m, micro_batch=1, seq=128)
     chunk_input = tokens * 2 * h
-    extras = 8 * tokens + tokens * (2 * 2 * h + 4)  # token ids; final norm input + output-layer input + rstd
+    head = tokens * (2 * 2 * h + 4)  # final norm input + output-layer input + rstd
+    tied = 2 * h * 4096
     est = estimate_memory(cfg, 4096)
     # Fused chunked loss: fp32 output-weight gradient + one chunk (all 128 tokens) of bf16 logits and
     # their bf16 gradient.
     loss_chunk = tokens * 4096 * 4
     assert est.logits == 4 * h * 4096 + loss_chunk
-    # 2 checkpoints + a 2-layer window in the backward, which the loss's chunk (forward) never meets.
-    assert est.activations == 2 * chunk_input + 2 * layer + extras - min(2 * layer, loss_chunk)
+    # 2 checkpoints (token ids too) and the larger moment.
+    backward = 2 * layer - chunk_input + work + tied
+    assert est.activations == round(2 * chunk_input + 8 * tokens + max(head + est.logits, backward) - est.logits)
     cfg.train.recompute_method, cfg.train.recompute_num_layers = "block", 1
+    backward = layer - chunk_input + work + tied
     assert (estimate_memory(cfg, 4096).activations
-            == chunk_input + 3 * layer + layer + extras - min(layer, loss_chunk))
+            == round(chunk_input + 3 * layer + 8 * tokens + max(head + est.logits, backward) - est.logits))
+
+
+def test_long_sequence_peaks_in_the_first_recomputed_layers_backward():
+    """llama3-1b, 1 x 131072, full recomputation: the recomputed layer's backward outgrows the loss (measured on
+    an H100: 38.15 GiB; benchmarks/measured.jsonl h154), at 65,536 the loss still leads (27.79 GiB, h152)."""
+    def estimate(seq: int) -> MemoryEstimate:
+        cfg = config("llama3-1b", seq_length=seq, micro_batch_size=1, global_batch_size=1,
+                     recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        return estimate_memory(cfg, 128256)
+
+    m, h, v = config("llama3-1b").model, 2048, 128256
+    long, short = estimate(131072), estimate(65536)
+    tokens = 131072
+    kept = 16 * tokens * 2 * h
+    backward = layer_activation_bytes(m, micro_batch=1, seq=tokens) - tokens * 2 * h + backward_working_bytes(
+        m, micro_batch=1, seq=tokens) + 2 * h * v
+    assert long.activations == round(kept + 8 * tokens + backward - long.logits)
+    assert long.total / 2**30 == pytest.approx(38.15, rel=0.01)
+    assert short.total / 2**30 == pytest.approx(27.79, rel=0.01)
 
 
 def test_recompute_orders_totals():

@@ -6,7 +6,7 @@ Measures, on the first CUDA device (or the CPU, with small shapes, so that it ru
   ``rate = matmul_tflops * F / (F + matmul_half_gflop)`` by least squares of ``1/rate`` on ``1/F``;
 - FP8 scaled GEMMs where the device has them (compute capability 8.9+): ``fp8_matmul_speedup``;
 - causal scaled-dot-product attention at several sequence lengths, fitted the same way to
-  ``attention_tflops * s / (s + attention_half_seq)``;
+  ``attention_tflops * s / (s + attention_half_seq)``, at head dim 128 and at head dim 64 (``_d64``);
 - a large copy: the memory bandwidth ``hbm_gbps``; the layers' share of it (``hbm_efficiency``) keeps
   the H200 fit's ratio to a plain copy;
 - copies between the device and pinned host memory, each way (CUDA only): ``pcie_gbps`` as the slower
@@ -154,6 +154,9 @@ def calibrate(device: Optional[torch.device] = None, quick: Optional[bool] = Non
     seqs = (128, 256) if quick else (1024, 2048, 4096, 8192, 16384)
     attention = measure_attention(device, seqs, 4 if quick else 32, 64 if quick else 128, dtype, repeat)
     attn_peak, attn_half = fit_saturating([r["seq"] for r in attention], [r["tflops"] for r in attention])
+    # Head dim 64 at the same width (twice the heads): its own ceiling and half-way sequence (step_time.attention_rate).
+    attention64 = attention if quick else measure_attention(device, seqs, 64, 64, dtype, repeat)
+    peak64, half64 = fit_saturating([r["seq"] for r in attention64], [r["tflops"] for r in attention64])
     bandwidth = measure_bandwidth(device, 2**20 if quick else 2**30, repeat)
     fp8 = measure_fp8_speedup(device, 8192, repeat) if gpu and not quick else None
     allreduce = measure_allreduce(device, 2**26, repeat) if gpu else None
@@ -165,11 +168,13 @@ def calibrate(device: Optional[torch.device] = None, quick: Optional[bool] = Non
         name = platform.processor() or platform.machine() or "cpu"
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     changes = dict(name=name, memory_gib=memory, matmul_tflops=peak, matmul_half_gflop=half,
-                   attention_tflops=attn_peak, attention_half_seq=attn_half, hbm_gbps=bandwidth,
+                   attention_tflops=attn_peak, attention_half_seq=attn_half, attention_tflops_d64=peak64,
+                   attention_half_seq_d64=half64, hbm_gbps=bandwidth,
                    hbm_efficiency=min(1.0, H200.hbm_efficiency * H200.hbm_gbps / H200_COPY_GBPS),
                    source=f"meshtron plan --calibrate on {name} ({'CUDA' if gpu else 'CPU'}, torch {torch.__version__})"
                           "; overheads and MoE/eager/overlap factors from the H200 fit",
-                   extra={"matmul": matmul, "attention": attention, "copy_gbps": bandwidth,
+                   extra={"matmul": matmul, "attention": attention, "attention_d64": attention64,
+                          "copy_gbps": bandwidth,
                           "allreduce_busbw_gbps": allreduce, "fp8_matmul_speedup": fp8, "host_copies": host_copies})
     if fp8 is not None:
         changes["fp8_matmul_speedup"] = fp8

@@ -24,7 +24,9 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "attention_tflops": (200.0, 700.0), "hbm_efficiency": (0.3, 1.0), "layer_overhead_us": (0.0, 2000.0),
     "step_overhead_ms": (0.0, 100.0), "optimizer_bytes_per_param": (16.0, 80.0),
     "fp8_matmul_speedup": (1.2, 1.9), "eager_elementwise_factor": (1.0, 6.0), "moe_gemm_efficiency": (0.2, 1.0),
-    "nvlink_gbps": (50.0, 450.0), "attention_half_seq": (0.0, 8192.0), "overlap_cost": (0.0, 0.8), "async_tp_hidden": (0.0, 1.0), "matmul_half_gflop": (0.1, 50.0),
+    "nvlink_gbps": (50.0, 450.0), "attention_half_seq": (0.0, 8192.0), "attention_tflops_d64": (200.0, 700.0),
+    "attention_half_seq_d64": (0.0, 8192.0), "overlap_cost": (0.0, 0.8), "async_tp_hidden": (0.0, 1.0),
+    "matmul_half_gflop": (0.1, 50.0),
 }
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "measured.jsonl")
 

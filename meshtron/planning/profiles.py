@@ -48,6 +48,9 @@ class DeviceProfile:
     overlap_cost: float  # share of an overlapped collective's time that still slows the compute it hides behind
     async_tp_hidden: float  # share of the forward sequence-parallel communication that --async-tensor-parallel hides
     pcie_gbps: float = 55.0  # host-device copies per direction (GB/s): --offload-activations
+    # attention_tflops and attention_half_seq at head dim 64 (0: the same as at 128; step_time.attention_rate)
+    attention_tflops_d64: float = 0.0
+    attention_half_seq_d64: float = 0.0
     source: str = ""  # where the numbers come from
     extra: dict = field(default_factory=dict)  # what a calibration measured (GEMM sizes and rates, ...)
 
@@ -66,7 +69,8 @@ _FIELDS = {f.name for f in dataclasses.fields(DeviceProfile)}
 #: the rest from measurements named in SOURCES.
 H200 = DeviceProfile(
     name="H200", memory_gib=139.8, matmul_tflops=741.0, matmul_half_gflop=6.12, fp8_matmul_speedup=1.775,
-    attention_tflops=560.0, attention_half_seq=2300.0, hbm_gbps=4800.0, hbm_efficiency=0.6651,
+    attention_tflops=560.0, attention_half_seq=2300.0, attention_tflops_d64=430.0, attention_half_seq_d64=700.0,
+    hbm_gbps=4800.0, hbm_efficiency=0.6651,
     eager_elementwise_factor=3.37, layer_overhead_us=1036.0, step_overhead_ms=15.32,
     optimizer_bytes_per_param=18.53, moe_gemm_efficiency=0.6375, nvlink_gbps=285.3, network_gbps=40.0,
     collective_latency_us=20.0, overlap_cost=0.8, async_tp_hidden=0.0847,
@@ -83,6 +87,10 @@ SOURCES: dict[str, str] = {
     "pcie_gbps": "PCIe 5 x16 between an H100/H200/B200 SXM and its host: 64 GB/s per direction, ~55 achieved by "
                  "pinned copies",
     "memory_gib": "nvidia-smi totals: H200 143,771 MiB, H100 81,559 MiB, B200 183,359 MiB, less ~0.6 GiB of CUDA context",
+    "attention_tflops_d64": "head dim 64 (llama3-1b): the ceiling from the quadratic part of h152-h154 (one H100, "
+                            "1 x 64K-128K tokens: 417 TFLOP/s counted like the model), the half-way sequence such "
+                            "that the 4,096-token llama3-1b rows stay as predicted (cuDNN at 4,096: 1.36 ms forward, "
+                            "4.0 ms backward per layer, docs/benchmarks.md)",
     "other": "attention rate, HBM efficiency, overheads, optimizer bytes, MoE and eager factors: fitted to "
              "measured.jsonl on H200 and assumed the same on the other GPUs",
 }
@@ -90,6 +98,7 @@ SOURCES: dict[str, str] = {
 H100 = H200.with_(name="H100", memory_gib=79.0, hbm_gbps=3350.0,
                   source="H200 fit with the H100 SXM's memory size and bandwidth (same compute and NVLink)")
 B200 = H200.with_(name="B200", memory_gib=178.5, matmul_tflops=1687.0, attention_tflops=H200.attention_tflops * 2250 / 989,
+                  attention_tflops_d64=H200.attention_tflops_d64 * 2250 / 989,
                   hbm_gbps=8000.0, nvlink_gbps=720.0, network_gbps=40.0,
                   source="published B200 peaks at the H200's fitted efficiencies (not measured)")
 

@@ -157,6 +157,22 @@ class _LayerCost:
     comm_kind: dict
 
 
+def attention_rate(profile: DeviceProfile, seq: float, head_dim: int) -> float:
+    """Useful FLOP/s of causal flash attention over ``seq`` tokens (per CP rank) at query/key head dim ``head_dim``.
+
+    ``attention_tflops * seq / (seq + attention_half_seq)`` at head dim 128 and above; towards head dim 64 both
+    constants move linearly in ``128 / head_dim`` to the profile's head-dim-64 pair (the kernels' per-score work,
+    the softmax, does not shrink with the head dim: a lower ceiling, reached at shorter sequences), and stay there
+    below 64.
+    """
+    x = min(1.0, max(0.0, 128.0 / head_dim - 1.0))
+    peak = profile.attention_tflops + x * ((profile.attention_tflops_d64 or profile.attention_tflops)
+                                           - profile.attention_tflops)
+    half = profile.attention_half_seq + x * ((profile.attention_half_seq_d64 or profile.attention_half_seq)
+                                             - profile.attention_half_seq)
+    return peak * 1e12 * seq / (seq + half)
+
+
 def _attention_dims(cfg: MeshtronConfig) -> tuple[int, int]:
     """(query/key, value) head dims of the model's attention (multi-latent attention differs)."""
     from meshtron.layers.attention_kinds import attention_class
@@ -262,7 +278,7 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
     d_qk, d_v = _attention_dims(cfg)
     attn_flops = t.micro_batch_size * (seq / cp) * seq * heads * (d_qk + d_v)  # causal: half of 2 * 2 * s^2 ...
     local_seq = seq / cp
-    attn_rate = profile.attention_tflops * 1e12 * local_seq / (local_seq + profile.attention_half_seq)
+    attn_rate = attention_rate(profile, local_seq, d_qk)
     attn_fwd = attn_flops / attn_rate
     attn_bwd = ATTENTION_BACKWARD_FLOPS * attn_fwd
 

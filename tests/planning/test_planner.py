@@ -296,3 +296,17 @@ def test_offloading_layouts_fit_with_the_copies_still_running():
         assert p.memory_bytes == est.device_bytes == est.total + est.pending_copies
         pending.append(est.pending_copies)
     assert max(pending) > 0  # the FP8 layers' forwards outrun their copies (the slower bf16 ones need not)
+
+
+def test_attention_rate_moves_to_the_head_dim_64_pair_below_head_dim_128():
+    from meshtron.planning.step_time import attention_rate
+
+    p = H200.with_(attention_tflops=560.0, attention_half_seq=2300.0, attention_tflops_d64=430.0,
+                   attention_half_seq_d64=700.0)
+    s = 131072
+    assert attention_rate(p, s, 128) == attention_rate(p, s, 192) == 560e12 * s / (s + 2300)
+    assert attention_rate(p, s, 64) == attention_rate(p, s, 32) == 430e12 * s / (s + 700)
+    x = 128 / 96 - 1  # between, linearly in 128 / head dim
+    assert attention_rate(p, s, 96) == pytest.approx((560 - 130 * x) * 1e12 * s / (s + 2300 - 1600 * x))
+    same = H200.with_(attention_tflops_d64=0.0, attention_half_seq_d64=0.0)  # an older profile file: no pair
+    assert attention_rate(same, 4096, 64) == attention_rate(same, 4096, 128)
