@@ -109,6 +109,9 @@ class ModelConfig:
     moe_router_score_function: str = opt("softmax", "Router score function.", choices=("softmax", "sigmoid"))
     moe_router_pre_softmax: bool = opt(False, "Apply softmax before top-k selection.")
     moe_router_enable_expert_bias: bool = opt(False, "Aux-loss-free balancing with a per-expert bias.")
+    moe_router_force_load_balancing: bool = opt(False, "For benchmarks and emulation only: experts are chosen from "
+                                                       "random logits (balanced over experts on average), not from "
+                                                       "the tokens; the router still runs and gets gradients.")
     moe_router_bias_update_rate: float = opt(1e-3, "Update rate of the per-expert bias.")
     moe_expert_capacity_factor: Optional[float] = opt(None, "Capacity factor; tokens over capacity are dropped.")
     moe_pad_expert_input_to_capacity: bool = opt(False, "With --moe-expert-capacity-factor: send every expert exactly "

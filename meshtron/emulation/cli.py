@@ -42,6 +42,10 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                              "passes and per-micro-batch communication are scaled to the job's count, the bubble "
                              "is simulated at it")
     parser.add_argument("--record-collectives", metavar="PATH", help="write each rank's trace to PATH.rank<r>.jsonl")
+    parser.add_argument("--emulate-routing", choices=("balanced", "data"), default="balanced",
+                        help="MoE routing of the emulated steps: balanced (default: experts chosen from random logits, "
+                             "--moe-router-force-load-balancing, as in a trained, balanced model) or data (the "
+                             "freshly initialised router on random tokens)")
     parser.add_argument("--as-train", action="store_true",
                         help="run the meshtron train program itself as each chosen rank (no timing)")
     parser.add_argument("--json", action="store_true", help="one JSON object per rank instead of a table")
@@ -109,6 +113,8 @@ def emulate_main(argv: Sequence[str]) -> int:
     import torch
 
     profile = _profile(args)
+    if probe.model.num_experts and args.emulate_routing == "balanced":
+        train_argv = train_argv + ["--moe-router-force-load-balancing"]
     rows = []
     for rank in ranks:
         try:

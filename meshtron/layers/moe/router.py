@@ -89,6 +89,14 @@ def select_experts(logits: torch.Tensor, topk: int, score_function: str = "softm
     raise ValueError(f"--moe-router-score-function must be softmax or sigmoid, got {score_function!r}")
 
 
+def forced_balanced_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``--moe-router-force-load-balancing``: standard normal values in place of ``logits`` (every expert equally
+    likely), with the gradient still flowing to the real logits as if they had been used: the router's cost and
+    its backward stay those of a trained run, only the choice no longer depends on the tokens."""
+    noise = torch.randn_like(logits)
+    return logits + (noise - logits).detach()
+
+
 def top_experts(choice: torch.Tensor, topk: int, groups: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Indices [T, k] of the ``topk`` largest ``choice`` [T, E] values.
 
@@ -156,6 +164,7 @@ class TopKRouter(Fp32BufferModule):
                        if cfg.moe_router_num_groups is not None else None)
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.cp_group = cp_group
+        self.force_balance = cfg.moe_router_force_load_balancing
         self.weight = new_param(ShardSpec((whole(f"{prefix}.weight", (E, H), std=cfg.init_method_std),),
                                           tp_replicated=True))
         if cfg.moe_router_enable_expert_bias:
@@ -168,6 +177,8 @@ class TopKRouter(Fp32BufferModule):
     def forward(self, tokens: torch.Tensor, batch: int) -> Routing:
         """Route ``tokens`` [T, H] (T = seq x ``batch`` in [seq, batch] order)."""
         logits = F.linear(tokens.float(), self.weight.float())  # routing in fp32 whatever the compute dtype
+        if self.force_balance:
+            logits = forced_balanced_logits(logits)
         probs, indices = select_experts(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias,
                                         self.groups)
         if self.topk_scaling_factor is not None:
