@@ -11,10 +11,28 @@ CASE[llama2-13b-tp2dp4]="--world-size 8 --model llama2-13b $common --tensor-mode
 CASE[llama3-70b-tp4pp4dp4]="--world-size 64 --model llama3-70b $common --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 4 --global-batch-size 1024"
 CASE[llama3-405b-tp8pp8cp2]="--world-size 128 --model llama3-405b $common --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 8 --context-parallel-size 2 --global-batch-size 1024"
 CASE[mixtral-8x7b-tp2ep4dp4]="--world-size 32 --model mixtral-8x7b $common --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4 --global-batch-size 1024"
+# Published Megatron-Bridge layouts (H100, FP8, seq 8192): 1,664 and 326 tok/s/GPU.
+fp8="--bf16 --fp8-format e4m3 --seq-length 8192 --micro-batch-size 1 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
+CASE[bridge-llama3-70b-fp8]="--world-size 64 --model llama3-70b $fp8 --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 8 --virtual-pipeline-model-parallel-size 5 --global-batch-size 256"
+CASE[bridge-llama3-405b-fp8]="--world-size 1024 --model llama3-405b $fp8 --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 8 --virtual-pipeline-model-parallel-size 8 --context-parallel-size 2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --global-batch-size 1536"
+# Micro-batches per measured step: at least those a stage keeps in flight (PP for 1F1B, a multiple of PP when
+# interleaved), so that the measured peak is the job's.
+declare -A MBS
+MBS[llama3-70b-tp4pp4dp4]=4
+MBS[llama3-405b-tp8pp8cp2]=8
+MBS[bridge-llama3-70b-fp8]=8
+MBS[bridge-llama3-405b-fp8]=8
+# Which ranks: the first and the last pipeline stage where the middle ones repeat the first's layers.
+declare -A RANKS
+RANKS[llama3-70b-tp4pp4dp4]="0,48"
+RANKS[llama3-405b-tp8pp8cp2]="0,112"
+RANKS[bridge-llama3-70b-fp8]="0,56"
+RANKS[bridge-llama3-405b-fp8]="0,896"
 names=${*:-llama2-7b-dp8 llama2-13b-tp2dp4 llama3-70b-tp4pp4dp4 mixtral-8x7b-tp2ep4dp4 llama3-405b-tp8pp8cp2}
 for name in $names; do
   echo "== $name"
-  timeout ${CASE_TIMEOUT:-240} python3 -m meshtron emulate ${CASE[$name]} --measure-micro-batches ${MB:-4} --warmup 1 --steps 2 \
+  timeout ${CASE_TIMEOUT:-240} python3 -m meshtron emulate ${CASE[$name]} --ranks ${RANKS[$name]:-stages} \
+    --measure-micro-batches ${MBS[$name]:-${MB:-2}} --warmup 1 --steps 2 \
     --json --out $OUT/emulated.jsonl > $OUT/$name.log 2>&1
   echo "rc=$?"; grep -v '^{' $OUT/$name.log | grep -v "^\[" | tail -4
   python3 - "$OUT/$name.log" <<'PY'
