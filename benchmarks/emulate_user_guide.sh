@@ -15,6 +15,11 @@ CASE[mixtral-8x7b-tp2ep4dp4]="--world-size 32 --model mixtral-8x7b $common --ten
 fp8="--bf16 --fp8-format e4m3 --seq-length 8192 --micro-batch-size 1 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
 CASE[bridge-llama3-70b-fp8]="--world-size 64 --model llama3-70b $fp8 --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 8 --virtual-pipeline-model-parallel-size 5 --global-batch-size 256"
 CASE[bridge-llama3-405b-fp8]="--world-size 1024 --model llama3-405b $fp8 --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 8 --virtual-pipeline-model-parallel-size 8 --context-parallel-size 2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --global-batch-size 1536"
+# Two-GPU rows of benchmarks/measured.jsonl (two H200s) that one H100 holds: the emulated rank's peak against the
+# measured rank's (rows c6, d24, e14, c17; same flags, same global batch).
+CASE[row-c6]="--world-size 2 --model llama3-3b --seq-length 4096 --bf16 --micro-batch-size 4 --global-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel --no-release-grad-buffer"
+CASE[row-d24]="--world-size 2 --model llama3-3b --seq-length 4096 --bf16 --micro-batch-size 2 --global-batch-size 64 --pipeline-model-parallel-size 2 --no-overlap-p2p-comm --no-release-grad-buffer"
+CASE[row-e14]="--world-size 2 --model mixtral-8x7b --num-layers 4 --seq-length 4096 --bf16 --micro-batch-size 2 --global-batch-size 4 --expert-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --no-release-grad-buffer --emulate-routing data"
 # Micro-batches per measured step: at least those a stage keeps in flight (PP for 1F1B, a multiple of PP when
 # interleaved), so that the measured peak is the job's.
 declare -A MBS
@@ -22,12 +27,18 @@ MBS[llama3-70b-tp4pp4dp4]=4
 MBS[llama3-405b-tp8pp8cp2]=8
 MBS[bridge-llama3-70b-fp8]=8
 MBS[bridge-llama3-405b-fp8]=8
+MBS[row-d24]=32
+MBS[row-c6]=1
+MBS[row-e14]=1
 # Which ranks: the first and the last pipeline stage where the middle ones repeat the first's layers.
 declare -A RANKS
 RANKS[llama3-70b-tp4pp4dp4]="0,48"
 RANKS[llama3-405b-tp8pp8cp2]="0,112"
 RANKS[bridge-llama3-70b-fp8]="0,56"
 RANKS[bridge-llama3-405b-fp8]="0,896"
+RANKS[row-d24]="0,1"
+RANKS[row-c6]="0"
+RANKS[row-e14]="0"
 names=${*:-llama2-7b-dp8 llama2-13b-tp2dp4 llama3-70b-tp4pp4dp4 mixtral-8x7b-tp2ep4dp4 llama3-405b-tp8pp8cp2}
 for name in $names; do
   echo "== $name"
