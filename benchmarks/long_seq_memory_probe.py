@@ -29,6 +29,8 @@ import sys
 
 import torch
 
+from meshtron.memory_report import trace_peak
+
 GIB = 2**30
 _FREES = ("free_requested", "free_completed")
 
@@ -54,18 +56,7 @@ def _frame_text(frame: dict) -> str:
 
 def _blocks_at_peak(trace: list[dict]) -> tuple[int, int, list[dict]]:
     """(peak bytes above the recording's start, index of the peak event, blocks alive then, largest first)."""
-    live: dict[int, int] = {}
-    total = peak = 0
-    peak_index = -1
-    for i, event in enumerate(trace):
-        action, addr = event.get("action"), event.get("addr")
-        if action == "alloc":
-            live[addr] = event["size"]
-            total += event["size"]
-            if total > peak:
-                peak, peak_index = total, i
-        elif action in _FREES and addr in live:
-            total -= live.pop(addr)
+    peak, peak_index = trace_peak(trace)
     alive: dict[int, dict] = {}
     for event in trace[: peak_index + 1]:
         action, addr = event.get("action"), event.get("addr")

@@ -34,9 +34,8 @@ def allocation_site(frames: list[dict], package: str = "meshtron/") -> str:
     return f"{short}:{chosen.get('line', '?')} {chosen.get('name', '?')}"
 
 
-def peak_allocation_sites(trace: Iterable[dict], top: int = 12) -> tuple[int, list[tuple[str, int]]]:
-    """(peak allocated bytes, [(site, bytes alive at the peak)] largest first) from one device's trace."""
-    events = list(trace)
+def trace_peak(events: list[dict]) -> tuple[int, int]:
+    """(peak bytes allocated above the trace's start, index of the event that reached it; -1 for none)."""
     live: dict[int, int] = {}
     total = peak = 0
     peak_index = -1
@@ -49,6 +48,13 @@ def peak_allocation_sites(trace: Iterable[dict], top: int = 12) -> tuple[int, li
                 peak, peak_index = total, i
         elif action in _FREES and addr in live:
             total -= live.pop(addr)
+    return peak, peak_index
+
+
+def peak_allocation_sites(trace: Iterable[dict], top: int = 12) -> tuple[int, list[tuple[str, int]]]:
+    """(peak allocated bytes, [(site, bytes alive at the peak)] largest first) from one device's trace."""
+    events = list(trace)
+    peak, peak_index = trace_peak(events)
     # Replay up to the peak, keeping each live block's site.
     alive: dict[int, tuple[int, str]] = {}
     for event in events[: peak_index + 1]:
