@@ -30,7 +30,9 @@ def _env(**extra: str) -> dict:
 @pytest.mark.parametrize("flags", [
     ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "2"],
     pytest.param(["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], marks=pytest.mark.slow),
-], ids=["tp2_sp", "pp2"])
+    pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "2", "--compile"],
+                 marks=pytest.mark.slow),
+], ids=["tp2_sp", "pp2", "tp2_sp_compiled"])
 def test_emulated_rank_peaks_where_the_real_rank_peaks(tmp_path, flags):
     world = 2
     real = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
