@@ -385,7 +385,7 @@ class DataConfig:
     """Training data and tokenizer."""
 
     data_path: list = opt([], "Dataset prefixes, optionally weighted: PREFIX or W1 PREFIX1 W2 PREFIX2 ...", nargs="+")
-    split: str = opt("969,30,1", "Train,valid,test proportions of --data-path.")
+    split: str = opt("969,30,1", "Train,valid,test proportions of --data-path (and of --mock-data).")
     train_data_path: list = opt([], "Separate training dataset prefixes (weighted like --data-path).", nargs="+")
     valid_data_path: list = opt([], "Separate validation dataset prefixes.", nargs="+")
     test_data_path: list = opt([], "Separate test dataset prefixes.", nargs="+")

@@ -735,6 +735,9 @@ def _check_unsupported_megatron_flags(cfg: MeshtronConfig) -> None:
 # Optimizer, schedule and training loop.
 # ---------------------------------------------------------------------------------------------
 
+_FP32_MAX = 3.4028234663852886e38
+
+
 def _check_optim(o: OptimConfig) -> None:
     _positive([("--max-nonfinite-steps", o.max_nonfinite_steps)])
     _positive_if_set([("--lr-decay-iters", o.lr_decay_iters), ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters)])
@@ -743,6 +746,9 @@ def _check_optim(o: OptimConfig) -> None:
                         ("--clip-grad", o.clip_grad)):
         if value < 0:
             raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if not math.isfinite(value) or value > _FP32_MAX:  # the optimizer computes in fp32: inf there
+            raise ConfigError(f"{flag} must be a finite number an fp32 optimizer can hold (at most 3.4e38), "
+                              f"got {value}")
     if o.lr < o.min_lr:
         raise ConfigError(f"--lr ({o.lr}) must be at least --min-lr ({o.min_lr})")
     if o.lr_warmup_fraction is not None:

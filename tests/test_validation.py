@@ -122,6 +122,7 @@ ERRORS = [
     (SHAPE + ["--vocab-size", "0"], 1, "--vocab-size must be positive, got 0"),
     (SHAPE + ["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--lr (0.0001) must be at least --min-lr (0.001)"),
     (SHAPE + ["--lr", "-1"], 1, "--lr must be >= 0, got -1.0"),
+    (SHAPE + ["--lr", "1e39"], 1, "--lr must be a finite number an fp32 optimizer can hold"),
     (SHAPE + ["--train-iters", "0"], 1, "--train-iters must be positive, got 0"),
     (SHAPE + ["--hidden-dropout", "1.0"], 1, "--hidden-dropout must be in [0, 1), got 1.0"),
     (SHAPE + ["--attention-dropout", "-0.1"], 1, "--attention-dropout must be in [0, 1), got -0.1"),

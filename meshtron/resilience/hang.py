@@ -422,8 +422,12 @@ def hang_watchdog(cfg: Any, ctx: Any, progress: Progress, logger: Any = None) ->
         if metrics_file:
             from meshtron.training.logging_sinks import to_json_line
 
-            with open(metrics_file, "a", encoding="utf-8") as f:
-                f.write(to_json_line(metrics_event(report)) + "\n")
+            try:
+                with open(metrics_file, "a", encoding="utf-8") as f:
+                    f.write(to_json_line(metrics_event(report)) + "\n")
+            except OSError as err:  # a full disk must not hide the hang report already printed and written
+                print(f"meshtron: warning: the hang event was not added to {metrics_file}: {err}", file=sys.stderr,
+                      flush=True)
 
     settings = HangSettings(float(t.hang_timeout_seconds), float(t.hang_startup_timeout_seconds))
     return HangWatchdog(progress, settings, dist.get_rank(), dist.get_world_size(),
