@@ -143,8 +143,10 @@ def emulate_plans(plans: Sequence, gpus: int, gpus_per_node: int, profile, measu
         peaks = [r["measured"]["peak_mem_gib"] or r["planner"]["est_mem_gib"] for r in rows]
         speed = min(r["predicted"]["tokens_per_sec_per_gpu"] for r in rows)
         planned_gib = plan.memory_bytes / 2**30
-        lines.append(f"| {index} | {plan.layout.describe()} | {planned_gib:.1f} | {max(peaks):.1f} | "
-                     f"{planned_gib / max(peaks) - 1:+.1%} | {plan.tokens_per_sec_per_gpu:,.0f} | {speed:,.0f} | "
+        peak = max(peaks)
+        memory_diff = f"{planned_gib / peak - 1:+.1%}" if peak > 0 else "-"
+        lines.append(f"| {index} | {plan.layout.describe()} | {planned_gib:.2f} | {peak:.2f} | {memory_diff} | "
+                     f"{plan.tokens_per_sec_per_gpu:,.0f} | {speed:,.0f} | "
                      f"{plan.tokens_per_sec_per_gpu / speed - 1:+.1%} |")
     lines.append("emulated: memory and compute measured on this device, communication modelled (docs/emulation.md)")
     return "\n".join(lines)

@@ -88,3 +88,16 @@ def test_bad_ranks_name_the_flag():
     assert run.returncode == 2 and "--ranks" in run.stderr and "0..3" in run.stderr
     run = _emulate("--world-size", "4", "--ranks", "first", *TINY)
     assert run.returncode == 2 and "comma-separated" in run.stderr
+
+
+def test_plan_emulates_its_first_layouts_beside_the_planner():
+    run = subprocess.run([sys.executable, "-m", "meshtron", "plan", "--model", "tiny", "--vocab-size", "256",
+                          "--gpus", "4", "--global-batch-size", "8", "--seq-length", "64", "--device", "cpu",
+                          "--top", "2", "--emulate", "1", "--measure-micro-batches", "2"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    table = run.stdout.split("planner against emulation", 1)[1].splitlines()
+    rows = [line for line in table if line.startswith("| 1 |")]
+    assert len(rows) == 1 and "| 2 |" not in "\n".join(table)  # only the first layout was emulated
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert float(cells[3]) >= 0 and int(cells[6].replace(",", "")) > 0  # emulated memory and tok/s/GPU
