@@ -39,12 +39,12 @@ def _completed(result=None) -> dist.Work:
 def _note(op: str, group: "EmulatedProcessGroup", buffer, opts=None) -> None:
     """Report an operation to the collective recorder in use (torch calls these methods without its
     dispatcher, where the recorder would see them)."""
-    from meshtron.emulation.trace import _first_dtype, active_recorder, nbytes
+    from meshtron.emulation.trace import active_recorder, first_dtype, nbytes
 
     recorder = active_recorder()
     if recorder is not None:
         is_async = getattr(opts, "asyncOp", None)
-        recorder.note(op, group, nbytes(buffer), _first_dtype(buffer), None if is_async is None else bool(is_async))
+        recorder.note(op, group, nbytes(buffer), first_dtype(buffer), None if is_async is None else bool(is_async))
 
 
 def _repeat_into(output: torch.Tensor, part: torch.Tensor) -> None:

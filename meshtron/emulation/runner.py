@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.emulation.process_group import BACKEND, init_emulated_world
-from meshtron.emulation.trace import recording
+from meshtron.emulation.trace import CollectiveRecorder, trace_path
 
 #: The checks that would react to emulated values, and the settings that turn them off.
 _CHECKS_OFF = {
@@ -159,17 +159,11 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
         row = _measure(trainer, cfg, ctx, data, warmup, steps, True, False, False, None, list(argv))
         iteration = warmup + steps + 1
         batches = next(data.train_batches())
-        with recording(ctx, record_path or None, rank=rank) as recorder:
-            if recorder is None:  # keep the records in memory only
-                from meshtron.emulation.trace import CollectiveRecorder
-
-                recorder = CollectiveRecorder(ctx)
-                with recorder:
-                    recorder.where = lambda: (iteration, trainer.progress.phase)
-                    trainer.train_step(batches, iteration)
-            else:
-                recorder.where = lambda: (iteration, trainer.progress.phase)
-                trainer.train_step(batches, iteration)
+        recorder = CollectiveRecorder(ctx, lambda: (iteration, trainer.progress.phase))
+        with recorder:  # one more step, recorded (recording slows it: the timed steps are over)
+            trainer.train_step(batches, iteration)
+        if record_path:
+            recorder.write(trace_path(record_path, rank))
         coords = {"tp": ctx.tp_rank, "cp": ctx.cp_rank, "dp": ctx.dp_rank, "pp": ctx.pp_rank, "ep": ctx.ep_rank}
         return EmulatedRank(
             rank=rank, coordinates=coords, layout=ctx.describe(), device=str(dev.type),

@@ -67,12 +67,13 @@ def nbytes(value) -> int:
     return 0
 
 
-def _first_dtype(value) -> Optional[str]:
+def first_dtype(value) -> Optional[str]:
+    """The dtype name of the first tensor in ``value`` (a tensor or nested lists), None without one."""
     if isinstance(value, torch.Tensor):
         return str(value.dtype).removeprefix("torch.")
     if isinstance(value, (list, tuple)):
         for v in value:
-            found = _first_dtype(v)
+            found = first_dtype(v)
             if found:
                 return found
     return None
@@ -149,7 +150,7 @@ class CollectiveRecorder(TorchDispatchMode):
             size *= int(named.get("group_size", 1))
         is_async = named.get("async_op") if "async_op" in named else (True if func.namespace == "_c10d_functional"
                                                                       else None)
-        self.note(op, group, size, _first_dtype(buffer), None if is_async is None else bool(is_async))
+        self.note(op, group, size, first_dtype(buffer), None if is_async is None else bool(is_async))
         self._inside += 1
         try:
             return func(*args, **kwargs)
