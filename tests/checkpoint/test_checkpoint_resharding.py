@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -125,6 +126,7 @@ def test_resharding_between_layouts(tmp_path):
     assert abs(forward_loss(chunks[0]) - results[0][name]["loss_loaded"]) < 1e-5
 
 
+@pytest.mark.slow  # eight processes; test_resharding_between_layouts (four) is the fast representative
 def test_resharding_eight_processes(tmp_path):
     results = run_ranks(_reshard_worker, 8, str(tmp_path), SCENARIOS_8, timeout=400)
     r = results[0]["dp8_async_to_tp2pp2dp2_distopt"]
