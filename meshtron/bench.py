@@ -258,20 +258,26 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def current_commit() -> Optional[str]:
+    """The short commit of the code being measured: MESHTRON_COMMIT where the tree was copied without its git
+    history (a benchmark host), else ``git rev-parse``; None when neither says."""
+    import subprocess
+
+    commit = os.environ.get("MESHTRON_COMMIT") or None
+    try:
+        return commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def append_record(path: str, row: dict, flags: list[str]) -> None:
     """Append ``row`` to the measured-runs file with where and when it was measured."""
     import datetime
-    import subprocess
 
     from meshtron.planning.measured import bench_record, load_records
 
-    # MESHTRON_COMMIT names the code when the tree was copied without its git history (a benchmark host).
-    commit = os.environ.get("MESHTRON_COMMIT") or None
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                          text=True, check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
+    commit = current_commit()
     kind = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     existing = load_records(path) if os.path.exists(path) else []
     record = bench_record(row, flags, existing, kind, int(os.environ.get("WORLD_SIZE", "1")), commit,

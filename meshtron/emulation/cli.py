@@ -18,9 +18,8 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 from meshtron.errors import ConfigError
 
@@ -82,17 +81,6 @@ def _profile(args):
     return builtin_profile("H200" if "H200" in name else ("B200" if "B200" in name else "H100"))
 
 
-def _commit() -> Optional[str]:
-    commit = os.environ.get("MESHTRON_COMMIT")
-    if commit:
-        return commit
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def emulate_main(argv: Sequence[str]) -> int:
     args, train_argv = _parse(argv)
     from meshtron.cli import build_config
@@ -131,8 +119,10 @@ def emulate_main(argv: Sequence[str]) -> int:
     if not args.json:
         print(format_rows([r for r in rows if "error" not in r]))
     if args.out:
+        from meshtron.bench import current_commit
+
         stamp = {"device_kind": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                 "commit": _commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+                 "commit": current_commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
         with open(args.out, "a", encoding="utf-8") as out:
             for row in rows:
                 out.write(json.dumps({**row, **stamp}) + "\n")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.emulation.process_group import BACKEND, init_emulated_world
-from meshtron.emulation.trace import CollectiveRecorder, trace_path
+from meshtron.emulation.trace import GROUP_FIELDS, CollectiveRecorder, trace_path
 
 #: The checks that would react to emulated values, and the settings that turn them off.
 _CHECKS_OFF = {
@@ -115,7 +115,7 @@ def _spans_nodes(ctx, gpus_per_node: int) -> dict:
 
     planned = planned_context(ctx.world_size, ctx.rank, ctx.tp, ctx.cp, ctx.pp, ctx.ep)
     spans = {}
-    for name in ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "model_parallel", "embedding", "ep", "expert_dp"):
+    for name in GROUP_FIELDS:
         group = getattr(planned, f"{name}_group")
         if group is not None:
             spans[name] = len({m // gpus_per_node for m in group.members}) > 1

@@ -79,10 +79,14 @@ def first_dtype(value) -> Optional[str]:
     return None
 
 
+#: meshtron's names of a ParallelContext's groups (its ``<name>_group`` fields).
+GROUP_FIELDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "model_parallel", "embedding", "ep", "expert_dp")
+
+
 def group_names(ctx) -> dict[str, str]:
     """torch's name of each of ``ctx``'s groups -> meshtron's (the ParallelContext field without ``_group``)."""
     names: dict[str, str] = {}
-    for field in ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "model_parallel", "embedding", "ep", "expert_dp"):
+    for field in GROUP_FIELDS:
         group = getattr(ctx, f"{field}_group", None)
         if group is not None:
             names.setdefault(group.group_name, field)

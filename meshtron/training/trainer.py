@@ -25,6 +25,7 @@ import torch.distributed as dist
 from meshtron import checkpoint
 from meshtron.build import build_model_chunks, gpt_forward_step
 from meshtron.config import MeshtronConfig
+from meshtron.emulation.trace import recording
 from meshtron.layers.moe import MoETrainingHooks
 from meshtron.layers.mtp import MTPMetrics, add_mtp_inputs, mtp_depths, mtp_valid_positions, weigh_mtp_loss
 from meshtron.memory_report import record_memory
@@ -654,8 +655,6 @@ def run_training(cfg: MeshtronConfig) -> TrainingResult:
     if (cfg.parallel.distributed_backend or ("nccl" if cfg.train.device == "cuda" else "gloo")) == "nccl":
         enable_nccl_flight_recorder(report_directory(cfg.checkpoint.save, cfg.log.metrics_file))
     ctx = context_from_config(cfg)
-    from meshtron.emulation.trace import recording
-
     # --record-collectives: every operation from the model's build on; the trainer then says where it is.
     with recording(ctx, cfg.log.record_collectives) as recorder:
         trainer = Trainer(cfg, ctx)
