@@ -9,12 +9,21 @@ declare -A CASE
 CASE[llama2-7b-dp8]="--world-size 8 --model llama2-7b $common --global-batch-size 1024"
 CASE[llama2-13b-tp2dp4]="--world-size 8 --model llama2-13b $common --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 1024"
 CASE[llama3-70b-tp4pp4dp4]="--world-size 64 --model llama3-70b $common --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 4 --global-batch-size 1024"
-CASE[llama3-405b-tp8pp8cp2]="--world-size 128 --model llama3-405b $common --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 8 --context-parallel-size 2 --global-batch-size 1024"
+CASE[llama3-405b-tp8pp8cp2]="--world-size 128 --model llama3-405b $common --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 8 --context-parallel-size 2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --global-batch-size 1024"
 CASE[mixtral-8x7b-tp2ep4dp4]="--world-size 32 --model mixtral-8x7b $common --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4 --global-batch-size 1024"
 # Published Megatron-Bridge layouts (H100, FP8, seq 8192): 1,664 and 326 tok/s/GPU.
 fp8="--bf16 --fp8-format e4m3 --seq-length 8192 --micro-batch-size 1 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
 CASE[bridge-llama3-70b-fp8]="--world-size 64 --model llama3-70b $fp8 --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 8 --virtual-pipeline-model-parallel-size 5 --global-batch-size 256"
 CASE[bridge-llama3-405b-fp8]="--world-size 1024 --model llama3-405b $fp8 --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 8 --virtual-pipeline-model-parallel-size 8 --context-parallel-size 2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --global-batch-size 1536"
+# DeepSeek-V3 (Megatron-Bridge: TP=2 PP=8 VP=4 EP=64, 1,297 tok/s/GPU): 61 layers do not split into 8 x 4 equal
+# chunks, and meshtron has no per-chunk layout string, so PP=8 without VP, the last stage 5 layers; experts split
+# over the TP ranks (meshtron's expert TP equals TP); forced balanced routing (dropless).
+CASE[bridge-deepseek-v3]="--world-size 1024 --model deepseek-v3 $common --global-batch-size 8192 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 8 --decoder-last-pipeline-num-layers 5 --expert-model-parallel-size 64 --moe-router-force-load-balancing"
+# A million tokens of llama3-8b (SPPO, 2026: Megatron-LM runs out of memory past 896K tokens for a 7B GPT).
+long="--model llama3-8b --bf16 --seq-length 1048576 --micro-batch-size 1 --global-batch-size 1 --use-distributed-optimizer --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+CASE[llama3-8b-1m-cp8]="--world-size 8 $long --context-parallel-size 8 --optimizer-cpu-offload"
+CASE[llama3-8b-1m-cp32]="--world-size 32 $long --context-parallel-size 32"
+CASE[llama3-8b-1m-tp4cp8]="--world-size 32 $long --context-parallel-size 8 --tensor-model-parallel-size 4 --sequence-parallel"
 # Two-GPU rows of benchmarks/measured.jsonl (two H200s) that one H100 holds: the emulated rank's peak against the
 # measured rank's (rows c6, d24, e14, c17; same flags, same global batch).
 CASE[row-c6]="--world-size 2 --model llama3-3b --seq-length 4096 --bf16 --micro-batch-size 4 --global-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel --no-release-grad-buffer"
@@ -28,8 +37,12 @@ MBS[llama3-405b-tp8pp8cp2]=8
 MBS[bridge-llama3-70b-fp8]=8
 MBS[bridge-llama3-405b-fp8]=8
 MBS[row-d24]=32
+MBS[bridge-deepseek-v3]=8
 MBS[row-c6]=1
 MBS[row-e14]=1
+# Steps of minutes (a million tokens): one timed step, no warm-up, each pass of the split run once.
+declare -A WARMUP STEPS SPLIT
+for n in llama3-8b-1m-cp8 llama3-8b-1m-cp32 llama3-8b-1m-tp4cp8; do WARMUP[$n]=0; STEPS[$n]=1; SPLIT[$n]=1; done
 # Which ranks: the first and the last pipeline stage where the middle ones repeat the first's layers.
 declare -A RANKS
 RANKS[llama3-70b-tp4pp4dp4]="0,48"
@@ -37,13 +50,17 @@ RANKS[llama3-405b-tp8pp8cp2]="0,112"
 RANKS[bridge-llama3-70b-fp8]="0,56"
 RANKS[bridge-llama3-405b-fp8]="0,896"
 RANKS[row-d24]="0,1"
+RANKS[bridge-deepseek-v3]="0,896"
+RANKS[llama3-8b-1m-cp8]="0"
+RANKS[llama3-8b-1m-cp32]="0"
+RANKS[llama3-8b-1m-tp4cp8]="0"
 RANKS[row-c6]="0"
 RANKS[row-e14]="0"
 names=${*:-llama2-7b-dp8 llama2-13b-tp2dp4 llama3-70b-tp4pp4dp4 mixtral-8x7b-tp2ep4dp4 llama3-405b-tp8pp8cp2}
 for name in $names; do
   echo "== $name"
   timeout ${CASE_TIMEOUT:-240} python3 -m meshtron emulate ${CASE[$name]} --ranks ${RANKS[$name]:-stages} \
-    --measure-micro-batches ${MBS[$name]:-${MB:-2}} --warmup 1 --steps 2 \
+    --measure-micro-batches ${MBS[$name]:-${MB:-2}} --warmup ${WARMUP[$name]:-1} --steps ${STEPS[$name]:-2} --split-repeats ${SPLIT[$name]:-3} \
     --json --out $OUT/emulated.jsonl > $OUT/$name.log 2>&1
   echo "rc=$?"; grep -v '^{' $OUT/$name.log | grep -v "^\[" | tail -4
   python3 - "$OUT/$name.log" <<'PY'

@@ -147,8 +147,10 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
 
 
 def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int, steps: int, split: bool,
-             profile_comm: bool, memory_sites: bool, leftover: Optional[float], argv: list[str]) -> dict:
-    """Time ``warmup + steps`` iterations of ``trainer``, then the step split and the optional profiles."""
+             profile_comm: bool, memory_sites: bool, leftover: Optional[float], argv: list[str],
+             split_repeats: int = 3) -> dict:
+    """Time ``warmup + steps`` iterations of ``trainer``, then the step split (each pass the median of
+    ``split_repeats`` runs) and the optional profiles."""
     from meshtron.memory import estimate_memory
     from meshtron.training.metrics import compute_throughput
 
@@ -176,7 +178,7 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
         record_memory(False)
 
     # Step-time split, in separate synchronised passes.
-    def timed(fn, repeat=3) -> float:
+    def timed(fn, repeat=split_repeats) -> float:
         vals = []
         for _ in range(repeat):
             _sync(dev)

@@ -36,6 +36,9 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--profile", help="a device profile JSON (meshtron plan --calibrate --out FILE)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per rank")
     parser.add_argument("--steps", type=int, default=3, help="timed iterations per rank (median)")
+    parser.add_argument("--split-repeats", type=int, default=3,
+                        help="runs of the forward and the forward-backward pass that time the step's split "
+                             "(median; 1 for steps that take minutes, e.g. a million tokens)")
     parser.add_argument("--measure-micro-batches", type=int, metavar="K",
                         help="run steps of K micro-batches instead of the job's (faster for large global batches): "
                              "passes and per-micro-batch communication are scaled to the job's count, the bubble "
@@ -88,6 +91,10 @@ def emulate_main(argv: Sequence[str]) -> int:
 
     if args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: give the layout's number of GPUs (>= 1)")
+    for flag, value, least in (("--warmup", args.warmup, 0), ("--steps", args.steps, 1),
+                               ("--split-repeats", args.split_repeats, 1)):
+        if value < least:
+            raise ConfigError(f"{flag} {value}: give at least {least}")
     probe = build_config(train_argv)
     pp = probe.parallel.pipeline_model_parallel_size
     ranks = _ranks(args.ranks, args.world_size, pp)
@@ -107,7 +114,8 @@ def emulate_main(argv: Sequence[str]) -> int:
     for rank in ranks:
         try:
             emulated = runner.emulate_rank(train_argv, args.world_size, rank, args.gpus_per_node, args.warmup,
-                                           args.steps, args.record_collectives, args.measure_micro_batches)
+                                           args.steps, args.record_collectives, args.measure_micro_batches,
+                                           args.split_repeats)
         except torch.OutOfMemoryError as err:  # the answer "does not fit" is a result, not a crash
             rows.append({"rank": rank, "world_size": args.world_size, "argv": " ".join(train_argv),
                          "error": "out of memory: " + " ".join(str(err).split())[:300]})

@@ -128,12 +128,13 @@ def _spans_nodes(ctx, gpus_per_node: int) -> dict:
 
 def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node: int = 8, warmup: int = 2,
                  steps: int = 3, record_path: Optional[str] = None,
-                 measure_micro_batches: Optional[int] = None) -> EmulatedRank:
+                 measure_micro_batches: Optional[int] = None, split_repeats: int = 3) -> EmulatedRank:
     """Build and run rank ``rank`` of ``world_size`` for ``warmup + steps`` timed iterations plus one recorded.
 
     ``measure_micro_batches``: run steps of that many micro-batches (a smaller global batch) instead of the
     job's; :attr:`EmulatedRank.micro_batches` stays the job's and the caller scales (a pipeline's passes and
-    per-micro-batch communication grow linearly with the micro-batches; the bubble is simulated at the job's)."""
+    per-micro-batch communication grow linearly with the micro-batches; the bubble is simulated at the job's).
+    ``split_repeats``: runs of each pass in the forward/backward split (1 for steps of minutes)."""
     from meshtron.bench import RandomTokens, _measure
     from meshtron.parallel.context import context_from_config
     from meshtron.training.trainer import Trainer
@@ -156,7 +157,7 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
         n_micro = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         data = RandomTokens(cfg.model.vocab_size or 32000, cfg.model.seq_length, t.micro_batch_size, n_micro, t.seed)
         trainer = Trainer(cfg, ctx, data=data)
-        row = _measure(trainer, cfg, ctx, data, warmup, steps, True, False, False, None, list(argv))
+        row = _measure(trainer, cfg, ctx, data, warmup, steps, True, False, False, None, list(argv), split_repeats)
         iteration = warmup + steps + 1
         batches = next(data.train_batches())
         recorder = CollectiveRecorder(ctx, lambda: (iteration, trainer.progress.phase))
