@@ -231,7 +231,23 @@ class LauncherConfig:
 class OptimConfig:
     """Optimizer, learning-rate schedule and clipping."""
 
-    optimizer: str = opt("adam", "Optimizer (AdamW with decoupled weight decay).", choices=("adam",))
+    optimizer: str = opt("adam", "Optimizer: adam (AdamW with decoupled weight decay) or muon (momentum orthogonalised "
+                                 "by Newton-Schulz for the hidden matrices, AdamW for embeddings, output layer, norms, "
+                                 "biases and routers; docs/optimizers.md).", choices=("adam", "muon"))
+    muon_momentum: float = opt(0.9, "Muon: momentum of the gradient average that is orthogonalised.")
+    muon_nesterov: bool = opt(False, "Muon: Nesterov momentum (orthogonalise the gradient pushed toward the momentum).")
+    muon_num_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per step.")
+    muon_coefficient_type: str = opt("quintic", "Muon: Newton-Schulz coefficients (quintic: 3.4445, -4.7750, 2.0315).",
+                                     choices=("quintic",))
+    muon_scale_mode: str = opt("spectral", "Muon: update scale of an m x n matrix: spectral sqrt(max(m, n)), "
+                                           "unit_rms_norm sqrt(m / n), shape_scaling sqrt(max(1, m / n)).",
+                               choices=("spectral", "unit_rms_norm", "shape_scaling"))
+    muon_extra_scale_factor: float = opt(1.0, "Muon: factor on the update scale (0.2 with spectral: Moonlight's rule, "
+                                              "an update RMS like AdamW's).")
+    muon_tp_mode: str = opt("duplicated", "Muon: a matrix split by tensor parallelism is all-gathered and every TP "
+                                          "rank orthogonalises it whole (duplicated: equal to one process), or each "
+                                          "TP shard is orthogonalised on its own (blockwise).",
+                            choices=("duplicated", "blockwise"))
     lr: float = opt(3e-4, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
     lr_decay_style: str = opt("cosine", "Decay after warm-up.",

@@ -114,6 +114,7 @@ def check(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     _check_batch_sizes(cfg)
     _check_training(cfg)
     _check_optim(cfg.optim)
+    _check_optimizer_kind(cfg)
     _check_data(cfg.data, cfg.model)
     _check_checkpoint(cfg.checkpoint)
     _check_logging(cfg.log)
@@ -770,6 +771,13 @@ def _check_optim(o: OptimConfig) -> None:
         raise ConfigError(f"--adam-eps must be positive, got {o.adam_eps}")
     if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
         raise ConfigError(f"--optimizer-offload-fraction must be in [0, 1], got {o.optimizer_offload_fraction}")
+
+
+def _check_optimizer_kind(cfg: MeshtronConfig) -> None:
+    """The ``--optimizer`` entry's own checks (meshtron.optim.registry)."""
+    from meshtron.optim import registry
+
+    registry.check(cfg)
 
 
 def _check_training(cfg: MeshtronConfig) -> None:

@@ -20,7 +20,7 @@ from meshtron.checkpoint.metadata import (
     training_state_from_dict,
 )
 from meshtron.checkpoint.pieces import (
-    MODEL_PREFIX, OPTIM_PREFIX, OPTIM_STATES, canonical_name, state_shards, state_tensors_are_views, to_state_dict,
+    MODEL_PREFIX, OPTIM_PREFIX, canonical_name, state_names_of, state_shards, state_tensors_are_views, to_state_dict,
 )
 from meshtron.checkpoint.pieces import model_shards
 from meshtron.checkpoint.save import model_vocab_size
@@ -28,7 +28,7 @@ from meshtron.checkpoint.verify import verify_checkpoint
 from meshtron.checkpoint.writer import quiet_single_process_notice
 from meshtron.config import MeshtronConfig
 from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.sharding import SPEC_ATTR, initialize_parameters, spec_buffers, spec_of
+from meshtron.parallel.sharding import SPEC_ATTR, Piece, initialize_parameters, spec_buffers, spec_of
 from meshtron.training.state import TrainingState
 
 logger = logging.getLogger(__name__)
@@ -90,12 +90,19 @@ def check_compatibility(ckpt_dir: Path, meta: dict, saved: dict[str, tuple], mod
     saved_model = {canonical_name(k): s for k, s in saved.items() if k.startswith(MODEL_PREFIX)}
     tensor_diffs = compare_tensors(saved_model, required)
     if need_optimizer:
+        from meshtron.optim.registry import kind_of
+
+        kind = kind_of(cfg)
         with_state: dict[str, tuple] = {}
         for part in coordination.all_gather_object(_required_model_shapes(models, buffers=False), group):
             with_state.update(part)
-        for state in OPTIM_STATES:
+        needed: dict[str, dict[str, tuple]] = {}  # state -> {canonical name: shape}, by the run's optimizer
+        for name, shape in with_state.items():
+            if name in saved_model:  # model-level gaps are listed once
+                for state in kind.state_names((Piece(name, shape, 0, 0, shape[0] if shape else 1),)):
+                    needed.setdefault(state, {})[name] = shape
+        for state, present in needed.items():
             saved_state = {canonical_name(k): s for k, s in saved.items() if k.startswith(f"{OPTIM_PREFIX}{state}.")}
-            present = {n: s for n, s in with_state.items() if n in saved_model}  # model-level gaps are listed once
             tensor_diffs += [d for d in compare_tensors(saved_state, present, f"optimizer {state}")
                              if "missing" in d]
     diffs = field_diffs + tensor_diffs
@@ -135,7 +142,7 @@ def _param_batches(optimizer) -> list[list[int]]:
     batches: list[list[int]] = []
     size = 0
     for i, p in enumerate(optimizer.params):
-        nbytes = p.numel() * 4 * len(OPTIM_STATES)
+        nbytes = p.numel() * 4 * len(state_names_of(optimizer, i))
         if not batches or (batches[-1] and size + nbytes > LOAD_BATCH_BYTES):
             batches.append([])
             size = 0
@@ -157,7 +164,7 @@ def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int, md: Optio
             chunks = [c for i in batch for c in state_shards(optimizer.params[i], i, tensors[i])]
             _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None, md)
             for i in batch:
-                optimizer.load_state_tensors(i, {k: tensors[i][k] for k in OPTIM_STATES})
+                optimizer.load_state_tensors(i, {k: tensors[i][k] for k in state_names_of(optimizer, i)})
     optimizer.set_step_count(step_count)
 
 

@@ -9,8 +9,9 @@ parameters and optimizer state into such entries and wraps them for
 torch.distributed.checkpoint (DCP).
 
 Keys: ``model.<name>`` for the model's tensors (in the parameters' dtype) and
-``optim.<state>.<name>`` for the optimizer's fp32 ``master``, ``exp_avg`` and
-``exp_avg_sq``. Only rows inside the canonical tensor are stored (vocabulary
+``optim.<state>.<name>`` for the optimizer's fp32 states: ``master`` and those its ``--optimizer``
+entry names for the parameter (AdamW's ``exp_avg`` and ``exp_avg_sq``, Muon's ``momentum_buffer``;
+:mod:`meshtron.optim.registry`), asked of the optimizer as ``state_names(index)``. Only rows inside the canonical tensor are stored (vocabulary
 padding is not). Ranks that hold the same chunk (TP-replicated norms, DP
 replicas, replicated GQA key/value heads, the tied output layer of the last
 pipeline stage) offer identical (name, offset) entries, which DCP writes once.
@@ -31,7 +32,14 @@ from meshtron.parallel.sharding import SPEC_ATTR, Piece, ShardSpec, spec_buffers
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
+#: AdamW's states: what an optimizer without ``state_names`` keeps.
 OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def state_names_of(optimizer, index: int) -> tuple[str, ...]:
+    """The states ``optimizer`` keeps for parameter ``index`` (its ``state_names``, else AdamW's)."""
+    names = getattr(optimizer, "state_names", None)
+    return tuple(names(index)) if names is not None else OPTIM_STATES
 
 
 def model_key(name: str) -> str:
@@ -113,28 +121,30 @@ def state_shards(param: torch.Tensor, index: int, tensors: dict[str, torch.Tenso
     return out
 
 
-def optimizer_shards_by_param(optimizer, states: Iterable[str] = OPTIM_STATES) -> Iterator[list[SavedShard]]:
+def optimizer_shards_by_param(optimizer, states: Optional[Iterable[str]] = None) -> Iterator[list[SavedShard]]:
     """This rank's chunks of the optimizer state, one list per parameter of ``optimizer.params``, in order.
 
     Calls ``optimizer.state_tensors(i)`` for every index in order: with a distributed
     optimizer that is a collective over the data-parallel group, and the tensors are
-    gathered copies, which a caller may move to the host before asking for the next.
+    gathered copies, which a caller may move to the host before asking for the next. ``states``: the
+    states to save (default: those the optimizer keeps for each parameter).
     """
     for i, param in enumerate(optimizer.params):
-        yield state_shards(param, i, optimizer.state_tensors(i), states)
+        names = state_names_of(optimizer, i) if states is None else states
+        yield state_shards(param, i, optimizer.state_tensors(i), names)
 
 
-def optimizer_shards(optimizer, states: Iterable[str] = OPTIM_STATES) -> list[SavedShard]:
+def optimizer_shards(optimizer, states: Optional[Iterable[str]] = None) -> list[SavedShard]:
     """All of :func:`optimizer_shards_by_param` in one list."""
     return [c for chunks in optimizer_shards_by_param(optimizer, states) for c in chunks]
 
 
 def state_tensors_are_views(optimizer) -> bool:
-    """Whether ``state_tensors`` returns the optimizer's own tensors (MixedPrecisionAdamW) rather than
-    gathered copies (the distributed optimizer), which cost memory until released."""
-    from meshtron.optim.optimizer import MixedPrecisionAdamW
+    """Whether ``state_tensors`` returns the optimizer's own tensors (an optimizer over every parameter)
+    rather than gathered copies (the distributed optimizer), which cost memory until released."""
+    from meshtron.optim.distributed_optimizer import DistributedOptimizer
 
-    return isinstance(optimizer, MixedPrecisionAdamW)
+    return not isinstance(optimizer, DistributedOptimizer)
 
 
 def group_shards(chunks: Iterable[SavedShard]) -> dict[str, list[SavedShard]]:

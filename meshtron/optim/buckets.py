@@ -17,7 +17,12 @@ Rules that keep the collectives and the optimizer shards consistent:
   contiguous range ``[start + r*s, start + (r+1)*s)`` with ``s = padded size / group size``;
 * a parameter marked ``isolate`` (the word embedding shared by the first and the
   last pipeline stage) gets a bucket of its own, so that both stages lay it out the
-  same way and their shards cover the same elements.
+  same way and their shards cover the same elements;
+* with ``whole=True`` (an optimizer whose layout need is whole parameters per owner,
+  :mod:`meshtron.optim.registry`, e.g. Muon) no parameter straddles two shards: a bucket's
+  members are split into as many contiguous runs as its group has ranks, balanced by size,
+  and every shard is padded to the largest run (rank ``r`` then owns the parameters of run ``r``
+  whole). The collectives stay equal-sized reduce-scatters and all-gathers; the price is the padding.
 """
 
 from __future__ import annotations
@@ -110,8 +115,8 @@ def _close(open_buckets: dict, key, finished: list) -> None:
 
 
 def build_layout(chunk_params: Sequence[Sequence[nn.Parameter]], ctx: ParallelContext, bucket_size: int,
-                 align: int = DEFAULT_ALIGN, isolate: Callable[[nn.Parameter], bool] = lambda p: False
-                 ) -> BufferLayout:
+                 align: int = DEFAULT_ALIGN, isolate: Callable[[nn.Parameter], bool] = lambda p: False,
+                 whole: bool = False) -> BufferLayout:
     """Assign every parameter of every model chunk a range in one flat buffer, grouped in buckets.
 
     ``chunk_params[c]`` are chunk ``c``'s parameters in registration order; the returned
@@ -148,24 +153,59 @@ def build_layout(chunk_params: Sequence[Sequence[nn.Parameter]], ctx: ParallelCo
         for key, members in finished:
             is_expert, isolated = key[0], key[1]
             groups.append((chunk, expert if is_expert else dense, isolated, members))
-    return place_buckets(params, groups, align)
+    return place_buckets(params, groups, align, whole=whole)
+
+
+def owner_runs(sizes: Sequence[int], ranks: int) -> tuple[list[int], int]:
+    """Split ``sizes`` (in order) into at most ``ranks`` contiguous runs, minimising the largest run's sum:
+    (the run index of each size, that largest sum). Runs past the last size are empty."""
+    if not sizes:
+        return [], 0
+
+    def runs_for(limit: int) -> Optional[list[int]]:
+        out, run, total = [], 0, 0
+        for n in sizes:
+            if total + n > limit and total > 0:
+                run, total = run + 1, 0
+            out.append(run)
+            total += n
+        return out if run < ranks else None
+
+    lo, hi = max(max(sizes), -(-sum(sizes) // ranks)), sum(sizes)
+    while lo < hi:  # the smallest largest-run for which the greedy split needs at most `ranks` runs
+        mid = (lo + hi) // 2
+        if runs_for(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return runs_for(lo), lo
 
 
 def place_buckets(params: Sequence[nn.Parameter], groups: Sequence[tuple[int, ReduceGroup, bool, list[int]]],
-                  align: int) -> BufferLayout:
+                  align: int, whole: bool = False) -> BufferLayout:
     """Lay out ``groups`` (chunk, reduce group, isolated, parameter indices), in this order, one bucket each,
     in one flat buffer: members back to back, every bucket padded to a multiple of ``align`` times its
-    reduce group's size (so that each rank's shard of it is aligned)."""
+    reduce group's size (so that each rank's shard of it is aligned). ``whole``: every member inside one
+    rank's shard (see the module docstring)."""
     offsets: list[tuple[int, int]] = [(0, 0)] * len(params)
     buckets: list[Bucket] = []
     cursor = 0
     for chunk, reduce, isolated, members in groups:
         start = cursor
-        for i in members:
-            offsets[i] = (cursor, params[i].numel())
-            cursor += params[i].numel()
-        multiple = reduce.size * align
-        cursor = start + -(-(cursor - start) // multiple) * multiple
+        if whole and reduce.size > 1:
+            runs, largest = owner_runs([params[i].numel() for i in members], reduce.size)
+            shard = max(align, -(-largest // align) * align)
+            filled = [0] * reduce.size
+            for i, run in zip(members, runs):
+                offsets[i] = (start + run * shard + filled[run], params[i].numel())
+                filled[run] += params[i].numel()
+            cursor = start + shard * reduce.size
+        else:
+            for i in members:
+                offsets[i] = (cursor, params[i].numel())
+                cursor += params[i].numel()
+            multiple = reduce.size * align
+            cursor = start + -(-(cursor - start) // multiple) * multiple
         buckets.append(Bucket(len(buckets), start, cursor, members, reduce, chunk, isolated))
     return BufferLayout(list(params), offsets, buckets, cursor)
 

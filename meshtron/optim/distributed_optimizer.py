@@ -10,6 +10,11 @@ per bucket then gives every rank all the weights (param_buffer.py).
 Memory per parameter with bf16 weights: 2 (weights) + 4 (fp32 gradients) + 12/DP
 (fp32 master, Adam m and v), see :func:`meshtron.optim.accounting.bytes_per_parameter`.
 
+What steps the segments is the run's optimizer (:mod:`meshtron.optim.registry`): its ``partitions``
+(AdamW: :class:`~meshtron.optim.segment_adam.SegmentAdamW`); an optimizer that needs whole parameters
+per owner gets a layout whose shards never cut a parameter (:func:`meshtron.optim.buckets.place_buckets`),
+so each of its segments is a whole parameter. The state names of a parameter come from the same entry.
+
 The same class also serves CPU offload without sharding (``shard=False``): the rank
 then owns every bucket entirely and no all-gather runs.
 
@@ -33,10 +38,8 @@ from meshtron.optim.collectives import all_gather_single
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.offload import Segment, split_for_offload
 from meshtron.optim.optimizer import no_weight_decay
-from meshtron.optim.segment_adam import SegmentAdamW
+from meshtron.optim.registry import OptimizerKind, optimizer_kind, param_state_names
 from meshtron.optim.shards import CompactShards
-
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def owned_range(layout: BufferLayout, bucket_index: int, shard: bool, rank: Optional[int] = None) -> tuple[int, int]:
@@ -60,27 +63,30 @@ def owned_segments(layout: BufferLayout, shard: bool, compact: Optional[CompactS
 
 
 class DistributedOptimizer:
-    """AdamW on this rank's shards of the flat buffers, then an all-gather of the weights."""
+    """The optimizer on this rank's shards of the flat buffers, then an all-gather of the weights."""
 
     def __init__(self, layout: BufferLayout, grad_data: Union[torch.Tensor, GradBuffer], param_data: torch.Tensor,
                  param_gather: "WeightGather", cfg: OptimConfig, shard: bool = True, offload_fraction: float = 0.0,
-                 compact: Optional[CompactShards] = None, param_buffer=None):
+                 compact: Optional[CompactShards] = None, param_buffer=None,
+                 kind: Optional[OptimizerKind] = None, ctx=None):
         """``grad_data`` / ``param_data``: the flat gradient and weight tensors the segments address (the
         full buffers, or with ``compact`` this rank's compact shards; the gradients may be a GradBuffer whose
         buckets are tensors of their own); ``param_gather`` brings the
-        updated shards to every rank (:class:`meshtron.optim.strategy.WeightGather`)."""
+        updated shards to every rank (:class:`meshtron.optim.strategy.WeightGather`); ``kind``: the optimizer
+        that steps the segments (default ``--optimizer``'s), ``ctx`` the parallel context its parts may use."""
         self.layout = layout
+        self.kind = kind if kind is not None else optimizer_kind(cfg.optimizer)
         self.params: list[nn.Parameter] = layout.params
         self.param_data, self.param_gather = param_data, param_gather
         self.param_buffer = param_buffer  # the full flat weights (a ParamBuffer), where the strategy has them
         self.shard = shard
         self.segments = owned_segments(layout, shard, compact)
         device_segments, host_segments = split_for_offload(self.segments, offload_fraction)
-        self.host_parts = [SegmentAdamW(host_segments, grad_data, param_data, cfg, host=True)]
-        self.device_parts = [SegmentAdamW(device_segments, grad_data, param_data, cfg)]
+        self.host_parts = self.kind.partitions(host_segments, self.params, grad_data, param_data, cfg, ctx, True)
+        self.device_parts = self.kind.partitions(device_segments, self.params, grad_data, param_data, cfg, ctx, False)
         self.parts = self.device_parts + self.host_parts
         # For every parameter: [(partition, position)] of its segments, in parameter-offset order.
-        self._where: list[list[tuple[SegmentAdamW, int]]] = [[] for _ in self.params]
+        self._where: list[list[tuple[object, int]]] = [[] for _ in self.params]
         for part in self.parts:
             for pos, seg in enumerate(part.segments):
                 self._where[seg.param_index].append((part, pos))
@@ -88,6 +94,11 @@ class DistributedOptimizer:
             entries.sort(key=lambda e: e[0].segments[e[1]].param_offset)
         self._step = 0
         self._has_state = False
+        self._state_names = [param_state_names(self.kind, p) for p in self.params]
+
+    def state_names(self, index: int) -> tuple[str, ...]:
+        """The states kept for parameter ``index`` (the same on every rank, whoever owns it)."""
+        return self._state_names[index]
 
     # ----------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -130,7 +141,7 @@ class DistributedOptimizer:
     def state_numel(self) -> dict[str, int]:
         """Elements of each kind of optimizer state held on this rank (the masters counted even
         where they are the fp32 weights themselves)."""
-        out = {key: 0 for key in STATE_KEYS}
+        out = {key: 0 for names in self._state_names for key in names}
         for part in self.parts:
             for pos in range(len(part.segments)):
                 for key, t in part.state_of(pos).items():
@@ -167,10 +178,10 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def state_tensors(self, index: int) -> dict[str, torch.Tensor]:
-        """Full fp32 master and Adam moments of parameter ``index`` (collective over its bucket's group)."""
+        """Full fp32 master and optimizer states of parameter ``index`` (collective over its bucket's group)."""
         self.param_gather.wait_all()
         param = self.params[index]
-        keys = STATE_KEYS if self._has_state else ("master",)
+        keys = self.state_names(index) if self._has_state else ("master",)
         device = self.param_data.device
         lo, hi = self._param_range(index)
         mine = torch.zeros(len(keys), hi - lo, dtype=torch.float32, device=device)
@@ -201,7 +212,7 @@ class DistributedOptimizer:
     def load_state_tensors(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of :meth:`state_tensors`: keep this rank's part of the given full tensors."""
         self.ensure_state()
-        for key in STATE_KEYS:
+        for key in self.state_names(index):
             if key not in tensors:
                 continue
             flat = tensors[key].reshape(-1)

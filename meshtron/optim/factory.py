@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,9 @@ from meshtron.optim.clip import GradNorm, data_copy_counted, model_copy_counted
 from meshtron.optim.distributed_optimizer import DistributedOptimizer
 from meshtron.optim.grad_buffer import GradBuffer, grad_region
 from meshtron.optim.grads import GradientSync, kv_replica_params, tied_embedding_params
-from meshtron.optim.optimizer import MixedPrecisionAdamW, moment_dtypes
+from meshtron.optim.registry import kind_of, param_state_bytes, whole_layout
 from meshtron.optim.sharded_params import unit_layout
-from meshtron.optim.strategy import DataParallelStrategy, build_strategy
+from meshtron.optim.strategy import DataParallelStrategy, TrainingOptimizer, build_strategy
 from meshtron.parallel.context import ParallelContext
 
 
@@ -29,7 +29,9 @@ class Optimization:
     strategy: the data-parallel strategy (:mod:`meshtron.optim.strategy`): zero() before an iteration,
         start_overlap(chunk) as the schedule's on_chunk_grads_ready, finish() after the last backward.
     grad_norm: GradNorm: () -> 0-d tensor, the global gradient norm (after finish()); count_zeros().
-    optimizer: step(lr), plus the checkpoint interface (:class:`~meshtron.optim.strategy.TrainingOptimizer`).
+    optimizer: step(lr), plus the checkpoint interface (:class:`~meshtron.optim.strategy.TrainingOptimizer`):
+        the ``--optimizer`` entry's (:mod:`meshtron.optim.registry`) over every parameter, or the distributed
+        optimizer stepping this rank's segments with that entry's partitions.
     layout: where every parameter sits in the flat buffers, and the buckets.
     bytes_per_param: the memory accounting of this configuration (per parameter of this rank).
     grad_buffer / grad_sync: the strategy's full gradient buffer and its reduction (``no_shard`` and
@@ -38,7 +40,7 @@ class Optimization:
 
     strategy: DataParallelStrategy
     grad_norm: GradNorm
-    optimizer: Union[MixedPrecisionAdamW, DistributedOptimizer]
+    optimizer: TrainingOptimizer
     layout: Optional[BufferLayout] = None
     bytes_per_param: Optional[BytesPerParameter] = None
 
@@ -88,14 +90,16 @@ def buffer_layout(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: Seque
     """Where this run puts every parameter of ``model_chunks`` in the flat gradient (and weight) buffers:
     buckets of ``--ddp-bucket-size`` (Megatron's default), the tied embedding in a bucket of its own;
     with ``optim_grads_params`` one bucket per layer (a unit gathered at once, see sharded_params.py).
+    An optimizer that needs whole parameters per owner (Muon) gets shards that never cut a parameter.
     Also what :mod:`meshtron.planning` lays out for a rank that is planned, not launched."""
     chunk_params = [list(chunk.parameters()) for chunk in model_chunks]
     params = [p for ps in chunk_params for p in ps]
     isolate = _isolate_tied_embedding(model_chunks, params, ctx)
+    whole = whole_layout(cfg)
     if sharding_strategy(cfg) == "optim_grads_params":
-        return unit_layout(model_chunks, ctx, isolate=isolate)
+        return unit_layout(model_chunks, ctx, isolate=isolate, whole=whole)
     bucket_size = cfg.parallel.ddp_bucket_size or default_bucket_size(ctx.dp * ctx.cp)
-    return build_layout(chunk_params, ctx, bucket_size, isolate=isolate)
+    return build_layout(chunk_params, ctx, bucket_size, isolate=isolate, whole=whole)
 
 
 def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: Sequence[nn.Module]) -> Optimization:
@@ -116,13 +120,14 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
 
     kv_first = _kv_first(model_chunks)
     counted = [model_copy_counted(p, ctx, kv_first) for p in params]
-    optimizer: Union[MixedPrecisionAdamW, DistributedOptimizer]
+    kind = kind_of(cfg)
+    optimizer: TrainingOptimizer
     if strategy.gather is not None:
         optimizer = DistributedOptimizer(layout, strategy.grad_source, strategy.param_data, strategy.gather, opt,
                                          shard=shard, offload_fraction=offload, compact=strategy.compact,
-                                         param_buffer=strategy.param_buffer)
+                                         param_buffer=strategy.param_buffer, kind=kind, ctx=ctx)
     else:
-        optimizer = MixedPrecisionAdamW(params, opt)
+        optimizer = kind.build(params, opt, ctx)
     if shard:  # owned shards partition the elements: each rank counts its own
         views = [grad_region(strategy.grad_source, s.buffer_offset, s.buffer_offset + s.length)
                  for s in optimizer.segments if counted[s.param_index]]
@@ -132,7 +137,9 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
     norm = GradNorm(views, ctx, ctx.device)
 
     weight_bytes = params[0].element_size() if params else 2
-    moments = sum(torch.tensor([], dtype=d).element_size() for d in moment_dtypes(opt))
+    numel = sum(p.numel() for p in params)  # the optimizer's own state per element, averaged over the parameters
+    moments = (sum(param_state_bytes(kind, opt, p) * p.numel() for p in params) / numel if numel
+               else float(kind.state_bytes(opt, ())))
     accounting = strategy_bytes_per_parameter(name, weight_bytes, torch.tensor([], dtype=grad_dtype).element_size(),
                                               ctx.dp * ctx.cp, offload, moments)
     return Optimization(strategy, norm, optimizer, layout, accounting)

@@ -22,6 +22,9 @@ from meshtron.optim import fused_adamw
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+#: AdamW's state of every parameter (checkpoint keys ``optim.<state>.<name>``).
+STATES = ("master", "exp_avg", "exp_avg_sq")
+
 
 def moment_dtypes(cfg: OptimConfig) -> tuple[torch.dtype, torch.dtype]:
     """Storage dtypes of Adam's first and second moments (``--exp-avg-dtype``, ``--exp-avg-sq-dtype``)."""
@@ -116,6 +119,10 @@ class MixedPrecisionAdamW:
         items = [(m.data, p.main_grad, self.inner.state[m], None if m is p else p.data, not no_weight_decay(p))
                  for p, m in zip(self.params, self.masters)]
         fused_adamw.step_tensors(items, self.cfg, lr, self._host_step, grad_coef)
+
+    def state_names(self, index: int) -> tuple[str, ...]:
+        """The states of parameter ``index``: master and Adam's two moments."""
+        return STATES
 
     def state_tensors(self, index: int) -> dict[str, torch.Tensor]:
         """fp32 master and Adam moments of parameter ``index`` (same local shape as the parameter)."""

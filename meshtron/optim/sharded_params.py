@@ -75,11 +75,12 @@ def unit_of_params(model_chunks: Sequence[nn.Module]) -> dict[int, tuple[int, in
 
 
 def unit_layout(model_chunks: Sequence[nn.Module], ctx: ParallelContext,
-                isolate: Callable[[nn.Parameter], bool] = lambda p: False, align: int = DEFAULT_ALIGN
-                ) -> BufferLayout:
+                isolate: Callable[[nn.Parameter], bool] = lambda p: False, align: int = DEFAULT_ALIGN,
+                whole: bool = False) -> BufferLayout:
     """A flat layout whose buckets never span two units: one bucket per (unit, dense/expert), plus the
     isolated tied embedding. Parameters in the chunks' registration order (the optimizer's and the
-    checkpoint's index order); offsets and buckets in backward order, as :func:`build_layout` lays them."""
+    checkpoint's index order); offsets and buckets in backward order, as :func:`build_layout` lays them.
+    ``whole``: no parameter straddles two ranks' shards (:func:`meshtron.optim.buckets.place_buckets`)."""
     dense, expert = dense_group(ctx), expert_group(ctx)
     owner = unit_of_params(model_chunks)
     params = [p for chunk in model_chunks for p in chunk.parameters()]
@@ -91,7 +92,7 @@ def unit_layout(model_chunks: Sequence[nn.Module], ctx: ParallelContext,
         groups.setdefault(key, []).append(i)
     ordered = sorted(groups.items(), key=lambda item: -item[1][0])  # by first gradient ready
     return place_buckets(params, [(c, expert if is_expert else dense, isolated, members)
-                                  for (c, _, is_expert, isolated, _), members in ordered], align)
+                                  for (c, _, is_expert, isolated, _), members in ordered], align, whole=whole)
 
 
 @dataclass

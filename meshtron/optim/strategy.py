@@ -42,19 +42,38 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 class TrainingOptimizer(Protocol):
-    """What the trainer and the checkpoint code use of an optimizer (MixedPrecisionAdamW, DistributedOptimizer)."""
+    """What the trainer and the checkpoint code use of an optimizer: an ``--optimizer`` entry's own
+    (:mod:`meshtron.optim.registry`: MixedPrecisionAdamW, MixedPrecisionMuon) or the DistributedOptimizer."""
 
-    params: list[nn.Parameter]
+    params: list[nn.Parameter]  # every parameter of this rank, in the checkpoint's index order
 
-    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None) -> None: ...
-    def state_tensors(self, index: int) -> dict[str, torch.Tensor]: ...
-    def load_state_tensors(self, index: int, tensors: dict[str, torch.Tensor]) -> None: ...
-    def ensure_state(self) -> None: ...
+    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None) -> None:
+        """One step at ``lr`` with the reduced gradients, multiplied by ``grad_coef`` (clipping) when given."""
+
+    def state_names(self, index: int) -> tuple[str, ...]:
+        """The states kept for parameter ``index`` ("master" first), as the checkpoint names them."""
+
+    def state_tensors(self, index: int) -> dict[str, torch.Tensor]:
+        """Parameter ``index``'s states, parameter-shaped (for a sharded optimizer: a collective)."""
+
+    def load_state_tensors(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`state_tensors` (a master also updates the weight it stands for)."""
+
+    def ensure_state(self) -> None:
+        """Create zeroed states, so that a checkpoint can be saved or loaded before any step."""
+
     @property
-    def step_count(self) -> int: ...
-    def set_step_count(self, step: int) -> None: ...
-    def finish_param_gather(self) -> None: ...
-    def weights_written(self) -> None: ...
+    def step_count(self) -> int:
+        """Steps taken (restored from a checkpoint by :meth:`set_step_count`)."""
+
+    def set_step_count(self, step: int) -> None:
+        """Set the step counter (bias corrections count from it)."""
+
+    def finish_param_gather(self) -> None:
+        """Make the full weights readable outside a forward pass."""
+
+    def weights_written(self) -> None:
+        """The weights were written outside the optimizer (a checkpoint load): follow them."""
 
 
 class WeightGather(Protocol):

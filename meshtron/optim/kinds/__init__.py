@@ -1,0 +1,1 @@
+"""One module per ``--optimizer`` choice, each defining ``KIND`` (:class:`meshtron.optim.registry.OptimizerKind`)."""
