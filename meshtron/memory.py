@@ -626,8 +626,11 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
 
     w_bytes = 2 if bf16 else 4
     g_bytes = 2 if (bf16 and par.grad_reduce_in_bf16) else 4
-    o = cfg.optim  # fp32 masters (unless the weights are fp32) and Adam's moments (bf16 when asked for)
-    o_bytes = (4 if bf16 else 0) + sum(2 if d == "bf16" else 4 for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype))
+    # fp32 masters (unless the weights are fp32) and the optimizer's states of a hidden matrix (Adam's moments,
+    # bf16 when asked for; Muon's momentum: its AdamW-updated embeddings and norms are counted at that rate too)
+    from meshtron.optim.registry import matrix_state_bytes
+
+    o_bytes = (4 if bf16 else 0) + matrix_state_bytes(cfg)
     opt_gpu = 1.0 - (_offload_fraction(cfg) if cfg.optim.optimizer_cpu_offload else 0.0)
     # --data-parallel-sharding-strategy (meshtron.optim.accounting): what is split over DP x CP (dense) and
     # over the expert-data-parallel ranks (experts).

@@ -161,7 +161,7 @@ def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int, md: Optio
     with torch.no_grad():
         for batch in batches:
             tensors = {i: optimizer.state_tensors(i) for i in batch}
-            chunks = [c for i in batch for c in state_shards(optimizer.params[i], i, tensors[i])]
+            chunks = [c for i in batch for c in state_shards(optimizer.params[i], i, tensors[i], state_names_of(optimizer, i))]
             _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None, md)
             for i in batch:
                 optimizer.load_state_tensors(i, {k: tensors[i][k] for k in state_names_of(optimizer, i)})

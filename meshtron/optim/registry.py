@@ -121,6 +121,14 @@ def param_state_bytes(kind: OptimizerKind, cfg, param) -> int:
     return int(kind.state_bytes(getattr(cfg, "optim", cfg), spec_of(param).pieces))
 
 
+def matrix_state_bytes(cfg) -> int:
+    """Bytes per element of the states besides the master that the run's optimizer keeps for a hidden
+    weight matrix (the bulk of a model's parameters): the analytic memory model's rate per parameter."""
+    from meshtron.parallel.sharding import Piece
+
+    return int(kind_of(cfg).state_bytes(getattr(cfg, "optim", cfg), (Piece("layers.0.mlp.up.weight", (2, 2), 0, 0, 2),)))
+
+
 def whole_layout(cfg) -> bool:
     """Whether the run's optimizer needs whole parameters per owner."""
     return kind_of(cfg).layout == WHOLE

@@ -18,7 +18,8 @@ Per rank:
 - gradients: one flat buffer of the layout's size (fp32, or bf16 with ``--grad-reduce-in-bf16``),
   which the gradient all-reduce / reduce-scatter also uses in place;
 - optimizer state: fp32 master weights (none where the weights are fp32 on the device: they are their
-  own masters) and Adam's two fp32 moments, for every parameter element, or with
+  own masters) and the ``--optimizer`` entry's states (:mod:`meshtron.optim.registry`: Adam's two
+  moments, Muon's momentum), for every parameter element, or with
   ``--use-distributed-optimizer`` for this rank's shard of every bucket; with
   ``--optimizer-cpu-offload`` the first ``--optimizer-offload-fraction`` of them on the host, plus
   the host's pinned staging copies of their gradients and weights;
@@ -50,6 +51,7 @@ from meshtron.optim.buckets import BufferLayout, ReduceGroup
 from meshtron.optim.distributed_optimizer import owned_segments
 from meshtron.optim.factory import buffer_layout
 from meshtron.optim.offload import Segment, split_for_offload
+from meshtron.optim.registry import kind_of, param_state_bytes, param_state_names
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import spec_of
@@ -74,13 +76,13 @@ class OptimizerState:
     """Elements and bytes of one rank's optimizer state (masters counted even where they are the weights)."""
 
     master_numel: int
-    moment_numel: int  # of exp_avg; exp_avg_sq has as many
+    state_numel: dict  # elements of every state the optimizer keeps ("master" included), by name
     device_bytes: int
     host_bytes: int  # state and pinned staging buffers in host memory
 
     @property
     def numel(self) -> dict[str, int]:
-        return {"master": self.master_numel, "exp_avg": self.moment_numel, "exp_avg_sq": self.moment_numel}
+        return dict(self.state_numel)
 
 
 @dataclass(frozen=True)
@@ -138,17 +140,24 @@ def _with_group_ranks(layout: BufferLayout, ctx: ParallelContext) -> BufferLayou
     return layout
 
 
-def _segment_state(segments: Sequence[Segment], on_host: bool, weights_fp32: bool, grad_bytes: int,
-                   weight_bytes: int) -> tuple[int, int]:
-    """(bytes, master elements) of one partition of the distributed optimizer (SegmentAdamW's tensors)."""
+def _segment_state(cfg: MeshtronConfig, layout: BufferLayout, segments: Sequence[Segment], on_host: bool,
+                   weights_fp32: bool, grad_bytes: int, weight_bytes: int, numel_by_state: dict) -> int:
+    """Bytes of one partition of the distributed optimizer (its masters and the optimizer's states), adding
+    its elements to ``numel_by_state``."""
+    kind = kind_of(cfg)
     numel = sum(s.length for s in segments)
     if numel == 0:
-        return 0, 0
+        return 0
     aliased = (not on_host) and weights_fp32  # fp32 weights on the device are their own masters
-    total = (0 if aliased else 4 * numel) + 2 * 4 * numel
+    total = 0 if aliased else 4 * numel
+    for s in segments:
+        param = layout.params[s.param_index]
+        total += param_state_bytes(kind, cfg, param) * s.length
+        for name in param_state_names(kind, param):
+            numel_by_state[name] = numel_by_state.get(name, 0) + s.length
     if on_host:
         total += numel * (grad_bytes + weight_bytes)  # pinned staging of gradients and weights
-    return total, numel
+    return total
 
 
 def optimizer_state(cfg: MeshtronConfig, layout: BufferLayout, weights_fp32: bool, grad_bytes: int,
@@ -156,14 +165,20 @@ def optimizer_state(cfg: MeshtronConfig, layout: BufferLayout, weights_fp32: boo
     """The optimizer state ``meshtron.optim.factory.build_optimization`` creates for ``layout``'s rank."""
     opt, shard = cfg.optim, sharding_strategy(cfg) != "no_shard"
     offload = opt.optimizer_offload_fraction if opt.optimizer_cpu_offload else 0.0
-    if not shard and offload <= 0.0:  # MixedPrecisionAdamW: every parameter, on the device
-        n = sum(p.numel() for p in layout.params)
-        return OptimizerState(n, n, (0 if weights_fp32 else 4 * n) + 8 * n, 0)
+    kind = kind_of(cfg)
+    numel: dict[str, int] = {name: 0 for p in layout.params for name in param_state_names(kind, p)}
+    if not shard and offload <= 0.0:  # the optimizer over every parameter, on the device
+        total = 0
+        for p in layout.params:
+            n = p.numel()
+            total += (0 if weights_fp32 else 4 * n) + param_state_bytes(kind, cfg, p) * n
+            for name in param_state_names(kind, p):
+                numel[name] += n
+        return OptimizerState(numel.get("master", 0), numel, total, 0)
     device_segments, host_segments = split_for_offload(owned_segments(layout, shard), offload)
-    device_bytes, device_numel = _segment_state(device_segments, False, weights_fp32, grad_bytes, weight_bytes)
-    host_bytes, host_numel = _segment_state(host_segments, True, weights_fp32, grad_bytes, weight_bytes)
-    n = device_numel + host_numel
-    return OptimizerState(n, n, device_bytes, host_bytes)
+    device_bytes = _segment_state(cfg, layout, device_segments, False, weights_fp32, grad_bytes, weight_bytes, numel)
+    host_bytes = _segment_state(cfg, layout, host_segments, True, weights_fp32, grad_bytes, weight_bytes, numel)
+    return OptimizerState(numel.get("master", 0), numel, device_bytes, host_bytes)
 
 
 def pipeline_message_bytes(cfg: MeshtronConfig, ctx: ParallelContext) -> int:

@@ -35,7 +35,9 @@ a reduce-scatter behind every micro-batch's backward; the parameter all-gather b
 forward with ``--overlap-param-gather``, the last/first bucket always exposed; with
 ``optim_grads_params`` instead each layer's weights gathered before its forward and its backward,
 prefetched one layer ahead so that only the first layer's gather of each pass is exposed), blocking
-pipeline exchanges (``--no-overlap-p2p-comm``), the optimizer step by its bytes, and a fixed step
+pipeline exchanges (``--no-overlap-p2p-comm``), the optimizer step by its bytes plus the optimizer's own
+work (``--optimizer muon``: the Newton-Schulz matmuls of the matrices this rank owns, each whole on every
+rank of its TP group, and the TP all-gathers of fp32 momentum that make it whole), and a fixed step
 overhead. Each collective moves its ring volume over the links its group spans: NVLink when the
 group's ranks share a node, the network otherwise (rank order TP, CP, DP, PP, fastest first).
 """
@@ -489,6 +491,16 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     # Optimizer: this rank's shard of the master weights, moments and gradients.
     shard = dense / (n_dense if sharded else 1) + expert / (n_expert if sharded else 1)
     optimizer = shard * profile.optimizer_bytes_per_param / (profile.hbm_gbps * 1e9 * profile.hbm_efficiency)
+    # The optimizer's own extra work (meshtron.optim.registry.StepWork): Muon's Newton-Schulz matmuls on the
+    # matrices this rank owns, and the TP all-gathers of the momentum that make each matrix whole.
+    from meshtron.optim.registry import kind_of
+
+    step_work = kind_of(cfg).step_work
+    if step_work is not None:
+        work = step_work(cfg, tp, dp * cp, pp, ep)
+        optimizer += gemm_seconds(work.matmul_flops, profile)
+        if work.gathers:
+            optimizer += _ring(work.gather_bytes, tp, links.bandwidth(profile, tp, 1), 0.0) + work.gathers * latency
     overhead = profile.step_overhead_ms * 1e-3
     exposed = sum(kinds.values())
     step = compute + bubble_s + kinds["dp"] + kinds["pp"] + optimizer + overhead
