@@ -161,6 +161,8 @@ def build_parallel_context(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
+    if dist.is_initialized():  # a world set up by the caller: its groups take the world's backend
+        backend = backend or dist.get_backend()
     backend = backend or ("nccl" if dev_type == "cuda" else "gloo")
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if dev_type == "cuda" else {}

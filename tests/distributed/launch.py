@@ -1,7 +1,10 @@
 """Run a function in N local processes joined by a gloo process group (CPU tests of parallel code).
 
 The function must be defined at module level (it is pickled into spawned
-processes). Each process returns a value; ``run_distributed`` returns them by
+processes). With ``backend="nccl"`` on a machine with fewer GPUs than ranks, the ranks share the GPUs
+(rank r on GPU r modulo their count) and join a group that stages every collective through host memory
+(:mod:`tests.distributed.staged_group`; NCCL refuses two ranks on one device); workers take their
+device from :func:`rank_device`. Each process returns a value; ``run_distributed`` returns them by
 rank. A hang fails the test after ``timeout`` seconds instead of stalling CI. Each process ends
 with :func:`meshtron.training.lifecycle.shutdown_distributed`, as ``meshtron train`` does.
 """
@@ -20,6 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshtron.training.lifecycle import shutdown_distributed
+from tests.distributed.staged_group import BACKEND as STAGED
+from tests.distributed.staged_group import register_backend as register_staged_backend
 
 #: Bound of each teardown step of a worker (as --distributed-timeout-minutes bounds it in a real run).
 _TEARDOWN_TIMEOUT_S = 60.0
@@ -31,9 +36,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_device(rank: int) -> torch.device:
+    """The CUDA device of ``rank`` in a GPU run of :func:`run_distributed` (shared when ranks outnumber GPUs)."""
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, backend: str) -> None:
+    gpus = torch.cuda.device_count()
+    local = rank % gpus if gpus and backend in ("nccl", STAGED) else rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(local))
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
@@ -41,6 +53,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        elif backend == STAGED:
+            if gpus:
+                torch.backends.cuda.matmul.allow_tf32 = False
+                torch.cuda.set_device(local)
+            register_staged_backend()
+            dist.init_process_group(STAGED, rank=rank, world_size=world)
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world)
         result = ("ok", fn(rank, world, *args))
@@ -56,7 +74,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, backend: str = "gloo") -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (or NCCL ranks, one GPU each, with
-    ``backend="nccl"``); return results by rank."""
+    ``backend="nccl"``; ranks sharing GPUs through the staged group where there are fewer GPUs than ranks);
+    return results by rank."""
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        backend = STAGED
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")

@@ -47,7 +47,7 @@ def test_context_parallel_kernel_choice_for_mla_head_dims():
     assert select_kernel(q[..., :128], False, 96).name == "cudnn"
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (ranks share one GPU where there are fewer)")
 def test_compiled_mla_tp2_sp_over_nccl_matches_one_gpu():
     from tests.parallel.test_compiled_parallel import compiled_layout_failures
 

@@ -245,3 +245,36 @@ def test_zero3_configuration_accepts_compiled_layers_and_fp8(extra):
                         "--data-parallel-sharding-strategy", "optim_grads_params"] + extra)
     validate_config(cfg, 4)
     assert sharding_strategy(cfg) == "optim_grads_params"
+
+
+# ------------------------------------------------------------------------------------------------
+# On the GPU: ZeRO-3's gathers prefetched on a side stream, overlapped reduce-scatters, and compiled layers,
+# over NCCL on two GPUs or with both ranks on one GPU (tests/distributed/staged_group.py).
+
+GPU_CASES = [
+    # With optim_grads_params each layer's gather is always prefetched; the gradients' reduce-scatters overlap.
+    ("dp2_zero3_prefetch", dict(data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True)),
+    ("dp2_zero3_prefetch_compiled", dict(data_parallel_sharding_strategy="optim_grads_params", compile=True,
+                                         overlap_grad_reduce=True)),
+]
+
+
+def _gpu_worker(rank: int, world: int, cases: list) -> list:
+    return [_run(_config(device="cuda", **kwargs))[:2] for _, kwargs in cases]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (ranks share one GPU where there are fewer)")
+def test_zero3_prefetch_on_the_gpu_trains_the_one_gpu_model():
+    from meshtron.training.trainer import run_training
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    os.environ.pop("WORLD_SIZE", None)
+    ref = run_training(_config(device="cuda"))
+    results = run_distributed(_gpu_worker, 2, GPU_CASES, backend="nccl", timeout=600)
+    for i, (name, _) in enumerate(GPU_CASES):
+        for rank, per_case in enumerate(results):
+            losses, norms = per_case[i]
+            for it in range(1, ITERS + 1):
+                assert losses[it] == pytest.approx(ref.train_losses[it], rel=1e-4), f"{name} rank {rank} loss {it}"
+                assert norms[it] == pytest.approx(ref.grad_norms[it], rel=1e-4), f"{name} rank {rank} norm {it}"

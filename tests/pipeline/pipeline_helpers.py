@@ -18,6 +18,7 @@ from meshtron.parallel.sharding import gather_canonical, iter_pieces
 from meshtron.pipeline import ScheduleStats, get_schedule
 from meshtron.pipeline.batches import broadcast_from_loss_stage, empty_micro_batches
 from tests.distributed.late_gather import land_gathers_at_wait
+from tests.distributed.launch import rank_device
 
 VOCAB = 96
 SEQ = 8
@@ -150,7 +151,7 @@ def _reduce(loss: torch.Tensor, ctx: ParallelContext) -> float:
 def layout_worker(rank: int, world: int, cases: list, device: str = "cpu") -> list[dict]:
     """Run every (config) case on this rank (all ranks build the same groups in the same order)."""
     results = []
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
     if device == "cpu":
         land_gathers_at_wait()  # a weight read before its overlapped gather's wait fails every run
     for cfg in cases:

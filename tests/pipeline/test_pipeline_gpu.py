@@ -1,6 +1,7 @@
 """Pipeline parallelism over NCCL on two GPUs: the point-to-point plans run without deadlock under
 NCCL's blocking groups, and 1F1B / interleaved 1F1B (also with compiled layers, whose sent outputs
-are freed) give the one-GPU losses, gradients and weights. Needs two CUDA devices."""
+are freed) give the one-GPU losses, gradients and weights. On two GPUs over NCCL, or with both ranks
+on one GPU through the staged group (tests/distributed/staged_group.py) where there is one."""
 
 from __future__ import annotations
 
@@ -12,16 +13,24 @@ from pipeline_helpers import layout_worker, model_config, run_config, train_and_
 from tests.distributed.launch import run_distributed
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                 reason="needs two CUDA devices")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (ranks share one GPU where there are fewer)")]
+
+
+def gpu_cases() -> list:
+    """The GPU's pipeline schedules, and data parallelism's side-stream overlap with ZeRO-3's prefetch."""
+    return [run_config(model_config(tied=True), pp=2, device="cuda"),
+            run_config(model_config(tied=True), pp=2, vpp=2, device="cuda"),
+            run_config(model_config(tied=False), pp=2, vpp=2, device="cuda", compile=True),
+            run_config(model_config(tied=True), pp=2, vpp=2, device="cuda", overlap_p2p_comm=True),
+            run_config(model_config(tied=True), pp=2, device="cuda", pipeline_schedule="zero-bubble-h1"),
+            run_config(model_config(tied=True), global_batch=4, device="cuda", use_distributed_optimizer=True,
+                       data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+                       overlap_param_gather=True)]
 
 
 def test_pipeline_over_nccl_matches_one_gpu():
     torch.backends.cuda.matmul.allow_tf32 = False
-    cases = [run_config(model_config(tied=True), pp=2, device="cuda"),
-             run_config(model_config(tied=True), pp=2, vpp=2, device="cuda"),
-             run_config(model_config(tied=False), pp=2, vpp=2, device="cuda", compile=True),
-             run_config(model_config(tied=True), pp=2, vpp=2, device="cuda", overlap_p2p_comm=True)]
+    cases = gpu_cases()
     results = run_distributed(layout_worker, 2, cases, "cuda", backend="nccl", timeout=300)
     for i, cfg in enumerate(cases):
         one = run_config(cfg.model, micro_batch=cfg.train.micro_batch_size, global_batch=cfg.train.global_batch_size,
