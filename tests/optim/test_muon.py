@@ -239,11 +239,24 @@ def test_tp_and_distributed_optimizer_train_the_single_process_model(reference):
     _assert_memory(results["tp2dp2"], "tp2dp2")
 
 
+MOE = ("--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2", "--disable-bias-linear",
+       "--moe-aux-loss-coeff", "0.05")
+
+
 @pytest.mark.slow
 def test_every_layout_trains_the_single_process_model_and_reshards(reference):
+    from meshtron.training.trainer import run_training
+
     root, ref, ref_dir, half, half_dir = reference
     d = lambda name: os.path.join(root, name)  # noqa: E731
+    moe_ref = run_training(_config(_args(ITERS, d("moe_ref"), None, *MOE)))
     cases = [
+        # experts owned whole over the expert-data-parallel group, each expert's matrices gathered over TP
+        ("ep2_moe", _args(ITERS, d("ep2_moe"), None, *MOE, "--expert-model-parallel-size", "2",
+                          "--use-distributed-optimizer")),
+        ("tp2ep2_moe_zero3", _args(ITERS, d("tp2ep2_moe_zero3"), None, *MOE, "--expert-model-parallel-size", "2",
+                                   "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--data-parallel-sharding-strategy", "optim_grads_params")),
         ("dp4_zero3", _args(ITERS, d("dp4_zero3"), None, "--data-parallel-sharding-strategy", "optim_grads_params")),
         ("tp2dp2_zero3", _args(ITERS, d("tp2dp2_zero3"), None, "--data-parallel-sharding-strategy",
                                "optim_grads_params", "--tensor-model-parallel-size", "2")),
@@ -266,6 +279,9 @@ def test_every_layout_trains_the_single_process_model_and_reshards(reference):
         _assert_memory(results[name], name)
     _assert_logs(results["tp2pp2_save"], ref, range(1, ITERS // 2 + 1))
     _assert_checkpoint(d("tp2pp2_half"), half_dir)
+    for name in ("ep2_moe", "tp2ep2_moe_zero3"):
+        _assert_logs(results[name], moe_ref, range(1, ITERS + 1))
+        _assert_checkpoint(d(name), d("moe_ref"))
     for name in ("zero3_from_one", "dp4_from_tp2pp2"):
         _assert_logs(results[name], ref, range(ITERS // 2 + 1, ITERS + 1))
         _assert_checkpoint(d(name), ref_dir)
