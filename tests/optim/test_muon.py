@@ -219,15 +219,6 @@ def test_resume_in_one_process_equals_the_uninterrupted_run(reference):
     _assert_checkpoint(out, ref_dir)
 
 
-def test_muon_differs_from_adamw(reference):
-    from meshtron.training.trainer import run_training
-
-    _, ref, *_ = reference
-    adam = run_training(_config(_args() + ["--optimizer", "adam"]))
-    for it in range(2, ITERS + 1):  # apart by more than the layouts' tolerance below
-        assert adam.train_losses[it] != pytest.approx(ref.train_losses[it], rel=1e-5)
-
-
 def test_tp_and_distributed_optimizer_train_the_single_process_model(reference):
     """The fast representative: TP=2 (matrices gathered whole) x DP=2 (whole-parameter owners), ZeRO-1."""
     root, ref, ref_dir, *_ = reference
