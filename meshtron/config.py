@@ -250,7 +250,7 @@ class OptimConfig:
                             choices=("duplicated", "blockwise"))
     lr: float = opt(3e-4, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
-    lr_decay_style: str = opt("cosine", "Decay after warm-up.",
+    lr_decay_style: str = opt("linear", "Decay after warm-up (Megatron-LM's default: linear).",
                               choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
     lr_warmup_iters: int = opt(0, "Linear warm-up iterations.")
     lr_warmup_samples: Optional[int] = opt(None, "Warm-up in samples (instead of --lr-warmup-iters).")
@@ -258,8 +258,11 @@ class OptimConfig:
     lr_warmup_init: float = opt(0.0, "Learning rate at the start of warm-up.")
     lr_decay_iters: Optional[int] = opt(None, "Iterations over which to decay (default --train-iters).")
     lr_decay_samples: Optional[int] = opt(None, "Decay length in samples (instead of --lr-decay-iters).")
-    lr_wsd_decay_style: str = opt("linear", "Shape of the WSD cool-down.", choices=("linear", "cosine", "exponential", "minus_sqrt"))
+    lr_wsd_decay_style: str = opt("exponential", "Shape of the WSD cool-down (Megatron-LM's default: exponential).",
+                                  choices=("linear", "cosine", "exponential", "minus_sqrt"))
     lr_wsd_decay_iters: Optional[int] = opt(None, "Length of the WSD cool-down (default 10%% of --lr-decay-iters).")
+    lr_wsd_decay_samples: Optional[int] = opt(None, "Length of the WSD cool-down in samples (instead of "
+                                                    "--lr-wsd-decay-iters).")
     weight_decay: float = opt(0.01, "Decoupled weight decay (not applied to norms and biases).")
     clip_grad: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).")
     adam_beta1: float = opt(0.9, "Adam beta1.")
@@ -406,6 +409,11 @@ class DataConfig:
     valid_data_path: list = opt([], "Separate validation dataset prefixes.", nargs="+")
     test_data_path: list = opt([], "Separate test dataset prefixes.", nargs="+")
     mock_data: bool = opt(False, "Synthetic random tokens (for benchmarks).")
+    data_order: str = opt("meshtron", "Sample order of --data-path data: meshtron (prefix-stable: a longer run "
+                                      "serves a shorter one's samples first) or megatron (Megatron-Core's "
+                                      "GPTDataset and BlendedDataset indices, split and sample counts: the "
+                                      "batches Megatron-LM serves from the same data and flags; docs/data.md).",
+                          choices=("meshtron", "megatron"))
     data_cache_path: Optional[str] = opt(None, "Where dataset index caches go (default beside the data).")
     tokenizer_type: Optional[str] = opt(None, "Tokenizer kind.", choices=(
         "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer", "ByteTokenizer",

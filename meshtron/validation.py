@@ -741,7 +741,10 @@ _FP32_MAX = 3.4028234663852886e38
 
 def _check_optim(o: OptimConfig) -> None:
     _positive([("--max-nonfinite-steps", o.max_nonfinite_steps)])
-    _positive_if_set([("--lr-decay-iters", o.lr_decay_iters), ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters)])
+    _positive_if_set([("--lr-decay-iters", o.lr_decay_iters), ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters),
+                      ("--lr-wsd-decay-samples", o.lr_wsd_decay_samples)])
+    if o.lr_wsd_decay_iters is not None and o.lr_wsd_decay_samples is not None:
+        raise ConfigError("--lr-wsd-decay-iters and --lr-wsd-decay-samples exclude each other: give one of them")
     for flag, value in (("--lr", o.lr), ("--min-lr", o.min_lr), ("--lr-warmup-init", o.lr_warmup_init),
                         ("--lr-warmup-iters", o.lr_warmup_iters), ("--weight-decay", o.weight_decay),
                         ("--clip-grad", o.clip_grad)):
@@ -814,6 +817,9 @@ def _check_data(d: DataConfig, m: ModelConfig) -> None:
     parse_split(d.split)
     separate = [("--train-data-path", d.train_data_path), ("--valid-data-path", d.valid_data_path),
                 ("--test-data-path", d.test_data_path)]
+    if d.mock_data and d.data_order == "megatron":
+        raise ConfigError("--data-order megatron orders indexed data (--data-path, --train-data-path or the built-in "
+                          "corpus); --mock-data draws its own random tokens: drop one of them")
     if d.mock_data:
         for flag, value in [("--data-path", d.data_path), *separate]:
             if value:

@@ -18,6 +18,7 @@ from meshtron.data.errors import DataError
 from meshtron.data.gpt_dataset import SPLIT_NAMES, GPTDataset, default_cache_dir, parse_split, split_ranges
 from meshtron.data.indexed_dataset import IndexedDataset
 from meshtron.data.loader import RankSampler, iterate
+from meshtron.data import megatron_order
 from meshtron.data.mock import MockDataset
 from meshtron.data.tokenizers import Tokenizer, tokenizer_from_config
 from meshtron.validation import check_vocab_size, data_path_items
@@ -54,10 +55,12 @@ class DataBundle:
     options: BatchOptions = field(default_factory=BatchOptions)
     is_data_rank: bool = True
     description: str = ""
+    order: str = "meshtron"  # --data-order
+    eval_interval: int = 0
 
     def _sampler(self, dataset: SampleSource) -> RankSampler:
         return RankSampler(dataset, self.global_batch_size, self.micro_batch_size, self.dp_rank, self.dp_size,
-                           self.options)
+                           self.options, interleaved=self.order == "megatron")
 
     def train_batches(self, start_iteration: int = 0) -> Iterator[list[dict[str, torch.Tensor]]]:
         """This rank's micro-batches for iterations ``start_iteration`` .. ``train_iters - 1``, prefetched."""
@@ -74,23 +77,32 @@ class DataBundle:
         num_micro = self.global_batch_size // (self.dp_size * self.micro_batch_size)
         return ([{} for _ in range(num_micro)] for _ in range(start, stop))
 
-    def valid_batches(self) -> Optional[Iterator[list[dict[str, torch.Tensor]]]]:
-        """``eval_iters`` iterations of validation micro-batches, always from validation sample 0
-        (every evaluation sees the same samples); None without validation data."""
-        return self._eval_batches(self.valid)
+    def valid_batches(self, iteration: Optional[int] = None) -> Optional[Iterator[list[dict[str, torch.Tensor]]]]:
+        """``eval_iters`` iterations of validation micro-batches; None without validation data.
+
+        meshtron's order starts every evaluation at validation sample 0 (every evaluation sees the same
+        samples). Megatron's (``--data-order megatron``) continues each evaluation where the previous one
+        stopped: the evaluation at training iteration ``iteration`` is the ``(iteration - 1) // eval_interval``-th
+        (0-based), the in-loop ones at multiples of ``--eval-interval`` and the one after training.
+        """
+        first = 0
+        if self.order == "megatron" and iteration and self.eval_interval > 0:
+            first = (iteration - 1) // self.eval_interval * self.eval_iters
+        return self._eval_batches(self.valid, first)
 
     def test_batches(self) -> Optional[Iterator[list[dict[str, torch.Tensor]]]]:
         """Like :meth:`valid_batches`, on the test split."""
         return self._eval_batches(self.test)
 
-    def _eval_batches(self, dataset: Optional[SampleSource]) -> Optional[Iterator[list[dict[str, torch.Tensor]]]]:
+    def _eval_batches(self, dataset: Optional[SampleSource],
+                      first: int = 0) -> Optional[Iterator[list[dict[str, torch.Tensor]]]]:
         if dataset is None or self.eval_iters <= 0:
             return None
         sampler = self._sampler(dataset)
-        stop = min(self.eval_iters, sampler.num_iterations)
+        stop = min(first + self.eval_iters, sampler.num_iterations)
         if not self.is_data_rank:
-            return self._placeholders(0, stop)
-        return iterate(sampler, 0, stop, num_workers=0)
+            return self._placeholders(first, stop)
+        return iterate(sampler, first, stop, num_workers=0)
 
 
 def _number(text: str) -> Optional[float]:
@@ -233,6 +245,58 @@ class _FileDatasets:
                 out[split] = self._split_source(split, parts, n, cfg.model.seq_length, cfg.train.seed)
         return out
 
+    def build_megatron(self) -> dict[str, Optional[SampleSource]]:
+        """The splits in Megatron-Core's order (``--data-order megatron``; :mod:`meshtron.data.megatron_order`)."""
+        d = self.cfg.data
+        out: dict[str, Optional[SampleSource]] = {s: None for s in SPLIT_NAMES}
+        separate = {"train": d.train_data_path, "valid": d.valid_data_path, "test": d.test_data_path}
+        if any(separate.values()):
+            if d.data_path:
+                raise DataError("give either --data-path (split by --split) or --train-data-path/--valid-data-path/"
+                                "--test-data-path, not both")
+            if not separate["train"]:
+                raise DataError("--valid-data-path/--test-data-path need --train-data-path as well")
+            for split, values in separate.items():
+                n = self.samples.get(split, 0)
+                if values and n > 0:
+                    weights, prefixes = parse_weighted_paths(values, f"--{split}-data-path")
+                    ranges = {p: (0, len(self._open(p))) for p in prefixes}
+                    out[split] = self._megatron_split(split, prefixes, weights, ranges, n)
+            return out
+        weights, prefixes = parse_weighted_paths(d.data_path or [self.default_prefix], "--data-path")
+        for i, split in enumerate(SPLIT_NAMES):
+            n = self.samples.get(split, 0)
+            ranges = {p: megatron_order.split_document_ranges(len(self._open(p)), d.split)[i] for p in prefixes}
+            if split == "train" and ranges[prefixes[0]] is None:
+                raise DataError(f"--split {d.split}: the training split is empty (give it a positive share)")
+            if n > 0 and ranges[prefixes[0]] is not None:
+                out[split] = self._megatron_split(split, prefixes, weights, ranges, n)
+        return out
+
+    def _megatron_split(self, split: str, prefixes: list[str], weights: Optional[list[float]],
+                        ranges: dict, n: int) -> SampleSource:
+        """One split as Megatron-Core's builder makes it: a GPTDataset for one unweighted prefix, else a blend."""
+        request = self._request(split)
+        seq, seed = self.cfg.model.seq_length, self.cfg.train.seed
+
+        def gpt(prefix: str, num: Optional[int]) -> megatron_order.MegatronGPTDataset:
+            return megatron_order.MegatronGPTDataset(self._open(prefix), ranges[prefix], num, seq, seed, split,
+                                                     self._cache_dir(prefix), request=request)
+
+        if weights is None:
+            if len(prefixes) == 1:
+                return gpt(prefixes[0], n)
+            # Unweighted prefixes: one epoch of each, blended in proportion to their samples.
+            parts = [gpt(p, None) for p in prefixes]
+            lengths = [len(x) for x in parts]
+            return megatron_order.MegatronBlendedDataset(parts, lengths, min(n, sum(lengths)), split)
+        used = _used(prefixes, weights)  # a weight of 0 leaves its dataset out
+        w = megatron_order.normalize([wt for _, wt in used])
+        targets = megatron_order.sizes_per_dataset(w, n)
+        buffers = megatron_order.sizes_per_dataset(w, n, megatron_order.MID_LEVEL_SURPLUS)
+        parts = [gpt(p, b) for (p, _), b in zip(used, buffers)]
+        return megatron_order.MegatronBlendedDataset(parts, w, sum(targets), split)
+
     def _cache_dir(self, prefix: str) -> Path:
         return Path(self.cfg.data.data_cache_path) if self.cfg.data.data_cache_path else default_cache_dir(prefix)
 
@@ -301,8 +365,12 @@ def build_data(cfg: "MeshtronConfig", dp_rank: int, dp_size: int, *, is_data_ran
                 logger.warning("the default corpus uses its own tokenizer; tokenizer flags apply to --data-path only")
         vocab = tokenizer.vocab_size
         check_vocab_size(m, vocab, tokenizer.kind)  # the model takes the tokenizer's size
+        if d.data_order == "megatron":
+            train_n, valid_n, test_n = megatron_order.split_sample_counts(
+                t.train_iters, G, t.eval_iters, t.eval_interval, t.train_samples, t.skip_train)
+            samples = {"train": train_n, "valid": valid_n, "test": test_n}
         files = _FileDatasets(cfg, default_prefix, samples, G)
-        datasets = _rank_zero_first(files.build)
+        datasets = _rank_zero_first(files.build_megatron if d.data_order == "megatron" else files.build)
         description = source
     eod = tokenizer.eod if tokenizer is not None else None
     options = BatchOptions(eod=eod, vocab_size=vocab if tokenizer is not None else None,
@@ -319,4 +387,6 @@ def build_data(cfg: "MeshtronConfig", dp_rank: int, dp_size: int, *, is_data_ran
         num_workers=d.num_workers if torch.cuda.is_available() else 0,
         options=options, is_data_rank=is_data_rank,
         description=f"{description}; {sizes}" if sizes else description,
+        order=d.data_order if not d.mock_data else "meshtron",
+        eval_interval=0 if t.skip_train else (t.eval_interval or 0),
     )

@@ -2,8 +2,10 @@
 
 Sample order contract: iteration ``i`` uses global samples ``i*G .. i*G + G - 1`` (G = global
 batch size); data-parallel rank ``r`` of ``dp`` takes slots ``[r*G/dp, (r+1)*G/dp)`` of them and
-cuts them into consecutive micro-batches. The order thus depends only on the seed, the data and
-G, never on the data-parallel size or micro-batch size, and a rank reads only its own samples.
+cuts them into consecutive micro-batches (with ``--data-order megatron``, Megatron-LM's assignment
+instead: rank ``r``'s micro-batch ``m`` holds slots ``[(m*dp + r)*mbs, (m*dp + r + 1)*mbs)``). The order
+thus depends only on the seed, the data and G, never on the data-parallel size or micro-batch size, and a
+rank reads only its own samples.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class RankSampler:
     """Micro-batches of one data-parallel rank, iteration by iteration."""
 
     def __init__(self, dataset: SampleSource, global_batch_size: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, options: BatchOptions) -> None:
+                 dp_size: int, options: BatchOptions, interleaved: bool = False) -> None:
         if global_batch_size % dp_size or (global_batch_size // dp_size) % micro_batch_size:
             raise ValueError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size} "
                              f"x data-parallel size {dp_size}")
@@ -40,6 +42,9 @@ class RankSampler:
         self.dp_size = dp_size
         self.options = options
         self.per_rank = global_batch_size // dp_size
+        # Megatron-LM's sampler: micro-batch m of every rank comes from the m-th run of micro x DP samples,
+        # rank r taking its r-th micro-batch of it (the global batch is the same either way).
+        self.interleaved = interleaved
 
     @property
     def num_iterations(self) -> int:
@@ -48,9 +53,14 @@ class RankSampler:
 
     def iteration(self, i: int) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of iteration ``i``."""
+        mbs = self.micro_batch_size
+        if self.interleaved:
+            first = i * self.global_batch_size + self.dp_rank * mbs
+            step = mbs * self.dp_size
+            return [make_micro_batch(self.dataset.samples(first + m * step, mbs), self.options)
+                    for m in range(self.per_rank // mbs)]
         start = i * self.global_batch_size + self.dp_rank * self.per_rank
         block = self.dataset.samples(start, self.per_rank)
-        mbs = self.micro_batch_size
         return [make_micro_batch(block[m:m + mbs], self.options) for m in range(0, self.per_rank, mbs)]
 
 
@@ -124,7 +134,8 @@ def iterate(sampler: RankSampler, start: int, stop: int, num_workers: int = 0, d
         return prefetch(sampler.iteration, range(start, stop), depth)
     pin = sampler.options.pin_memory
     unpinned = RankSampler(sampler.dataset, sampler.global_batch_size, sampler.micro_batch_size, sampler.dp_rank,
-                           sampler.dp_size, BatchOptions(**{**sampler.options.__dict__, "pin_memory": False}))
+                           sampler.dp_size, BatchOptions(**{**sampler.options.__dict__, "pin_memory": False}),
+                           sampler.interleaved)
     loader = torch.utils.data.DataLoader(_Iterations(unpinned), batch_size=None, sampler=range(start, stop),
                                          num_workers=num_workers, collate_fn=_keep, pin_memory=pin,
                                          prefetch_factor=depth)

@@ -36,14 +36,19 @@ def train_batches(data, ctx: ParallelContext, reads_data: bool, start_iteration:
 
 
 def eval_batches(data, ctx: ParallelContext, reads_data: bool, num_micro_batches: int,
-                 split: str = "valid") -> Optional[Iterator[list[dict]]]:
-    """Micro-batches of ``split`` ("valid", or "test": ``data.test_batches()``), or None without that data.
+                 split: str = "valid", iteration: Optional[int] = None) -> Optional[Iterator[list[dict]]]:
+    """Micro-batches of ``split`` ("valid", or "test": ``data.test_batches()``), or None without that data;
+    ``iteration``: the training iteration the evaluation follows.
 
     With pipeline stages, the first stage tells the others (one broadcast per iteration)
     whether another iteration follows, so that middle stages, which have no data, run
     exactly as many as the data ranks.
     """
-    batches = getattr(data, f"{split}_batches")() if reads_data else None
+    batches = None
+    if reads_data:
+        # Megatron's order continues each validation where the previous one stopped: it needs the iteration.
+        continues = split == "valid" and iteration is not None and getattr(data, "order", "meshtron") == "megatron"
+        batches = data.valid_batches(iteration) if continues else getattr(data, f"{split}_batches")()
     if ctx.pp_group is None:
         return batches
     return _follow_first_stage(batches, ctx, num_micro_batches)

@@ -236,6 +236,15 @@ class Trainer:
             return [norm.item()]
         return torch.cat([norm.float().reshape(1), self._reduce_loss(loss_sum)]).tolist()
 
+    def learning_rate(self, iteration: int, applied: Optional[bool] = None) -> float:
+        """The learning rate of iteration ``iteration``: Megatron-LM's schedule, whose position advances by the
+        global batch only with applied steps. ``applied`` is given once the iteration has been counted (its own
+        skip is then not one that came before it)."""
+        t = self.cfg.train
+        skipped = self.state.skipped_iterations - (1 if applied is False else 0)
+        return learning_rate(self.cfg.optim, iteration, t.train_iters, t.global_batch_size or 1,
+                             skipped_iterations=skipped, train_samples=t.train_samples)
+
     def train_step(self, micro_batches: list[dict], iteration: int) -> tuple[torch.Tensor, float, bool]:
         """One iteration; returns (this rank's loss sum, grad norm, whether the step was applied)."""
         for chunk in self.model_chunks:
@@ -258,7 +267,7 @@ class Trainer:
             # The optimizer applies the clipping coefficient as it reads the gradients (no extra pass).
             coef = clip_coefficient(norm, self.cfg.optim.clip_grad) if self.cfg.optim.clip_grad > 0 else None
             self.progress.phase = "optimizer"
-            self.optimizer.step(learning_rate(self.cfg.optim, iteration, self.cfg.train.train_iters), grad_coef=coef)
+            self.optimizer.step(self.learning_rate(iteration), grad_coef=coef)
             if self.faults is not None:
                 self.faults.after_optimizer_step(iteration, self.params)
         self._lap("optimizer", last=True)
@@ -301,10 +310,12 @@ class Trainer:
         return loss2, norm2, values2, False
 
     @torch.no_grad()
-    def evaluate(self, split: str = "valid") -> Optional[float]:
+    def evaluate(self, split: str = "valid", iteration: Optional[int] = None) -> Optional[float]:
         """The mean loss over --eval-iters batches of ``split`` ("valid" or "test"), on every rank; None
-        without that split."""
-        batches = eval_batches(self.data, self.ctx, self.reads_data, self.num_micro_batches, split=split)
+        without that split. ``iteration``: the training iteration it follows (where Megatron's data order
+        continues validation)."""
+        batches = eval_batches(self.data, self.ctx, self.reads_data, self.num_micro_batches, split=split,
+                               iteration=iteration)
         if batches is None:
             return None
         for chunk in self.model_chunks:
@@ -508,7 +519,7 @@ class Trainer:
                 mean_loss = losses.item() / interval_steps
                 self.result.train_losses[iteration] = mean_loss
                 self.result.step_times[iteration] = step_time
-                lr = learning_rate(cfg.optim, iteration, t.train_iters)
+                lr = self.learning_rate(iteration, applied=applied)
                 record = self._log_record(iteration, mean_loss, norm, lr, step_time)
                 if self.moe is not None:  # every rank: the MoE metrics are reduced over ranks
                     record.update(self.moe.metrics())
@@ -575,7 +586,7 @@ class Trainer:
     def _evaluate_and_log(self, iteration: int, split: str = "valid") -> None:
         """Evaluate ``split`` and log it: an ``eval`` record for validation, a ``test`` record for the test split."""
         self.progress.phase = "eval"
-        loss = self.evaluate(split)
+        loss = self.evaluate(split, iteration)
         if loss is None:
             return
         (self.result.test_losses if split == "test" else self.result.eval_losses)[iteration] = loss

@@ -71,11 +71,13 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path):
 
 
 @pytest.mark.parametrize("style,checks", [
-    ("cosine", {1: 0.1, 10: 1.0, 55: 0.55, 100: 0.1, 200: 0.1}),
-    ("linear", {5: 0.5, 10: 1.0, 55: 0.55, 100: 0.1}),
-    ("constant", {5: 0.5, 50: 1.0, 100: 1.0}),
-    ("inverse-square-root", {10: 1.0, 40: 0.5, 1000: 0.1}),
-    ("WSD", {10: 1.0, 90: 1.0, 95: 0.55, 100: 0.1}),
+    # Iteration i runs at schedule position i - 1 (Megatron-LM steps its scheduler after each iteration).
+    ("cosine", {1: 0.0, 2: 0.1, 11: 1.0, 56: 0.55, 100: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 89 / 90)),
+                101: 0.1, 201: 0.1}),
+    ("linear", {6: 0.5, 11: 1.0, 56: 0.55, 101: 0.1}),
+    ("constant", {6: 0.5, 51: 1.0, 101: 1.0}),
+    ("inverse-square-root", {11: 1.0, 41: 0.5, 101: 1.0 / math.sqrt(10), 1001: 0.1}),
+    ("WSD", {11: 1.0, 91: 1.0, 96: 0.55, 101: 0.1}),
 ])
 def test_learning_rate_schedules(style, checks):
     cfg = OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_decay_style=style, lr_decay_iters=100,
