@@ -148,7 +148,10 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
                             * cfg.parallel.pipeline_model_parallel_size)
         job_micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
         if measure_micro_batches and measure_micro_batches < job_micro_batches:
-            t.global_batch_size = measure_micro_batches * t.micro_batch_size * dp
+            # Enough micro-batches that a forward runs after a backward, as in the job's steady state: the
+            # peak holds the gradients and the in-flight activations together.
+            measured = min(job_micro_batches, max(measure_micro_batches, steady_state_micro_batches(cfg)))
+            t.global_batch_size = measured * t.micro_batch_size * dp
         ctx = context_from_config(cfg)
         dev = ctx.device
         if dev.type == "cuda":
@@ -183,6 +186,22 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         _leave_world()
+
+
+def steady_state_micro_batches(cfg) -> int:
+    """The fewest micro-batches per step whose schedule runs a forward after a backward on every rank (the
+    job's steady state, where its memory peaks with the gradients and the in-flight activations together):
+    two without pipelining, PP + 1 for 1F1B and zero-bubble, and for interleaved 1F1B enough chunk-forwards
+    past the first rank's warm-up (2 (PP - 1) + (V - 1) PP of them), rounded up to a multiple of PP."""
+    p = cfg.parallel
+    pp, v = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    if pp == 1:
+        return 2
+    if v == 1 or p.pipeline_schedule in ("zero-bubble-h1", "zbv"):
+        return pp + 1
+    warmup = 2 * (pp - 1) + (v - 1) * pp
+    needed = -(-(warmup + 2) // v)
+    return -(-needed // pp) * pp
 
 
 def default_ranks(world_size: int, tp: int, cp: int, pp: int) -> list[int]:

@@ -232,7 +232,26 @@ def _create(common_opts, backend_opts) -> StagedProcessGroup:
     return group
 
 
+def _let_the_compiler_trace_it() -> None:
+    """torch 2.11's compiler traces a process group passed into compiled code only when its type is exactly
+    torch's (or torch's fake group): admit this one too. Later versions handle groups without this."""
+    try:
+        from torch._dynamo.variables.distributed import ProcessGroupVariable
+    except ImportError:
+        return
+    check = getattr(ProcessGroupVariable, "is_process_group", None)
+    if check is None or getattr(check, "admits_staged", False):
+        return
+
+    def is_process_group(value: object) -> bool:
+        return isinstance(value, StagedProcessGroup) or check(value)
+
+    is_process_group.admits_staged = True
+    ProcessGroupVariable.is_process_group = staticmethod(is_process_group)
+
+
 def register_backend() -> None:
     """Make ``meshtron_staged`` a torch.distributed backend (once per process)."""
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    _let_the_compiler_trace_it()
