@@ -81,7 +81,7 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path):
 ])
 def test_learning_rate_schedules(style, checks):
     cfg = OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_decay_style=style, lr_decay_iters=100,
-                      lr_wsd_decay_iters=10)
+                      lr_wsd_decay_iters=10, lr_wsd_decay_style="linear")
     for it, expected in checks.items():
         assert learning_rate(cfg, it, 100) == pytest.approx(expected, abs=1e-9), (style, it)
 
