@@ -49,6 +49,8 @@ def emulation_overrides(cfg) -> None:
 def _enter_world(world_size: int, rank: int) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    if world_size == 1:  # nothing to emulate: the one-device program itself, as `meshtron train` runs it
+        return
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     init_emulated_world(world_size, rank)
 
@@ -68,7 +70,8 @@ def _config(argv: Sequence[str], world_size: int, iterations: int):
                         "--log-interval", str(10**9)] + list(argv))
     emulation_overrides(cfg)
     validate_config(cfg, world_size)
-    cfg.parallel.distributed_backend = BACKEND  # every group of the layout is an emulated one
+    if world_size > 1:
+        cfg.parallel.distributed_backend = BACKEND  # every group of the layout is an emulated one
     return cfg
 
 
@@ -81,7 +84,8 @@ def emulate_training(argv: Sequence[str], world_size: int, rank: int):
     try:
         cfg = build_config(list(argv))
         emulation_overrides(cfg)
-        cfg.parallel.distributed_backend = BACKEND
+        if world_size > 1:
+            cfg.parallel.distributed_backend = BACKEND
         return run_training(cfg)
     finally:
         _leave_world()
