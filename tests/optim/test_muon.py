@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from meshtron.optim.buckets import ReduceGroup, place_buckets
-from meshtron.optim.kinds.muon import MixedPrecisionMuon, uses_muon
+from meshtron.optim.kinds.muon import uses_muon
+from meshtron.optim.muon_update import MixedPrecisionMuon
 from meshtron.optim.registry import ELEMENTS, WHOLE, optimizer_kind, optimizer_names
 from meshtron.parallel.sharding import ShardSpec, new_param, shard, spec_of, whole
 from tests.distributed.launch import run_distributed

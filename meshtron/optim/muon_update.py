@@ -1,0 +1,289 @@
+"""Muon's update (torch): Newton-Schulz orthogonalisation, the one-process optimizer and the distributed
+optimizer's part; the rule, flags and costs are in :mod:`meshtron.optim.kinds.muon`."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from meshtron.optim.kinds.muon import NS_COEFFICIENTS, NS_EPS, STATES, uses_muon
+from meshtron.parallel.sharding import ShardSpec, cut, spec_of, split_local
+
+# ----------------------------------------------------------------------------------------- the update
+def newton_schulz(matrix: torch.Tensor, steps: int, coefficients: str = "quintic") -> torch.Tensor:
+    """The orthogonalisation of ``matrix`` (2-D) by ``steps`` Newton-Schulz iterations, in fp32."""
+    a, b, c = NS_COEFFICIENTS[coefficients]
+    x = matrix.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm() + NS_EPS)
+    for _ in range(steps):
+        A = x @ x.mT
+        x = a * x + (b * A + c * (A @ A)) @ x
+    return x.mT if tall else x
+
+
+def scale_factor(rows: int, cols: int, mode: str, extra: float = 1.0) -> float:
+    """The update scale of a ``rows`` x ``cols`` matrix (--muon-scale-mode, --muon-extra-scale-factor)."""
+    if mode == "spectral":
+        s = math.sqrt(max(rows, cols))
+    elif mode == "unit_rms_norm":
+        s = math.sqrt(rows / cols)
+    elif mode == "shape_scaling":
+        s = math.sqrt(max(1.0, rows / cols))
+    else:
+        raise ValueError(f"unknown --muon-scale-mode {mode!r}")
+    return s * extra
+
+
+def orthogonal_update(matrix: torch.Tensor, cfg) -> torch.Tensor:
+    """``s NS(matrix)`` for one whole matrix."""
+    return newton_schulz(matrix, cfg.muon_num_ns_steps, cfg.muon_coefficient_type) * scale_factor(
+        matrix.size(0), matrix.size(1), cfg.muon_scale_mode, cfg.muon_extra_scale_factor)
+
+
+class MatrixUpdates:
+    """Orthogonalised updates of local parameters, each canonical matrix taken whole.
+
+    ``params``: the parameters this rank updates, in the order it updates them; its tensor-parallel peers
+    update the same parameters (their own shards) in the same order, since their layouts are the same, so
+    the all-gathers pair up. Which slices the peers hold is exchanged once, here.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], cfg, ctx=None):
+        self.cfg = cfg
+        self.specs = [spec_of(p) for p in params]
+        group = getattr(ctx, "tp_group", None) if ctx is not None else None
+        duplicated = cfg.muon_tp_mode == "duplicated" and group is not None and ctx.tp > 1
+        self.group = group if duplicated else None
+        split = [any(not piece.is_whole for piece in spec.pieces) for spec in self.specs]
+        self.peers: list[Optional[list[ShardSpec]]] = [None] * len(self.specs)
+        if self.group is not None and any(split):
+            everyone: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, [spec.pieces if s else None for spec, s in zip(self.specs, split)],
+                                   group=self.group)
+            for k, s in enumerate(split):
+                if s:
+                    self.peers[k] = [ShardSpec(tuple(e[k]), cat_dim=self.specs[k].cat_dim) for e in everyone]
+
+    def update(self, k: int, local: torch.Tensor) -> torch.Tensor:
+        """The orthogonalised, scaled update of parameter ``k`` from its local momentum ``local`` (fp32,
+        parameter-shaped): a collective over the TP group where the parameter's matrices are split."""
+        spec = self.specs[k]
+        peers = self.peers[k]
+        if peers is None:  # whole matrices (or --muon-tp-mode blockwise: each local piece on its own)
+            outs = [orthogonal_update(part, self.cfg) for part in split_local(local, spec)]
+            return torch.cat(outs, dim=spec.cat_dim) if len(outs) > 1 else outs[0]
+        flat = local.contiguous().reshape(-1)
+        gathered = [torch.empty_like(flat) for _ in peers]
+        dist.all_gather(gathered, flat, group=self.group)
+        full: dict[str, torch.Tensor] = {}
+        for peer, data in zip(peers, gathered):
+            for piece, part in zip(peer.pieces, split_local(data.view(peer.shape), peer)):
+                whole = full.setdefault(piece.name, local.new_zeros(piece.full_shape))
+                valid = piece.valid_length
+                whole.narrow(piece.dim, piece.start, valid).copy_(part.narrow(piece.dim, 0, valid))
+        outs = [cut(orthogonal_update(full[piece.name], self.cfg), piece) for piece in spec.pieces]
+        return torch.cat(outs, dim=spec.cat_dim) if len(outs) > 1 else outs[0]
+
+
+def _momentum_step(momentum: torch.Tensor, grad: torch.Tensor, cfg) -> torch.Tensor:
+    """Advance ``momentum`` in place with ``grad``; the tensor to orthogonalise."""
+    mu = cfg.muon_momentum
+    momentum.lerp_(grad, 1.0 - mu)
+    return grad.lerp(momentum, mu) if cfg.muon_nesterov else momentum
+
+
+# ----------------------------------------------------------------------------------------- one rank, every parameter
+class MixedPrecisionMuon:
+    """Muon over every parameter of this rank (AdamW for the fallback ones), with fp32 masters and
+    gradients from ``param.main_grad`` (the TrainingOptimizer interface)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], cfg, ctx=None):
+        from meshtron.optim.optimizer import MixedPrecisionAdamW
+
+        self.params = list(params)
+        self.cfg = cfg
+        muon = [uses_muon(spec_of(p).pieces) for p in self.params]
+        self._muon_pos = {i: k for k, i in enumerate(i for i, m in enumerate(muon) if m)}
+        self._adam_pos = {i: k for k, i in enumerate(i for i, m in enumerate(muon) if not m)}
+        self.muon_params = [p for p, m in zip(self.params, muon) if m]
+        adam_params = [p for p, m in zip(self.params, muon) if not m]
+        self.adam = MixedPrecisionAdamW(adam_params, cfg) if adam_params else None
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.muon_params]
+        self.momentum: list[Optional[torch.Tensor]] = [None] * len(self.muon_params)
+        self.updates = MatrixUpdates(self.muon_params, cfg, ctx)
+        self._step = 0
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None) -> None:
+        if self.adam is not None:
+            self.adam.step(lr, grad_coef)
+        self.ensure_state()
+        decay = 1.0 - lr * self.cfg.weight_decay
+        for k, (p, master) in enumerate(zip(self.muon_params, self.masters)):
+            grad = p.main_grad.float()
+            if grad_coef is not None:
+                grad = grad * grad_coef
+            update = self.updates.update(k, _momentum_step(self.momentum[k], grad, self.cfg))
+            master.mul_(decay).add_(update, alpha=-lr)
+            if master is not p:
+                p.data.copy_(master)
+        self._step += 1
+
+    def state_names(self, index: int) -> tuple[str, ...]:
+        return STATES if index in self._muon_pos else self.adam.state_names(self._adam_pos[index])
+
+    def state_tensors(self, index: int) -> dict[str, torch.Tensor]:
+        if index not in self._muon_pos:
+            return self.adam.state_tensors(self._adam_pos[index])
+        k = self._muon_pos[index]
+        out = {"master": self.masters[k].data}
+        if self.momentum[k] is not None:
+            out["momentum_buffer"] = self.momentum[k]
+        return out
+
+    @torch.no_grad()
+    def load_state_tensors(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        if index not in self._muon_pos:
+            self.adam.load_state_tensors(self._adam_pos[index], tensors)
+            return
+        self.ensure_state()
+        k = self._muon_pos[index]
+        if "master" in tensors:
+            self.masters[k].data.copy_(tensors["master"])
+            if self.masters[k] is not self.muon_params[k]:
+                self.muon_params[k].data.copy_(self.masters[k].data)
+        if "momentum_buffer" in tensors:
+            self.momentum[k].copy_(tensors["momentum_buffer"])
+
+    def ensure_state(self) -> None:
+        if self.adam is not None:
+            self.adam.ensure_state()
+        for k, master in enumerate(self.masters):
+            if self.momentum[k] is None:
+                self.momentum[k] = torch.zeros_like(master.data, dtype=torch.float32)
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    def set_step_count(self, step: int) -> None:
+        self._step = step
+        if self.adam is not None:
+            self.adam.set_step_count(step)
+
+    def finish_param_gather(self) -> None:
+        """Nothing to wait for: the parameters are the weights."""
+
+    def weights_written(self) -> None:
+        """Nothing to copy: the masters follow the weights through load_state_tensors."""
+
+
+# ----------------------------------------------------------------------------------------- distributed optimizer part
+class SegmentMuon:
+    """Muon stepping whole parameters owned by this rank (segments of the flat buffers), a partition of the
+    distributed optimizer with SegmentAdamW's interface."""
+
+    def __init__(self, segments, params: Sequence[nn.Parameter], grad_data, param_data: torch.Tensor, cfg, ctx):
+        from meshtron.optim.grad_buffer import grad_region
+
+        self.segments = [s for s in segments if s.length > 0]
+        for s in self.segments:
+            if s.param_offset != 0 or s.length != params[s.param_index].numel():
+                raise ValueError("Muon steps whole parameters: the layout must not cut one across ranks "
+                                 "(meshtron.optim.buckets.place_buckets(whole=True))")
+        self.shapes = [params[s.param_index].shape for s in self.segments]
+        self.grad_views = [grad_region(grad_data, s.buffer_offset, s.buffer_offset + s.length) for s in self.segments]
+        self.param_data = param_data
+        self.cfg = cfg
+        self.aliased = param_data.dtype == torch.float32
+        views = [param_data[s.buffer_offset:s.buffer_offset + s.length] for s in self.segments]
+        self.master_flat: Optional[torch.Tensor] = None
+        if self.aliased:
+            self.masters = views
+        else:
+            numel = sum(s.length for s in self.segments)
+            self.master_flat = torch.empty(numel, dtype=torch.float32, device=param_data.device)
+            self.masters, offset = [], 0
+            for v, s in zip(views, self.segments):
+                self.masters.append(self.master_flat[offset:offset + s.length])
+                self.masters[-1].copy_(v)
+                offset += s.length
+        self.momentum: list[Optional[torch.Tensor]] = [None] * len(self.segments)
+        self.updates = MatrixUpdates([params[s.param_index] for s in self.segments], cfg, ctx)
+
+    @torch.no_grad()
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        if self.segments:
+            torch._foreach_mul_(self.grad_views, coef)
+
+    def fetch_grads(self) -> None:
+        """Device partitions only (Muon's state is not offloaded)."""
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None, step_number: int = 0) -> None:
+        self.ensure_state(step_number)
+        decay = 1.0 - lr * self.cfg.weight_decay
+        for k, (grad, master, shape) in enumerate(zip(self.grad_views, self.masters, self.shapes)):
+            grad = grad.float()
+            if grad_coef is not None:
+                grad = grad * grad_coef
+            update = self.updates.update(k, _momentum_step(self.momentum[k], grad, self.cfg).view(shape))
+            master.mul_(decay).add_(update.reshape(-1), alpha=-lr)
+
+    @torch.no_grad()
+    def store_params(self) -> None:
+        if self.segments and not self.aliased:
+            torch._foreach_copy_([self.param_data[s.buffer_offset:s.buffer_offset + s.length] for s in self.segments],
+                                 self.masters)
+
+    def finish_store(self) -> None:
+        """Nothing in flight."""
+
+    def ensure_state(self, step: int) -> None:
+        for k, master in enumerate(self.masters):
+            if self.momentum[k] is None:
+                self.momentum[k] = torch.zeros_like(master, dtype=torch.float32)
+
+    def state_of(self, position: int) -> dict[str, torch.Tensor]:
+        out = {"master": self.masters[position]}
+        if self.momentum[position] is not None:
+            out["momentum_buffer"] = self.momentum[position]
+        return out
+
+    @torch.no_grad()
+    def load_segment(self, position: int, key: str, values: torch.Tensor) -> None:
+        self.state_of(position)[key].copy_(values)
+        if key == "master" and not self.aliased:
+            s = self.segments[position]
+            self.param_data[s.buffer_offset:s.buffer_offset + s.length].copy_(self.masters[position])
+
+    def set_step(self, step: int) -> None:
+        """Muon has no step counter (no bias correction)."""
+
+    def state_bytes(self) -> int:
+        total = 0 if self.master_flat is None else self.master_flat.numel() * 4
+        return total + sum(m.numel() * 4 for m in self.momentum if m is not None)
+
+
+def partitions(segments, params, grad_data, param_data, cfg, ctx, host):
+    """The parts that step ``segments`` for the distributed optimizer: AdamW for the fallback tensors, Muon
+    for the hidden matrices."""
+    from meshtron.optim.segment_adam import SegmentAdamW
+
+    muon = [s for s in segments if uses_muon(spec_of(params[s.param_index]).pieces)]
+    adam = [s for s in segments if not uses_muon(spec_of(params[s.param_index]).pieces)]
+    parts = [SegmentAdamW(adam, grad_data, param_data, cfg, host=host)]
+    if host:
+        if muon:
+            raise ValueError("Muon's state is not offloaded to the host")
+        return parts
+    return parts + [SegmentMuon(muon, params, grad_data, param_data, cfg, ctx)]
+
+
