@@ -164,6 +164,7 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
         n_micro = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         data = RandomTokens(cfg.model.vocab_size or 32000, cfg.model.seq_length, t.micro_batch_size, n_micro, t.seed)
         trainer = Trainer(cfg, ctx, data=data)
+        hold_optimizer_state(trainer)
         row = _measure(trainer, cfg, ctx, data, warmup, steps, True, False, False, None, list(argv), split_repeats)
         iteration = warmup + steps + 1
         batches = next(data.train_batches())
@@ -190,6 +191,18 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         _leave_world()
+
+
+def hold_optimizer_state(trainer) -> None:
+    """Create the optimizer's state now, as the real rank holds it from its first applied step on.
+
+    The optimizers create their moments at their first step, and a step is applied only when the loss and the
+    gradient norm are finite. An emulated rank's values are not the real ones: on the GPU under torch 2.11 the
+    single-tensor all-gathers and reduce-scatters (sequence parallelism's) leave their outputs as allocated, and
+    stale bf16 bits are often NaN or inf, so every step of such a rank can be skipped and its peak would miss the
+    moments (8 bytes per parameter of the optimizer's shard): the rows of benchmarks/emulated.jsonl measured
+    before this (docs/planning.md, "The planner against emulation")."""
+    trainer.optimizer.ensure_state()
 
 
 def steady_state_micro_batches(cfg) -> int:

@@ -102,3 +102,30 @@ def test_plan_emulates_its_first_layouts_beside_the_planner():
     assert len(rows) == 1 and "| 2 |" not in "\n".join(table)  # only the first layout was emulated
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert float(cells[3]) >= 0 and int(cells[6].replace(",", "")) > 0  # emulated memory and tok/s/GPU
+
+
+def test_an_emulated_rank_holds_its_optimizer_state_when_every_step_is_skipped(monkeypatch):
+    """Emulated values can be NaN (stale bits in the outputs of torch 2.11's fake single-tensor collectives on the
+    GPU): every step is then skipped, and the moments, which the optimizers create at their first step, must be
+    there all the same (runner.hold_optimizer_state), as in the real job's steady state."""
+    import math
+
+    from meshtron.emulation.runner import emulate_rank
+    from meshtron.training.trainer import Trainer
+
+    held = {}
+    monkeypatch.setattr(Trainer, "_synced", lambda self, norm, loss: [math.nan, math.nan])
+    close = Trainer.close
+
+    def record_then_close(self):
+        held["steps"] = self.optimizer.step_count
+        held["moments"] = sum(t.numel() for i in range(len(self.optimizer.params))
+                              for key, t in self.optimizer.state_tensors(i).items() if key != "master")
+        held["params"] = sum(p.numel() for p in self.optimizer.params)
+        close(self)
+
+    monkeypatch.setattr(Trainer, "close", record_then_close)
+    emulate_rank([*TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "2"],
+                 2, 0, warmup=0, steps=1, split_repeats=1)
+    assert held["steps"] == 0  # no step was applied
+    assert held["moments"] == 2 * held["params"]  # Adam's two moments of every parameter of this rank
