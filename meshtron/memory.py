@@ -78,7 +78,11 @@ layer keeps the all-gathered inputs of its two column-parallel linears (QKV, fc1
 all-gather of the saved shard is merged with the forward's by the compiler, and a collective is not
 recomputed (``2*e*h*(1 - 1/TP)`` per token more, in FP8 ``2*h*(1 - 1/TP)`` for the one-byte copies; not
 with selective recomputation). A compiled TP=2 + SP layer's saved bytes equal this count exactly on the
-CPU (tests/parallel/test_saved_activations_tp.py, also with selective recomputation and FP8).
+CPU (tests/parallel/test_saved_activations_tp.py, also with selective recomputation and FP8), and the
+two-GPU TP=2 + SP rows of revision 0 of :data:`LAYER_SAVES` peak where it puts them. On the GPU today (revision
+7) the compiled layer keeps only the shard, as written: the emulated H100 rows (torch 2.11) of TP 2, 4 and 8
+peak within 1% of the model without that term, 1.6-13 GiB below the model with it (docs/planning.md, "The
+planner against emulation").
 
 Multi-latent attention (``--multi-latent-attention``; ``n`` heads of dims ``dn``/``dr``/``dv``,
 ranks ``rq``/``rkv``): the attention rows become the down projection's output and the normed
@@ -209,8 +213,12 @@ _KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
 #: (through the dispatcher too, with weights 1: the combine weighs); 5 = through the dispatcher too, SwiGLU
 #: experts without an output bias weigh their rows inside the activation, so the combine keeps no rows; 6 = the
 #: FP8 (tensorwise) SwiGLU block without biases is one function (``fp8.swiglu``), which recomputes the product
-#: eagerly too (today's code).
-LAYER_SAVES = 6
+#: eagerly too; 7 = a compiled column-parallel linear under SP keeps only its input shard on the GPU (the
+#: backward gathers it again): the emulated H100 rows e2-e20 of benchmarks/emulated.jsonl (torch 2.11, today's
+#: code) peak where the model without the gathered inputs puts them, the two-GPU rows of revision 0 (c6, c8,
+#: d16-g7) where it counts them (which change in between took the merge away is not established; the CPU's
+#: compiler, torch 2.13, still merges, :func:`layer_activation_bytes`'s ``merged_gathers``).
+LAYER_SAVES = 7
 
 
 @dataclass(frozen=True)
@@ -275,7 +283,8 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            flash_attention: bool = True,
                            selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
                            compiled: bool = True, local_experts: bool = True, fc2_keeps_product: bool = False,
-                           saves: int = LAYER_SAVES, rowwise_fp8: bool = False) -> float:
+                           saves: int = LAYER_SAVES, rowwise_fp8: bool = False,
+                           merged_gathers: Optional[bool] = None) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
 
     ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
@@ -290,6 +299,9 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     earlier code. ``rowwise_fp8``: the dense linears run FP8 rowwise, compiled; their autograd function saves
     its bf16 input, which the compiler recomputes where it is a norm's output (the norm's input and statistics
     are kept anyway), and SwiGLU's product too (counted on the CPU, tests/layers/test_saved_activations.py).
+    ``merged_gathers``: a compiled layer under SP keeps the all-gathered inputs of its column-parallel linears
+    (the compiler merges the backward's all-gather with the forward's): so on the CPU (torch 2.13) and in the
+    two-GPU rows of revision 0; not on the GPU since (revision 7 of :data:`LAYER_SAVES`). None: by ``saves``.
     See the module docstring.
     """
     fp8_sp_path = sequence_parallel and tp > 1  # FP8 linears cast before their sequence-parallel collectives
@@ -322,7 +334,11 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     # collective not being recomputed, keeps the gathered input: the whole sequence, ``lin*h*(1 - 1/TP)``
     # per token more than the shard (counted on the CPU, tests/parallel/test_saved_activations_tp.py).
     # Selective recomputation runs the collectives again (meshtron.layers.recompute).
-    gathered = lin * h * (1 - 1 / tp) if (sequence_parallel and tp > 1 and compiled) else 0.0
+    # On the GPU since revision 7 the merge does not happen (the emulated H100 rows, docs/planning.md "The
+    # planner against emulation"): the linears keep their shards, counted in ``rep``.
+    if merged_gathers is None:
+        merged_gathers = saves < 7
+    gathered = lin * h * (1 - 1 / tp) if (sequence_parallel and tp > 1 and compiled and merged_gathers) else 0.0
     if selective and sequence_parallel and tp > 1:
         # Selective recomputation keeps the output projection's matmul output, which under SP is the
         # whole sequence's partial sum before its reduce-scatter (the collective is recomputed);
