@@ -167,6 +167,7 @@ def report_row(emulated, train_argv: Sequence[str], world: int, gpus_per_node: i
         "gpus_per_node": gpus_per_node, "argv": " ".join(train_argv), "device": emulated.device,
         "profile": profile.name, "micro_batches": emulated.micro_batches,
         "measured_micro_batches": emulated.measured_micro_batches,
+        "optimizer_state_held": True,  # created up front (runner.hold_optimizer_state), skipped steps or not
         "measured": {"peak_mem_gib": emulated.peak_mem_gib, "peak_reserved_gib": emulated.peak_reserved_gib,
                      "step_s_comm_emulated": emulated.step_s, "forward_s": emulated.forward_s,
                      "backward_s": emulated.backward_s, "optimizer_s": emulated.optimizer_s},
