@@ -41,7 +41,9 @@ class PipelineP2P:
     """Sends and receives of one pipeline rank with its neighbouring stages.
 
     ``log`` (optional, for tests and debugging) receives one entry per exchange: a tuple of
-    (op, peer global rank, tag) in posting order.
+    (op, peer global rank, tag) in posting order. ``ledger`` (set by the trainer; None: no bookkeeping)
+    counts every posted operation per peer for the hang report
+    (:class:`meshtron.resilience.p2p_ledger.P2PLedger`).
     """
 
     def __init__(self, ctx: ParallelContext, shape: tuple[int, ...], dtype: torch.dtype,
@@ -57,6 +59,7 @@ class PipelineP2P:
         self.dtype = dtype
         self.device = device or ctx.device
         self.log = log
+        self.ledger = None
         if self.device.type == "cuda":
             # NCCL creates a group's communicator lazily, at its first call, which must involve every
             # rank of the group; point-to-point steps do not, so make the first call a collective one.
@@ -73,32 +76,41 @@ class PipelineP2P:
         return tensor if tensor.is_contiguous() else tensor.contiguous()
 
     def exchange(self, send_next: Optional[torch.Tensor] = None, send_prev: Optional[torch.Tensor] = None,
-                 recv_prev: bool = False, recv_next: bool = False, wait: bool = True):
+                 recv_prev: bool = False, recv_next: bool = False, wait: bool = True,
+                 units: Optional[dict] = None):
         """Send an activation to the next stage and/or a gradient to the previous one; receive an
         activation from the previous stage and/or a gradient from the next one. Returns
         (from previous, from next), after every operation has completed; with ``wait=False``
         returns at once with (from previous, from next, pending work): the received tensors are
         valid, and sent tensors may be released, only after every work of the list has been
-        waited for (``Work.wait()``; on GPUs that orders the current stream after the transfer)."""
+        waited for (``Work.wait()``; on GPUs that orders the current stream after the transfer).
+        ``units``: for the ledger, (chunk, micro-batch, "activation" or "gradient") of each message by
+        direction ("send_next", "recv_prev", "send_prev", "recv_next")."""
         ops: list[dist.P2POp] = []
         entries: list[tuple] = []
         from_prev = self._empty() if recv_prev else None
         from_next = self._empty() if recv_next else None
 
-        def add(op, tensor, peer, tag, name):
+        def add(op, tensor, peer, tag, name, direction):
             ops.append(dist.P2POp(op, tensor, peer, self.group, tag))
             entries.append((name, peer, tag))
+            if self.ledger is not None:
+                if name == "send" and self.ledger.before_send is not None:
+                    self.ledger.before_send()
+                chunk, micro_batch, what = (units or {}).get(direction) or (
+                    None, None, "activation" if tag == _FORWARD_TAG else "gradient")
+                self.ledger.post(name, peer, self.stage, what, chunk, micro_batch)
 
         if send_next is not None:
             add(dist.isend, self._check(send_next, "the activation sent forward"), self.next_rank, _FORWARD_TAG,
-                "send")
+                "send", "send_next")
         if from_prev is not None:
-            add(dist.irecv, from_prev, self.prev_rank, _FORWARD_TAG, "recv")
+            add(dist.irecv, from_prev, self.prev_rank, _FORWARD_TAG, "recv", "recv_prev")
         if send_prev is not None:
             add(dist.isend, self._check(send_prev, "the gradient sent backward"), self.prev_rank, _BACKWARD_TAG,
-                "send")
+                "send", "send_prev")
         if from_next is not None:
-            add(dist.irecv, from_next, self.next_rank, _BACKWARD_TAG, "recv")
+            add(dist.irecv, from_next, self.next_rank, _BACKWARD_TAG, "recv", "recv_next")
         works = dist.batch_isend_irecv(ops) if ops else []
         if self.log is not None:
             self.log.append(tuple(entries))

@@ -117,6 +117,13 @@ class Compute:
         return (self.chunk, self.micro_batch)
 
 
+def _labelled(unit: Optional[Unit], what: str, other: Optional[Unit], other_what: str) -> Optional[tuple]:
+    """(chunk, micro-batch, what travels) of an exchange's message in one direction, for the hang report."""
+    if unit is not None:
+        return (*unit, what)
+    return (*other, other_what) if other is not None else None
+
+
 @dataclass(frozen=True)
 class Exchange:
     """One batched exchange: each field names the (chunk, micro-batch) whose tensor travels.
@@ -566,11 +573,18 @@ def run_plan(plan: Sequence[Step], model_chunks: Sequence[nn.Module], micro_batc
                        else outputs[step.send_prev_activation] if step.send_prev_activation is not None else None)
             want_prev = step.recv_prev is not None or step.recv_prev_grad is not None
             want_next = step.recv_next is not None or step.recv_next_activation is not None
+            units = None
+            if p2p.ledger is not None:  # what each message is, for the hang report
+                units = {"send_next": _labelled(step.send_next, "activation", step.send_next_grad, "gradient"),
+                         "recv_prev": _labelled(step.recv_prev, "activation", step.recv_prev_grad, "gradient"),
+                         "send_prev": _labelled(step.send_prev, "gradient", step.send_prev_activation, "activation"),
+                         "recv_next": _labelled(step.recv_next, "gradient", step.recv_next_activation, "activation")}
             if pending is None:
-                from_prev, from_next = p2p.exchange(to_next, to_prev, want_prev, want_next)
+                from_prev, from_next = p2p.exchange(to_next, to_prev, want_prev, want_next, units=units)
             else:
                 pending.release_completed()
-                from_prev, from_next, works = p2p.exchange(to_next, to_prev, want_prev, want_next, wait=False)
+                from_prev, from_next, works = p2p.exchange(to_next, to_prev, want_prev, want_next, wait=False,
+                                                           units=units)
                 pending.add(works, step, tuple(t for t in (to_next, to_prev) if t is not None),
                             None if forward_only or sent_output is None else outputs[sent_output])
             stats.exchanges += 1

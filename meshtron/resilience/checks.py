@@ -13,7 +13,8 @@ def check_resilience(cfg: Any, world_size: Optional[int]) -> None:
     ``--max-restarts``; raises ConfigError naming the flag."""
     t, p = cfg.train, cfg.parallel
     if t.inject_fault:
-        check_faults(t.inject_fault, world_size if world_size is not None else 1 << 62, t.train_iters)
+        check_faults(t.inject_fault, world_size if world_size is not None else 1 << 62, t.train_iters,
+                     p.pipeline_model_parallel_size)
     for flag, value in (("--hang-timeout-seconds", t.hang_timeout_seconds),
                         ("--hang-startup-timeout-seconds", t.hang_startup_timeout_seconds),
                         ("--max-restarts", cfg.launcher.max_restarts)):

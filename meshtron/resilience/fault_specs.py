@@ -13,7 +13,7 @@ from meshtron.config import ConfigError
 
 FLAG = "--inject-fault"
 FORM = "KIND:RANK:ITERATION[:ARG]"
-FAULT_KINDS: tuple[str, ...] = ("crash", "hang", "slow", "nan", "nan-persistent", "bitflip")
+FAULT_KINDS: tuple[str, ...] = ("crash", "hang", "hang-send", "slow", "nan", "nan-persistent", "bitflip")
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,15 @@ def parse_faults(texts: Iterable[str]) -> list[FaultSpec]:
     return [parse_fault(t) for t in texts]
 
 
-def check_faults(texts: Iterable[str], world_size: int, train_iters: Optional[int] = None) -> list[FaultSpec]:
-    """Parse and check the specs against the job: RANK below the world size. Raises ConfigError."""
+def check_faults(texts: Iterable[str], world_size: int, train_iters: Optional[int] = None,
+                 pipeline_stages: int = 1) -> list[FaultSpec]:
+    """Parse and check the specs against the job: RANK below the world size; ``hang-send`` only with
+    pipeline parallelism. Raises ConfigError."""
     specs = parse_faults(texts)
     for spec in specs:
+        if spec.kind == "hang-send" and pipeline_stages < 2:
+            raise ConfigError(f"{FLAG} {spec}: hang-send stops a pipeline send and needs "
+                              f"--pipeline-model-parallel-size > 1; use hang for a collective")
         if spec.rank >= world_size:
             raise ConfigError(f"{FLAG} {spec}: rank {spec.rank} does not exist in a world of {world_size} "
                               f"process(es); expected {FORM}")

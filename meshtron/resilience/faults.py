@@ -7,6 +7,7 @@ real multi-process run:
 ==================  ====================================================================
 ``crash``           the rank's process dies at once (SIGKILL) when ITERATION starts
 ``hang``            the rank blocks forever right before ITERATION's first collective
+``hang-send``       the rank blocks forever right before its first pipeline send of ITERATION
 ``slow``            the rank sleeps ARG seconds in every iteration from ITERATION on
 ``nan``             the rank's loss and gradients of ITERATION are NaN once; a re-run of
                     the iteration is clean
@@ -101,6 +102,11 @@ class FaultInjector:
     def hang_point(self, iteration: int) -> None:
         """``hang``: block forever; call right before the iteration's first collective."""
         if self._due("hang", iteration) is not None:
+            _block_forever()
+
+    def hang_before_send(self, iteration: int) -> None:
+        """``hang-send``: block forever; call right before each pipeline send is posted."""
+        if self._due("hang-send", iteration) is not None:
             _block_forever()
 
     def _nan_due(self, iteration: int, attempt: int) -> bool:

@@ -13,7 +13,10 @@ communicators are never used. Every rank still alive then posts what it knows:
   (``ProcessGroup._get_sequence_number_for_group``), compiled code included, so a rank
   that never reached a collective has a lower count than its peers in that group;
 - its iteration and phase, and its main thread's Python stack, whose innermost
-  ``torch.distributed`` frame is the collective it waits in.
+  ``torch.distributed`` frame is the collective it waits in;
+- its pipeline's point-to-point operations per peer, counted by meshtron itself
+  (:mod:`meshtron.resilience.p2p_ledger`), because NCCL's counts leave them out: a pair whose counts
+  disagree names the rank waiting, its peer, the stage and the micro-batch of the message.
 
 The rank that declared the hang combines the posts into one report: the ranks behind,
 the group and collective they never reached (from the stacks of the ranks ahead), the
@@ -39,6 +42,8 @@ from typing import Any, Callable, MutableMapping, Optional, Sequence
 
 import torch.distributed as dist
 
+from meshtron.resilience.p2p_ledger import P2PLedger, describe, stuck_pairs
+
 #: Exit code of every live rank after a hang was reported: a failure while running.
 HANG_EXIT_CODE = 1
 #: Phases whose allowance is the startup one: they legitimately run long without an iteration.
@@ -58,16 +63,18 @@ _TORCH = os.sep + "torch" + os.sep
 class Progress:
     """Where this rank is: the trainer stores ``iteration`` and ``phase`` (plain attributes, no sync)."""
 
-    __slots__ = ("iteration", "phase", "beats", "first_iteration_done")
+    __slots__ = ("iteration", "phase", "beats", "first_iteration_done", "p2p")
 
     def __init__(self) -> None:
         self.iteration = 0
         self.phase = "startup"
         self.beats = 0  # bumped by long loops (evaluation batches) so that they count as progress
         self.first_iteration_done = False
+        self.p2p = P2PLedger()  # the pipeline's sends and receives (PipelineP2P counts into it)
 
     def snapshot(self) -> tuple:
-        return (self.iteration, self.phase, self.beats)
+        posted = self.p2p.posted
+        return (self.iteration, self.phase, self.beats, sum(posted["send"].values()) + sum(posted["recv"].values()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +159,8 @@ def rank_entry(rank: int, progress: Progress, groups: Sequence[tuple[str, dist.P
     """What this rank posts when a hang is declared."""
     stack, waiting = main_thread_state()
     return {"rank": rank, "host": os.uname().nodename, "pid": os.getpid(), "iteration": progress.iteration,
-            "phase": progress.phase, "counts": operation_counts(groups), "waiting_in": waiting, "stack": stack}
+            "phase": progress.phase, "counts": operation_counts(groups), "p2p": progress.p2p.snapshot(),
+            "waiting_in": waiting, "stack": stack}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +193,11 @@ def attribute_hang(entries: dict[int, dict], world_size: int, declared_by: int) 
                         "collective": calls.most_common(1)[0][0], "caller": callers.most_common(1)[0][0]})
     # The smallest group with a lag is the most precise statement (dp_cp rather than world).
     lagging.sort(key=lambda g: (len(g["group_ranks"]), g["group"]))
+    # The pipeline's sends and receives, by meshtron's own counts (NCCL's leave them out): a stuck pair is the
+    # most precise statement of all, so its peer leads the ranks behind.
+    pairs = stuck_pairs({r: e["p2p"] for r, e in entries.items() if e.get("p2p")})
+    if pairs:
+        return _p2p_report(entries, world_size, declared_by, not_reporting, lagging, pairs)
     behind = sorted({r for g in lagging for r in g["behind"]})
     suspects = behind or not_reporting
     where = [entries[r] for r in behind] or list(entries.values())
@@ -208,11 +221,34 @@ def attribute_hang(entries: dict[int, dict], world_size: int, declared_by: int) 
     }
 
 
+def _p2p_report(entries: dict[int, dict], world_size: int, declared_by: int, not_reporting: list,
+                lagging: list, pairs: list) -> dict:
+    """The ``hang`` event when pipeline ranks disagree on their sends and receives: the peers that never
+    posted the message their partner waits for are behind."""
+    behind = sorted({p["peer"] for p in pairs} - {p["waiting"] for p in pairs}) or sorted({p["peer"] for p in pairs})
+    first = pairs[0]
+    where = [entries[r] for r in behind if r in entries] or list(entries.values())
+    iterations = sorted({e["iteration"] for e in where})
+    phases = sorted({e["phase"] for e in where})
+    return {
+        "type": "hang", "time": time.time(), "declared_by": declared_by, "world_size": world_size,
+        "ranks_behind": behind, "collective": first["op"], "group": "pp",
+        "group_ranks": sorted({first["waiting"], first["peer"]}), "caller": None,
+        "iteration": iterations[0] if iterations else None, "phase": phases[0] if len(phases) == 1 else phases,
+        "not_reporting": not_reporting, "lagging_groups": lagging,
+        "stuck_pairs": [dict(p, text=describe(p)) for p in pairs],
+        "ranks": {str(r): {k: v for k, v in e.items() if k != "stack"} for r, e in sorted(entries.items())},
+        "stacks": {str(r): e.get("stack", []) for r, e in sorted(entries.items())},
+    }
+
+
 def summary_line(report: dict) -> str:
     """The report in one sentence (the log line and the head of the .txt file)."""
     who = ", ".join(map(str, report["ranks_behind"])) or "none identified"
     parts = [f"hang detected: rank(s) {who} behind"]
-    if report["group"] is not None:
+    if report.get("stuck_pairs"):
+        parts.append(report["stuck_pairs"][0]["text"])
+    elif report["group"] is not None:
         parts.append(f"never reached {report['collective']} on group {report['group']} "
                      f"(ranks {report['group_ranks']}), where the others wait"
                      + (f" (called from {report['caller']})" if report.get("caller") else ""))

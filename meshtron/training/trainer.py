@@ -130,6 +130,11 @@ class Trainer:
         # Where this rank is (plain attribute stores read by the hang watchdog) and the drills' faults.
         self.progress = Progress()
         self.faults = FaultInjector.from_config(cfg, ctx.rank)  # None without --inject-fault
+        p2p = getattr(self.schedule, "keywords", {}).get("p2p")
+        if p2p is not None:  # the pipeline's sends and receives, counted for the hang report
+            p2p.ledger = self.progress.p2p
+            if self.faults is not None:
+                self.progress.p2p.before_send = lambda: self.faults.hang_before_send(self.progress.iteration)
         # Straggler timing, NaN/spike re-runs and the weight-hash check: each None when off.
         self.straggler = StragglerDetector.from_config(cfg, ctx)
         self.rerun = RerunGuard.from_config(cfg, ctx, self.tracker, self.model_chunks)
