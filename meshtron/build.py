@@ -63,7 +63,8 @@ def build_stage(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int,
                     recompute_layers=recompute_layer_ids(cfg, ids),
                     selective_recompute=cfg.train.recompute_granularity == "selective",
                     make_mlp=make_mlp if make_mlp is not None else moe_mlp_factory(cfg),
-                    cp_comm_type=cfg.parallel.cp_comm_type)
+                    cp_comm_type=cfg.parallel.cp_comm_type,
+                    cp_a2a_size=(cfg.parallel.hierarchical_context_parallel_sizes or [None])[0])
 
 
 def prepare_stage(model: GPTModel, cfg: MeshtronConfig, ctx: ParallelContext, tracker: RNGTracker,

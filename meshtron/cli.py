@@ -214,6 +214,9 @@ def coerce(spec: FlagSpec, value: Any) -> Any:
         if spec.optional or spec.kind is list:
             return [] if spec.kind is list else None
         raise ValueError("a value is required (null is not allowed)")
+    if spec.kind is not list and spec.nargs == "+" and isinstance(value, (list, tuple)):
+        # a per-layer list of a one-value field (--cp-comm-type): checked here, reduced to one value later
+        return [coerce(dataclasses.replace(spec, nargs=None), v) for v in value]
     if spec.kind is list:
         if isinstance(value, dict):
             raise ValueError(f"expected a list of values, got a mapping {value!r}")
@@ -388,7 +391,7 @@ def parse_train_args(argv: Sequence[str]) -> TrainArgs:
     config_file = flags.pop("config", None)
     from_yaml = load_yaml_config(config_file) if config_file else {}
 
-    given = {**from_yaml, **flags}
+    given = _one_value_per_field({**from_yaml, **flags})
     base = quickstart_base(given, config_file)
     cfg = MeshtronConfig()
     preset = given.get("model", base.get("model"))
@@ -403,6 +406,22 @@ def parse_train_args(argv: Sequence[str]) -> TrainArgs:
         _apply_checkpoint_model_args(cfg, given)
     _check_compat_values(given, cfg)
     return TrainArgs(cfg, given, config_file, tuple(name for name in base if name not in given))
+
+
+def _one_value_per_field(given: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's per-layer ``--cp-comm-type`` list as meshtron's one value (a mixed list is refused), and
+    ``--hierarchical-context-parallel-sizes`` as integers."""
+    from meshtron.parallel.context_parallel.comm_types import single_comm_type
+
+    if isinstance(given.get("cp_comm_type"), list):
+        given["cp_comm_type"] = single_comm_type(given["cp_comm_type"])
+    if "hierarchical_context_parallel_sizes" in given:
+        try:
+            given["hierarchical_context_parallel_sizes"] = [int(v) for v in given["hierarchical_context_parallel_sizes"]]
+        except ValueError:
+            raise ConfigError("--hierarchical-context-parallel-sizes: expected integers, got "
+                              f"{' '.join(map(str, given['hierarchical_context_parallel_sizes']))}") from None
+    return given
 
 
 def _check_compat_values(given: dict[str, Any], cfg: MeshtronConfig) -> None:

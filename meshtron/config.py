@@ -112,6 +112,10 @@ class ModelConfig:
     moe_router_force_load_balancing: bool = opt(False, "For benchmarks and emulation only: experts are chosen from "
                                                        "random logits (balanced over experts on average), not from "
                                                        "the tokens; the router still runs and gets gradients.")
+    moe_router_force_skew: float = opt(0.0, "With --moe-router-force-load-balancing (benchmarks and emulation): "
+                                            "shift expert e's random logit by -S ln(e + 1), so that expert 0 is "
+                                            "chosen most often, expert 1 next, and so on (hot experts, and the "
+                                            "first expert-parallel rank the hottest); 0: balanced.")
     moe_router_bias_update_rate: float = opt(1e-3, "Update rate of the per-expert bias.")
     moe_expert_capacity_factor: Optional[float] = opt(None, "Capacity factor; tokens over capacity are dropped.")
     moe_pad_expert_input_to_capacity: bool = opt(False, "With --moe-expert-capacity-factor: send every expert exactly "
@@ -158,7 +162,15 @@ class ParallelConfig:
                                                           "splitting layers over pipeline stages (the last model "
                                                           "chunk holds one layer fewer).")
     context_parallel_size: int = opt(1, "Context-parallel size (split the sequence).")
-    cp_comm_type: str = opt("p2p", "Context-parallel attention communication.", choices=("p2p", "allgather"))
+    cp_comm_type: str = opt("p2p", "Context-parallel attention communication: p2p (ring attention), allgather "
+                                   "(keys and values gathered once), a2a (DeepSpeed-Ulysses: heads exchanged for "
+                                   "sequence; the heads per TP rank must divide by CP), a2a+p2p (a2a inside groups, "
+                                   "ring across them: --hierarchical-context-parallel-sizes). Megatron's per-layer "
+                                   "list is accepted when every value is the same.",
+                            choices=("p2p", "allgather", "a2a", "a2a+p2p"), nargs="+")
+    hierarchical_context_parallel_sizes: list = opt(
+        [], "With --cp-comm-type a2a+p2p: A B, all-to-all inside groups of A consecutive CP ranks and the ring "
+            "across the B groups (A x B = --context-parallel-size).", nargs="+", metavar="N")
     expert_model_parallel_size: int = opt(1, "Expert-parallel size.")
     expert_tensor_parallel_size: Optional[int] = opt(None, "Tensor-parallel size inside experts (default: TP).")
     sequence_parallel: bool = opt(False, "Sequence parallelism for norms/dropout (needs TP > 1).")

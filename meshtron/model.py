@@ -15,11 +15,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtron.config import ModelConfig, padded_vocab_size
-from meshtron.layers.attention import KVCache, attention_mask_from_documents
+from meshtron.config import ConfigError, ModelConfig, padded_vocab_size
+from meshtron.layers.attention import KVCache
+from meshtron.layers.documents import DocumentMask
 from meshtron.layers.activation_offload import ActivationOffloader
 from meshtron.layers.attention_kinds import attention_class
-from meshtron.parallel.context_parallel.attention import check_comm_type, context_parallel_inputs
+from meshtron.parallel.context_parallel.attention import check_comm_type, context_parallel_inputs, cp_subgroups
 from meshtron.layers.cross_entropy import linear_cross_entropy
 from meshtron.layers.embedding import VocabParallelEmbedding
 from meshtron.layers.mlp import MLP
@@ -87,12 +88,21 @@ class GPTModel(nn.Module):
                  layer_ids: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True,
                  sequence_parallel: bool = False, recompute_layers: Sequence[int] = (),
                  selective_recompute: bool = False,
-                 make_mlp=None, cp_comm_type: str = "p2p"):
+                 make_mlp=None, cp_comm_type: str = "p2p", cp_a2a_size: Optional[int] = None):
         super().__init__()
         self.cfg = cfg
         self.ctx = ctx
         check_comm_type(cp_comm_type)  # how CP attention exchanges keys and values (--cp-comm-type)
         self.cp_comm_type = cp_comm_type
+        # a2a+p2p: ranks of one all-to-all group (A of --hierarchical-context-parallel-sizes A B); its groups
+        # are made now, while every rank builds its model, not at the first forward
+        self.cp_a2a_size = cp_a2a_size
+        if cp_comm_type == "a2a+p2p" and ctx.cp > 1:
+            if not cp_a2a_size or ctx.cp % cp_a2a_size:
+                raise ConfigError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B with "
+                                  f"A x B = --context-parallel-size ({ctx.cp})")
+            if 1 < cp_a2a_size < ctx.cp:
+                cp_subgroups(ctx, cp_a2a_size)
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, ctx.tp)
         self.pre_process, self.post_process = pre_process, post_process
@@ -219,9 +229,10 @@ class GPTModel(nn.Module):
             seq = x.shape[0] * (self.ctx.tp if self.sequence_parallel else 1)
         rope = self._rope(seq, position_ids, x.device, x.dtype, position_offset)
         if cp > 1:
-            mask = context_parallel_inputs(self.ctx, self.cp_comm_type, document_ids)
+            mask = context_parallel_inputs(self.ctx, self.cp_comm_type, document_ids, self.cp_a2a_size)
         else:
-            mask = attention_mask_from_documents(document_ids) if document_ids is not None else None
+            # packed documents: one block mask for every layer (no S x S tensor on CUDA)
+            mask = DocumentMask.causal(document_ids) if document_ids is not None else None
         x = self._run_layers(x, rope, mask, caches)
         if not self.post_process:
             return x

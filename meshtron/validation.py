@@ -46,6 +46,7 @@ from typing import Iterable, Optional, Sequence
 
 from meshtron.config import (
     SECTIONS, CheckpointConfig, DataConfig, LogConfig, MeshtronConfig, ModelConfig, OptimConfig, ffn_size, flag_name,
+    num_kv_heads,
 )
 from meshtron.errors import ConfigError
 from meshtron.launcher import check_launcher
@@ -349,6 +350,12 @@ def _check_model(m: ModelConfig) -> None:
                             ("--moe-router-bias-update-rate", m.moe_router_bias_update_rate)):
             if value is not None and value < 0:
                 raise ConfigError(f"{flag} must be >= 0, got {value}")
+    if m.moe_router_force_skew:
+        if not m.moe_router_force_skew > 0:
+            raise ConfigError(f"--moe-router-force-skew must be >= 0, got {m.moe_router_force_skew}")
+        if not m.moe_router_force_load_balancing:
+            raise ConfigError("--moe-router-force-skew shapes the forced routing: it needs "
+                              "--moe-router-force-load-balancing")
     _check_group_routing(m)
     _check_multi_latent_attention(m)
     scaling = m.moe_router_topk_scaling_factor
@@ -435,11 +442,38 @@ def _check_parallel(cfg: MeshtronConfig) -> None:
     if p.sequence_parallel and m.seq_length % (tp * cp):
         raise ConfigError(f"--seq-length ({m.seq_length}) must be divisible by --tensor-model-parallel-size ({tp})"
                           + (f" x --context-parallel-size ({cp})" if cp > 1 else "") + " with --sequence-parallel")
+    _check_cp_comm_type(cfg)
     layout_from_config(cfg)  # raises the error that names the flags of an impossible layer split
     _check_experts(cfg)
     if p.distributed_backend == "nccl" and cfg.train.device == "cpu":
         raise ConfigError("--distributed-backend nccl needs --device cuda (use gloo on CPU)")
     _check_sharding_strategy(cfg)
+
+
+def _check_cp_comm_type(cfg: MeshtronConfig) -> None:
+    """--cp-comm-type (one value), --hierarchical-context-parallel-sizes, and the heads all-to-all CP splits."""
+    from meshtron.parallel.context_parallel.comm_types import a2a_degree, check_a2a_heads, single_comm_type
+
+    m, p = cfg.model, cfg.parallel
+    p.cp_comm_type = single_comm_type(p.cp_comm_type)
+    tp, cp, comm = p.tensor_model_parallel_size, p.context_parallel_size, p.cp_comm_type
+    sizes = p.hierarchical_context_parallel_sizes or []
+    try:
+        sizes = [int(v) for v in sizes]
+    except (TypeError, ValueError):
+        raise ConfigError(f"--hierarchical-context-parallel-sizes: expected integers, got {sizes}") from None
+    p.hierarchical_context_parallel_sizes = sizes
+    if comm == "a2a+p2p":
+        if len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+            raise ConfigError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B with A x B = "
+                              f"--context-parallel-size ({cp}), got {' '.join(map(str, sizes)) or 'none'}")
+    elif sizes:
+        raise ConfigError(f"--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p, not {comm}")
+    degree = a2a_degree(comm, cp, sizes)
+    if cp > 1 and degree > 1:
+        heads = m.num_attention_heads // tp
+        groups = heads if m.multi_latent_attention else max(1, num_kv_heads(m) // tp)
+        check_a2a_heads(heads, groups, degree, tp, comm)
 
 
 def _check_sharding_strategy(cfg: MeshtronConfig) -> None:

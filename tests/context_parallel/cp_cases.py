@@ -59,13 +59,15 @@ def _attention_case(ctx: ParallelContext, comm_type: str, seed: int, documents: 
     split = lambda t: split_sequence(t, ctx.cp, ctx.cp_rank, dim=2)  # noqa: E731
     q, k, v = (split(t).clone().requires_grad_() for t in (q, k, v))
     local_docs = None if docs is None else split_sequence(docs, ctx.cp, ctx.cp_rank, dim=1)
-    out = context_parallel_attention(q, k, v, context_parallel_inputs(ctx, comm_type, local_docs))
+    a2a_size = 2 if comm_type == "a2a+p2p" else None  # hierarchical: groups of 2 (CP 4: 2 x 2; CP 2: a2a alone)
+    out = context_parallel_attention(q, k, v, context_parallel_inputs(ctx, comm_type, local_docs, a2a_size))
     out.backward(split(dout))
     full = lambda t: gather_sequence(t.detach(), ctx.cp_group, dim=2)  # noqa: E731
     return full(out), full(q.grad), full(k.grad), full(v.grad)
 
 
-ATTENTION_CASES = [(comm, docs) for comm in ("p2p", "allgather") for docs in (False, True)]
+# a2a with CP 4 and 2 key/value heads repeats each of them twice (4 heads split over 4 ranks)
+ATTENTION_CASES = [(comm, docs) for comm in ("p2p", "allgather", "a2a", "a2a+p2p") for docs in (False, True)]
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -109,7 +111,8 @@ def model_batch(seed: int, documents: bool) -> dict:
 
 def run_model(cfg: ModelConfig, ctx: ParallelContext, sp: bool, comm_type: str, documents: bool):
     """Logits, total loss, per-token losses (full sequence order) and canonical gradients."""
-    model = GPTModel(cfg, ctx, VOCAB, sequence_parallel=sp, cp_comm_type=comm_type)
+    model = GPTModel(cfg, ctx, VOCAB, sequence_parallel=sp, cp_comm_type=comm_type,
+                     cp_a2a_size=2 if comm_type == "a2a+p2p" else None)
     initialize_parameters(model, 7, torch.device("cpu"), torch.float32)
     params = list(model.parameters())
     buffer = GradBuffer(params)
@@ -136,12 +139,16 @@ MODEL_CASES = {
         ("llama-cp2-allgather", "llama", 1, False, "allgather", False),
         ("llama-cp2-p2p-documents", "llama", 1, False, "p2p", True),
         ("llama-cp2-allgather-documents", "llama", 1, False, "allgather", True),
-        ("gpt-cp2-p2p", "gpt", 1, False, "p2p", False)],
+        ("gpt-cp2-p2p", "gpt", 1, False, "p2p", False),
+        ("llama-cp2-a2a-documents", "llama", 1, False, "a2a", True)],
     4: [("llama-cp4-p2p", "llama", 1, False, "p2p", False),
         ("llama-cp4-allgather-documents", "llama", 1, False, "allgather", True),
         ("llama-tp2-sp-cp2-p2p", "llama", 2, True, "p2p", False),
         ("llama-tp2-cp2-allgather", "llama", 2, False, "allgather", False),
-        ("llama-tp2-sp-cp2-p2p-documents", "llama", 2, True, "p2p", True)],
+        ("llama-tp2-sp-cp2-p2p-documents", "llama", 2, True, "p2p", True),
+        ("llama-cp4-a2a", "llama", 1, False, "a2a", False),
+        ("llama-cp4-a2a+p2p-documents", "llama", 1, False, "a2a+p2p", True),
+        ("llama-tp2-sp-cp2-a2a-documents", "llama", 2, True, "a2a", True)],
 }
 
 

@@ -13,6 +13,15 @@ keys and values of the other ranks reach it in one of two ways:
 * ``allgather``: keys and values are all-gathered once (overlapped with the local
   diagonal blocks), every local query chunk attends to its causal prefix, and
   backward reduce-scatters the key/value gradients.
+* ``a2a`` (DeepSpeed-Ulysses): one all-to-all each for q, k and v turns
+  [local tokens, all heads] into [whole sequence, heads / CP]; the rows are put back
+  in sequence order (undoing the load-balanced split), the same SDPA call as without
+  CP attends (causal or the whole sequence's document mask), and one all-to-all
+  returns the output. Key/value heads that do not split over CP are repeated.
+* ``a2a+p2p`` (hierarchical, ``--hierarchical-context-parallel-sizes A B``): the
+  all-to-all runs inside groups of A consecutive CP ranks; the group's tokens are
+  then exactly the load-balanced share of a ring of B ranks (chunks of A x c tokens),
+  and ring attention runs across the B groups on the exchanged heads.
 
 Partial results of the blocks are merged exactly through their log-sum-exp, so the
 output equals full causal attention up to floating-point rounding. Traffic is at
@@ -35,18 +44,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from meshtron.config import ConfigError
+from meshtron.parallel.context_parallel.comm_types import (COMM_TYPES, a2a_degree, a2a_kv_replicas,  # noqa: F401
+                                                           check_a2a_heads, check_comm_type, single_comm_type)
 from meshtron.parallel.context_parallel.kernels import select_kernel
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.context_parallel.split import chunk_owner, local_token_indices
 
-COMM_TYPES = ("p2p", "allgather")
 _KV_TAG, _DKV_TAG = 11, 12  # distinct tags: gloo matches messages between two ranks by tag
-
-
-def check_comm_type(comm_type: str) -> None:
-    if comm_type not in COMM_TYPES:
-        raise ConfigError(f"--cp-comm-type must be one of {', '.join(COMM_TYPES)}, got {comm_type!r}")
 
 
 # ----------------------------------------------------------------------------------------------- plans
@@ -115,6 +119,11 @@ class ContextParallelInputs:
     rank: int
     comm_type: str
     document_ids: Optional[torch.Tensor] = None  # [cp, batch, local seq]: every rank's local document ids
+    # a2a and a2a+p2p: the group whose ranks exchange heads for sequence, its size and this rank's place in it
+    a2a_group: Optional[dist.ProcessGroup] = None
+    a2a_size: int = 1
+    a2a_rank: int = 0
+    ring: Optional["ContextParallelInputs"] = None  # a2a+p2p: the ring across a2a groups (after the exchange)
 
     @property
     def next_rank(self) -> int:
@@ -126,8 +135,13 @@ class ContextParallelInputs:
 
 
 def context_parallel_inputs(ctx: ParallelContext, comm_type: str,
-                            document_ids: Optional[torch.Tensor] = None) -> ContextParallelInputs:
-    """Inputs for :func:`context_parallel_attention` from this rank's local ``document_ids`` [b, local seq]."""
+                            document_ids: Optional[torch.Tensor] = None,
+                            a2a_size: Optional[int] = None) -> ContextParallelInputs:
+    """Inputs for :func:`context_parallel_attention` from this rank's local ``document_ids`` [b, local seq].
+
+    ``a2a_size``: the ranks of one all-to-all group under ``a2a+p2p`` (A of
+    ``--hierarchical-context-parallel-sizes A B``; its groups come from :func:`cp_subgroups`, made when the
+    model was built)."""
     check_comm_type(comm_type)
     if ctx.cp_group is None:
         raise ValueError("context-parallel attention needs a CP process group (--context-parallel-size > 1)")
@@ -137,7 +151,40 @@ def context_parallel_inputs(ctx: ParallelContext, comm_type: str,
         docs = local.new_empty((ctx.cp * local.shape[0],) + tuple(local.shape[1:]))
         dist.all_gather_into_tensor(docs, local, group=ctx.cp_group)
         docs = docs.view((ctx.cp,) + tuple(local.shape))
-    return ContextParallelInputs(ctx.cp_group, ctx.cp, ctx.cp_rank, comm_type, docs)
+    a = ctx.cp if comm_type == "a2a" else (a2a_size or ctx.cp) if comm_type == "a2a+p2p" else 1
+    if comm_type == "a2a+p2p" and a == 1:
+        comm_type = "p2p"  # groups of one rank: the ring alone
+    if comm_type == "a2a+p2p" and a == ctx.cp:
+        comm_type = "a2a"  # one group: all-to-all alone
+    inputs = ContextParallelInputs(ctx.cp_group, ctx.cp, ctx.cp_rank, comm_type, docs)
+    if comm_type == "a2a":
+        inputs.a2a_group, inputs.a2a_size, inputs.a2a_rank = ctx.cp_group, ctx.cp, ctx.cp_rank
+    elif comm_type == "a2a+p2p":
+        a2a_group, ring_group = cp_subgroups(ctx, a)
+        b = ctx.cp // a
+        inputs.a2a_group, inputs.a2a_size, inputs.a2a_rank = a2a_group, a, ctx.cp_rank % a
+        ring_docs = None
+        if docs is not None:  # every ring rank's tokens after the exchange, as the ring of B ranks holds them
+            ring_docs = _rank_order(_global_order(docs).unsqueeze(-1), b).squeeze(-1)
+        inputs.ring = ContextParallelInputs(ring_group, b, ctx.cp_rank // a, "p2p", ring_docs)
+    return inputs
+
+
+def cp_subgroups(ctx: ParallelContext, a2a_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(all-to-all group, ring group) of this rank for hierarchical CP with all-to-all groups of ``a2a_size``
+    consecutive CP ranks: CP rank ``r`` is member ``r % A`` of all-to-all group ``r // A`` and member ``r // A``
+    of ring ``r % A``. Created once (cached on the context); every rank must call this in the same order, so
+    the model calls it when it is built."""
+    cache = ctx.__dict__.setdefault("_cp_subgroups", {})
+    if a2a_size not in cache:
+        from meshtron.parallel.context import _groups_varying, _new_groups, rank_grid
+
+        grid = rank_grid(ctx.tp, ctx.cp, ctx.dp, ctx.pp)
+        cp_groups = _groups_varying(grid, (2,))
+        a2a = [g[i:i + a2a_size] for g in cp_groups for i in range(0, ctx.cp, a2a_size)]
+        ring = [g[i::a2a_size] for g in cp_groups for i in range(a2a_size)]
+        cache[a2a_size] = (_new_groups(a2a, ctx.rank, None, ctx.timeout), _new_groups(ring, ctx.rank, None, ctx.timeout))
+    return cache[a2a_size]
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -398,6 +445,87 @@ class _AllGatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None
 
 
+# ----------------------------------------------------------------------------------------------- all-to-all
+class _AllToAll(torch.autograd.Function):
+    """``x`` [n, ...]: slice j goes to member j of ``group``; returns [n, ...] with slice i from member i.
+    The exchange is its own inverse, so backward exchanges the gradient the same way."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def _a2a_rows(inputs: ContextParallelInputs, seq_local: int, device: torch.device) -> torch.Tensor:
+    """Row order after the exchange: index ``i`` of the attention's sequence is row ``rows[i]`` of the exchanged
+    tokens (the members' local tokens one after another). ``a2a``: the global sequence order; ``a2a+p2p``: the
+    load-balanced local order of the ring of B ranks (chunks of A x c tokens)."""
+    a, cp = inputs.a2a_size, inputs.cp
+    first = inputs.rank - inputs.a2a_rank  # CP rank of the group's first member
+    held = torch.cat([local_token_indices(seq_local, cp, first + m, device) for m in range(a)])
+    if inputs.ring is None:
+        wanted = torch.arange(cp * seq_local, device=device)
+    else:
+        wanted = local_token_indices(a * seq_local, inputs.ring.cp, inputs.ring.rank, device)
+    where = torch.full((cp * seq_local,), -1, dtype=torch.long, device=device)
+    where[held] = torch.arange(held.numel(), device=device)
+    return where[wanted]
+
+
+def _seq_to_heads(x: torch.Tensor, inputs: ContextParallelInputs, rows: torch.Tensor) -> torch.Tensor:
+    """[b, n, s, d] (all heads, local tokens) -> [b, n / A, A s, d] (this member's heads, the group's tokens)."""
+    b, n, s, d = x.shape
+    a = inputs.a2a_size
+    x = x.view(b, a, n // a, s, d).permute(1, 0, 2, 3, 4)  # [A, b, n/A, s, d]: slice j to member j
+    y = _AllToAll.apply(x, inputs.a2a_group)               # [A, b, n/A, s, d]: slice i from member i
+    y = y.permute(1, 2, 0, 3, 4).reshape(b, n // a, a * s, d)
+    return y.index_select(2, rows)
+
+
+def _heads_to_seq(y: torch.Tensor, inputs: ContextParallelInputs, back: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_seq_to_heads`: [b, n / A, A s, d] -> [b, n, s, d] (``back`` inverts its ``rows``)."""
+    b, nl, full, d = y.shape
+    a = inputs.a2a_size
+    x = y.index_select(2, back).view(b, nl, a, full // a, d).permute(2, 0, 1, 3, 4)  # slice i back to member i
+    x = _AllToAll.apply(x, inputs.a2a_group)
+    return x.permute(1, 0, 2, 3, 4).reshape(b, a * nl, full // a, d)
+
+
+def _a2a_attention(q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float) -> torch.Tensor:
+    """Ulysses: exchange heads for sequence inside the all-to-all group, attend, exchange back.
+
+    ``a2a``: the full sequence of this rank's share of the heads, attended by the same SDPA call as without CP
+    (causal, or the document mask of the whole sequence). ``a2a+p2p``: the A x c-token chunks of the ring
+    across groups, attended by ring attention over the B groups."""
+    heads, groups = q.shape[1], k.shape[1]
+    check_a2a_heads(heads, groups, inputs.a2a_size, comm_type=inputs.comm_type)
+    reps = a2a_kv_replicas(heads, groups, inputs.a2a_size)
+    if reps > 1:  # key/value heads repeated until they split evenly (query head i keeps its group i * groups / heads)
+        k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
+    rows = _a2a_rows(inputs, q.shape[2], q.device)
+    back = torch.empty_like(rows)
+    back[rows] = torch.arange(rows.numel(), device=rows.device)
+    qh, kh, vh = (_seq_to_heads(t, inputs, rows) for t in (q, k, v))
+    if inputs.ring is None:
+        from meshtron.layers.attention import attention_mask_from_documents, core_attention
+
+        mask = None
+        if inputs.document_ids is not None:
+            mask = attention_mask_from_documents(_global_order(inputs.document_ids))
+        out = core_attention(qh, kh, vh, mask, dropout_p, scale)
+    else:
+        out = _RingAttention.apply(qh, kh, vh, inputs.ring, dropout_p, scale)
+    return _heads_to_seq(out, inputs, back)
+
+
 # ----------------------------------------------------------------------------------------------- entry point
 @torch.compiler.disable  # point-to-point communication inside: keep it out of compiled graphs
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: ContextParallelInputs,
@@ -415,5 +543,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"the local sequence ({q.shape[2]} tokens) must be two chunks of equal length")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if inputs.comm_type in ("a2a", "a2a+p2p"):
+        return _a2a_attention(q, k, v, inputs, dropout_p, scale)
     fn = _RingAttention if inputs.comm_type == "p2p" else _AllGatherAttention
     return fn.apply(q, k, v, inputs, dropout_p, scale)
