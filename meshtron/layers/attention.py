@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshtron.config import ModelConfig, head_dim, num_kv_heads
+from meshtron.layers.documents import DocumentMask, document_attention
 from meshtron.parallel.context_parallel.attention import context_parallel_attention
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.layers.norm import Norm
@@ -26,7 +27,8 @@ from meshtron.parallel.sharding import Piece, scaled_std
 
 
 def attention_mask_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean mask [batch, 1, seq, seq]: causal and within the same document."""
+    """Boolean mask [batch, 1, seq, seq]: causal and within the same document (the dense reference;
+    the model passes a :class:`~meshtron.layers.documents.DocumentMask` instead)."""
     seq = document_ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
     same_doc = document_ids[:, :, None] == document_ids[:, None, :]
@@ -48,15 +50,23 @@ def _sdpa(q, k, v, mask, dropout_p, gqa, scale):
                                           scale=scale)
 
 
-def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                   dropout_p: float, scale: Optional[float] = None) -> torch.Tensor:
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float,
+                   scale: Optional[float] = None) -> torch.Tensor:
     """SDPA on [batch, heads, seq, dim] tensors; causal unless an explicit mask is given.
+
+    ``mask``: None (causal), a boolean tensor, or a :class:`~meshtron.layers.documents.DocumentMask`
+    (packed documents: flex attention with its block mask on CUDA, :mod:`meshtron.layers.documents`).
 
     ``scale`` multiplies the scores (default 1/sqrt(query head dim)). Values may have another head
     dim than queries and keys (multi-latent attention): on CUDA, SDPA then takes the first kernel of
     the priority list that accepts the shapes (flash needs equal head dims).
     """
-    gqa = k.shape[1] != q.shape[1]
+    if isinstance(mask, DocumentMask):
+        return document_attention(q, k, v, mask, dropout_p, scale, _sdpa_any)
+    return _sdpa_any(q, k, v, mask, dropout_p, k.shape[1] != q.shape[1], scale)
+
+
+def _sdpa_any(q, k, v, mask, dropout_p, gqa, scale):
     if q.is_cuda:
         with sdpa_kernel(list(CUDA_SDPA_PRIORITY), set_priority=True):
             return _sdpa(q, k, v, mask, dropout_p, gqa, scale)
