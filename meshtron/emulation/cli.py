@@ -44,10 +44,13 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                              "passes and per-micro-batch communication are scaled to the job's count, the bubble "
                              "is simulated at it")
     parser.add_argument("--record-collectives", metavar="PATH", help="write each rank's trace to PATH.rank<r>.jsonl")
-    parser.add_argument("--emulate-routing", choices=("balanced", "data"), default="balanced",
+    parser.add_argument("--emulate-routing", default="balanced", metavar="balanced|data|skew:S",
                         help="MoE routing of the emulated steps: balanced (default: experts chosen from random logits, "
-                             "--moe-router-force-load-balancing, as in a trained, balanced model) or data (the "
-                             "freshly initialised router on random tokens)")
+                             "--moe-router-force-load-balancing, as in a trained, balanced model), data (the "
+                             "freshly initialised router on random tokens) or skew:S (hot experts: expert e's "
+                             "random logit shifted by -S ln(e + 1), --moe-router-force-skew; the first "
+                             "expert-parallel rank holds the hottest, and receives from every rank what it "
+                             "routes to itself)")
     parser.add_argument("--as-train", action="store_true",
                         help="run the meshtron train program itself as each chosen rank (no timing)")
     parser.add_argument("--json", action="store_true", help="one JSON object per rank instead of a table")
@@ -73,6 +76,20 @@ def _ranks(spec: str, world: int, pp: int) -> list[int]:
     return ranks
 
 
+def _routing_skew(spec: str) -> float:
+    """The S of ``--emulate-routing skew:S`` (0 for balanced and data); ConfigError for anything else."""
+    if spec in ("balanced", "data"):
+        return 0.0
+    kind, _, value = spec.partition(":")
+    try:
+        skew = float(value) if kind == "skew" else -1.0
+    except ValueError:
+        skew = -1.0
+    if not skew > 0:
+        raise ConfigError(f"--emulate-routing {spec!r}: give balanced, data or skew:S with S > 0 (e.g. skew:1.0)")
+    return skew
+
+
 def _profile(args):
     from meshtron.planning.profiles import builtin_profile, choose_profile
 
@@ -95,6 +112,7 @@ def emulate_main(argv: Sequence[str]) -> int:
                                ("--split-repeats", args.split_repeats, 1)):
         if value < least:
             raise ConfigError(f"{flag} {value}: give at least {least}")
+    skew = _routing_skew(args.emulate_routing)
     probe = build_config(train_argv)
     pp = probe.parallel.pipeline_model_parallel_size
     ranks = _ranks(args.ranks, args.world_size, pp)
@@ -108,8 +126,10 @@ def emulate_main(argv: Sequence[str]) -> int:
     import torch
 
     profile = _profile(args)
-    if probe.model.num_experts and args.emulate_routing == "balanced":
+    if probe.model.num_experts and args.emulate_routing != "data":
         train_argv = train_argv + ["--moe-router-force-load-balancing"]
+        if skew:
+            train_argv = train_argv + ["--moe-router-force-skew", str(skew)]
     rows = []
     for rank in ranks:
         try:

@@ -55,7 +55,14 @@ def _repeat_into(output: torch.Tensor, part: torch.Tensor) -> None:
 
 
 class EmulatedProcessGroup(dist.ProcessGroup):
-    """A group of ``size`` ranks in which this process is ``rank``; every operation completes at once, here."""
+    """A group of ``size`` ranks in which this process is ``rank``; every operation completes at once, here.
+
+    ``counts_from_own_share``: under a routing skew (``--emulate-routing skew:S``) every rank routes as this
+    one does, so each peer sends this rank what this rank routes to itself: an integer all-to-all (the MoE
+    dispatch's exchange of token counts) returns this rank's own block from every peer. A rank that holds hot
+    experts then receives more rows than it sends (the token all-to-all's output is larger than its input)."""
+
+    counts_from_own_share = False
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -107,7 +114,15 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts):
-        _note("all_to_all", self, input, opts)
+        # The larger side: a rank holding hot experts receives more than it sends.
+        _note("all_to_all", self, output if output.numel() > input.numel() else input, opts)
+        size, rank = self.size(), self.rank()
+        if (self.counts_from_own_share and not output.is_floating_point() and output.numel() == input.numel()
+                and input.numel() % size == 0):
+            block = input.numel() // size
+            own = input.reshape(-1)[rank * block:(rank + 1) * block]
+            output.view(size, block).copy_(own.reshape(1, block))
+            return _completed(output)
         # Every rank sends and receives alike: what arrives is what this rank sent, where the sizes agree.
         if output.numel() == input.numel():
             output.copy_(input.view_as(output))

@@ -157,6 +157,8 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
             measured = min(job_micro_batches, max(measure_micro_batches, steady_state_micro_batches(cfg)))
             t.global_batch_size = measured * t.micro_batch_size * dp
         ctx = context_from_config(cfg)
+        if cfg.model.moe_router_force_skew and ctx.ep_group is not None:
+            ctx.ep_group.counts_from_own_share = True  # see EmulatedProcessGroup
         dev = ctx.device
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -129,3 +129,23 @@ def test_an_emulated_rank_holds_its_optimizer_state_when_every_step_is_skipped(m
                  2, 0, warmup=0, steps=1, split_repeats=1)
     assert held["steps"] == 0  # no step was applied
     assert held["moments"] == 2 * held["params"]  # Adam's two moments of every parameter of this rank
+
+
+def test_a_routing_skew_sends_the_hot_rank_more_rows_than_it_sends(tmp_path):
+    """--emulate-routing skew:S: expert 0 is hottest, so expert-parallel rank 0 receives from every rank what it
+    routes to itself; the last EP rank receives less."""
+    moe = ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4",
+           "--global-batch-size", "4", "--disable-bias-linear"]
+    trace = str(tmp_path / "trace")
+    run = _emulate("--world-size", "4", "--ranks", "0,3", "--json", "--warmup", "0", "--steps", "1",
+                   "--split-repeats", "1", "--emulate-routing", "skew:1.5", "--record-collectives", trace, *TINY, *moe)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+    def a2a_bytes(rank: int) -> int:
+        records = [json.loads(line) for line in Path(f"{trace}.rank{rank}.jsonl").read_text().splitlines()]
+        return sum(r["bytes"] for r in records if r["op"] == "all_to_all" and r["group"] == "ep"
+                   and r["dtype"] != "int64" and r["phase"] != "setup")
+
+    assert a2a_bytes(0) > 1.5 * a2a_bytes(3)
+    bad = _emulate("--world-size", "4", "--emulate-routing", "hot", *TINY, *moe)
+    assert bad.returncode == 2 and "skew:S" in bad.stderr

@@ -35,3 +35,14 @@ def test_forced_balance_keeps_the_routers_gradient():
     assert not torch.equal(forced.detach(), logits.detach())
     (forced * torch.arange(8.0)).sum().backward()
     assert torch.equal(logits.grad, torch.arange(8.0).expand(32, 8))
+
+
+def test_forced_skew_makes_the_first_experts_hot():
+    tokens = torch.randn(4096, 16)
+    router = _router(True)
+    router.force_skew = 1.0
+    torch.manual_seed(2)
+    counts = router(tokens, batch=1).tokens_per_expert.float()
+    assert counts.sum() == 4096 * 2
+    assert (counts[:-1] >= counts[1:]).all()  # expert 0 the most chosen, then 1, ...
+    assert counts[0] > 2 * counts.mean() and counts[-1] < counts.mean() / 2

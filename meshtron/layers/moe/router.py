@@ -89,11 +89,15 @@ def select_experts(logits: torch.Tensor, topk: int, score_function: str = "softm
     raise ValueError(f"--moe-router-score-function must be softmax or sigmoid, got {score_function!r}")
 
 
-def forced_balanced_logits(logits: torch.Tensor) -> torch.Tensor:
+def forced_balanced_logits(logits: torch.Tensor, skew: float = 0.0) -> torch.Tensor:
     """``--moe-router-force-load-balancing``: standard normal values in place of ``logits`` (every expert equally
     likely), with the gradient still flowing to the real logits as if they had been used: the router's cost and
-    its backward stay those of a trained run, only the choice no longer depends on the tokens."""
+    its backward stay those of a trained run, only the choice no longer depends on the tokens.
+    ``skew`` (``--moe-router-force-skew`` S) shifts expert e's value by -S ln(e + 1): hot experts first."""
     noise = torch.randn_like(logits)
+    if skew:
+        ranks = torch.arange(1, logits.shape[-1] + 1, device=logits.device, dtype=logits.dtype)
+        noise = noise - skew * torch.log(ranks)
     return logits + (noise - logits).detach()
 
 
@@ -165,6 +169,7 @@ class TopKRouter(Fp32BufferModule):
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.cp_group = cp_group
         self.force_balance = cfg.moe_router_force_load_balancing
+        self.force_skew = cfg.moe_router_force_skew
         self.weight = new_param(ShardSpec((whole(f"{prefix}.weight", (E, H), std=cfg.init_method_std),),
                                           tp_replicated=True))
         if cfg.moe_router_enable_expert_bias:
@@ -178,7 +183,7 @@ class TopKRouter(Fp32BufferModule):
         """Route ``tokens`` [T, H] (T = seq x ``batch`` in [seq, batch] order)."""
         logits = F.linear(tokens.float(), self.weight.float())  # routing in fp32 whatever the compute dtype
         if self.force_balance:
-            logits = forced_balanced_logits(logits)
+            logits = forced_balanced_logits(logits, self.force_skew)
         probs, indices = select_experts(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias,
                                         self.groups)
         if self.topk_scaling_factor is not None:
