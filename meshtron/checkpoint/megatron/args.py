@@ -1,0 +1,118 @@
+"""The checkpoint's own ``args`` (Megatron-LM's argparse Namespace) as meshtron model flags, and the check of
+this run's model flags against them.
+
+Megatron-LM and meshtron share flag names, so most fields carry over by name; the differences are spelled
+out here (``add_bias_linear`` is ``--disable-bias-linear`` negated; ``padded_vocab_size`` is the embedding's
+row count). A run whose model flags differ from the checkpoint's is refused with every difference named,
+flag by flag, in one error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.config import ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads
+
+#: meshtron model fields taken from ``args`` under the same name.
+SAME_NAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+             "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings", "normalization",
+             "norm_epsilon", "swiglu", "position_embedding_type", "rotary_base", "untie_embeddings_and_output_weights",
+             "add_qkv_bias", "qk_layernorm", "make_vocab_size_divisible_by", "num_experts", "moe_router_topk",
+             "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_score_function",
+             "moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+             "moe_aux_loss_coeff", "moe_router_load_balancing_type")
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def model_settings(args: Any, where: str) -> dict[str, Any]:
+    """meshtron model fields for a Megatron checkpoint's ``args``; CheckpointError for what meshtron cannot
+    load yet (named, with ``where``)."""
+    if args is None or not hasattr(args, "num_layers"):
+        raise CheckpointError(f"{where} holds no Megatron-LM 'args' (with num_layers, hidden_size...): cannot tell "
+                              "the model's shape")
+    unsupported = []
+    if _get(args, "multi_latent_attention"):
+        unsupported.append("--multi-latent-attention (multi-latent attention is not read yet)")
+    if _get(args, "mtp_num_layers"):
+        unsupported.append(f"--mtp-num-layers {args.mtp_num_layers} (multi-token prediction is not read yet)")
+    if float(_get(args, "rotary_percent", 1.0) or 1.0) != 1.0:
+        unsupported.append(f"--rotary-percent {args.rotary_percent} (meshtron rotates the whole head)")
+    if _get(args, "rotary_interleaved"):
+        unsupported.append("--rotary-interleaved (meshtron uses the rotate-half convention)")
+    if _get(args, "moe_shared_expert_gate"):
+        unsupported.append("--moe-shared-expert-gate (the shared expert's gate has no meshtron equivalent)")
+    freq = _get(args, "moe_layer_freq", 1)
+    if _get(args, "num_experts") and not isinstance(freq, int):
+        unsupported.append(f"--moe-layer-freq {freq} (a pattern; meshtron takes every n-th layer)")
+    if unsupported:
+        raise CheckpointError(f"{where}: this Megatron-LM model cannot be loaded by meshtron", unsupported)
+    out = {name: _get(args, name) for name in SAME_NAME if _get(args, name) is not None}
+    out["disable_bias_linear"] = not bool(_get(args, "add_bias_linear", True))
+    if out.get("add_qkv_bias") is None:
+        out["add_qkv_bias"] = False
+    if _get(args, "num_experts"):
+        out["moe_layer_freq"] = int(freq)
+    if not out.get("group_query_attention"):
+        out["num_query_groups"] = None
+    out["vocab_size"] = int(_get(args, "padded_vocab_size") or 0) or None
+    return out
+
+
+def apply_settings(m: ModelConfig, settings: dict[str, Any]) -> ModelConfig:
+    for k, v in settings.items():
+        setattr(m, k, v)
+    return m
+
+
+#: (what is compared, how meshtron computes it) for the check of a run against a checkpoint.
+_CHECKED = {
+    "num_layers": lambda m: m.num_layers,
+    "hidden_size": lambda m: m.hidden_size,
+    "ffn_hidden_size": ffn_size,
+    "num_attention_heads": lambda m: m.num_attention_heads,
+    "num_query_groups": num_kv_heads,
+    "kv_channels": head_dim,
+    "normalization": lambda m: m.normalization,
+    "norm_epsilon": lambda m: float(m.norm_epsilon),
+    "swiglu": lambda m: bool(m.swiglu),
+    "position_embedding_type": lambda m: m.position_embedding_type,
+    "rotary_base": lambda m: float(m.rotary_base) if m.position_embedding_type == "rope" else None,
+    "untie_embeddings_and_output_weights": lambda m: bool(m.untie_embeddings_and_output_weights),
+    "disable_bias_linear": lambda m: bool(m.disable_bias_linear),
+    "add_qkv_bias": lambda m: bool(m.add_qkv_bias),
+    "qk_layernorm": lambda m: bool(m.qk_layernorm),
+    "num_experts": lambda m: m.num_experts or None,
+    "moe_router_topk": lambda m: m.moe_router_topk if m.num_experts else None,
+    "moe_ffn_hidden_size": lambda m: (m.moe_ffn_hidden_size or ffn_size(m)) if m.num_experts else None,
+    "moe_shared_expert_intermediate_size": lambda m: m.moe_shared_expert_intermediate_size or None,
+    "moe_router_score_function": lambda m: m.moe_router_score_function if m.num_experts else None,
+    "moe_router_enable_expert_bias": lambda m: bool(m.moe_router_enable_expert_bias) if m.num_experts else None,
+    "moe_router_pre_softmax": lambda m: bool(m.moe_router_pre_softmax) if m.num_experts else None,
+}
+
+
+def check_model(settings: dict[str, Any], run: ModelConfig, where: str, vocab_size: int | None = None) -> None:
+    """CheckpointError listing, flag by flag, every model setting of this run that differs from the checkpoint's
+    ``args`` (``settings`` from :func:`model_settings`); ``vocab_size``: the run's vocabulary, which must fit in
+    the checkpoint's padded one."""
+    saved = apply_settings(ModelConfig(), {k: v for k, v in settings.items() if k != "vocab_size"})
+    diffs = []
+    for name, value in _CHECKED.items():
+        a, b = value(saved), value(run)
+        if isinstance(a, float) or isinstance(b, float):
+            same = a is not None and b is not None and abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)))
+            same = same or (a is None and b is None)
+        else:
+            same = a == b
+        if not same:
+            diffs.append(f"{flag_name(name)}: checkpoint {a!r}, this run {b!r}")
+    padded = settings.get("vocab_size")
+    if vocab_size is not None and padded is not None and vocab_size > padded:
+        diffs.append(f"vocabulary: checkpoint {padded} rows (args.padded_vocab_size), this run {vocab_size} (the "
+                     "tokenizer's): larger than the checkpoint's")
+    if diffs:
+        raise CheckpointError(f"the {where} does not match this run's model flags", diffs)

@@ -1,0 +1,135 @@
+"""One Megatron-LM checkpoint read whole into meshtron's canonical tensors, optimizer state and progress."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.checkpoint.megatron import legacy, names, torch_dist
+from meshtron.checkpoint.megatron.args import model_settings
+from meshtron.checkpoint.megatron.detect import MegatronCheckpoint
+from meshtron.checkpoint.writer import quiet_single_process_notice
+from meshtron.config import ModelConfig, head_dim, num_kv_heads
+
+#: Megatron's optimizer state names (fully reshardable: ``param``; fully sharded model space: ``fp32_param``)
+#: -> meshtron's.
+OPTIM_STATES = {"param": "master", "fp32_param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+_OPTIM_KEY = re.compile(r"^optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
+_VOCAB_NAMES = (names.WORD_EMBEDDING, names.OUTPUT)
+
+
+@dataclass
+class MegatronState:
+    """What a Megatron checkpoint holds, in meshtron's terms."""
+
+    source: MegatronCheckpoint
+    settings: dict[str, Any]  #: meshtron model fields from ``args``
+    model: dict[str, torch.Tensor]  #: canonical name -> whole tensor
+    optim: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  #: state -> canonical name -> tensor
+    step: Optional[int] = None  #: the optimizer's step count
+    iteration: int = 0
+    consumed_samples: int = 0
+    scheduler: dict = field(default_factory=dict)  #: Megatron's opt_param_scheduler state
+    args: Any = None
+    notices: list[str] = field(default_factory=list)
+
+
+def _shape_info(settings: dict[str, Any]) -> dict[str, Any]:
+    m = ModelConfig()
+    for k, v in settings.items():
+        if k != "vocab_size":
+            setattr(m, k, v)
+    return {"heads": m.num_attention_heads, "groups": num_kv_heads(m), "head_dim": head_dim(m),
+            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights}
+
+
+def _canonical(tensors: dict[str, torch.Tensor], num_layers: int, shape: dict) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        for layer_name, lt in names.per_layer(name, t, num_layers):
+            for cname, ct in names.to_canonical(layer_name, lt, shape):
+                out[cname] = ct.contiguous()
+    return out
+
+
+def _progress(common: dict, where: str) -> tuple[int, Any, dict]:
+    args = common.get("args")
+    iteration = common.get("iteration")
+    if not isinstance(iteration, int):
+        raise CheckpointError(f"{where} holds no iteration number")
+    return iteration, args, common.get("opt_param_scheduler") or {}
+
+
+def _optimizer_step(common: dict, iteration: int) -> int:
+    """The Adam step count: from the parameter groups (Megatron keeps it there), else the iteration."""
+    opt = common.get("optimizer")
+    inner = opt.get("optimizer") if isinstance(opt, dict) else None
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    steps = {int(g["step"]) for g in groups or [] if isinstance(g, dict) and isinstance(g.get("step"), int)}
+    return steps.pop() if len(steps) == 1 else iteration
+
+
+def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, optimizer: bool = True,
+                  dtype: Optional[torch.dtype] = None) -> MegatronState:
+    """Every canonical tensor of ``ckpt`` (the embedding and output layer cut to ``vocab_size`` rows, default the
+    checkpoint's padded vocabulary), its optimizer state (``optimizer``) and progress."""
+    quiet_single_process_notice()
+    where = f"Megatron-LM checkpoint {ckpt.directory}"
+    notices: list[str] = []
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    if ckpt.format == "torch_dist":
+        md = torch_dist.read_index(ckpt.directory)
+        common = torch_dist.read_common(ckpt.directory, md)
+        iteration, args, scheduler = _progress(common, where)
+        settings = model_settings(args, where)
+        shape = _shape_info(settings)
+        shapes = torch_dist.tensor_shapes(md)
+        model_keys = [k for k in shapes if not k.startswith("optimizer.") and not names.is_skipped(k)]
+        optim_keys = [k for k in shapes if _OPTIM_KEY.match(k)] if optimizer else []
+        tensors, _ = torch_dist.read_entries(ckpt.directory, md, model_keys + optim_keys, dtype=None)
+        model = _canonical({k: tensors[k] for k in model_keys}, settings["num_layers"], shape)
+        by_state: dict[str, dict[str, torch.Tensor]] = {}
+        for k in optim_keys:
+            m = _OPTIM_KEY.match(k)
+            by_state.setdefault(OPTIM_STATES[m.group(1)], {})[m.group(2)] = tensors[k].float()
+        for state, ts in by_state.items():
+            optim[state] = _canonical(ts, settings["num_layers"], shape)
+        if optimizer and not optim and any(k.startswith("optimizer.distributed.") for k in shapes):
+            notices.append(f"{where}: its optimizer state is in the dp_reshardable format (buckets of the "
+                           "distributed optimizer), which is not read yet; the weights load and the Adam moments "
+                           "start from zero (save with --dist-ckpt-optim-fully-reshardable to carry them over)")
+        step = _optimizer_step(common, iteration) if optim else None
+    else:
+        files = legacy.rank_files(ckpt.directory)
+        first = legacy.read_rank(files[(0, 0, 0)])
+        iteration, args, scheduler = _progress(first, where)
+        settings = model_settings(args, where)
+        shape = _shape_info(settings)
+        merged, _, more = legacy.merge(ckpt.directory, shape["swiglu"])
+        notices += more
+        model = _canonical(merged, settings["num_layers"], shape)
+        step = None
+    if optimizer and optim:
+        missing = sorted(set(model) - set(optim.get("master", {})) - {n for n in model if n.endswith("expert_bias")})
+        if missing or {"exp_avg", "exp_avg_sq"} - set(optim):
+            notices.append(f"{where}: its optimizer state does not cover every tensor ({', '.join(missing[:3]) or 'moments'}"
+                           f"{' ...' if len(missing) > 3 else ''}): the weights load and the Adam moments start from zero")
+            optim, step = {}, None
+    padded = settings.get("vocab_size") or model[names.WORD_EMBEDDING].shape[0]
+    vocab = vocab_size or padded
+    for group in [model, *optim.values()]:
+        for n in _VOCAB_NAMES:
+            if n in group:
+                group[n] = names.fit_vocab(group[n], vocab, n)
+    if vocab < padded:
+        notices.append(f"{where}: the vocabulary's {padded - vocab} padding rows (args.padded_vocab_size {padded}, "
+                       f"this run's vocabulary {vocab}) are left out: meshtron gives its own padding no probability")
+    if dtype is not None:
+        model = {k: v.to(dtype) for k, v in model.items()}
+    consumed = int(getattr(args, "consumed_train_samples", 0) or 0)
+    settings = dict(settings, vocab_size=vocab)
+    return MegatronState(ckpt, settings, model, optim, step, iteration, consumed, scheduler, args, notices)
