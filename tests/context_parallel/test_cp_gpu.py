@@ -1,14 +1,17 @@
-"""Context-parallel attention over NCCL on two GPUs with the fused kernels (cuDNN, flash) in bf16:
-output and gradients match full attention on one GPU. On two GPUs over NCCL, or with both ranks
+"""Context-parallel attention over NCCL on two GPUs with the fused kernels (cuDNN, flash, flex for
+documents) in bf16: output and gradients match full attention on one GPU. On two GPUs over NCCL, or with both ranks
 on one GPU through the staged group (tests/distributed/staged_group.py) where there is one."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from meshtron.layers.attention import attention_mask_from_documents
+from meshtron.layers.documents import PATH_ENV
 from meshtron.parallel.context_parallel.attention import context_parallel_attention, context_parallel_inputs
 from meshtron.parallel.context_parallel.kernels import select_kernel
 from meshtron.parallel.context import build_groups
@@ -20,8 +23,10 @@ pytestmark = [pytest.mark.gpu,
 
 SEQ, HEADS, GROUPS, DIM = 2048, 8, 2, 128
 # (kernel, comm type, documents, micro-batch)
-CASES = [("cudnn", "p2p", False, 1), ("cudnn", "allgather", False, 2), ("cudnn", "p2p", True, 2),
-         ("cudnn", "allgather", True, 1), ("flash", "p2p", False, 2), ("flash", "allgather", False, 1)]
+# documents: flex attention with block masks (the default), cuDNN with the dense masks (the reference path)
+CASES = [("cudnn", "p2p", False, 1), ("cudnn", "allgather", False, 2), ("flex", "p2p", True, 2),
+         ("cudnn", "allgather", True, 1), ("flex", "allgather", True, 1), ("flash", "p2p", False, 2),
+         ("flash", "allgather", False, 1)]
 
 
 def _inputs(batch: int, documents: bool, device):
@@ -37,6 +42,7 @@ def _inputs(batch: int, documents: bool, device):
 
 def _case(ctx, kernel: str, comm: str, documents: bool, batch: int, device):
     torch.backends.cuda.enable_cudnn_sdp(kernel == "cudnn")
+    os.environ[PATH_ENV] = "blocks" if kernel == "flex" else "dense"
     (q, k, v, dout), docs = _inputs(batch, documents, device)
     split = lambda t: split_sequence(t, ctx.cp, ctx.cp_rank, dim=2)  # noqa: E731
     q, k, v = (split(t).clone().requires_grad_() for t in (q, k, v))

@@ -29,7 +29,9 @@ the key/value (query-group) size, so grouped-query attention sends ``groups/head
 of what multi-head attention would. Values may have another head dim than keys
 (multi-latent attention): keys and values travel packed side by side in one buffer. Document masks (``--reset-attention-mask``) work
 with both: the document ids of every rank are all-gathered once per forward (one
-integer per token) and each block gets its explicit mask.
+integer per token) and each block gets its :class:`~meshtron.layers.documents.DocumentMask`: on CUDA the
+block runs flex attention with that block mask (:class:`~meshtron.parallel.context_parallel.kernels.FlexKernel`,
+no mask tensor), elsewhere (or with ``MESHTRON_DOCUMENT_ATTENTION=dense``) the mask is expanded for the kernel.
 
 Which blocks a rank computes is decided by :func:`ring_plan` / :func:`allgather_plan`
 (also used by the tests to check that the causal work is balanced).
@@ -46,7 +48,8 @@ import torch.distributed as dist
 
 from meshtron.parallel.context_parallel.comm_types import (COMM_TYPES, a2a_degree, a2a_kv_replicas,  # noqa: F401
                                                            check_a2a_heads, check_comm_type, single_comm_type)
-from meshtron.parallel.context_parallel.kernels import select_kernel
+from meshtron.layers.documents import DocumentMask
+from meshtron.parallel.context_parallel.kernels import kernel_mask, select_kernel
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.context_parallel.split import chunk_owner, local_token_indices
 
@@ -243,8 +246,9 @@ class _Masks:
             self.positions = [local_token_indices(seq_local, self.cp, j, device) for j in range(self.cp)]
             self.global_docs = _global_order(self.docs)
 
-    def block(self, b: Block) -> Optional[torch.Tensor]:
-        """Boolean [batch, 1, sq, sk]: same document and not in the future (by sequence index)."""
+    def block(self, b: Block) -> Optional[DocumentMask]:
+        """Same document and not in the future (by sequence index), as a :class:`DocumentMask` (the
+        kernel takes its flex block mask, or its boolean [batch, 1, sq, sk]: :func:`kernel_mask`)."""
         if self.docs is None:
             return None
         q_rows = _rows(b.q_rows, self.chunk)
@@ -255,8 +259,7 @@ class _Masks:
             k_doc = self.global_docs[:, k_rows]
         else:
             k_pos, k_doc = self.positions[b.source][k_rows], self.docs[b.source][:, k_rows]
-        mask = (q_doc[:, :, None] == k_doc[:, None, :]) & (k_pos[None, None, :] <= q_pos[None, :, None])
-        return mask[:, None]
+        return DocumentMask(q_doc, k_doc, q_pos, k_pos)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
@@ -301,7 +304,7 @@ class _Blocks:
         self.inputs, self.layout, self.dropout_p, self.scale = inputs, layout, dropout_p, scale
         self.c = q.shape[2] // 2
         self.masks = _Masks(inputs, q.shape[2], q.device)
-        self.kernel = select_kernel(q, inputs.document_ids is not None, layout.dv)
+        self.kernel = select_kernel(q, inputs.document_ids is not None, layout.dv, dropout_p)
         self.states: list = []
 
     def kv(self, source: torch.Tensor, block: Block):
@@ -311,8 +314,9 @@ class _Blocks:
     def forward(self, block: Block, q, kb, vb, out, lse) -> None:
         """Attend ``block``'s query rows to ``kb``/``vb`` and merge the result into ``out``/``lse``."""
         rows = _rows(block.q_rows, self.c)
-        o_b, lse_b, state = self.kernel.forward(q[:, :, rows], kb, vb, block.causal, self.masks.block(block),
-                                                self.dropout_p, self.scale)
+        o_b, lse_b, state = self.kernel.forward(q[:, :, rows], kb, vb, block.causal,
+                                                kernel_mask(self.kernel, self.masks.block(block)), self.dropout_p,
+                                                self.scale)
         _merge(out, lse, rows, o_b, lse_b)
         self.states.append(state)
 
@@ -320,8 +324,8 @@ class _Blocks:
         """Add ``block``'s query gradient into ``dq``; return (key rows, dk, dv) of the block."""
         rows = _rows(block.q_rows, self.c)
         dq_b, dk_b, dv_b = self.kernel.backward(dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
-                                                lse[:, :, rows], block.causal, self.masks.block(block),
-                                                self.dropout_p, self.scale, self.states[step])
+                                                lse[:, :, rows], block.causal,
+                                                kernel_mask(self.kernel, self.masks.block(block)), self.dropout_p, self.scale, self.states[step])
         dq[:, :, rows] += dq_b
         return _rows(block.k_rows, self.c), dk_b, dv_b
 
@@ -515,11 +519,11 @@ def _a2a_attention(q, k, v, inputs: ContextParallelInputs, dropout_p: float, sca
     back[rows] = torch.arange(rows.numel(), device=rows.device)
     qh, kh, vh = (_seq_to_heads(t, inputs, rows) for t in (q, k, v))
     if inputs.ring is None:
-        from meshtron.layers.attention import attention_mask_from_documents, core_attention
+        from meshtron.layers.attention import core_attention
 
         mask = None
-        if inputs.document_ids is not None:
-            mask = attention_mask_from_documents(_global_order(inputs.document_ids))
+        if inputs.document_ids is not None:  # flex attention's block mask on CUDA, as without CP
+            mask = DocumentMask.causal(_global_order(inputs.document_ids))
         out = core_attention(qh, kh, vh, mask, dropout_p, scale)
     else:
         out = _RingAttention.apply(qh, kh, vh, inputs.ring, dropout_p, scale)

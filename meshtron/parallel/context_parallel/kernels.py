@@ -15,7 +15,11 @@ square top-left causal mask (only used on square diagonal blocks).
 
 Kernels: :class:`MathKernel` (explicit fp32 matmuls and softmax; CPU and fallback),
 :class:`CudnnKernel` and :class:`FlashKernel` (PyTorch's fused CUDA kernels through
-their ATen operators, which return the log-sum-exp and take it back in backward).
+their ATen operators, which return the log-sum-exp and take it back in backward), and
+:class:`FlexKernel` (packed documents on CUDA: flex attention with the block's
+``BlockMask``, no mask tensor). A document mask reaches a kernel as
+:class:`~meshtron.layers.documents.DocumentMask` for flex and as a boolean tensor for the
+others (:func:`kernel_mask`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol
 
 import torch
+
+from meshtron.layers.documents import DocumentMask, document_path, flex
 
 _NEG_INF = float("-inf")
 
@@ -184,20 +190,69 @@ class FlashKernel:
         return dq, dk, dv
 
 
-MATH, CUDNN, FLASH = MathKernel(), CudnnKernel(), FlashKernel()
+class FlexKernel:
+    """flex attention with the block's ``BlockMask`` (packed documents; compiled on CUDA).
+
+    ``mask`` is the block's :class:`~meshtron.layers.documents.DocumentMask` (its pair rule already
+    holds causality, by sequence position). flex attention's backward is reachable only through
+    autograd of its own forward, with that block's own output and log-sum-exp, not the merged ones
+    of the row: backward therefore runs the block's forward again and feeds autograd the gradients
+    that make the two agree. With ``w = exp(lse_b - lse)`` (the block's share of the row), the
+    gradients of the full softmax are those of the block's outputs for ``dout_b = w dout`` and
+    ``dlse_b = w (rowsum(dout o_b) - rowsum(dout o))``. Cost: one more forward of each block in
+    backward; memory: one block's, as for the other kernels. No attention dropout.
+    """
+
+    name = "flex"
+
+    def forward(self, q, k, v, causal, mask, dropout_p, scale):
+        if dropout_p > 0:
+            raise ValueError("flex attention has no attention dropout; use the cudnn or math kernel")
+        out, lse = flex(q, k, v, mask.block_mask(), scale, return_lse=True)
+        return out, lse.float(), None
+
+    def backward(self, dout, q, k, v, out, lse, causal, mask, dropout_p, scale, state):
+        with torch.enable_grad():
+            qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
+            o_b, lse_b = flex(qb, kb, vb, mask.block_mask(), scale, return_lse=True)
+            row = lse.float().masked_fill(torch.isinf(lse), 0.0)  # rows with no visible key anywhere: w = 0
+            w = torch.where(torch.isinf(lse_b), 0.0, torch.exp(lse_b.float() - row))
+            do = dout.float()
+            c = (do * o_b.detach().float()).sum(-1) - (do * out.float()).sum(-1)
+            grads = torch.autograd.grad((o_b, lse_b), (qb, kb, vb),
+                                        ((do * w.unsqueeze(-1)).to(o_b.dtype), (w * c).to(lse_b.dtype)))
+        return grads
+
+
+def kernel_mask(kernel: BlockKernel, mask: Optional[DocumentMask]):
+    """What ``kernel`` takes for a block's document mask: the mask itself (flex) or a boolean
+    [b, 1, sq, sk] (the block table's on the ``blocks`` path, the reference's on ``dense``)."""
+    if mask is None or kernel is FLEX:
+        return mask
+    return mask.dense() if mask.path == "dense" else mask.allowed()
+
+
+MATH, CUDNN, FLASH, FLEX = MathKernel(), CudnnKernel(), FlashKernel(), FlexKernel()
 
 # On H200 (bf16, causal, GQA 32/8 heads, head dim 128, 8K tokens, forward + backward) cuDNN ran at
 # 532 TFLOP/s and flash at 295, so cuDNN comes first; flash serves when cuDNN attention is disabled.
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def select_kernel(q: torch.Tensor, has_mask: bool, v_head_dim: Optional[int] = None) -> BlockKernel:
-    """The fastest kernel usable for these queries: cuDNN, then flash (no mask), then the fp32 math one.
+def select_kernel(q: torch.Tensor, has_mask: bool, v_head_dim: Optional[int] = None,
+                  dropout_p: float = 0.0) -> BlockKernel:
+    """The fastest kernel usable for these queries: flex for document masks on CUDA (without attention
+    dropout, unless ``MESHTRON_DOCUMENT_ATTENTION=dense``), else cuDNN, then flash (no mask), then the
+    fp32 math one.
 
     The fused kernels follow ``torch.backends.cuda.enable_cudnn_sdp`` / ``enable_flash_sdp``. Flash
     needs the value head dim equal to the query's; cuDNN is taken when both are at most 128.
     """
-    if q.device.type != "cuda" or q.dtype not in _FUSED_DTYPES:
+    if q.device.type != "cuda":
+        return MATH
+    if has_mask and dropout_p == 0 and document_path() == "blocks":
+        return FLEX
+    if q.dtype not in _FUSED_DTYPES:
         return MATH
     head_dim = q.shape[-1]
     dv = head_dim if v_head_dim is None else v_head_dim
