@@ -181,6 +181,15 @@ class ParallelConfig:
               "produces them, ZeRO-2); optim_grads_params (and weights, gathered per layer before its forward "
               "and backward, ZeRO-3). Default: optim with --use-distributed-optimizer, else no_shard.",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    num_distributed_optimizer_instances: int = opt(
+        1, "Hybrid sharded data parallelism (HSDP): R replicas of the sharded state. The DP x CP ranks of a "
+           "stage split into R groups of S = DP x CP / R consecutive ranks; the sharding strategy (optim, "
+           "optim_grads, optim_grads_params) shards inside each group, gradients are reduce-scattered inside "
+           "it and then all-reduced across the R replicas. Needs a sharding strategy; not with "
+           "--expert-model-parallel-size > 1.")
+    data_parallel_shard_size: Optional[int] = opt(
+        None, "HSDP by its shard size S (ranks per shard group, inside a node for speed): the same as "
+              "--num-distributed-optimizer-instances DP x CP / S.")
     use_megatron_fsdp: bool = opt(False, "Alias of --data-parallel-sharding-strategy optim_grads_params (meshtron "
                                          "shards with its own implementation, not Megatron-FSDP's).")
     overlap_grad_reduce: bool = opt(False, "Overlap the data-parallel gradient reduction with backward.")
