@@ -436,8 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "models and meshtron checkpoints. meshtron "
                     "checkpoints load into any parallel layout as they are: no resharding step is needed.")
     direction = p.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--from", dest="source", choices=("hf",),
-                           help="read a Hugging Face model directory (--input) and write a meshtron checkpoint")
+    direction.add_argument("--from", dest="source", choices=("hf", "megatron"),
+                           help="read a Hugging Face model directory, or a Megatron-LM checkpoint (torch_dist or "
+                                "legacy; a save directory or one iter_N directory), from --input and write a "
+                                "meshtron checkpoint")
     direction.add_argument("--to", dest="target", choices=("hf",),
                            help="read a meshtron checkpoint (--input) and write a Hugging Face model directory")
     p.add_argument("--input", required=True, help="source directory (a save directory or one iter_N directory "
@@ -468,6 +470,10 @@ def convert_main(argv: list[str]) -> int:
     try:
         if args.source == "hf":
             path = hf_to_meshtron(args.input, args.output, dtype, notices, skip_mtp=args.skip_mtp)
+        elif args.source == "megatron":
+            from meshtron.checkpoint.megatron.convert import megatron_to_meshtron
+
+            path = megatron_to_meshtron(args.input, args.output, dtype, notices)
         else:
             path = meshtron_to_hf(args.input, args.output, args.hf_architecture, dtype, args.max_shard_size, notices,
                                   verify=not args.no_verify_checkpoint, skip_mtp=args.skip_mtp)

@@ -15,6 +15,7 @@ from meshtron.checkpoint import coordination, layout
 from meshtron.checkpoint.async_save import process_writer
 from meshtron.checkpoint.dcp_reader import read_dcp_metadata, safe_dcp_load
 from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
+from meshtron.checkpoint.megatron.detect import find_megatron_checkpoint
 from meshtron.checkpoint.metadata import (
     META_FILE, TOKENIZER_DIR, compare_signatures, compare_tensors, model_signature, read_config, read_meta, read_rng,
     training_state_from_dict,
@@ -196,6 +197,11 @@ def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx
     """
     process_writer().wait()  # never read while this process is still writing
     quiet_single_process_notice()
+    megatron_ckpt = find_megatron_checkpoint(load_dir)  # a Megatron-LM checkpoint: read as one
+    if megatron_ckpt is not None:
+        from meshtron.checkpoint.megatron.into_model import load_megatron_into
+
+        return load_megatron_into(megatron_ckpt, model_chunks, optimizer, ctx, cfg, load_optim=load_optim)
     group = coordination.checkpoint_group(ctx)
     no_dist = group is None
     lead = coordination.rank() == 0
@@ -249,7 +255,13 @@ def _load_rng(ckpt_dir: Path, meta: dict, group, lead: bool) -> Optional[dict]:
 
 
 def latest_checkpoint_config(load_dir: str | Path) -> Optional[MeshtronConfig]:
-    """The run configuration saved with the checkpoint ``load_dir`` designates (None if there is none)."""
+    """The run configuration saved with the checkpoint ``load_dir`` designates (None if there is none); for a
+    Megatron-LM checkpoint, its model flags from the checkpoint's ``args``."""
+    megatron_ckpt = find_megatron_checkpoint(load_dir)
+    if megatron_ckpt is not None:
+        from meshtron.checkpoint.megatron.reader import megatron_config
+
+        return megatron_config(megatron_ckpt)
     ckpt_dir = resolve_checkpoint(load_dir)
     return read_config(ckpt_dir) if ckpt_dir is not None else None
 

@@ -21,7 +21,8 @@ SAME_NAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "add_qkv_bias", "qk_layernorm", "make_vocab_size_divisible_by", "num_experts", "moe_router_topk",
              "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_score_function",
              "moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-             "moe_aux_loss_coeff", "moe_router_load_balancing_type")
+             "moe_aux_loss_coeff", "moe_router_load_balancing_type", "hidden_dropout", "attention_dropout",
+             "init_method_std")
 
 
 def _get(args: Any, name: str, default: Any = None) -> Any:

@@ -133,3 +133,22 @@ def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, op
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0)
     settings = dict(settings, vocab_size=vocab)
     return MegatronState(ckpt, settings, model, optim, step, iteration, consumed, scheduler, args, notices)
+
+
+def read_common_state(ckpt: MegatronCheckpoint) -> dict:
+    """The checkpoint's common state (``args``, ``iteration``...), without its tensors."""
+    if ckpt.format == "torch_dist":
+        return torch_dist.read_common(ckpt.directory, torch_dist.read_index(ckpt.directory))
+    files = legacy.rank_files(ckpt.directory)
+    return legacy.read_rank(files[(0, 0, 0)])
+
+
+def megatron_config(ckpt: MegatronCheckpoint):
+    """A MeshtronConfig whose model section is the checkpoint's (``--use-checkpoint-args``), from its ``args``."""
+    from meshtron.checkpoint.megatron.args import apply_settings
+    from meshtron.config import MeshtronConfig
+
+    common = read_common_state(ckpt)
+    cfg = MeshtronConfig()
+    apply_settings(cfg.model, model_settings(common.get("args"), ckpt.describe()))
+    return cfg

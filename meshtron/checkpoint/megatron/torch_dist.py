@@ -103,6 +103,9 @@ class _Planner(DefaultLoadPlanner):
 def read_entries(directory: Path, md: Metadata, keys: Iterable[str], byte_keys: Iterable[str] = (),
                  dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
     """({key: whole tensor} for ``keys``, {key: raw bytes} for ``byte_keys``) of a torch_dist directory."""
+    from meshtron.checkpoint.writer import quiet_single_process_notice
+
+    quiet_single_process_notice()
     state: dict[str, Any] = {}
     for key in keys:
         tmd = md.state_dict_metadata[key]
