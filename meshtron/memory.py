@@ -69,7 +69,12 @@ For GPT-style layers (learned positions, GeLU, ``f = 4h``, ``q = k = h``, dropou
 their formula is absent because flash attention (SDPA's flash/cuDNN kernels, meshtron's GPU
 default) never stores the ``s x s`` attention matrix; ``flash_attention=False`` adds it back
 (softmax output ``e``, plus mask and dropout output ``1+e`` with attention dropout, per head
-per key position). For Llama-3-8B (``h=4096, q=4096, k=1024, f=14336``) the bf16 figure is
+per key position). Packed documents (``--reset-attention-mask``) change nothing here: on CUDA they run
+flex attention with a block mask (:mod:`meshtron.layers.documents`), which saves the output and the
+fp32 log-sum-exp like flash and builds no ``s x s`` mask (its block table is ``(s/128)^2`` int32s per
+sample, built once per micro-batch and freed with it); only the dense reference path
+(``MESHTRON_DOCUMENT_ATTENTION=dense``, or attention dropout with documents) holds a boolean
+``b*s*s`` mask, which this model does not count. For Llama-3-8B (``h=4096, q=4096, k=1024, f=14336``) the bf16 figure is
 ``110,592 + 136`` bytes per token per layer, about ``27*h``.
 
 Without sequence parallelism the "only with SP" rows are replicated on each TP rank
@@ -158,7 +163,9 @@ Pipeline, embedding and loss
   1.96 GiB for llama3-3b at 4 x 4096, two chunks); V is the padded vocabulary.
   ``fused_loss=False`` models an unfused loss instead: fp32 logits kept for the backward,
   ``4*V/TP`` bytes per token (Korthikanti's and Megatron's accounting).
-- Context parallelism divides the sequence: ``s = seq_length / CP``.
+- Context parallelism divides the sequence: ``s = seq_length / CP``. All-to-all CP (``--cp-comm-type a2a``,
+  ``a2a+p2p``) keeps the exchanged q, k, v instead (the same bytes per token), with each key/value head
+  repeated ``lcm(groups, A) / groups`` times when the groups of a TP rank do not split over its A ranks.
 - Multi-token prediction: each depth adds its layer, its inputs, and its own pass through the fused
   loss, which keeps another fp32 gradient of the output weight.
 
@@ -284,7 +291,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
                            compiled: bool = True, local_experts: bool = True, fc2_keeps_product: bool = False,
                            saves: int = LAYER_SAVES, rowwise_fp8: bool = False,
-                           merged_gathers: Optional[bool] = None) -> float:
+                           merged_gathers: Optional[bool] = None, cp_kv_replicas: int = 1) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
 
     ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
@@ -377,6 +384,9 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
             part += heads * d  # the output projection's FP8 copy of its input (the attention output)
         if rotated and "core_attn" not in selective:
             part += e * (q_out + kv_out // 2)
+        # All-to-all CP (--cp-comm-type a2a) keeps the exchanged q, k, v in place of the local ones (the same
+        # bytes per token), with key/value heads repeated until they split over the CP ranks.
+        part += e * kv_out * (cp_kv_replicas - 1)
         if m.qk_layernorm and "norm" not in selective:
             part += stats * (heads + groups)  # per-head statistics
     if flash_attention:
@@ -497,6 +507,18 @@ def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> boo
     sequence_parallel = p.sequence_parallel and p.tensor_model_parallel_size > 1
     fused_block = saves >= 6 and m.disable_bias_linear  # meshtron.layers.linear.fuses_fp8_swiglu
     return t.fp8_recipe == "tensorwise" and not sequence_parallel and (_layers_compiled(cfg) or fused_block)
+
+
+def _cp_kv_replicas(cfg) -> int:
+    """How many times all-to-all context parallelism repeats each key/value head of a TP rank (1 without it)."""
+    from meshtron.cp_comm_types import a2a_kv_replicas
+    from meshtron.planning.step_time import cp_a2a_size
+
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    degree = cp_a2a_size(cfg)
+    if degree <= 1 or m.multi_latent_attention:
+        return 1
+    return a2a_kv_replicas(math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp), degree)
 
 
 def _layers_compiled(cfg: MeshtronConfig) -> bool:
@@ -663,13 +685,16 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     # MoELayer.forward's direct path: every expert here, nothing dropped, the grouped GEMM (bf16)
     local_experts = ep == 1 and m.moe_expert_capacity_factor is None and bf16
 
+    kv_replicas = _cp_kv_replicas(cfg)
+
     def act(layer: int, recompute: Optional[str]) -> float:
         saved = layer_activation_bytes(m, micro_batch=tr.micro_batch_size, seq=seq, tp=tp, sequence_parallel=sp,
                                        act_bytes=e, recompute=recompute, moe=_is_moe_layer(m, layer),
                                        expert_tp=etp, flash_attention=flash_attention,
                                        selective_modules=selective_modules, fp8=fp8, compiled=compiled,
                                        local_experts=local_experts, saves=saves,
-                                       fc2_keeps_product=not fc2_recomputes, rowwise_fp8=rowwise)
+                                       fc2_keeps_product=not fc2_recomputes, rowwise_fp8=rowwise,
+                                       cp_kv_replicas=kv_replicas)
         if fp8 and recompute != "full" and saves < 2:  # FP8 weight copies, kept before revision 2
             saved += fp8_weight_copy_bytes(m, layer, tp, fc2_recast=fc2_recomputes)
         return saved

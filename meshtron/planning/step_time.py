@@ -7,7 +7,9 @@ forward when ``--recompute-granularity`` asks for one):
   the profile gives a GEMM of its size (``matmul_tflops * F / (F + F_half)``), FP8 linears faster
   by ``fp8_matmul_speedup``, expert GEMMs at ``moe_gemm_efficiency``; the backward does two GEMMs
   for each forward one;
-- causal flash attention at ``attention_tflops`` (the backward has 2.5x the forward's FLOPs);
+- causal flash attention at ``attention_tflops`` (the backward has 2.5x the forward's FLOPs); with packed
+  documents (``--reset-attention-mask``, flex attention skipping the blocks across documents) this is an
+  upper bound: the planner knows no document lengths, and flex attention's own rate is unmeasured;
 - its memory-bound kernels (norms, residual adds, RoPE, SwiGLU, the MoE permutation, FP8 casts) by
   the bytes they move at ``hbm_gbps * hbm_efficiency`` (``eager_elementwise_factor`` more bytes
   without ``torch.compile``; the backward moves twice the forward's);
@@ -175,6 +177,18 @@ def attention_rate(profile: DeviceProfile, seq: float, head_dim: int) -> float:
     return peak * 1e12 * seq / (seq + half)
 
 
+def cp_a2a_size(cfg: MeshtronConfig) -> int:
+    """Ranks that exchange heads for sequence (``--cp-comm-type a2a``: CP; ``a2a+p2p``: A of
+    ``--hierarchical-context-parallel-sizes A B``; the ring and the all-gather: 1)."""
+    from meshtron.cp_comm_types import a2a_degree, single_comm_type
+
+    p = cfg.parallel
+    if p.context_parallel_size <= 1:
+        return 1
+    return a2a_degree(single_comm_type(p.cp_comm_type), p.context_parallel_size,
+                      p.hierarchical_context_parallel_sizes)
+
+
 def _attention_dims(cfg: MeshtronConfig) -> tuple[int, int]:
     """(query/key, value) head dims of the model's attention (multi-latent attention differs)."""
     from meshtron.layers.attention_kinds import attention_class
@@ -279,7 +293,8 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
 
     d_qk, d_v = _attention_dims(cfg)
     attn_flops = t.micro_batch_size * (seq / cp) * seq * heads * (d_qk + d_v)  # causal: half of 2 * 2 * s^2 ...
-    local_seq = seq / cp
+    a2a = cp_a2a_size(cfg)
+    local_seq = seq / cp * a2a  # the all-to-all hands attention A x the tokens on 1/A of the heads
     attn_rate = attention_rate(profile, local_seq, d_qk)
     attn_fwd = attn_flops / attn_rate
     attn_bwd = ATTENTION_BACKWARD_FLOPS * attn_fwd
@@ -317,10 +332,22 @@ def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: Devic
             bwd_exposed = _overlapped(bwd_exposed, wgrad, profile)
         kinds["tp"] = fwd_exposed + bwd_exposed + (fwd_exposed if gran == "full" else 0.0)
     if cp > 1:
-        bw = links.bandwidth(profile, cp, tp)
-        kv = t.micro_batch_size * (seq / cp) * kv_out * e
-        ring_fwd = (cp - 1) * (kv / bw + latency)
-        kinds["cp"] = _overlapped(ring_fwd, attn_fwd, profile) + _overlapped(2 * ring_fwd, attn_bwd, profile)
+        ring = cp // a2a  # ranks of the ring (p2p, all-gather: CP; a2a: none; a2a+p2p: B)
+        if a2a > 1:
+            # q, k, v in and the output back, each moving (A - 1) / A of its local bytes; backward the same
+            # four (the output's gradient in, those of q, k, v back). On the critical path, not overlapped.
+            g = heads if m.multi_latent_attention else groups
+            g = math.lcm(g, a2a)  # key/value heads repeated until they split over the A ranks
+            width = heads * d_qk + g * (d_qk + d_v) + heads * d_v
+            moved = t.micro_batch_size * (seq / cp) * width * e * (a2a - 1) / a2a
+            one_way = moved / links.bandwidth(profile, a2a, tp) + 4 * latency
+            kinds["cp"] += 2 * one_way
+            kv_out = (2 * g * d) / a2a  # the ring below carries this rank's heads after the exchange
+        if ring > 1:
+            bw = links.bandwidth(profile, ring, tp * a2a)
+            kv = t.micro_batch_size * (seq / ring) * kv_out * e
+            ring_fwd = (ring - 1) * (kv / bw + latency)
+            kinds["cp"] += _overlapped(ring_fwd, attn_fwd, profile) + _overlapped(2 * ring_fwd, attn_bwd, profile)
     if moe and ep > 1:
         bw = links.bandwidth(profile, ep, tp)
         a2a = tokens * m.moe_router_topk * h * e / rep_div
