@@ -411,7 +411,7 @@ def parse_train_args(argv: Sequence[str]) -> TrainArgs:
 def _one_value_per_field(given: dict[str, Any]) -> dict[str, Any]:
     """Megatron's per-layer ``--cp-comm-type`` list as meshtron's one value (a mixed list is refused), and
     ``--hierarchical-context-parallel-sizes`` as integers."""
-    from meshtron.parallel.context_parallel.comm_types import single_comm_type
+    from meshtron.cp_comm_types import single_comm_type
 
     if isinstance(given.get("cp_comm_type"), list):
         given["cp_comm_type"] = single_comm_type(given["cp_comm_type"])

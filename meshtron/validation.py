@@ -83,6 +83,7 @@ def resolve(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     dp = _data_parallel_size_or_none(cfg, world_size)
     if dp is not None:
         _resolve_batch_and_samples(cfg, dp)
+        _resolve_shard_size(cfg, dp)
     o = cfg.optim
     if o.main_grads_dtype == "bf16":  # the gradient buffer is both what is reduced and what the optimizer reads
         p.grad_reduce_in_bf16 = True
@@ -111,6 +112,7 @@ def check(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     if world_size is not None:
         dp = data_parallel_size(cfg, world_size)
         _check_experts_over_ranks(cfg, dp)
+        _check_hybrid_sharding_over_ranks(cfg, dp)
         _check_batch(cfg, dp)
     _check_batch_sizes(cfg)
     _check_training(cfg)
@@ -452,7 +454,7 @@ def _check_parallel(cfg: MeshtronConfig) -> None:
 
 def _check_cp_comm_type(cfg: MeshtronConfig) -> None:
     """--cp-comm-type (one value), --hierarchical-context-parallel-sizes, and the heads all-to-all CP splits."""
-    from meshtron.parallel.context_parallel.comm_types import a2a_degree, check_a2a_heads, single_comm_type
+    from meshtron.cp_comm_types import a2a_degree, check_a2a_heads, single_comm_type
 
     m, p = cfg.model, cfg.parallel
     p.cp_comm_type = single_comm_type(p.cp_comm_type)
@@ -503,6 +505,18 @@ def _check_sharding_strategy(cfg: MeshtronConfig) -> None:
                               + ("there is no weight all-gather" if strategy == "no_shard" else
                                  "each layer's gather is always prefetched and overlapped")
                               + ": drop --overlap-param-gather")
+    replicas = p.num_distributed_optimizer_instances
+    if replicas < 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances must be at least 1, got {replicas}")
+    if p.data_parallel_shard_size is not None and p.data_parallel_shard_size < 1:
+        raise ConfigError(f"--data-parallel-shard-size must be at least 1, got {p.data_parallel_shard_size}")
+    if replicas > 1 and strategy == "no_shard":
+        raise ConfigError(f"--num-distributed-optimizer-instances {replicas} (hybrid sharding) needs a sharded "
+                          f"optimizer: add --use-distributed-optimizer or --data-parallel-sharding-strategy "
+                          f"optim / optim_grads / optim_grads_params")
+    if replicas > 1 and p.expert_model_parallel_size > 1:
+        raise ConfigError("--num-distributed-optimizer-instances > 1 (hybrid sharding) is not implemented with "
+                          "--expert-model-parallel-size > 1; use one of them")
     # optim_grads_params composes with --fp8-format (the weights are gathered in their own dtype and the
     # FP8 linears cast them per micro-batch) and with compiled layers (gathered outside the compiled call).
 
@@ -569,6 +583,28 @@ def _check_experts_over_ranks(cfg: MeshtronConfig, dp: int) -> None:
     """Checks of the experts that need the data-parallel size."""
     if cfg.model.num_experts:
         check_expert_ranks(cfg.parallel.expert_model_parallel_size, dp, cfg.parallel.context_parallel_size)
+
+
+def _resolve_shard_size(cfg: MeshtronConfig, dp: int) -> None:
+    """--data-parallel-shard-size S sets --num-distributed-optimizer-instances to DP x CP / S (when it divides)."""
+    p = cfg.parallel
+    size, ranks = p.data_parallel_shard_size, dp * p.context_parallel_size
+    if size and p.num_distributed_optimizer_instances == 1 and size <= ranks and ranks % size == 0:
+        p.num_distributed_optimizer_instances = ranks // size
+
+
+def _check_hybrid_sharding_over_ranks(cfg: MeshtronConfig, dp: int) -> None:
+    """HSDP's replicas R (and shard size S) against the DP x CP ranks of a stage."""
+    p = cfg.parallel
+    ranks, replicas, size = dp * p.context_parallel_size, p.num_distributed_optimizer_instances, p.data_parallel_shard_size
+    if size is not None and size * replicas != ranks:
+        raise ConfigError(f"--data-parallel-shard-size ({size}) must divide data-parallel size ({dp}) x "
+                          f"--context-parallel-size ({p.context_parallel_size}) = {ranks}"
+                          + (f" and agree with --num-distributed-optimizer-instances {replicas}"
+                             if ranks % size == 0 else ""))
+    if ranks % replicas:
+        raise ConfigError(f"--num-distributed-optimizer-instances ({replicas}) must divide data-parallel size "
+                          f"({dp}) x --context-parallel-size ({p.context_parallel_size}) = {ranks}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class Layout:
     last_layers: Optional[int] = None
     zb_h1: bool = False  # --pipeline-schedule zero-bubble-h1 (PP > 1, no virtual stages)
     offload: bool = False  # --offload-activations
+    cp_comm: str = "p2p"  # --cp-comm-type: p2p (ring) or a2a (Ulysses, where the heads split over CP)
 
     @property
     def distributed_optimizer(self) -> bool:
@@ -79,6 +80,8 @@ class Layout:
             parts.append("zb-h1")
         if self.offload:
             parts.append("offload")
+        if self.cp > 1 and self.cp_comm != "p2p":
+            parts.append(f"cp-{self.cp_comm}")
         return " ".join(parts)
 
     def flags(self) -> list[str]:
@@ -90,6 +93,8 @@ class Layout:
                 out += ["--async-tensor-parallel"]
         if self.cp > 1:
             out += ["--context-parallel-size", str(self.cp)]
+            if self.cp_comm != "p2p":
+                out += ["--cp-comm-type", self.cp_comm]
         if self.pp > 1:
             out += ["--pipeline-model-parallel-size", str(self.pp)]
             if self.first_layers is not None:
@@ -139,7 +144,7 @@ class Planned:
                 "dp": lay.dp, "micro_batch": lay.micro_batch, "recompute": lay.recompute,
                 "distributed_optimizer": lay.distributed_optimizer, "sharding": lay.sharding, "fp8": lay.fp8,
                 "async_tp": lay.async_tp, "pipeline_schedule": "zero-bubble-h1" if lay.zb_h1 else None,
-                "offload_activations": lay.offload,
+                "offload_activations": lay.offload, "cp_comm_type": lay.cp_comm,
                 "memory_gib": self.memory_bytes / GIB, **self.step.as_dict(), "command": " ".join(self.command)}
 
 
@@ -147,7 +152,7 @@ class Planned:
 class SearchSpace:
     """What the search may choose (``allow_fp8``: FP8 linears; needs a GPU with FP8 tensor cores;
     ``allow_zero``: ZeRO-2/3 sharding; ``allow_zb_h1``: the ZB-H1 schedule; ``allow_offload``:
-    --offload-activations)."""
+    --offload-activations; ``allow_cp_a2a``: all-to-all context parallelism beside the ring)."""
 
     max_micro_batch: int = 8  # every micro batch up to this that divides the global batch per DP rank
     recompute: Sequence[str] = RECOMPUTE
@@ -156,6 +161,7 @@ class SearchSpace:
     allow_zero: bool = True
     allow_zb_h1: bool = True
     allow_offload: bool = True
+    allow_cp_a2a: bool = True
     fixed: dict = field(default_factory=dict)  # e.g. {"tp": 4, "pp": 4}: only layouts with these sizes
 
 
@@ -289,6 +295,8 @@ def apply_layout(base: MeshtronConfig, lay: Layout) -> MeshtronConfig:
     p.overlap_grad_reduce = lay.dp * lay.cp > 1
     p.overlap_param_gather = lay.sharding in ("optim", "optim_grads")
     p.pipeline_schedule = "zero-bubble-h1" if lay.zb_h1 else None
+    if lay.cp > 1 and (lay.cp_comm != "p2p" or p.cp_comm_type in ("a2a", "a2a+p2p")):
+        p.cp_comm_type, p.hierarchical_context_parallel_sizes = lay.cp_comm, []
     t.micro_batch_size = lay.micro_batch
     t.recompute_granularity = None if lay.recompute == "none" else lay.recompute
     t.fp8_format = "e4m3" if lay.fp8 else None
@@ -335,6 +343,14 @@ def search(base: MeshtronConfig, base_argv: Sequence[str], gpus: int, profile: D
 
     def keep(lay: Layout, mem: int) -> None:
         fitting.append(Planned(lay, mem, predict_step(apply_layout(base, lay), gpus, profile, vocab, links)))
+        # All-to-all CP beside the ring, where every TP rank's heads split over the CP ranks: its
+        # exchanges are not hidden behind attention, but it sends 4 tensors (CP-1)/CP once instead of CP-1 hops
+        if lay.cp > 1 and lay.cp_comm == "p2p" and space.allow_cp_a2a and _a2a_heads_split(base, lay):
+            a2a = dataclasses.replace(lay, cp_comm="a2a")
+            est = estimate(a2a)
+            if est is not None and est.device_bytes <= limit:
+                fitting.append(Planned(a2a, est.device_bytes,
+                                       predict_step(apply_layout(base, a2a), gpus, profile, vocab, links)))
 
     offload_candidates: list[Layout] = []
     for lay in layouts(base, gpus, gpus_per_node, space):
@@ -357,6 +373,18 @@ def search(base: MeshtronConfig, base_argv: Sequence[str], gpus: int, profile: D
             cand.command = command
             chosen.append(cand)
     return chosen, considered, len(fitting)
+
+
+def _a2a_heads_split(base: MeshtronConfig, lay: Layout) -> bool:
+    """Whether ``--cp-comm-type a2a`` accepts the model's heads with the layout's TP and CP."""
+    from meshtron.cp_comm_types import check_a2a_heads
+
+    m = base.model
+    try:
+        check_a2a_heads(m.num_attention_heads // lay.tp, max(1, num_kv_heads(m) // lay.tp), lay.cp, lay.tp)
+    except ConfigError:
+        return False
+    return True
 
 
 def _valid(command: Sequence[str], gpus: int) -> bool:

@@ -46,8 +46,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from meshtron.parallel.context_parallel.comm_types import (COMM_TYPES, a2a_degree, a2a_kv_replicas,  # noqa: F401
-                                                           check_a2a_heads, check_comm_type, single_comm_type)
+from meshtron.cp_comm_types import (COMM_TYPES, a2a_degree, a2a_kv_replicas,  # noqa: F401 (re-exported)
+                                    check_a2a_heads, check_comm_type, single_comm_type)
 from meshtron.layers.documents import DocumentMask
 from meshtron.parallel.context_parallel.kernels import kernel_mask, select_kernel
 from meshtron.parallel.context import ParallelContext

@@ -1,5 +1,6 @@
-"""The values of ``--cp-comm-type`` and the head counts all-to-all context parallelism needs (torch-free:
-checking a configuration imports no torch)."""
+"""The values of ``--cp-comm-type`` and the head counts all-to-all context parallelism needs.
+
+Torch-free and outside :mod:`meshtron.parallel`: checking a configuration imports neither."""
 
 from __future__ import annotations
 
