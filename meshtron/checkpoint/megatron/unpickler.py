@@ -11,6 +11,7 @@ Megatron. Anything else is refused by name, in one line, before it is called.
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import pickle
 import re
@@ -94,6 +95,11 @@ class RestrictedUnpickler(pickle.Unpickler):
     """Resolves only :data:`ALLOWED`, torch dtypes, NumPy dtype classes and Megatron enums (as stand-ins)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # protocol 2 (torch.save's) names Python 2 modules (__builtin__, copy_reg...): judged by their Python 3 names
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         if (module, name) in ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

@@ -1,0 +1,177 @@
+"""Megatron-LM checkpoints read by meshtron: megatron-core's logits, merged shards, optimizer state, refusals.
+
+The fixtures under tests/fixtures/megatron/ were written by megatron-core 0.19.2 itself
+(tests/fixtures/megatron/make_checkpoints.py): TP=2 x PP=2 torch_dist with fully reshardable optimizer state,
+the same with ``common.pt``, the same model in the legacy format, and an expert-parallel MoE model.
+``reference.pt`` holds megatron-core's logits of each after it loaded the checkpoint into a TP=1, PP=1 model.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from meshtron.checkpoint import load_for_inference
+from meshtron.checkpoint.convert import convert_main
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.checkpoint.megatron import find_megatron_checkpoint, looks_like_megatron
+from meshtron.checkpoint.megatron.args import check_model
+from meshtron.checkpoint.megatron.reader import read_megatron
+from meshtron.checkpoint.megatron.unpickler import load_pickled
+from meshtron.config import ModelConfig
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+CASES = ("dense_tp2pp2", "dense_tp2pp2_common_pt", "legacy_tp2pp2", "moe_ep2")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return torch.load(FIXTURES / "reference.pt", weights_only=True)
+
+
+def _state(name: str, **kw):
+    return read_megatron(find_megatron_checkpoint(FIXTURES / name), **kw)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_converted_logits_equal_megatron_core(name, tmp_path, reference, capsys):
+    assert convert_main(["--from", "megatron", "--input", str(FIXTURES / name), "--output", str(tmp_path / "c")]) == 0
+    model, _ = load_for_inference(tmp_path / "c", "cpu", torch.float32)
+    with torch.no_grad():
+        logits = model(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][name], rtol=0, atol=2e-5)
+
+
+def test_detection_and_format():
+    ckpt = find_megatron_checkpoint(FIXTURES / "dense_tp2pp2")
+    assert (ckpt.iteration, ckpt.format) == (7, "torch_dist")
+    assert find_megatron_checkpoint(FIXTURES / "legacy_tp2pp2" / "iter_0000007").format == "legacy"
+    assert looks_like_megatron(FIXTURES / "moe_ep2")
+    assert not looks_like_megatron(FIXTURES)
+
+
+def test_legacy_shards_merge_to_the_torch_dist_tensors():
+    """The same megatron-core model saved TP=2 x PP=2 both ways: the legacy per-rank shards, merged, equal
+    torch_dist's whole tensors (QKV per query group, SwiGLU [gate; up] per rank, row-parallel columns,
+    layers renumbered by stage)."""
+    a, b = _state("dense_tp2pp2"), _state("legacy_tp2pp2")
+    assert set(a.model) == set(b.model)
+    for k in a.model:
+        assert torch.equal(a.model[k], b.model[k]), k
+    assert (a.iteration, a.consumed_samples, b.iteration, b.consumed_samples) == (7, 56, 7, 56)
+
+
+def test_optimizer_state_maps_like_the_weights():
+    """fully_reshardable's optimizer.state.<state>.<model key> go through the weights' mapping: layer 2's
+    query rows of exp_avg are rows of group g's block of Megatron's interleaved QKV."""
+    state = _state("dense_tp2pp2")
+    assert set(state.optim) == {"master", "exp_avg", "exp_avg_sq"} and state.step == 7
+    key = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"
+    raw = {key: torch.empty(4, 32, 16)}
+    dcp.load(raw, checkpoint_id=str(FIXTURES / "dense_tp2pp2" / "iter_0000007"), no_dist=True)
+    qkv = raw[key][2].reshape(2, 16, 16)  # 2 query groups x (2 query heads + k + v) x head dim 4
+    torch.testing.assert_close(state.optim["exp_avg"]["layers.2.attention.q.weight"],
+                               qkv[:, :8].reshape(16, 16), rtol=0, atol=0)
+    torch.testing.assert_close(state.optim["exp_avg"]["layers.2.attention.v.weight"],
+                               qkv[:, 12:].reshape(8, 16), rtol=0, atol=0)
+    assert set(state.optim["master"]) == set(state.model)
+    for k, t in state.model.items():
+        torch.testing.assert_close(state.optim["master"][k], t.float(), rtol=0, atol=0)
+
+
+def test_vocabulary_cut_to_the_run():
+    state = _state("dense_tp2pp2", vocab_size=90)
+    assert state.model["embedding.word_embeddings.weight"].shape == (90, 16)
+    assert state.optim["exp_avg"]["output.weight"].shape == (90, 16)
+    assert any("6 padding rows" in n for n in state.notices)
+
+
+def test_flag_mismatch_named_flag_by_flag():
+    state = _state("moe_ep2", optimizer=False)
+    run = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, swiglu=False, normalization="LayerNorm")
+    with pytest.raises(CheckpointError) as err:
+        check_model(state.settings, run, "Megatron-LM checkpoint X", vocab_size=200)
+    lines = err.value.differences
+    for flag in ("--num-layers: checkpoint 4, this run 2", "--hidden-size: checkpoint 16, this run 32",
+                 "--swiglu: checkpoint True", "--normalization: checkpoint 'RMSNorm'", "--num-experts: checkpoint 4",
+                 "--num-query-groups: checkpoint 2", "vocabulary: checkpoint 96"):
+        assert any(line.startswith(flag) for line in lines), (flag, lines)
+    assert "Megatron-LM checkpoint X" in err.value.summary
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def _legacy_copy(tmp_path: Path) -> Path:
+    dst = tmp_path / "legacy"
+    shutil.copytree(FIXTURES / "legacy_tp2pp2", dst)
+    return dst
+
+
+def test_foreign_pickle_refused_by_name(tmp_path):
+    dst = _legacy_copy(tmp_path)
+    f = dst / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = load_pickled(f, str(f))
+    state["args"].attention_backend = "auto"  # the stand-in of Megatron's enum does not pickle back
+    state["extra"] = _Payload()
+    torch.save(state, f)
+    with pytest.raises(CheckpointError) as err:
+        read_megatron(find_megatron_checkpoint(dst))
+    text = str(err.value)
+    assert "\n" not in text and str(f) in text and f"{os.system.__module__}.system" in text and "Megatron" in text
+    with pytest.raises(CheckpointError, match="names builtins.eval"):
+        load_pickled(pickle.dumps(eval, protocol=2), "bytes")  # a plain pickle: refused before torch reads it
+
+
+@pytest.mark.parametrize("which", ["legacy", "distcp", "metadata"])
+def test_truncated_file_refused_in_one_line(tmp_path, which):
+    if which == "legacy":
+        dst = _legacy_copy(tmp_path)
+        f = dst / "iter_0000007" / "mp_rank_00_001" / "model_optim_rng.pt"
+    else:
+        dst = tmp_path / "dist"
+        shutil.copytree(FIXTURES / "dense_tp2pp2", dst)
+        f = dst / "iter_0000007" / ("__2_0.distcp" if which == "distcp" else ".metadata")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as err:
+        read_megatron(find_megatron_checkpoint(dst))
+    text = str(err.value)
+    assert "\n" not in text and "Megatron-LM checkpoint" in text
+    assert str(f if which != "distcp" else dst / "iter_0000007") in text
+
+
+def test_tracker_naming_a_missing_iteration(tmp_path):
+    dst = tmp_path / "dist"
+    shutil.copytree(FIXTURES / "dense_tp2pp2", dst)
+    (dst / "latest_checkpointed_iteration.txt").write_text("9")
+    with pytest.raises(CheckpointError, match=r"Megatron-LM checkpoint .*names iteration 9, but .*iter_0000009 is "
+                                              r"missing"):
+        find_megatron_checkpoint(dst)
+
+
+@pytest.mark.slow
+def test_train_continues_from_a_megatron_checkpoint(tmp_path):
+    """meshtron train --load on Megatron's save directory: resumes at its iteration and consumed samples, with its
+    optimizer state, and trains on."""
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "meshtron", "train", "--load", str(FIXTURES / "dense_tp2pp2"), "--use-checkpoint-args",
+           "--mock-data", "--train-iters", "9", "--global-batch-size", "8", "--micro-batch-size", "8", "--device",
+           "cpu", "--lr", "3e-4", "--log-interval", "1", "--eval-iters", "0", "--metrics-file", str(metrics)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "resumed from" in out.stdout + out.stderr and "iteration 7" in out.stdout + out.stderr
+    import json
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r for r in rows if r.get("type") == "train"]
+    assert [r["iteration"] for r in train] == [8, 9] and train[0]["consumed_samples"] == 64
