@@ -117,7 +117,8 @@ def _spans_nodes(ctx, gpus_per_node: int) -> dict:
     """Which of this rank's groups span nodes, from the layout's members."""
     from meshtron.planning.fake_context import planned_context
 
-    planned = planned_context(ctx.world_size, ctx.rank, ctx.tp, ctx.cp, ctx.pp, ctx.ep)
+    planned = planned_context(ctx.world_size, ctx.rank, ctx.tp, ctx.cp, ctx.pp, ctx.ep,
+                              replicas=ctx.dp_cp_replicas)
     spans = {}
     for name in GROUP_FIELDS:
         group = getattr(planned, f"{name}_group")

@@ -13,7 +13,8 @@ program, so they issue the same operations, in the same order, on the same group
 An operation is noted once, at its outermost entry (a functional all-reduce is not noted again when it reaches
 the group). Each record: ``iteration`` (0 while the run sets up), ``phase`` (what the rank was doing),
 ``op`` (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, barrier, ...), ``group``
-(meshtron's name of the group: tp, cp, dp, pp, dp_cp, tp_cp, model_parallel, embedding, ep, expert_dp, world,
+(meshtron's name of the group: tp, cp, dp, pp, dp_cp, tp_cp, model_parallel, embedding, ep, expert_dp,
+dp_cp_shard, dp_cp_replica (hybrid sharding), world,
 ...), ``group_size``, ``bytes``, ``dtype`` and ``async`` (issued without waiting; null where the call does
 not say). ``bytes`` is the whole buffer of the operation as this rank sees it: the gathered output of an
 all-gather, the input of a reduce-scatter and of an all-to-all, the tensor of the others.
@@ -80,7 +81,8 @@ def first_dtype(value) -> Optional[str]:
 
 
 #: meshtron's names of a ParallelContext's groups (its ``<name>_group`` fields).
-GROUP_FIELDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "model_parallel", "embedding", "ep", "expert_dp")
+GROUP_FIELDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "model_parallel", "embedding", "ep", "expert_dp",
+                "dp_cp_shard", "dp_cp_replica")
 
 
 def group_names(ctx) -> dict[str, str]:

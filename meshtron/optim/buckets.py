@@ -46,22 +46,46 @@ def default_bucket_size(data_parallel_size: int) -> int:
 
 @dataclass
 class ReduceGroup:
-    """The process group over which a bucket's gradients are summed, with this rank's index in it."""
+    """The process group over which a bucket's gradients are summed (and its shards split), with this rank's
+    index in it.
+
+    With hybrid sharding (``--num-distributed-optimizer-instances R``) ``group`` is this rank's shard
+    group (S ranks) and ``replica`` the group of the R ranks that hold the same shard in the other shard
+    groups: a bucket is reduce-scattered over ``group``, then its shard all-reduced over ``replica``.
+    """
 
     group: Optional[dist.ProcessGroup]
     size: int
     rank: int
     expert: bool = False
+    replica: Optional[dist.ProcessGroup] = None
+    replicas: int = 1
+    replica_rank: int = 0
 
 
 def dense_group(ctx: ParallelContext) -> ReduceGroup:
+    if ctx.dp_cp_replicas > 1:
+        return ReduceGroup(ctx.dp_cp_shard_group, ctx.dp_cp_shard, ctx.dp_cp_shard_rank,
+                           replica=ctx.dp_cp_replica_group, replicas=ctx.dp_cp_replicas,
+                           replica_rank=ctx.dp_cp_replica_rank)
     group = ctx.dp_cp_group
     return ReduceGroup(group, ctx.dp * ctx.cp, dist.get_rank(group) if group is not None else 0)
 
 
 def expert_group(ctx: ParallelContext) -> ReduceGroup:
+    if ctx.dp_cp_replicas > 1:  # validation refuses hybrid sharding with EP > 1: the expert-DP group is DP x CP
+        hybrid = dense_group(ctx)
+        hybrid.expert = True
+        return hybrid
     group = ctx.expert_dp_group
     return ReduceGroup(group, ctx.expert_dp, dist.get_rank(group) if group is not None else 0, expert=True)
+
+
+def replica_all_reduce(bucket: "Bucket", shard, async_op: bool = False):
+    """Hybrid sharding: sum a bucket's reduced ``shard`` over its replica group (None without one)."""
+    if bucket.reduce.replica is None:
+        return None
+    return dist.all_reduce(shard, group=bucket.reduce.replica, async_op=async_op)
 
 
 @dataclass

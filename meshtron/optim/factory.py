@@ -128,9 +128,9 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
                                          param_buffer=strategy.param_buffer, kind=kind, ctx=ctx)
     else:
         optimizer = kind.build(params, opt, ctx)
-    if shard:  # owned shards partition the elements: each rank counts its own
+    if shard:  # owned shards partition the elements: each rank counts its own (hybrid: in the first replica)
         views = [grad_region(strategy.grad_source, s.buffer_offset, s.buffer_offset + s.length)
-                 for s in optimizer.segments if counted[s.param_index]]
+                 for s in optimizer.segments if counted[s.param_index]] if ctx.dp_cp_replica_rank == 0 else []
     else:
         views = [strategy.grad_buffer.view_of(i) for i, p in enumerate(params)
                  if counted[i] and data_copy_counted(p, ctx)]
@@ -141,5 +141,5 @@ def build_optimization(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: 
     moments = (sum(param_state_bytes(kind, opt, p) * p.numel() for p in params) / numel if numel
                else float(kind.state_bytes(opt, ())))
     accounting = strategy_bytes_per_parameter(name, weight_bytes, torch.tensor([], dtype=grad_dtype).element_size(),
-                                              ctx.dp * ctx.cp, offload, moments)
+                                              ctx.dp_cp_shard, offload, moments)
     return Optimization(strategy, norm, optimizer, layout, accounting)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshtron.optim.buckets import Bucket, BufferLayout, single_bucket_layout
+from meshtron.optim.buckets import Bucket, BufferLayout, replica_all_reduce, single_bucket_layout
 from meshtron.optim.collectives import reduce_scatter_single
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.parallel.context import ParallelContext
@@ -207,6 +207,15 @@ class GradientSync:
         for work in self._handles:
             work.wait()
         self._handles.clear()
+        if self.reduce_scatter:  # hybrid sharding: sum the reduced shards over the replicas
+            for bucket in self.layout.buckets:
+                s, e = bucket.shard_range()
+                work = replica_all_reduce(bucket, self.buffer.region(s, e), async_op=True)
+                if work is not None:
+                    self._handles.append(work)
+            for work in self._handles:
+                work.wait()
+            self._handles.clear()
         n = len(self.layout.buckets)
         self._armed, self._started = [False] * n, [False] * n
         self._new_iteration = True

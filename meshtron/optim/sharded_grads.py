@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshtron.optim.buckets import BufferLayout
+from meshtron.optim.buckets import BufferLayout, replica_all_reduce
 from meshtron.optim.collectives import reduce_scatter_single
 from meshtron.optim.grads import _all_reduce_coalesced, kv_replica_params, tied_embedding_params
 from meshtron.optim.shards import CompactShards, param_index, parameter_view
@@ -135,6 +135,13 @@ class ShardedGradients:
                 lo, hi = self.shards.range_of(b)
                 self.data[lo:hi].zero_()
                 self._reduced[b] = True
+        # Hybrid sharding: the shards summed over this shard group are summed over the replicas, once per step
+        # (the per-micro-batch sums add up first: fewer bytes across nodes).
+        handles = [replica_all_reduce(bucket, self.data[slice(*self.shards.range_of(b))], async_op=True)
+                   for b, bucket in enumerate(self.layout.buckets)]
+        for work in handles:
+            if work is not None:
+                work.wait()
         for b in self._embedding:
             lo, hi = self.shards.range_of(b)
             dist.all_reduce(self.data[lo:hi], group=self.ctx.embedding_group)

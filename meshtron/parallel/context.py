@@ -9,6 +9,12 @@ Expert parallelism splits the DP x CP ranks of each pipeline stage (with the sam
 TP rank): ``ep_rank`` varies fastest inside that set, the remaining index is the
 expert-data-parallel rank over which expert gradients are reduced.
 
+Hybrid sharded data parallelism (``--num-distributed-optimizer-instances R``) splits the same
+DP x CP ranks (index ``dp_rank * CP + cp_rank``) into R shard groups of S = DP x CP / R
+consecutive ranks (neighbours: inside a node), over which the sharded strategies shard, and S
+replica groups of R ranks (the same position in each shard group), over which the reduced
+shards are summed.
+
 The context is created once and passed explicitly; a process without
 torch.distributed gets the trivial context (every size 1, no groups), so every
 code path also runs in one plain Python process.
@@ -57,6 +63,13 @@ class ParallelContext:
     embedding_group: Optional[dist.ProcessGroup] = None  # first and last pipeline stage (tied embeddings)
     ep_group: Optional[dist.ProcessGroup] = None
     expert_dp_group: Optional[dist.ProcessGroup] = None
+    # Hybrid sharding (R = dp_cp_replicas > 1): the S = DP x CP / R ranks that shard the state together, and
+    # the R ranks holding the same shard in the R shard groups. Both None without hybrid sharding.
+    dp_cp_replicas: int = 1
+    dp_cp_shard_rank: int = 0
+    dp_cp_replica_rank: int = 0
+    dp_cp_shard_group: Optional[dist.ProcessGroup] = None
+    dp_cp_replica_group: Optional[dist.ProcessGroup] = None
     pp_ranks: tuple = (0,)  # global ranks of this rank's pipeline group, by stage
     loss_stage: int = -1  # the pipeline stage with the loss: the last (-1), or the first (0) under ZBV
     # Every group's collective timeout (--distributed-timeout-minutes), also for groups created later.
@@ -88,13 +101,19 @@ class ParallelContext:
         return (self.dp * self.cp) // self.ep
 
     @property
+    def dp_cp_shard(self) -> int:
+        """S: the ranks a sharded strategy shards over (DP x CP, or DP x CP / R with hybrid sharding)."""
+        return (self.dp * self.cp) // self.dp_cp_replicas
+
+    @property
     def is_logging_rank(self) -> bool:
         """The rank that writes logs and metrics: TP/CP/DP rank 0 of the pipeline stage that holds the
         loss (the last; the first under ZBV). Global rank 0 when PP is 1."""
         return self.tp_rank == 0 and self.cp_rank == 0 and self.dp_rank == 0 and self.is_loss_stage
 
     def describe(self) -> str:
-        return f"TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp} EP={self.ep}"
+        hybrid = f" (shard {self.dp_cp_shard} x {self.dp_cp_replicas} replicas)" if self.dp_cp_replicas > 1 else ""
+        return f"TP={self.tp} CP={self.cp} DP={self.dp}{hybrid} PP={self.pp} EP={self.ep}"
 
 
 def rank_grid(tp: int, cp: int, dp: int, pp: int) -> np.ndarray:
@@ -121,6 +140,14 @@ def _expert_groups(tp: int, cp: int, dp: int, pp: int, ep: int) -> tuple[list[li
     return ep_groups, edp_groups
 
 
+def hybrid_groups(tp: int, cp: int, dp: int, pp: int, replicas: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Shard groups and replica groups of hybrid sharding: the DP x CP ranks of a stage split as
+    (replica, shard), the shard index fastest (a shard group is S consecutive DP x CP ranks)."""
+    grid = rank_grid(tp, cp, dp, pp)
+    split = grid.reshape(pp, dp * cp, tp).reshape(pp, replicas, (dp * cp) // replicas, tp)
+    return _groups_varying(split, (2,)), _groups_varying(split, (1,))
+
+
 def _new_groups(all_groups: list[list[int]], rank: int, backend: Optional[str],
                 timeout: datetime.timedelta) -> Optional[dist.ProcessGroup]:
     """Create every group (all ranks must call new_group for each) and return this rank's."""
@@ -134,15 +161,19 @@ def _new_groups(all_groups: list[list[int]], rank: int, backend: Optional[str],
     return mine
 
 
-def check_layout(world_size: int, tp: int, cp: int, pp: int, ep: int) -> int:
-    """DP of the world split TP x CP x DP x PP, with EP over DP x CP; the rules are validation's."""
+def check_layout(world_size: int, tp: int, cp: int, pp: int, ep: int, replicas: int = 1) -> int:
+    """DP of the world split TP x CP x DP x PP, with EP (and hybrid sharding's replicas) over DP x CP; the
+    rules are validation's."""
     dp = data_parallel_size_of(world_size, tp, cp, pp)
     check_expert_ranks(ep, dp, cp)
+    if replicas < 1 or (dp * cp) % replicas:
+        raise ValueError(f"--num-distributed-optimizer-instances ({replicas}) must divide DP x CP ({dp * cp})")
     return dp
 
 
 def build_parallel_context(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, device: Optional[str] = None,
-                           backend: Optional[str] = None, timeout_minutes: float = 10.0) -> ParallelContext:
+                           backend: Optional[str] = None, timeout_minutes: float = 10.0,
+                           replicas: int = 1) -> ParallelContext:
     """Initialise torch.distributed if launched by torchrun (WORLD_SIZE set) and build every group.
 
     Without torchrun (or with a world of one) returns the trivial context.
@@ -150,7 +181,7 @@ def build_parallel_context(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
     dev_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not dist.is_initialized():
-        check_layout(1, tp, cp, pp, ep)
+        check_layout(1, tp, cp, pp, ep, replicas)
         dev = torch.device("cuda", torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
         return ParallelContext(device=dev)
 
@@ -168,15 +199,15 @@ def build_parallel_context(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
         kwargs = {"device_id": dev} if dev_type == "cuda" else {}
         kwargs.update(attempt_store_options(timeout))  # a restarted attempt must not read the last one's keys
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    return build_groups(tp, cp, pp, ep, dev, backend, timeout)
+    return build_groups(tp, cp, pp, ep, dev, backend, timeout, replicas)
 
 
 def build_groups(tp: int, cp: int, pp: int, ep: int, device: torch.device, backend: Optional[str] = None,
-                 timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> ParallelContext:
-    """Build every group on an initialised default process group."""
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10), replicas: int = 1) -> ParallelContext:
+    """Build every group on an initialised default process group (``replicas``: hybrid sharding's R)."""
     world = dist.get_world_size()
     rank = dist.get_rank()
-    dp = check_layout(world, tp, cp, pp, ep)
+    dp = check_layout(world, tp, cp, pp, ep, replicas)
     grid = rank_grid(tp, cp, dp, pp)
     pp_rank, dp_rank, cp_rank, tp_rank = (int(i) for i in np.argwhere(grid == rank)[0])
 
@@ -200,6 +231,15 @@ def build_groups(tp: int, cp: int, pp: int, ep: int, device: torch.device, backe
     dpcp_index = dp_rank * cp + cp_rank
     ctx.ep_rank = dpcp_index % ep
     ctx.expert_dp_rank = dpcp_index // ep
+    ctx.dp_cp_replicas = replicas
+    if replicas > 1:  # every rank creates every group, in the same order
+        shard_groups, replica_groups = hybrid_groups(tp, cp, dp, pp, replicas)
+        ctx.dp_cp_shard_group = _new_groups(shard_groups, rank, backend, timeout)
+        ctx.dp_cp_replica_group = _new_groups(replica_groups, rank, backend, timeout)
+        ctx.dp_cp_shard_rank = dpcp_index % ctx.dp_cp_shard
+        ctx.dp_cp_replica_rank = dpcp_index // ctx.dp_cp_shard
+    else:
+        ctx.dp_cp_shard_rank = dpcp_index
     return ctx
 
 
@@ -249,7 +289,8 @@ def context_from_config(cfg) -> ParallelContext:
     ctx = build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
                                  p.pipeline_model_parallel_size, p.expert_model_parallel_size,
                                  device=cfg.train.device, backend=p.distributed_backend,
-                                 timeout_minutes=p.distributed_timeout_minutes)
+                                 timeout_minutes=p.distributed_timeout_minutes,
+                                 replicas=getattr(p, "num_distributed_optimizer_instances", 1))
     ctx.loss_stage = loss_stage(cfg)
     return ctx
 

@@ -51,13 +51,15 @@ def _members(grid: np.ndarray, rank: int, axes: tuple[int, ...]) -> list[int]:
 
 
 def planned_context(world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
-                    device: str | torch.device = "meta") -> ParallelContext:
+                    device: str | torch.device = "meta", replicas: int = 1) -> ParallelContext:
     """The context global rank ``rank`` of ``world_size`` would have, with placeholder groups.
 
     Raises ConfigError (naming the flag) when the world does not factor, as a real launch would.
     """
     dp = data_parallel_size_of(world_size, tp, cp, pp)
     check_expert_ranks(ep, dp, cp)
+    if replicas < 1 or (dp * cp) % replicas:
+        raise ValueError(f"--num-distributed-optimizer-instances ({replicas}) must divide DP x CP ({dp * cp})")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
     grid = rank_grid(tp, cp, dp, pp)
@@ -82,6 +84,13 @@ def planned_context(world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: in
     ctx.ep_rank, ctx.expert_dp_rank = index % ep, index // ep
     ctx.ep_group = _group("ep", [dpcp[ctx.expert_dp_rank * ep + e] for e in range(ep)], rank)
     ctx.expert_dp_group = _group("expert_dp", [dpcp[j * ep + ctx.ep_rank] for j in range(dp * cp // ep)], rank)
+    # Hybrid sharding: R shard groups of S consecutive DP x CP ranks, replica groups across them.
+    ctx.dp_cp_replicas = replicas
+    shard = dp * cp // replicas
+    ctx.dp_cp_shard_rank, ctx.dp_cp_replica_rank = index % shard, index // shard
+    if replicas > 1:
+        ctx.dp_cp_shard_group = _group("dp_cp_shard", dpcp[ctx.dp_cp_replica_rank * shard:][:shard], rank)
+        ctx.dp_cp_replica_group = _group("dp_cp_replica", dpcp[ctx.dp_cp_shard_rank::shard], rank)
     # Key/value replica subgroups (GQA with TP > query groups) are made on demand by
     # meshtron.parallel.context.tp_subgroup through this cache: fill it so that no group is created.
     tp_members = _members(grid, rank, (TP,))
@@ -94,7 +103,8 @@ def planned_context(world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: in
 def without_data_parallel_groups(ctx: ParallelContext) -> ParallelContext:
     """A copy whose DP x CP and expert-DP groups are None (sizes kept), for the bucket layout code, which
     asks torch.distributed for this rank's index in them (the planner sets that index itself)."""
-    copy = dataclasses.replace(ctx, dp_cp_group=None, expert_dp_group=None)
+    copy = dataclasses.replace(ctx, dp_cp_group=None, expert_dp_group=None, dp_cp_shard_group=None,
+                               dp_cp_replica_group=None)
     copy.__dict__["_tp_subgroups"] = ctx.__dict__.get("_tp_subgroups", {})
     return copy
 

@@ -134,9 +134,12 @@ def _with_group_ranks(layout: BufferLayout, ctx: ParallelContext) -> BufferLayou
     """The layout with each bucket's reduce group carrying this rank's index in it (the layout code asks
     torch.distributed for it; a planned rank knows it from its coordinates)."""
     dense, expert = group_rank(ctx.dp_cp_group), group_rank(ctx.expert_dp_group)
+    if ctx.dp_cp_replicas > 1:  # hybrid sharding: shards over this rank's shard group (experts too: EP is 1)
+        dense = expert = ctx.dp_cp_shard_rank
     for bucket in layout.buckets:
         r = bucket.reduce
-        bucket.reduce = ReduceGroup(None, r.size, expert if r.expert else dense, r.expert)
+        bucket.reduce = ReduceGroup(None, r.size, expert if r.expert else dense, r.expert, replicas=r.replicas,
+                                    replica_rank=r.replica_rank)
     return layout
 
 
@@ -206,7 +209,8 @@ def rank_memory(cfg: MeshtronConfig, vocab_size: int, world_size: int, rank: int
     """
     p = cfg.parallel
     ctx = planned_context(world_size, rank, p.tensor_model_parallel_size, p.context_parallel_size,
-                          p.pipeline_model_parallel_size, p.expert_model_parallel_size)
+                          p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                          replicas=getattr(p, "num_distributed_optimizer_instances", 1))
     planned = plan_config(cfg)
     chunks = build_stage(planned, ctx, vocab_size)
     layout = _with_group_ranks(buffer_layout(planned, without_data_parallel_groups(ctx), chunks), ctx)

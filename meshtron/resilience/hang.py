@@ -52,7 +52,8 @@ LONG_PHASES = frozenset({"startup", "checkpoint"})
 CONTEXT_GROUPS: tuple[tuple[str, str], ...] = (
     ("tp_group", "tp"), ("cp_group", "cp"), ("dp_group", "dp"), ("pp_group", "pp"),
     ("dp_cp_group", "dp_cp"), ("tp_cp_group", "tp_cp"), ("ep_group", "ep"),
-    ("expert_dp_group", "expert_dp"), ("embedding_group", "embedding"),
+    ("expert_dp_group", "expert_dp"), ("dp_cp_shard_group", "dp_cp_shard"),
+    ("dp_cp_replica_group", "dp_cp_replica"), ("embedding_group", "embedding"),
     ("model_parallel_group", "model_parallel"), ("_checkpoint_group", "checkpoint"),
 )
 _STORE_PREFIX = "meshtron/hang"
