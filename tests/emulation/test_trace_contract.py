@@ -45,6 +45,7 @@ SLOW_CASES = {
                              "--global-batch-size", "4"]),
     "dp_zero2": (2, ["--data-parallel-sharding-strategy", "optim_grads", "--global-batch-size", "4"]),
     "cp_allgather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "allgather", "--global-batch-size", "2"]),
+    "cp_a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--global-batch-size", "2"]),
     "ep_dropless": (2, MOE + ["--expert-model-parallel-size", "2", "--global-batch-size", "4"]),
     "mtp_tp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--mtp-num-layers", "1",
                    "--global-batch-size", "2"]),
