@@ -165,3 +165,30 @@ def test_blocks_merged_by_lse_equal_full_attention():
 def test_cpu_and_fp32_use_the_math_kernel():
     assert select_kernel(torch.zeros(1, 1, 2, 8), has_mask=False) is MATH
     assert select_kernel(torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16), has_mask=True) is MATH
+
+
+def test_a2a_flags_are_checked_in_one_line():
+    from meshtron.cli import build_config
+    from meshtron.cp_comm_types import a2a_kv_replicas
+    from meshtron.validation import validate_config
+
+    base = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64", "--global-batch-size", "4"]
+    cfg = build_config(base + ["--context-parallel-size", "4", "--cp-comm-type", "a2a", "a2a", "a2a"])
+    assert validate_config(cfg, 4).parallel.cp_comm_type == "a2a"
+    assert a2a_kv_replicas(8, 2, 4) == 2 and a2a_kv_replicas(8, 8, 4) == 1
+    with pytest.raises(ConfigError, match="one type for every layer") as err:
+        build_config(base + ["--cp-comm-type", "a2a", "p2p"])
+    assert "\n" not in str(err.value)
+    for flags, world, message in [
+        (["--context-parallel-size", "8", "--seq-length", "64", "--cp-comm-type", "a2a", "--tensor-model-parallel-size",
+          "2"], 16, r"--cp-comm-type a2a needs the attention heads per tensor-parallel rank \(8 / "
+                    r"--tensor-model-parallel-size 2\) \(4, key/value heads 1\) divisible by --context-parallel-size"),
+        (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], 4, "--hierarchical-context-parallel-sizes A B"),
+        (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "3",
+          "2"], 4, "A x B = --context-parallel-size"),
+        (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"], 4, "a2a\\+p2p, not p2p"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as err:
+            validate_config(build_config(base + flags), world)
+        assert "\n" not in str(err.value)
