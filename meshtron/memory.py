@@ -675,8 +675,10 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     strategy = sharding_strategy(cfg)
     # --release-grad-buffer: no gradients from an iteration's start to its backward.
     releases = releases_gradients(strategy, par.release_grad_buffer)
-    dense_shard = dp * cp if strategy != "no_shard" else 1
-    expert_shard = max(1.0, dp * cp * tp / (ep * etp)) if strategy != "no_shard" else 1
+    # Hybrid sharding (--num-distributed-optimizer-instances R): the state is split over S = DP x CP / R ranks.
+    replicas = max(1, getattr(par, "num_distributed_optimizer_instances", 1) or 1)
+    dense_shard = dp * cp / replicas if strategy != "no_shard" else 1
+    expert_shard = max(1.0, dp * cp * tp / (ep * etp) / replicas) if strategy != "no_shard" else 1
 
     fp8 = _fp8_tensorwise(cfg)
     fc2_recomputes = fc2_recomputes_product(cfg, saves)

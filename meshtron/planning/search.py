@@ -5,8 +5,10 @@ node, with sequence parallelism), context parallelism, pipeline stages (an uneve
 where the layers do not divide) and virtual stages, expert parallelism, the data-parallel size that
 is left, the micro batch, recomputation (none, selective, full), the data-parallel sharding strategy
 (no_shard, optim = the distributed optimizer, and where they are needed optim_grads / optim_grads_params),
-FP8, --async-tensor-parallel, the ZB-H1 pipeline schedule (PP > 1 without virtual stages) and activation
-offloading (where a layout does not fit without it, or for long sequences).
+FP8, --async-tensor-parallel, the ZB-H1 pipeline schedule (PP > 1 without virtual stages), activation
+offloading (where a layout does not fit without it, or for long sequences) and hybrid sharding (beside every
+sharded layout whose DP x CP ranks span nodes: shards of the most ranks that fit in a node with its TP,
+``--num-distributed-optimizer-instances`` replicas across nodes, where the larger state still fits).
 Options that can only cost time are tried only where they may be needed, to keep the search fast: ZeRO-2
 and ZeRO-3 only with DP x CP > 1 and when the layout with ZeRO-1 does not fit but could once the gradients
 (and weights) are sharded; ZB-H1 only where 1F1B at the same layout fits; offloading only for layouts that
@@ -61,6 +63,7 @@ class Layout:
     zb_h1: bool = False  # --pipeline-schedule zero-bubble-h1 (PP > 1, no virtual stages)
     offload: bool = False  # --offload-activations
     cp_comm: str = "p2p"  # --cp-comm-type: p2p (ring) or a2a (Ulysses, where the heads split over CP)
+    replicas: int = 1  # --num-distributed-optimizer-instances: hybrid sharding, shards of DP x CP / R ranks
 
     @property
     def distributed_optimizer(self) -> bool:
@@ -82,6 +85,8 @@ class Layout:
             parts.append("offload")
         if self.cp > 1 and self.cp_comm != "p2p":
             parts.append(f"cp-{self.cp_comm}")
+        if self.replicas > 1:
+            parts.append(f"hsdp={self.dp * self.cp // self.replicas}x{self.replicas}")
         return " ".join(parts)
 
     def flags(self) -> list[str]:
@@ -115,6 +120,8 @@ class Layout:
             out += ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce"]
         elif self.dp * self.cp > 1:
             out += ["--overlap-grad-reduce"]
+        if self.replicas > 1:
+            out += ["--num-distributed-optimizer-instances", str(self.replicas)]
         if self.recompute != "none":
             out += ["--recompute-granularity", self.recompute]
         if self.offload:
@@ -152,7 +159,8 @@ class Planned:
 class SearchSpace:
     """What the search may choose (``allow_fp8``: FP8 linears; needs a GPU with FP8 tensor cores;
     ``allow_zero``: ZeRO-2/3 sharding; ``allow_zb_h1``: the ZB-H1 schedule; ``allow_offload``:
-    --offload-activations; ``allow_cp_a2a``: all-to-all context parallelism beside the ring)."""
+    --offload-activations; ``allow_cp_a2a``: all-to-all context parallelism beside the ring; ``allow_hybrid``:
+    hybrid sharding (``--num-distributed-optimizer-instances``) beside a sharded layout spanning nodes)."""
 
     max_micro_batch: int = 8  # every micro batch up to this that divides the global batch per DP rank
     recompute: Sequence[str] = RECOMPUTE
@@ -162,6 +170,7 @@ class SearchSpace:
     allow_zb_h1: bool = True
     allow_offload: bool = True
     allow_cp_a2a: bool = True
+    allow_hybrid: bool = True
     fixed: dict = field(default_factory=dict)  # e.g. {"tp": 4, "pp": 4}: only layouts with these sizes
 
 
@@ -294,6 +303,7 @@ def apply_layout(base: MeshtronConfig, lay: Layout) -> MeshtronConfig:
     p.data_parallel_sharding_strategy = lay.sharding if lay.sharding in ("optim_grads", "optim_grads_params") else None
     p.overlap_grad_reduce = lay.dp * lay.cp > 1
     p.overlap_param_gather = lay.sharding in ("optim", "optim_grads")
+    p.num_distributed_optimizer_instances, p.data_parallel_shard_size = lay.replicas, None
     p.pipeline_schedule = "zero-bubble-h1" if lay.zb_h1 else None
     if lay.cp > 1 and (lay.cp_comm != "p2p" or p.cp_comm_type in ("a2a", "a2a+p2p")):
         p.cp_comm_type, p.hierarchical_context_parallel_sizes = lay.cp_comm, []
@@ -343,6 +353,15 @@ def search(base: MeshtronConfig, base_argv: Sequence[str], gpus: int, profile: D
 
     def keep(lay: Layout, mem: int) -> None:
         fitting.append(Planned(lay, mem, predict_step(apply_layout(base, lay), gpus, profile, vocab, links)))
+        # Hybrid sharding beside a sharded layout whose DP x CP ranks span nodes: shard inside a node, all-reduce
+        # 1/S of the gradients across the nodes (more state per rank: only where it still fits).
+        replicas = hybrid_replicas(lay, gpus_per_node)
+        if replicas > 1 and space.allow_hybrid:
+            hybrid = dataclasses.replace(lay, replicas=replicas)
+            est = estimate(hybrid)
+            if est is not None and est.device_bytes <= limit:
+                fitting.append(Planned(hybrid, est.device_bytes,
+                                       predict_step(apply_layout(base, hybrid), gpus, profile, vocab, links)))
         # All-to-all CP beside the ring, where every TP rank's heads split over the CP ranks: its
         # exchanges are not hidden behind attention, but it sends 4 tensors (CP-1)/CP once instead of CP-1 hops
         if lay.cp > 1 and lay.cp_comm == "p2p" and space.allow_cp_a2a and _a2a_heads_split(base, lay):
@@ -373,6 +392,16 @@ def search(base: MeshtronConfig, base_argv: Sequence[str], gpus: int, profile: D
             cand.command = command
             chosen.append(cand)
     return chosen, considered, len(fitting)
+
+
+def hybrid_replicas(lay: Layout, gpus_per_node: int) -> int:
+    """R for hybrid sharding of ``lay`` with the largest shard group inside one node (1: none worth trying:
+    no sharding, experts split over ranks, or the DP x CP ranks already inside a node)."""
+    ranks = lay.dp * lay.cp
+    if lay.sharding == "no_shard" or lay.ep > 1 or ranks * lay.tp <= gpus_per_node:
+        return 1
+    shard = max([s for s in _divisors(ranks) if s * lay.tp <= gpus_per_node] or [1])
+    return ranks // shard
 
 
 def _a2a_heads_split(base: MeshtronConfig, lay: Layout) -> bool:

@@ -477,15 +477,24 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
 
     strategy = sharding_strategy(cfg)
     dense, expert = max(params_by_stage, key=lambda de: de[0] + de[1])
-    n_dense = dp * cp
-    n_expert = max(1, dp * cp * tp // (ep * etp))
+    sharded = strategy != "no_shard"
+    # Hybrid sharding (--num-distributed-optimizer-instances R): everything below runs inside a shard group of
+    # S = DP x CP / R consecutive ranks (a node's, where S x TP fits in it), then the reduced shards (1/S of the
+    # gradients) are all-reduced over the R replicas (ranks S x TP apart: across nodes), once per step, after
+    # the last reduce-scatter.
+    replicas = max(1, getattr(p, "num_distributed_optimizer_instances", 1) or 1) if sharded else 1
+    n_dense = dp * cp // replicas
+    n_expert = max(1, dp * cp * tp // (ep * etp) // replicas)
     grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
     dp_bw = links.bandwidth(profile, n_dense, tp)
     ep_bw = links.bandwidth(profile, n_expert, tp * ep)
-    sharded = strategy != "no_shard"
     red_factor = 1.0 if sharded else 2.0
     grad_comm = (_ring(dense * grad_bytes, n_dense, dp_bw, latency, red_factor)
                  + _ring(expert * grad_bytes, n_expert, ep_bw, latency, red_factor))
+    replica_comm = 0.0
+    if replicas > 1:
+        replica_bw = links.bandwidth(profile, replicas, tp * n_dense)
+        replica_comm = _ring((dense / n_dense + expert / n_expert) * grad_bytes, replicas, replica_bw, latency, 2.0)
     bucket = max(40_000_000, 1_000_000 * dp) if p.ddp_bucket_size is None else p.ddp_bucket_size
     share = min(1.0, bucket / max(1.0, dense + expert))
     last_backward = per_micro - stage_fwd[slowest]
@@ -508,7 +517,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
             gather = gather * share + _overlapped(gather * (1 - share), stage_fwd[slowest], profile)
     else:
         gather = 0.0
-    kinds["dp"] = grad_exposed + gather
+    kinds["dp"] = grad_exposed + replica_comm + gather
 
     if pp > 1 and not p.overlap_p2p_comm:
         bw = links.bandwidth(profile, 2, tp * cp * dp)
