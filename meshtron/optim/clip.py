@@ -11,7 +11,8 @@ ranks hold copies of it. Copies come from:
 * data parallelism: after the reduction every DP x CP rank holds the same dense
   gradients, so they count on DP x CP rank 0; expert gradients are the same over the
   expert-data-parallel group and count on its rank 0. With the distributed optimizer
-  only the owned shards are summed, which partition the elements: every rank counts its shards.
+  only the owned shards are summed, which partition the elements: every rank counts its shards (with hybrid
+  sharding they partition them inside a shard group, so only the first replica's ranks count theirs).
 
 What remains distinct (TP shards, pipeline stages, expert-parallel ranks, shards) is
 summed by one all-reduce of the squared norm over all ranks. The result is the norm

@@ -40,7 +40,9 @@ prefetched one layer ahead so that only the first layer's gather of each pass is
 pipeline exchanges (``--no-overlap-p2p-comm``), the optimizer step by its bytes plus the optimizer's own
 work (``--optimizer muon``: the Newton-Schulz matmuls of the matrices this rank owns, each whole on every
 rank of its TP group, and the TP all-gathers of fp32 momentum that make it whole), and a fixed step
-overhead. Each collective moves its ring volume over the links its group spans: NVLink when the
+overhead. With hybrid sharding (``--num-distributed-optimizer-instances R``) the data-parallel collectives run
+over the S = DP x CP / R ranks of a shard group, plus an exposed all-reduce of 1/S of the gradients over the R
+replicas. Each collective moves its ring volume over the links its group spans: NVLink when the
 group's ranks share a node, the network otherwise (rank order TP, CP, DP, PP, fastest first).
 """
 
