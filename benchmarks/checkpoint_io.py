@@ -4,6 +4,11 @@ Run with one process per GPU, e.g. Llama 3.1 8B over two GPUs with tensor parall
 
     torchrun --nproc-per-node 2 benchmarks/checkpoint_io.py --model llama3-8b --tp 2 --dir /scratch/ckpt
 
+or on CPUs (gloo, fp32), e.g. GPT-2 124M sharded ZeRO-3 over two processes::
+
+    torchrun --nproc-per-node 2 benchmarks/checkpoint_io.py --device cpu --model gpt2-small --seq-length 128 \
+        --data-parallel-sharding-strategy optim_grads_params --async-repeats 0 --dir /tmp/ckpt
+
 It builds the model (bf16 weights, fp32 masters and Adam moments), takes a few
 training steps, then measures: a synchronous save; an asynchronous save (the time
 training is paused, the step times while the write runs, the time until the
@@ -47,10 +52,18 @@ def _barrier() -> None:
         dist.barrier()
 
 
+_DEVICE = "cuda"  # where the reductions of the figures run (set from --device)
+
+
+def _sync() -> None:
+    if _DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _sum(value: float) -> float:
     if not dist.is_initialized():
         return value
-    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    t = torch.tensor([value], dtype=torch.float64, device=_DEVICE)
     dist.all_reduce(t)
     return float(t.item())
 
@@ -58,7 +71,7 @@ def _sum(value: float) -> float:
 def _max(value: float) -> float:
     if not dist.is_initialized():
         return value
-    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    t = torch.tensor([value], dtype=torch.float64, device=_DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -88,14 +101,17 @@ def _dir_bytes(path: Path) -> int:
 
 
 def bench_config(preset: str, tp: int, seq_length: int, distributed_optimizer: bool, world: int,
-                 device: str = "cuda") -> MeshtronConfig:
-    """The validated run configuration the benchmark trains and checkpoints (bf16, mock data)."""
+                 device: str = "cuda", sharding_strategy: str | None = None) -> MeshtronConfig:
+    """The validated run configuration the benchmark trains and checkpoints (mock data; bf16 on GPUs,
+    fp32 on CPUs). ``sharding_strategy``: ``--data-parallel-sharding-strategy`` (e.g. ZeRO-3)."""
     cfg = MeshtronConfig()
     apply_preset(cfg.model, preset)
-    for key, value in dict(seq_length=seq_length, bf16=True, device=device, mock_data=True,
+    for key, value in dict(seq_length=seq_length, bf16=device == "cuda", device=device, mock_data=True,
                            tensor_model_parallel_size=tp, micro_batch_size=1,
                            use_distributed_optimizer=distributed_optimizer).items():
         cfg.set(key, value)
+    if sharding_strategy is not None:
+        cfg.set("data_parallel_sharding_strategy", sharding_strategy)
     validate_config(cfg, world)
     return cfg
 
@@ -113,16 +129,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--steps", type=int, default=4, help="training steps timed with and without a save in flight")
     p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--data-parallel-sharding-strategy", default=None,
+                   help="no_shard, optim, optim_grads or optim_grads_params (ZeRO-3)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo processes, fp32")
     p.add_argument("--async-repeats", type=int, default=2, help="asynchronous saves (the first allocates buffers)")
     p.add_argument("--hash-bench-gb", type=float, default=1.0, help="bytes per checksum in the hash speed test")
     args = p.parse_args(argv)
 
+    global _DEVICE
+    _DEVICE = args.device
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = bench_config(args.model, args.tp, args.seq_length, args.distributed_optimizer, world)
-    ctx = build_parallel_context(tp=args.tp, device="cuda")
+    cfg = bench_config(args.model, args.tp, args.seq_length, args.distributed_optimizer, world, args.device,
+                       args.data_parallel_sharding_strategy)
+    ctx = build_parallel_context(tp=args.tp, device=args.device)
     lead = ctx.rank == 0
     model = bench_model(cfg, ctx)
-    initialize_parameters(model, cfg.train.seed, ctx.device, torch.bfloat16)
+    initialize_parameters(model, cfg.train.seed, ctx.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
     optim = build_optimization(cfg, ctx, [model])
     optimizer = optim.optimizer
     gen = torch.Generator(device=ctx.device).manual_seed(0)
@@ -133,12 +155,12 @@ def main(argv: list[str] | None = None) -> None:
         times = []
         for _ in range(n):
             start = time.perf_counter()
-            optim.grad_buffer.zero()
+            optim.strategy.zero()
             total, _ = model(tokens, labels=tokens, loss_weight=weight)
             total.backward()
-            optim.grad_sync.finish()
+            optim.strategy.finish()
             optimizer.step(1e-5)
-            torch.cuda.synchronize()
+            _sync()
             times.append(time.perf_counter() - start)
         return times
 
@@ -151,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     state = TrainingState(iteration=10, consumed_samples=10)
     save_dir = Path(args.dir)
     env = {"model": args.model, "tp": args.tp, "world": world, "distributed_optimizer": args.distributed_optimizer,
-           "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+           "sharding_strategy": optim.strategy.name, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"}
     report({"event": "setup", **env, "step_time_s": sum(baseline) / len(baseline)})
     if lead:
         report({"event": "hash_speed", **hash_speeds(int(args.hash_bench_gb * 1e9))})
@@ -206,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         _barrier()
         start = time.perf_counter()
         loaded = load_checkpoint(str(save_dir), [model], optimizer, ctx, cfg, verify=verify)
-        torch.cuda.synchronize()
+        _sync()
         _barrier()
         elapsed = time.perf_counter() - start
         size = published_bytes()

@@ -24,6 +24,9 @@ from typing import Any, Iterable, Optional
 
 ALGORITHM = "crc32"
 FILES_KEY = "files"
+#: In a data file's manifest entry: [[offset, length, crc32], ...] of each stored item (tensor chunk), so
+#: that a load verifies exactly the bytes it reads (meshtron.checkpoint.dcp_reader), in the same read.
+ITEMS_KEY = "items"
 SEAL_KEY = "manifest_crc32"
 _READ_BLOCK = 16 * 2**20
 

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import io
 import math
+import os
 import queue
 import threading
 import time
@@ -24,9 +26,10 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as dcp_fs
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.futures import Future
 
-from meshtron.checkpoint.checksums import crc_hex, file_entry
+from meshtron.checkpoint.checksums import ITEMS_KEY, crc_hex, file_entry
 
 DATA_SUFFIX = ".distcp"
 #: Bytes torch.save adds around each stored tensor (zip headers, the pickled tensor description), measured.
@@ -42,6 +45,7 @@ class HashingStream:
         self.crc = 0
         self.size = 0
         self.hash_s = 0.0
+        self.items: list = []  # [offset, length, crc32] of each item, when the writer marks them
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -52,10 +56,25 @@ class HashingStream:
             raise
         written = len(view) if written is None else written
         start = time.perf_counter()
-        self.crc = zlib.crc32(view[:written], self.crc)
+        part = view[:written]
+        self.crc = zlib.crc32(part, self.crc)
+        if self._item_start is not None:
+            self._item_crc = zlib.crc32(part, self._item_crc)
         self.hash_s += time.perf_counter() - start
         self.size += written
         return written
+
+    _item_start: Optional[int] = None
+    _item_crc = 0
+
+    def begin_item(self) -> None:
+        """Start the checksum of one stored item (the bytes written until :meth:`end_item`)."""
+        self._item_start, self._item_crc = self.size, 0
+
+    def end_item(self) -> list:
+        """[offset, length, CRC-32] of the item written since :meth:`begin_item`."""
+        start, self._item_start = self._item_start, None
+        return [start, self.size - start, crc_hex(self._item_crc)]
 
     def _call(self, name: str, *args):
         try:
@@ -91,6 +110,7 @@ class _RecordingFileSystem(dcp_fs.FileSystem):
         super().__init__()
         self._lock = threading.Lock()
         self.files: dict[str, dict] = {}
+        self.items: dict[str, list] = {}  # file name -> [[offset, length, crc32], ...] of its stored items
         self.os_errors: list[OSError] = []
         self.hash_s = 0.0  # seconds spent hashing, summed over the writer threads
 
@@ -114,6 +134,8 @@ class _RecordingFileSystem(dcp_fs.FileSystem):
         if name.endswith(DATA_SUFFIX):
             with self._lock:
                 self.files[name] = file_entry(stream.size, crc_hex(stream.crc))
+                if stream.items:
+                    self.files[name][ITEMS_KEY] = stream.items
                 self.hash_s += stream.hash_s
 
 
@@ -154,11 +176,8 @@ class ChecksummingWriter(dcp.FileSystemWriter):
 
         def work() -> None:
             try:
-                dcp_fs._write_files_from_queue(
-                    create_stream=self.fs.create_stream, file_queue=file_queue, result_queue=results,
-                    planner=planner, transforms=self.transforms, inflight_threshhold=self.per_thread_copy_ahead,
-                    use_fsync=self.sync_files, thread_count=self.thread_count,
-                    serialization_format=self.serialization_format)
+                write_files_one_chunk_at_a_time(self.fs.create_stream, file_queue, results, planner,
+                                                self.transforms, self.sync_files, self.serialization_format)
             except BaseException as err:  # re-raised below, in the caller's thread
                 failures.append(err)
 
@@ -178,6 +197,49 @@ class ChecksummingWriter(dcp.FileSystemWriter):
         future: Future = Future()
         future.set_result(written)
         return future
+
+
+def write_files_one_chunk_at_a_time(create_stream, file_queue: queue.Queue, result_queue: queue.Queue, planner,
+                                    transforms, use_fsync: bool, serialization_format) -> None:
+    """DCP's per-file write loop (``filesystem._write_files_from_queue``), holding one chunk at a time.
+
+    DCP's loop keeps every host copy of a file's tensors until the file is closed (for its safetensors
+    format), so a rank's extra memory during a synchronous save grew with its whole share of the
+    checkpoint. Here each chunk is copied to the host (or out of a larger buffer: a view would make
+    ``torch.save`` write the whole storage), written and released before the next: the extra memory is
+    the largest chunk. Each item's bytes are also checksummed on their own (``begin_item``/``end_item``
+    of :class:`HashingStream`), so that a load can verify exactly the items it reads.
+    """
+    if serialization_format != dcp_fs.SerializationFormat.TORCH_SAVE:
+        raise ValueError(f"meshtron writes checkpoints with torch.save, not {serialization_format}")
+    try:
+        while True:
+            file_name, storage_key, write_items = file_queue.get_nowait()
+            write_results = []
+            with create_stream(file_name, "wb") as stream:
+                marks = hasattr(stream, "begin_item")
+                for write_item in sorted(write_items, key=lambda w: w.type != WriteItemType.BYTE_IO):
+                    if write_item.type == WriteItemType.BYTE_IO:
+                        data = planner.resolve_data(write_item)
+                    else:
+                        data = planner.resolve_data(write_item).detach().cpu()
+                        if data.untyped_storage().nbytes() != data.nbytes:
+                            data = data.clone()  # only the chunk's bytes, not its buffer's
+                    if marks:
+                        stream.begin_item()
+                    write_results.append(dcp_fs._write_item(transforms, stream, data, write_item, storage_key,
+                                                            serialization_format))
+                    if marks:
+                        stream.items.append(stream.end_item())
+                    del data
+                if use_fsync:
+                    try:
+                        os.fsync(stream.fileno())
+                    except (AttributeError, io.UnsupportedOperation):
+                        os.sync()
+            result_queue.put(write_results)
+    except queue.Empty:
+        pass
 
 
 def _item_bytes(item) -> int:

@@ -20,6 +20,10 @@ from meshtron.checkpoint.metadata import (
     META_FILE, TOKENIZER_DIR, compare_signatures, compare_tensors, model_signature, read_config, read_meta, read_rng,
     training_state_from_dict,
 )
+from meshtron.checkpoint.owned import (
+    first_weight_gather_done, masters_follow_loaded_state, masters_from_weight_shards, owns_state_segments,
+    release_stale_weights, sharded_weights, state_shards_by_segment, weight_shards,
+)
 from meshtron.checkpoint.pieces import (
     MODEL_PREFIX, OPTIM_PREFIX, canonical_name, state_names_of, state_shards, state_tensors_are_views, to_state_dict,
 )
@@ -121,13 +125,18 @@ def _dcp_load(state_dict: dict, ckpt_dir: Path, group, no_dist: bool, md: Option
 
 
 def load_model_tensors(models: Sequence[nn.Module], ckpt_dir: Path, group=None, no_dist: Optional[bool] = None,
-                       md: Optional[Metadata] = None) -> None:
+                       md: Optional[Metadata] = None, optimizer=None) -> None:
     """Copy the checkpoint's model tensors into this rank's parameters (in place, any layout).
 
-    ``md``: the checkpoint's DCP index when already read (see :func:`read_dcp_metadata`)."""
+    ``md``: the checkpoint's DCP index when already read (see :func:`read_dcp_metadata`). With a ZeRO-3
+    ``optimizer`` the weights are read straight into this rank's weight shards (nothing is gathered)."""
     no_dist = group is None if no_dist is None else no_dist
+    zero3 = sharded_weights(optimizer) is not None
     with torch.no_grad():
-        _dcp_load(to_state_dict(model_shards(models)), ckpt_dir, group, no_dist, md)
+        chunks = model_shards(models, parameters=not zero3)
+        if zero3:
+            chunks = weight_shards(optimizer) + chunks
+        _dcp_load(to_state_dict(chunks), ckpt_dir, group, no_dist, md)
 
 
 #: Bytes of gathered optimizer state (fp32 master and moments) read per DCP load call when the
@@ -153,8 +162,16 @@ def _param_batches(optimizer) -> list[list[int]]:
 
 
 def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int, md: Optional[Metadata] = None) -> None:
-    """Fill the optimizer's masters and moments from the checkpoint (collective over DP for a distributed one)."""
+    """Fill the optimizer's masters and moments from the checkpoint. The distributed optimizer's segments
+    are read in place, with no gather (see :mod:`meshtron.checkpoint.owned`)."""
     optimizer.ensure_state()
+    if owns_state_segments(optimizer):
+        with torch.no_grad():
+            chunks = [c for segment in state_shards_by_segment(optimizer, for_load=True) for c in segment]
+            _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None, md)
+            masters_follow_loaded_state(optimizer)
+        optimizer.set_step_count(step_count)
+        return
     batches = _param_batches(optimizer)
     # Every rank makes the same number of DCP loads (collectives), whatever its pipeline stage holds.
     rounds = max(coordination.all_gather_object(len(batches), group))
@@ -215,19 +232,27 @@ def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx
     has_optim = bool(meta.get("optimizer", {}).get("present"))
     want_optim = optimizer is not None and load_optim and has_optim
     check_compatibility(ckpt_dir, meta, saved, model_chunks, cfg, group, want_optim)
-    if optimizer is not None:
+    zero3 = sharded_weights(optimizer) is not None
+    if zero3:
+        first_weight_gather_done(optimizer)  # ZeRO-3: the shards are loaded in place, nothing is gathered
+    elif optimizer is not None:
         optimizer.finish_param_gather()  # a gather landing later would overwrite the loaded weights
 
-    load_model_tensors(model_chunks, ckpt_dir, group, no_dist, md)
-    if optimizer is not None:
-        optimizer.weights_written()  # sharded weights: the shards take the loaded values
+    load_model_tensors(model_chunks, ckpt_dir, group, no_dist, md, optimizer)
+    if zero3:
+        release_stale_weights(optimizer)  # the full weights are stale: the next use gathers the loaded shards
+    elif optimizer is not None:
+        optimizer.weights_written()  # ZeRO-2: the shards take the loaded values
     if want_optim:
         _load_optimizer(optimizer, ckpt_dir, group, int(meta["optimizer"]["step_count"]), md)
     elif optimizer is not None:
         if load_optim and lead:
             logger.warning("checkpoint %s has no optimizer state: Adam moments start from zero", ckpt_dir)
         optimizer.ensure_state()
-        _masters_from_weights(optimizer)
+        if zero3:
+            masters_from_weight_shards(optimizer)
+        else:
+            _masters_from_weights(optimizer)
 
     state = training_state_from_dict(meta["training_state"])
     state.rng = _load_rng(ckpt_dir, meta, group, lead) if load_rng else None

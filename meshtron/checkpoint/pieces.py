@@ -20,6 +20,7 @@ pipeline stage) offer identical (name, offset) entries, which DCP writes once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -94,11 +95,12 @@ def _shards_of(tensor: torch.Tensor, spec: ShardSpec, key_of) -> Iterator[SavedS
             yield chunk
 
 
-def model_shards(models: Sequence[nn.Module]) -> list[SavedShard]:
-    """This rank's chunks of every canonical model tensor (views of the parameters)."""
+def model_shards(models: Sequence[nn.Module], parameters: bool = True) -> list[SavedShard]:
+    """This rank's chunks of every canonical model tensor (views of the parameters); ``parameters`` False:
+    of the model's state buffers only (the weights then come from their shards, see :mod:`.owned`)."""
     out: list[SavedShard] = []
     for index, model in enumerate(models):
-        for name, param in model.named_parameters():
+        for name, param in model.named_parameters() if parameters else ():
             spec = _spec(param, f"model chunk {index} parameter {name!r}")
             out.extend(_shards_of(param.detach(), spec, model_key))
         for name, buf in spec_buffers(model):  # e.g. the MoE router's expert bias
@@ -215,3 +217,97 @@ def to_state_dict(chunks: Iterable[SavedShard]) -> dict[str, ChunkedTensor]:
     """A flat DCP state dict {key: ChunkedTensor} of this rank's chunks."""
     return {key: ChunkedTensor(entries[0].global_shape, [(e.offsets, e.data) for e in entries])
             for key, entries in group_shards(chunks).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunks straight from flat shards (ZeRO-3 weights, the distributed optimizer's state).
+# ---------------------------------------------------------------------------------------------
+
+def flat_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple, tuple]]:
+    """Rectangular boxes (offsets, sizes) that cover the elements [lo, hi) of a row-major tensor of ``shape``.
+
+    A contiguous range of a flattened tensor is at most a partial first row, whole rows and a partial
+    last row (recursively in the inner dimensions): at most ``2 * ndim - 1`` boxes, in order.
+    """
+    shape = tuple(int(s) for s in shape)
+    if hi <= lo:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return []
+    r0, c0 = divmod(lo, inner)
+    r1, c1 = divmod(hi, inner)
+    boxes: list[tuple[tuple, tuple]] = []
+
+    def in_row(row: int, a: int, b: int) -> None:
+        boxes.extend(((row,) + off, (1,) + size) for off, size in flat_boxes(shape[1:], a, b))
+
+    if r0 == r1:
+        in_row(r0, c0, c1)
+        return boxes
+    if c0:
+        in_row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        boxes.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + shape[1:]))
+    if c1:
+        in_row(r1, 0, c1)
+    return boxes
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def flat_range_shards(spec: ShardSpec, local_shape: Sequence[int], lo: int, hi: int, flat: torch.Tensor,
+                      key_of) -> list[SavedShard]:
+    """The stored regions of elements [lo, hi) of a local parameter (or a state shaped like it), whose
+    values are ``flat`` (1-D, ``hi - lo`` elements): views of ``flat``, each at its canonical offsets.
+
+    This is what a rank holds of a ZeRO-3 weight or of a distributed optimizer's state: no gather, no copy.
+    Each box of the range is cut by the parameter's pieces (fused tensors) and their vocabulary padding.
+    """
+    if flat.numel() != hi - lo:
+        raise ValueError(f"{hi - lo} elements expected, got {flat.numel()}")
+    local_shape = tuple(int(s) for s in local_shape)
+    strides = _contiguous_strides(local_shape)
+    base = flat.storage_offset()
+    cat = spec.cat_dim
+    out: list[SavedShard] = []
+    for offsets, sizes in flat_boxes(local_shape, lo, hi):
+        begin = 0  # the piece's first index along the concatenation dimension
+        for piece in spec.pieces:
+            extent = piece.shape[cat] if local_shape else 1
+            a = max(offsets[cat], begin) if local_shape else 0
+            b = min(offsets[cat] + sizes[cat], begin + extent) if local_shape else 1
+            begin_piece = begin
+            begin += extent
+            if b <= a:
+                continue
+            off, size = list(offsets), list(sizes)
+            if local_shape:
+                off[cat], size[cat] = a, b - a
+            # Clip to the rows inside the canonical tensor (vocabulary padding is not stored).
+            within = [o - (begin_piece if d == cat else 0) for d, o in enumerate(off)]
+            valid = piece.valid_length
+            if local_shape:
+                d = piece.dim
+                stop = min(within[d] + size[d], valid)
+                if stop <= within[d]:
+                    continue
+                size[d] = stop - within[d]
+            elif valid <= 0:
+                continue
+            start = sum(o * s for o, s in zip(off, strides)) - lo
+            data = flat.as_strided(tuple(size), strides, base + start)
+            canonical = list(within)
+            if local_shape:
+                canonical[piece.dim] += piece.start
+            out.append(SavedShard(key_of(piece.name), tuple(piece.full_shape), tuple(canonical), data))
+    return out

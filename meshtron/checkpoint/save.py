@@ -11,6 +11,9 @@ import torch.nn as nn
 from meshtron.checkpoint import coordination
 from meshtron.checkpoint.async_save import process_writer
 from meshtron.checkpoint.errors import CheckpointError
+from meshtron.checkpoint.owned import (
+    first_weight_gather_done, owns_state_segments, sharded_weights, state_shards_by_segment, weight_shards,
+)
 from meshtron.checkpoint.metadata import checkpoint_meta, config_yaml, layout_dict, model_signature, rng_bytes
 from meshtron.checkpoint.pieces import SavedShard, optimizer_shards_by_param, state_tensors_are_views, to_state_dict
 from meshtron.checkpoint.pieces import model_shards
@@ -70,8 +73,10 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
     rank = coordination.rank()
     meta = build_meta(state, model_chunks, optimizer, ctx, cfg, tokenizer is not None, save_rng)
     rng = (state.rng if state.rng is not None else capture_rng_state()) if save_rng else None
-    if optimizer is not None:
-        optimizer.finish_param_gather()  # weights still being all-gathered (or sharded) must be whole to be read
+    if sharded_weights(optimizer) is not None:
+        first_weight_gather_done(optimizer)  # ZeRO-3: the weights are saved from this rank's shards, never gathered
+    elif optimizer is not None:
+        optimizer.finish_param_gather()  # weights still being all-gathered must be whole to be read
     job = SaveJob(save_dir=Path(save_dir), iteration=int(state.iteration), rank=rank, state_dict={}, meta=meta,
                   config_text=config_yaml(cfg), rng=rng_bytes(rng) if rng is not None else None, group=group,
                   tokenizer=tokenizer if rank == 0 else None, retain=retain)
@@ -93,23 +98,35 @@ def save_checkpoint(save_dir: str, state: TrainingState, model_chunks: list[nn.M
 def _collect_chunks(model_chunks: Sequence[nn.Module], optimizer, stager) -> list[SavedShard]:
     """This rank's chunks of model and optimizer state; host copies when ``stager`` is given (async).
 
-    A distributed optimizer gathers each parameter's state into a temporary copy: those are
-    moved to the host one parameter at a time, so that device memory stays bounded.
+    Nothing is gathered: ZeRO-3 weights are saved from this rank's weight shards, and the distributed
+    optimizer's masters and moments from its own segments (:mod:`meshtron.checkpoint.owned`), each a view
+    of the rank's memory. DCP copies one chunk at a time to the host while writing, so a synchronous save
+    needs no more extra memory than its largest chunk.
     """
     if stager is not None:
         stager.begin_staging()
-    chunks = model_shards(model_chunks)
+    zero3 = sharded_weights(optimizer) is not None
+    chunks = model_shards(model_chunks, parameters=not zero3)
+    if zero3:
+        chunks = weight_shards(optimizer) + chunks
     if stager is not None:
         chunks = [stager.stage(c) for c in chunks]
     if optimizer is not None:
         optimizer.ensure_state()  # zero moments before the first step: the same as fresh AdamW state
-        copies = not state_tensors_are_views(optimizer)
-        for param_chunks in optimizer_shards_by_param(optimizer):
-            if stager is not None:
-                param_chunks = [stager.stage(c, blocking=copies) for c in param_chunks]
-            elif copies:
-                param_chunks = [SavedShard(c.key, c.global_shape, c.offsets, c.data.cpu()) for c in param_chunks]
-            chunks += param_chunks
+        if owns_state_segments(optimizer):
+            by_segment = state_shards_by_segment(optimizer)
+            for segment_chunks in by_segment:
+                if stager is not None:  # a converted (non-fp32) state is a temporary: copy it before the next
+                    segment_chunks = [stager.stage(c, blocking=True) for c in segment_chunks]
+                chunks += segment_chunks
+        else:
+            copies = not state_tensors_are_views(optimizer)
+            for param_chunks in optimizer_shards_by_param(optimizer):
+                if stager is not None:
+                    param_chunks = [stager.stage(c, blocking=copies) for c in param_chunks]
+                elif copies:
+                    param_chunks = [SavedShard(c.key, c.global_shape, c.offsets, c.data.cpu()) for c in param_chunks]
+                chunks += param_chunks
     if stager is not None:
         stager.finish_staging()
     return chunks

@@ -383,7 +383,7 @@ class Trainer:
         self._check_weights_finite(self.state.iteration)  # nor NaN/inf weights over the last good checkpoint
         self.progress.phase = "checkpoint"
         self.state.rng = capture_rng_state(self.tracker)
-        self._finish_param_gather()
+        self._finish_param_gather(whole=False)  # save_checkpoint reads ZeRO-3 weights from their shards
         checkpoint.save_checkpoint(ck.save, self.state, self.model_chunks, None if ck.no_save_optim else self.optimizer,
                              self.ctx, self.cfg, tokenizer=self.data.tokenizer, async_save=ck.async_save,
                              retain=ck.save_retain, save_rng=not ck.no_save_rng, report=self.logger.info)
@@ -397,10 +397,16 @@ class Trainer:
                 "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu, "tflops_per_gpu": speed.tflops_per_gpu,
                 "mfu": speed.mfu, **peak_memory_stats(self.device), **self._optional_norms()}
 
-    def _finish_param_gather(self) -> None:
+    def _finish_param_gather(self, whole: bool = True) -> None:
         """Complete the weights before reading them outside a forward pass: with --overlap-param-gather
-        the last step's all-gathers may still be in flight."""
-        self.optimizer.finish_param_gather()
+        the last step's all-gathers may still be in flight. ``whole`` False: a reader of ZeRO-3's own weight
+        shards only waits for gathers in flight (the full weights are not gathered)."""
+        from meshtron.checkpoint.owned import first_weight_gather_done, sharded_weights
+
+        if not whole and sharded_weights(self.optimizer) is not None:
+            first_weight_gather_done(self.optimizer)
+        else:
+            self.optimizer.finish_param_gather()
 
     def _optional_norms(self) -> dict:
         """--log-params-norm and --log-num-zeros-in-grad (collectives: every rank logs)."""
@@ -615,7 +621,7 @@ class Trainer:
         """TrainingError when any rank's weights hold a NaN/inf (a collective: every rank calls it)."""
         if self._weights_finite_at == iteration:
             return
-        self._finish_param_gather()
+        self._finish_param_gather(whole=False)
         weights = self.dp_strategy.param_data  # what the optimizer writes: flat weights or this rank's shard
         tensors = [weights] if weights is not None else [p.detach() for p in self.params]
         bad = nonfinite_on_any_rank(tensors, self.ctx)
