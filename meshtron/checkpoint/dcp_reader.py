@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import io
 import pickle
+import zlib
 from pathlib import Path, PurePath
 from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
 )
 
+from torch.futures import Future
+
+from meshtron.checkpoint.checksums import ALGORITHM, crc_hex
 from meshtron.checkpoint.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -141,16 +146,69 @@ def read_dcp_metadata(ckpt_dir: str | Path) -> Metadata:
     return md
 
 
+class CorruptItem(CheckpointError):
+    """Stored bytes that do not match the checksum their save recorded (found while reading them)."""
+
+
+#: {(data file name, offset, length): crc32} of every stored item, from the manifest (ITEMS_KEY).
+ItemChecksums = dict
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's file-system reader with ``read_metadata`` through :func:`read_dcp_metadata`.
 
     ``metadata`` (already read and checked) is returned instead of reading the file again.
     Per-rank index files (``__N.metadata``, which meshtron never writes) are refused.
+    With ``checksums``, every stored item read is checked against its recorded CRC-32 from the very
+    bytes the load deserialises (no separate pass over the files), and read once however many of this
+    rank's regions it serves.
     """
 
-    def __init__(self, path: str | Path, metadata: Optional[Metadata] = None) -> None:
+    def __init__(self, path: str | Path, metadata: Optional[Metadata] = None,
+                 checksums: Optional[ItemChecksums] = None) -> None:
         super().__init__(str(path))
         self._checked = metadata
+        self._checksums = checksums
+
+    def read_data(self, plan, planner):
+        if self._checksums is None:
+            return super().read_data(plan, planner)
+        per_file: dict[str, dict[tuple[int, int], list]] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            per_file.setdefault(info.relative_path, {}).setdefault((info.offset, info.length), []).append(req)
+        for name, items in per_file.items():
+            path = Path(self.path) / name
+            with open(path, "rb") as f:
+                for (offset, length), reqs in sorted(items.items()):
+                    tensor = self._verified_item(f, path, name, offset, length, reqs[0].storage_index.fqn)
+                    for req in reqs:
+                        part = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                        target = planner.resolve_tensor(req).detach()
+                        if target.size() != part.size():
+                            raise CheckpointError(f"{path}: {req.storage_index.fqn} holds a region of size "
+                                                  f"{tuple(part.size())} where {tuple(target.size())} was expected")
+                        target.copy_(part)
+                        planner.commit_tensor(req, target)
+                    del tensor
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _verified_item(self, f, path: Path, name: str, offset: int, length: int, fqn: str) -> torch.Tensor:
+        expected = self._checksums.get((name, offset, length))
+        if expected is None:
+            raise CorruptItem(f"{path}: the bytes {offset}-{offset + length} of tensor {fqn} have no recorded "
+                              "checksum (the index and the manifest disagree)")
+        f.seek(offset)
+        data = f.read(length)
+        if len(data) != length:
+            raise CorruptItem(f"{path} ends inside tensor {fqn} ({len(data)} of {length} bytes at {offset})")
+        crc = crc_hex(zlib.crc32(data))
+        if crc != expected:
+            raise CorruptItem(f"{path} does not match its checksum in the bytes of tensor {fqn} "
+                              f"({ALGORITHM} {crc}, recorded {expected})")
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -175,7 +233,23 @@ class TensorOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 def safe_dcp_load(state_dict: dict, ckpt_dir: str | Path, metadata: Optional[Metadata] = None,
-                  process_group=None, no_dist: bool = True) -> None:
-    """``dcp.load`` with the restricted reader and planner (``metadata``: the index, if already read)."""
-    dcp.load(state_dict, storage_reader=SafeFileSystemReader(ckpt_dir, metadata), planner=TensorOnlyLoadPlanner(),
-             process_group=process_group, no_dist=no_dist)
+                  process_group=None, no_dist: bool = True, checksums: Optional[ItemChecksums] = None) -> None:
+    """``dcp.load`` with the restricted reader and planner (``metadata``: the index, if already read;
+    ``checksums``: verify each stored item as it is read)."""
+    dcp.load(state_dict, storage_reader=SafeFileSystemReader(ckpt_dir, metadata, checksums),
+             planner=TensorOnlyLoadPlanner(), process_group=process_group, no_dist=no_dist)
+
+
+def corrupt_item_in(err: BaseException) -> Optional[CorruptItem]:
+    """The CorruptItem behind a failed DCP load (on any rank), if that is why it failed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, CorruptItem):
+        return err
+    if isinstance(err, CheckpointException):
+        for _, (exc, _) in sorted(err.failures.items()):
+            found = corrupt_item_in(exc)
+            if found is not None:
+                return found
+    cause = err.__cause__ or err.__context__
+    return corrupt_item_in(cause) if cause is not None and cause is not err else None

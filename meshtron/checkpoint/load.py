@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from meshtron.checkpoint import coordination, layout
 from meshtron.checkpoint.async_save import process_writer
-from meshtron.checkpoint.dcp_reader import read_dcp_metadata, safe_dcp_load
+from meshtron.checkpoint.dcp_reader import corrupt_item_in, read_dcp_metadata, safe_dcp_load
 from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.megatron.detect import find_megatron_checkpoint
 from meshtron.checkpoint.metadata import (
@@ -29,7 +29,7 @@ from meshtron.checkpoint.pieces import (
 )
 from meshtron.checkpoint.pieces import model_shards
 from meshtron.checkpoint.save import model_vocab_size
-from meshtron.checkpoint.verify import verify_checkpoint
+from meshtron.checkpoint.verify import SKIP_HINT, verify_for_load
 from meshtron.checkpoint.writer import quiet_single_process_notice
 from meshtron.config import MeshtronConfig
 from meshtron.parallel.context import ParallelContext
@@ -115,28 +115,33 @@ def check_compatibility(ckpt_dir: Path, meta: dict, saved: dict[str, tuple], mod
         raise CheckpointError(f"the checkpoint {ckpt_dir} does not match this model", diffs)
 
 
-def _dcp_load(state_dict: dict, ckpt_dir: Path, group, no_dist: bool, md: Optional[Metadata] = None) -> None:
+def _dcp_load(state_dict: dict, ckpt_dir: Path, group, no_dist: bool, md: Optional[Metadata] = None,
+              checksums: Optional[dict] = None) -> None:
     if not state_dict and no_dist:
         return  # with a group, even an empty load takes part in DCP's collectives
     try:
-        safe_dcp_load(state_dict, ckpt_dir, md, process_group=group, no_dist=no_dist)
+        safe_dcp_load(state_dict, ckpt_dir, md, process_group=group, no_dist=no_dist, checksums=checksums)
     except (Exception, CheckpointException) as err:  # DCP reports every rank's failure on every rank
+        corrupt = corrupt_item_in(err)
+        if corrupt is not None:  # one line naming the file and the tensor, on every rank
+            raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt: {corrupt}; {SKIP_HINT}") from None
         raise CheckpointError(f"reading tensors from {ckpt_dir} failed", describe_dcp_failure(err)) from None
 
 
 def load_model_tensors(models: Sequence[nn.Module], ckpt_dir: Path, group=None, no_dist: Optional[bool] = None,
-                       md: Optional[Metadata] = None, optimizer=None) -> None:
+                       md: Optional[Metadata] = None, optimizer=None, checksums: Optional[dict] = None) -> None:
     """Copy the checkpoint's model tensors into this rank's parameters (in place, any layout).
 
     ``md``: the checkpoint's DCP index when already read (see :func:`read_dcp_metadata`). With a ZeRO-3
-    ``optimizer`` the weights are read straight into this rank's weight shards (nothing is gathered)."""
+    ``optimizer`` the weights are read straight into this rank's weight shards (nothing is gathered).
+    ``checksums``: the stored items' CRC-32s (:func:`verify_for_load`), checked as they are read."""
     no_dist = group is None if no_dist is None else no_dist
     zero3 = sharded_weights(optimizer) is not None
     with torch.no_grad():
         chunks = model_shards(models, parameters=not zero3)
         if zero3:
             chunks = weight_shards(optimizer) + chunks
-        _dcp_load(to_state_dict(chunks), ckpt_dir, group, no_dist, md)
+        _dcp_load(to_state_dict(chunks), ckpt_dir, group, no_dist, md, checksums)
 
 
 #: Bytes of gathered optimizer state (fp32 master and moments) read per DCP load call when the
@@ -161,14 +166,15 @@ def _param_batches(optimizer) -> list[list[int]]:
     return batches
 
 
-def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int, md: Optional[Metadata] = None) -> None:
+def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int, md: Optional[Metadata] = None,
+                    checksums: Optional[dict] = None) -> None:
     """Fill the optimizer's masters and moments from the checkpoint. The distributed optimizer's segments
     are read in place, with no gather (see :mod:`meshtron.checkpoint.owned`)."""
     optimizer.ensure_state()
     if owns_state_segments(optimizer):
         with torch.no_grad():
             chunks = [c for segment in state_shards_by_segment(optimizer, for_load=True) for c in segment]
-            _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None, md)
+            _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None, md, checksums)
             masters_follow_loaded_state(optimizer)
         optimizer.set_step_count(step_count)
         return
@@ -180,7 +186,7 @@ def _load_optimizer(optimizer, ckpt_dir: Path, group, step_count: int, md: Optio
         for batch in batches:
             tensors = {i: optimizer.state_tensors(i) for i in batch}
             chunks = [c for i in batch for c in state_shards(optimizer.params[i], i, tensors[i], state_names_of(optimizer, i))]
-            _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None, md)
+            _dcp_load(to_state_dict(chunks), ckpt_dir, group, group is None, md, checksums)
             for i in batch:
                 optimizer.load_state_tensors(i, {k: tensors[i][k] for k in state_names_of(optimizer, i)})
     optimizer.set_step_count(step_count)
@@ -225,7 +231,7 @@ def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx
     ckpt_dir = resolve_checkpoint(load_dir)
     if ckpt_dir is None:
         return None
-    verify_checkpoint(ckpt_dir, group, verification_enabled(cfg) if verify is None else verify)
+    checksums = verify_for_load(ckpt_dir, group, verification_enabled(cfg) if verify is None else verify)
     meta = read_meta(ckpt_dir)
     md = read_dcp_metadata(ckpt_dir)
     saved = _saved_shapes(md)
@@ -238,13 +244,13 @@ def load_checkpoint(load_dir: str, model_chunks: list[nn.Module], optimizer, ctx
     elif optimizer is not None:
         optimizer.finish_param_gather()  # a gather landing later would overwrite the loaded weights
 
-    load_model_tensors(model_chunks, ckpt_dir, group, no_dist, md, optimizer)
+    load_model_tensors(model_chunks, ckpt_dir, group, no_dist, md, optimizer, checksums)
     if zero3:
         release_stale_weights(optimizer)  # the full weights are stale: the next use gathers the loaded shards
     elif optimizer is not None:
         optimizer.weights_written()  # ZeRO-2: the shards take the loaded values
     if want_optim:
-        _load_optimizer(optimizer, ckpt_dir, group, int(meta["optimizer"]["step_count"]), md)
+        _load_optimizer(optimizer, ckpt_dir, group, int(meta["optimizer"]["step_count"]), md, checksums)
     elif optimizer is not None:
         if load_optim and lead:
             logger.warning("checkpoint %s has no optimizer state: Adam moments start from zero", ckpt_dir)
@@ -316,7 +322,7 @@ def load_for_inference(load_dir: str | Path, device: torch.device | str = "cpu",
     ckpt_dir = resolve_checkpoint(load_dir)
     if ckpt_dir is None:
         raise CheckpointError(f"no checkpoint found in {load_dir} (expected a 'latest' file or an iter_N directory)")
-    verify_checkpoint(ckpt_dir, None, verify)
+    checksums = verify_for_load(ckpt_dir, None, verify)
     meta = read_meta(ckpt_dir)
     cfg = read_config(ckpt_dir)
     vocab = meta.get("model", {}).get("vocab_size") or cfg.model.vocab_size
@@ -325,7 +331,7 @@ def load_for_inference(load_dir: str | Path, device: torch.device | str = "cpu",
     model = build_empty_model(cfg, int(vocab), device, dtype)
     md = read_dcp_metadata(ckpt_dir)
     check_compatibility(ckpt_dir, meta, _saved_shapes(md), [model], cfg, None, False)
-    load_model_tensors([model], ckpt_dir, None, no_dist=True, md=md)
+    load_model_tensors([model], ckpt_dir, None, no_dist=True, md=md, checksums=checksums)
     model.eval()
     tokenizer = read_checkpoint_tokenizer(ckpt_dir) if (ckpt_dir / TOKENIZER_DIR).is_dir() else None
     return model, tokenizer

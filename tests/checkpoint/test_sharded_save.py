@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
 import torch
 
 from ckpt_helpers import assert_same_state, build_chunks, canonical_state, run_ranks, tiny_config
@@ -129,7 +130,8 @@ def _memory_worker(rank: int, world: int, root: str) -> dict:
 
 
 def test_zero3_save_writes_own_shards_within_a_bounded_buffer_and_reloads(tmp_path):
-    from meshtron.checkpoint import load_checkpoint
+    from meshtron.checkpoint import CheckpointError, checksums, load_checkpoint
+    from meshtron.checkpoint.verify import verify_checkpoint
     from meshtron.optim.optimizer import MixedPrecisionAdamW
     from meshtron.parallel.context import ParallelContext
 
@@ -145,5 +147,26 @@ def test_zero3_save_writes_own_shards_within_a_bounded_buffer_and_reloads(tmp_pa
     ctx = ParallelContext()
     chunks = build_chunks(cfg, ctx, seed=7)
     optimizer = MixedPrecisionAdamW([p for c in chunks for p in c.parameters()], cfg.optim)
-    load_checkpoint(root, chunks, optimizer, ctx, cfg)
+    hashed = []
+    original = checksums.crc32_file
+    checksums.crc32_file = lambda path: hashed.append(str(path)) or original(path)
+    try:
+        load_checkpoint(root, chunks, optimizer, ctx, cfg)
+    finally:
+        checksums.crc32_file = original
     assert_same_state(canonical_state(chunks, optimizer), results[0]["ref"])
+    # No pass over the data files before the load: their chunks were verified from the bytes read.
+    assert hashed and not [h for h in hashed if h.endswith(".distcp")], hashed
+
+    # A flipped byte inside a stored tensor: refused in one line naming the file and the tensor.
+    data = sorted((tmp_path / "z3" / "iter_0000003").glob("*.distcp"))[1]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(root, chunks, optimizer, ctx, cfg)
+    text = str(err.value)
+    assert "\n" not in text and str(data) in text, text
+    assert "in the bytes of tensor model." in text or "in the bytes of tensor optim." in text, text
+    with pytest.raises(CheckpointError, match="does not match its checksum"):  # the standalone check too
+        verify_checkpoint(tmp_path / "z3" / "iter_0000003")
