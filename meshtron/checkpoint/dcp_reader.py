@@ -169,6 +169,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         super().__init__(str(path))
         self._checked = metadata
         self._checksums = checksums
+        self._files_with_items = {name for name, _, _ in checksums} if checksums else set()
 
     def read_data(self, plan, planner):
         if self._checksums is None:
@@ -179,7 +180,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             per_file.setdefault(info.relative_path, {}).setdefault((info.offset, info.length), []).append(req)
         for name, items in per_file.items():
             path = Path(self.path) / name
-            with open(path, "rb") as f:
+            try:
+                f = open(path, "rb")
+            except OSError as err:
+                raise CorruptItem(f"cannot read {path}: {err.strerror or err}") from None
+            with f:
                 for (offset, length), reqs in sorted(items.items()):
                     tensor = self._verified_item(f, path, name, offset, length, reqs[0].storage_index.fqn)
                     for req in reqs:
@@ -197,6 +202,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def _verified_item(self, f, path: Path, name: str, offset: int, length: int, fqn: str) -> torch.Tensor:
         expected = self._checksums.get((name, offset, length))
+        if expected is None and name not in self._files_with_items:
+            # A file without item checksums (an older save) was checked whole before the load began.
+            f.seek(offset)
+            return torch.load(io.BytesIO(f.read(length)), map_location="cpu", weights_only=True)
         if expected is None:
             raise CorruptItem(f"{path}: the bytes {offset}-{offset + length} of tensor {fqn} have no recorded "
                               "checksum (the index and the manifest disagree)")

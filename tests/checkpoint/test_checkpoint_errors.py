@@ -267,7 +267,15 @@ def test_unreadable_checkpoint_file_is_one_line(first_checkpoint, monkeypatch):
             raise PermissionError(errno.EACCES, "Permission denied", str(p))
         return real(p)
 
-    monkeypatch.setattr(checksums, "crc32_file", crc32_file)
+    monkeypatch.setattr(checksums, "crc32_file", crc32_file)  # a file checked whole before the load
+    from meshtron.checkpoint import dcp_reader
+
+    def open_(p, *args, **kwargs):  # a file whose items are checked as the load reads them
+        if str(p).endswith("__0_0.distcp"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(p))
+        return open(p, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_reader, "open", open_, raising=False)
     with pytest.raises(CheckpointError, match=r"is corrupt: cannot read .*__0_0\.distcp: Permission denied") as info:
         load_checkpoint(str(path), chunks, optimizer, ctx, cfg)
     assert "\n" not in str(info.value)
