@@ -89,6 +89,7 @@ def compare_with_gloo(device: str) -> None:
                                        msg=lambda m: f"rank {rank} {key}: {m}")
 
 
+@pytest.mark.slow  # test infrastructure for the GPU suite, where its GPU twin runs
 def test_every_operation_equals_gloo_on_cpu():
     compare_with_gloo("cpu")
 

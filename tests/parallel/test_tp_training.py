@@ -21,7 +21,8 @@ def _train(rank, world, extra):
     return run_training(build_config(ARGS + extra)).train_losses
 
 
-@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "selective"], ["--no-tp-comm-overlap"]],
+@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "selective"],
+                                       pytest.param(["--no-tp-comm-overlap"], marks=pytest.mark.slow)],
                          ids=["plain", "selective", "no-overlap"])
 def test_tp2_sp_trains_like_one_process(recompute):
     """20 iterations with TP=2 and sequence parallelism print the losses of the one-process run
@@ -63,12 +64,14 @@ def test_rng_tracker_dropout_streams():
     assert not torch.equal(out0, after0)
 
 
+# TP=2 + SP is the fast representative; the other layouts' FP8 runs are slow (their bf16 runs are fast).
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                     "--recompute-granularity", "full", "--recompute-method", "uniform",
-                                     "--recompute-num-layers", "1"],
-                                    ["--use-distributed-optimizer"], ["--pipeline-model-parallel-size", "2"],
-                                    ["--context-parallel-size", "2"]],
+                                    pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                  "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                  "--recompute-num-layers", "1"], marks=pytest.mark.slow),
+                                    pytest.param(["--use-distributed-optimizer"], marks=pytest.mark.slow),
+                                    pytest.param(["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
+                                    pytest.param(["--context-parallel-size", "2"], marks=pytest.mark.slow)],
                          ids=["tp2-sp", "tp2-sp-full-recompute", "dp2-distopt", "pp2", "cp2"])
 def test_fp8_layouts_follow_one_process_fp8(layout):
     """FP8 in every two-rank layout against one process's FP8 run. FP8 rounding is discontinuous, so the

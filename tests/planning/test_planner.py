@@ -67,7 +67,10 @@ GUIDE = [("llama2-7b", 8, 4096, 1024, dict(tp=1, pp=1, cp=1), True),
          ("mixtral-8x7b", 32, 4096, 1024, dict(tp=2, pp=1, ep=4), True)]
 
 
-@pytest.mark.parametrize("model,gpus,seq,gbs,guide,guide_fits", GUIDE, ids=[g[0] for g in GUIDE])
+# The 70B and Mixtral searches are slow (the 70B layouts are searched again below, fast).
+@pytest.mark.parametrize("model,gpus,seq,gbs,guide,guide_fits",
+                         [pytest.param(*g, marks=pytest.mark.slow) if g[0] in ("llama3-70b", "mixtral-8x7b") else g
+                          for g in GUIDE], ids=[g[0] for g in GUIDE])
 def test_search_proposes_fitting_layouts_for_the_guide(model, gpus, seq, gbs, guide, guide_fits):
     plans, considered, fitting = _search(model, gpus, seq, gbs, top=2)
     limit = H100.memory_gib * 0.9 * 2**30
