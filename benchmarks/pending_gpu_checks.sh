@@ -1,0 +1,44 @@
+# The one-GPU checks that code on main awaits, by phase, each well inside a 10-minute device call:
+#   bash benchmarks/pending_gpu_checks.sh tests       # multi-rank GPU tests on one GPU (staged group), FP8 SP, ZeRO-3
+#   bash benchmarks/pending_gpu_checks.sh accuracy    # emulation against the recorded one-GPU rows of this GPU's kind
+#   bash benchmarks/pending_gpu_checks.sh rows        # user-guide and Bridge layouts re-emulated (optimizer state held)
+#   bash benchmarks/pending_gpu_checks.sh long        # llama3-8b at a million tokens, CP=32 and TP=4 x CP=8 ranks
+#   bash benchmarks/pending_gpu_checks.sh documents   # packed documents: flex attention against causal, 8K-128K
+#   bash benchmarks/pending_gpu_checks.sh muon        # Muon against AdamW, quick-start size, 1,000 steps each
+# Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for phase in "$@"; do
+  echo "== $phase"
+  case $phase in
+    tests)
+      timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/distributed/test_staged_group.py \
+        tests/optim/test_sharding_strategies.py tests/parallel/test_fp8_sequence_parallel.py \
+        tests/context_parallel/test_cp_gpu.py -k "staged or zero3_prefetch or cast_before or cp_attention" \
+        > "$OUT/gpu_tests.log" 2>&1
+      grep -E "passed|failed|^FAILED" "$OUT/gpu_tests.log" | tail -8 ;;
+    accuracy)
+      kind=nvidia-h100-x1; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && kind=nvidia-h200
+      timeout 420 python3 benchmarks/emulation_accuracy.py --device-kind "$kind" --limit 6 \
+        --out "$OUT/accuracy.jsonl" 2>&1 | grep "^|" ;;
+    rows)
+      CASES="llama2-13b-tp2dp4 llama3-70b-tp4pp4dp4 mixtral-8x7b-tp2ep4dp4 llama3-405b-tp8pp8cp2dp2" \
+        CASE_TIMEOUT=120 bash benchmarks/emulation_call.sh 2>&1 | grep -v "warn\|^meshtron emulate:" | tail -20 ;;
+    long)
+      CASES="llama3-8b-1m-cp32 llama3-8b-1m-tp4cp8" CASE_TIMEOUT=280 bash benchmarks/emulation_call.sh 2>&1 \
+        | grep -v "warn\|^meshtron emulate:" | tail -12 ;;
+    documents)
+      timeout 420 python3 benchmarks/packed_documents.py --dense 2>&1 | tail -20 ;;
+    muon)
+      # The quick-start job (no model flags: the built-in corpus and model); Muon at AdamW's learning rate
+      # through Moonlight's scale rule (spectral x 0.2).
+      for opt in adam muon; do
+        extra=""; [ "$opt" = muon ] && extra="--muon-scale-mode spectral --muon-extra-scale-factor 0.2"
+        timeout 280 python3 -m meshtron train --train-iters 1000 --optimizer "$opt" $extra \
+          --metrics-file "$OUT/quick_$opt.jsonl" --log-interval 100 2>&1 | grep -E "iteration|validation" | tail -4
+      done ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
