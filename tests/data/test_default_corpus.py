@@ -84,6 +84,7 @@ def _build_in_process(cache: str, root: str) -> str:
     return str(ensure_default_corpus(cache_root=Path(cache), vocab_size=300, root=Path(root)).directory)
 
 
+@pytest.mark.slow
 def test_concurrent_builders_leave_one_complete_copy(tmp_path):
     root = _fake_stdlib(tmp_path / "lib")
     cache = tmp_path / "shared-cache"

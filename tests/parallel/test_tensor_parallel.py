@@ -81,7 +81,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,cfg,tp,sp", CASES, ids=[c[0] for c in CASES])
+# llama-tp4-kv-replicated is the fast TP=4 representative; the other TP=4 cases are slow.
+SLOW = ("llama-tp4-sp-kv-replicated", "llama-qk-norm-tp4-kv-replicated", "gpt-tp4-sp")
+
+
+@pytest.mark.parametrize("name,cfg,tp,sp", [pytest.param(*c, marks=pytest.mark.slow) if c[0] in SLOW else c
+                                            for c in CASES], ids=[c[0] for c in CASES])
 def test_tensor_parallel_matches_single_process(name, cfg, tp, sp):
     ref_logits, ref_total, ref_losses, ref_grads = run_model(cfg, ParallelContext(), False)
     results = run_distributed(_tp_worker, tp, cfg, sp)

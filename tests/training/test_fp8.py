@@ -178,6 +178,7 @@ def test_rowwise_fp8_linear_matches_the_fp32_product_and_beats_tensorwise_on_out
     assert errors["tensorwise"][0] > 3 * y_err  # the other tokens lose precision with one scale per tensor
 
 
+@pytest.mark.slow  # the tensorwise recipe's run above is the fast representative
 def test_rowwise_fp8_training_follows_bf16():
     bf16 = run_training(build_config(ARGS))
     fp8 = run_training(build_config(ARGS + ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]))

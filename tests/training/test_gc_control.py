@@ -56,6 +56,7 @@ def test_disabled_manual_gc_touches_nothing(monkeypatch):
     assert fake.enabled and fake.collections == 0
 
 
+@pytest.mark.slow
 def test_training_with_manual_gc_has_the_same_losses_and_reenables_gc():
     plain = run_training(build_config(MOCK + ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1"]))
     manual = run_training(build_config(MOCK + ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
