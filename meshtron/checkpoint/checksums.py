@@ -97,8 +97,8 @@ def safe_relative_name(name: Any) -> bool:
     return not p.is_absolute() and all(part not in ("", ".", "..") for part in p.parts)
 
 
-def check_file(ckpt_dir: Path, name: str, entry: Any) -> Optional[str]:
-    """What is wrong with one listed file (None when its size and checksum match)."""
+def size_problem(ckpt_dir: Path, name: str, entry: Any) -> Optional[str]:
+    """What is wrong with one listed file's entry, presence or size (None when they match)."""
     path = ckpt_dir / name
     if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or ALGORITHM not in entry:
         return f"the manifest entry of {path} is malformed"
@@ -107,6 +107,15 @@ def check_file(ckpt_dir: Path, name: str, entry: Any) -> Optional[str]:
     actual = path.stat().st_size
     if actual != entry["bytes"]:
         return f"{path} has {actual} bytes, the checkpoint recorded {entry['bytes']} (truncated or overwritten)"
+    return None
+
+
+def check_file(ckpt_dir: Path, name: str, entry: Any) -> Optional[str]:
+    """What is wrong with one listed file (None when its size and checksum match)."""
+    path = ckpt_dir / name
+    problem = size_problem(ckpt_dir, name, entry)
+    if problem is not None:
+        return problem
     try:
         size, crc = crc32_file(path)
     except OSError as err:

@@ -58,10 +58,14 @@ class RefusedContent(pickle.UnpicklingError):
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only :data:`ALLOWED_GLOBALS` and torch dtypes."""
+    """An unpickler that resolves only ``allowed`` (default :data:`ALLOWED_GLOBALS`) and torch dtypes."""
+
+    def __init__(self, file, allowed: frozenset = ALLOWED_GLOBALS) -> None:
+        super().__init__(file)
+        self._allowed = allowed
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ALLOWED_GLOBALS:
+        if (module, name) in self._allowed:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
@@ -71,9 +75,9 @@ class _IndexUnpickler(pickle.Unpickler):
         raise RefusedContent("it holds a persistent reference, which a checkpoint index never holds")
 
 
-def unpickle_index(data: bytes) -> Any:
-    """Unpickle the bytes of a DCP ``.metadata`` file, refusing any global outside the allow-list."""
-    return _IndexUnpickler(io.BytesIO(data)).load()
+def unpickle_index(data: bytes, allowed: frozenset = ALLOWED_GLOBALS) -> Any:
+    """Unpickle the bytes of a DCP ``.metadata`` file, refusing any global outside ``allowed``."""
+    return _IndexUnpickler(io.BytesIO(data), allowed).load()
 
 
 def _is_plain_file_name(name: Any) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from meshtron.checkpoint import coordination
-from meshtron.checkpoint.checksums import ALGORITHM, FILES_KEY, ITEMS_KEY, SEAL_KEY, check_files, hashing_threads
+from meshtron.checkpoint.checksums import FILES_KEY, ITEMS_KEY, SEAL_KEY, check_files, hashing_threads, size_problem
 from meshtron.checkpoint.checksums import manifest_seal_matches, safe_relative_name
 from meshtron.checkpoint.checksums import share_of
 from meshtron.checkpoint.errors import CheckpointError
@@ -41,31 +41,12 @@ def verify_checkpoint(ckpt_dir: str | Path, group=None, enabled: bool = True) ->
     is missing, resized or does not match its checksum, or an edited manifest.
     """
     ckpt_dir = Path(ckpt_dir)
-    lead = coordination.rank() == 0
-    meta = read_meta(ckpt_dir)
-    if not enabled:
-        if lead:
-            logger.warning("checkpoint %s: --no-verify-checkpoint: its files are not checked against their "
-                           "checksums", ckpt_dir)
-        return None
-    files = meta.get(FILES_KEY)
-    if files is None and SEAL_KEY not in meta and int(meta.get("version", 1)) < 2:
-        if lead:
-            logger.warning("checkpoint %s records no checksums (written by an older meshtron): its files are not "
-                           "verified", ckpt_dir)
-        return None
     start = time.perf_counter()
-    manifest = ckpt_dir / META_FILE
-    if not isinstance(files, dict) or not manifest_seal_matches(meta):
-        raise CheckpointError(f"{manifest} does not match its own checksum: the manifest was changed or damaged "
-                              f"after the save; {SKIP_HINT}")
+    files = _listed_files(ckpt_dir, read_meta(ckpt_dir), coordination.rank() == 0, enabled)
+    if files is None:
+        return None
     names = share_of(files, coordination.rank(), coordination.world_size())
-    problems = check_files(ckpt_dir, files, names, hashing_threads())
-    mine = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "") if problems else None
-    found = [p for p in coordination.all_gather_object(mine, group) if p is not None]
-    if found:
-        more = f" (and problems on {len(found) - 1} more ranks)" if len(found) > 1 else ""
-        raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt: {found[0]}{more}; {SKIP_HINT}")
+    _raise_first_problem(ckpt_dir, check_files(ckpt_dir, files, names, hashing_threads()), group)
     return time.perf_counter() - start
 
 
@@ -88,6 +69,15 @@ def _listed_files(ckpt_dir: Path, meta: dict, lead: bool, enabled: bool) -> Opti
     return files
 
 
+def _raise_first_problem(ckpt_dir: Path, problems: list, group) -> None:
+    """Share every rank's problems (collective over ``group``) and raise one line naming the first."""
+    mine = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "") if problems else None
+    found = [p for p in coordination.all_gather_object(mine, group) if p is not None]
+    if found:
+        more = f" (and problems on {len(found) - 1} more ranks)" if len(found) > 1 else ""
+        raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt: {found[0]}{more}; {SKIP_HINT}")
+
+
 def _item_table(name: str, entry) -> Optional[list]:
     items = entry.get(ITEMS_KEY) if isinstance(entry, dict) else None
     if not isinstance(items, list) or not all(isinstance(i, list) and len(i) == 3 for i in items):
@@ -96,17 +86,9 @@ def _item_table(name: str, entry) -> Optional[list]:
 
 
 def _size_problem(ckpt_dir: Path, name: str, entry) -> Optional[str]:
-    path = ckpt_dir / name
     if not safe_relative_name(name):
         return f"the manifest names {name!r}, which is not a file inside the checkpoint"
-    if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or ALGORITHM not in entry:
-        return f"the manifest entry of {path} is malformed"
-    if not path.is_file():
-        return f"{path} is missing"
-    actual = path.stat().st_size
-    if actual != entry["bytes"]:
-        return f"{path} has {actual} bytes, the checkpoint recorded {entry['bytes']} (truncated or overwritten)"
-    return None
+    return size_problem(ckpt_dir, name, entry)
 
 
 def verify_for_load(ckpt_dir: str | Path, group=None, enabled: bool = True) -> Optional[dict]:
@@ -136,10 +118,5 @@ def verify_for_load(ckpt_dir: str | Path, group=None, enabled: bool = True) -> O
         for offset, length, crc in items:
             checksums[(name, int(offset), int(length))] = crc
     names = share_of(whole, coordination.rank(), coordination.world_size())
-    problems += check_files(ckpt_dir, whole, names, hashing_threads())
-    mine = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "") if problems else None
-    found = [p for p in coordination.all_gather_object(mine, group) if p is not None]
-    if found:
-        more = f" (and problems on {len(found) - 1} more ranks)" if len(found) > 1 else ""
-        raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt: {found[0]}{more}; {SKIP_HINT}")
+    _raise_first_problem(ckpt_dir, problems + check_files(ckpt_dir, whole, names, hashing_threads()), group)
     return checksums

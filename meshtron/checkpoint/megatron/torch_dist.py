@@ -17,7 +17,6 @@ never read.
 from __future__ import annotations
 
 import io
-import pickle
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -27,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from meshtron.checkpoint.dcp_reader import ALLOWED_GLOBALS, RefusedContent, _check_structure
+from meshtron.checkpoint.dcp_reader import ALLOWED_GLOBALS, RefusedContent, _check_structure, unpickle_index
 from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.megatron.unpickler import load_pickled
 
@@ -38,24 +37,12 @@ _ALLOWED = ALLOWED_GLOBALS | {("torch.distributed.checkpoint.metadata", "BytesSt
     ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise RefusedContent(f"it names {module}.{name}, which a checkpoint index never holds")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise RefusedContent("it holds a persistent reference, which a checkpoint index never holds")
-
-
 def read_index(directory: Path) -> Metadata:
     """The DCP index of a Megatron ``torch_dist`` directory, read without running code."""
     f = directory / ".metadata"
     where = f"Megatron-LM checkpoint file {f}"
     try:
-        md = _Unpickler(io.BytesIO(f.read_bytes())).load()
+        md = unpickle_index(f.read_bytes(), _ALLOWED)
     except FileNotFoundError:
         raise CheckpointError(f"{where} is missing: {directory} is not a complete torch_dist checkpoint") from None
     except RefusedContent as err:
