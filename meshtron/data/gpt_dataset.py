@@ -172,6 +172,10 @@ class GPTDataset:
                     "documents": [self.begin, self.end], "epochs": self.epochs, "seq_length": S, "seed": self.seed,
                     "split": split}
         self._cache_paths = self._paths() if self.cache_dir is not None else None
+        self._load_or_build(request, indexed)
+
+    def _load_or_build(self, request: Optional[str], indexed) -> None:
+        """The index arrays from the cache when it holds exactly these, else built (and cached)."""
         arrays = self._load_cached(verify=True)
         self._on_disk = arrays is not None  # whether the cache files hold exactly these arrays
         if arrays is None:

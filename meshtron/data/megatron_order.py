@@ -306,16 +306,7 @@ class MegatronGPTDataset(GPTDataset):
                     "documents": [self.begin, self.end], "num_samples": self.requested, "seq_length": self.seq_length,
                     "seed": self.seed, "split": split, "max_length_int32": self._max_length <= _INT32_MAX}
         self._cache_paths = self._paths() if self.cache_dir is not None else None
-        arrays = self._load_cached(verify=True)
-        self._on_disk = arrays is not None
-        if arrays is None:
-            self._check_size(request)
-            arrays = self._build()
-            self.built_indices = True
-            if self._cache_paths is not None:
-                self._on_disk = self._save(arrays)
-        self.document_index, self.sample_index, self.shuffle_index = arrays
-        self._lengths = indexed.sequence_lengths
+        self._load_or_build(request, indexed)
 
     def _layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         positions = self.epochs * (self.end - self.begin)
