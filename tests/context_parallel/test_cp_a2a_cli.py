@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.resilience.cli_runs import free_port
+from tests.short_documents import write_short_documents
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
@@ -25,16 +25,7 @@ DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    from meshtron.data.preprocess import TokenizerArgs, preprocess
-
-    tmp = tmp_path_factory.mktemp("docs")
-    rng = np.random.default_rng(0)
-    docs = [" ".join(str(x) for x in rng.integers(0, 50, rng.integers(3, 30))) for _ in range(300)]
-    src = tmp / "d.jsonl"
-    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    preprocess([str(src)], str(tmp / "d"), TokenizerArgs("NullTokenizer", vocab_size=50), append_eod=True,
-               progress=False)
-    return str(tmp / "d_text_document")
+    return write_short_documents(tmp_path_factory.mktemp("docs"))
 
 
 def train(tmp: Path, data: str, name: str, nproc: int, *flags: str) -> list[tuple[float, float]]:

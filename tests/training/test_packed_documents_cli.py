@@ -10,26 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from meshtron.layers.documents import PATH_ENV
+from tests.short_documents import write_short_documents
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    from meshtron.data.preprocess import TokenizerArgs, preprocess
-
-    tmp = tmp_path_factory.mktemp("docs")
-    rng = np.random.default_rng(0)
-    docs = [" ".join(str(x) for x in rng.integers(0, 50, rng.integers(3, 30))) for _ in range(300)]
-    src = tmp / "d.jsonl"
-    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    preprocess([str(src)], str(tmp / "d"), TokenizerArgs("NullTokenizer", vocab_size=50), append_eod=True,
-               progress=False)
-    return str(tmp / "d_text_document")
+    return write_short_documents(tmp_path_factory.mktemp("docs"))
 
 
 def _train(tmp: Path, data: str, path: str, nproc: int, extra: list[str]) -> list[float]:
