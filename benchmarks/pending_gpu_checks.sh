@@ -32,13 +32,19 @@ for phase in "$@"; do
     documents)
       timeout 420 python3 benchmarks/packed_documents.py --dense 2>&1 | tail -20 ;;
     muon)
-      # The quick-start job (no model flags: the built-in corpus and model); Muon at AdamW's learning rate
-      # through Moonlight's scale rule (spectral x 0.2).
+      # The quick-start job (no model flags: the built-in corpus and model), 1,000 steps, each optimizer at three
+      # learning rates; Muon through Moonlight's scale rule (spectral x 0.2), which keeps AdamW's learning rates.
+      # Then llama3-1b's step time and peak memory with each (benchmarks/muon_one_gpu.yaml).
       for opt in adam muon; do
-        extra=""; [ "$opt" = muon ] && extra="--muon-scale-mode spectral --muon-extra-scale-factor 0.2"
-        timeout 280 python3 -m meshtron train --train-iters 1000 --optimizer "$opt" $extra \
-          --metrics-file "$OUT/quick_$opt.jsonl" --log-interval 100 2>&1 | grep -E "iteration|validation" | tail -4
-      done ;;
+        for lr in 1.5e-3 3e-3 6e-3; do
+          extra=""; [ "$opt" = muon ] && extra="--muon-scale-mode spectral --muon-extra-scale-factor 0.2"
+          timeout 150 python3 -m meshtron train --train-iters 1000 --optimizer "$opt" --lr "$lr" $extra \
+            --save "/tmp/quick_${opt}_$lr" --metrics-file "/tmp/quick_${opt}_$lr.jsonl" --log-interval 250 2>&1 \
+            | grep -E "validation" | tail -1 | sed "s/^/$opt lr $lr: /"
+        done
+      done
+      timeout 240 python3 -m meshtron bench --matrix benchmarks/muon_one_gpu.yaml --warmup 3 --steps 8 \
+        --record "$OUT/measured_muon.jsonl" 2>&1 | tail -6 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
