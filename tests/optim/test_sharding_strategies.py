@@ -3,8 +3,9 @@
 Four gloo processes run a tiny model (fp32, weight decay, gradient clipping below the
 first steps' norms) under each strategy and layout, log the losses and gradient norms of
 one process to 1e-5, and save a final checkpoint whose layout-free tensors (weights, fp32
-masters and Adam moments) equal the one-process run's. A ZeRO-3 checkpoint resumes under
-TP=2 with the distributed optimizer, and the reverse, continuing the one-process run. Each
+masters and Adam moments) equal the one-process run's. A ZeRO-3 checkpoint of TP=2 x DP=2 resumes
+under PP=2 x DP=2 with the distributed optimizer, and a TP=2 one under ZeRO-3 (DP=4), each continuing the
+one-process run. Each
 rank also checks that the weights, gradients and optimizer state it allocated equal what
 the static memory model predicts for it. ZeRO-3 also runs with compiled layers (gathered
 outside the compiled region: no graph break, nothing compiled after the first step), with
@@ -143,9 +144,11 @@ def runs(tmp_path_factory):
         ("dp4_zero3_offload", dict(data_parallel_sharding_strategy="optim_grads_params", optimizer_cpu_offload=True,
                                    optimizer_offload_fraction=0.5)),
         ("dp4_zero3_fp8", dict(data_parallel_sharding_strategy="optim_grads_params", **FP8)),
-        # Resume between strategies: ZeRO-3 (DP=4) -> TP=2 x DP=2 distributed optimizer, and the reverse.
-        ("zero3_save", dict(use_megatron_fsdp=True, iters=half, save=os.path.join(root, "z3"))),
-        ("tp2_load", dict(tensor_model_parallel_size=2, use_distributed_optimizer=True,
+        # Resume between strategies and layouts: ZeRO-3 under TP=2 x DP=2 (its shards written by their owners)
+        # -> PP=2 x DP=2 distributed optimizer; TP=2 -> ZeRO-3 (DP=4).
+        ("zero3_save", dict(data_parallel_sharding_strategy="optim_grads_params", tensor_model_parallel_size=2,
+                            sequence_parallel=True, iters=half, save=os.path.join(root, "z3"))),
+        ("pp2_load", dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True,
                           load=os.path.join(root, "z3"))),
         ("tp2_save", dict(tensor_model_parallel_size=2, iters=half, save=os.path.join(root, "tp2"))),
         ("zero3_load", dict(use_megatron_fsdp=True, load=os.path.join(root, "tp2"),
@@ -191,7 +194,7 @@ def test_checkpoints_resume_across_strategies(runs):
     root, ref, ref_dir, _, results = runs
     half = ITERS // 2
     _assert_logs(results["zero3_save"], ref, range(1, half + 1))
-    _assert_logs(results["tp2_load"], ref, range(half + 1, ITERS + 1))
+    _assert_logs(results["pp2_load"], ref, range(half + 1, ITERS + 1))
     _assert_logs(results["tp2_save"], ref, range(1, half + 1))
     _assert_logs(results["zero3_load"], ref, range(half + 1, ITERS + 1))
     want = _checkpoint_tensors(_latest(ref_dir))
@@ -201,7 +204,7 @@ def test_checkpoints_resume_across_strategies(runs):
 
 
 @pytest.mark.parametrize("name", ["dp4_optim_grads_offload", "dp4_zero3", "tp2dp2_zero3", "pp2v2dp2_zero3",
-                                  "ep2_moe_zero3", "tp2_load", "dp4_zero3_offload"])
+                                  "ep2_moe_zero3", "pp2_load", "dp4_zero3_offload"])
 def test_allocated_bytes_equal_the_memory_model(runs, name):
     _, _, _, _, results = runs
     for rank, (_, _, memory, _) in enumerate(results[name]):
