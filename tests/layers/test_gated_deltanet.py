@@ -1,0 +1,125 @@
+"""Gated DeltaNet: the chunked recurrence equals the token loop, the layer equals Qwen3.5's, TP=2 equals TP=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.layers.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, gated_delta_rule_reference
+from meshtron.parallel.context import ParallelContext, build_groups
+from meshtron.parallel.sharding import gather_canonical, initialize_parameters
+from tests.distributed.launch import run_distributed
+from tests.layers.canonical import load_canonical, sum_tp_partial_grads
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    """Equal to 1e-5 of the largest entry: fp32 rounding of two orders of summation (the layer's gradients
+    reach tens, and both implementations differ from a float64 run by a few 1e-6 of that)."""
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * max(1.0, ref.abs().max().item()),
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _inputs(b=2, s=150, h=3, dk=8, dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(b, s, h, dk, generator=g), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(b, s, h, dk, generator=g), dim=-1)
+    v = torch.randn(b, s, h, dv, generator=g)
+    # decays from almost none to strong (exp(-3)), enough to underflow products over a chunk
+    decay = -torch.rand(b, s, h, generator=g) * 3
+    beta = torch.rand(b, s, h, generator=g)
+    state = torch.randn(b, h, dk, dv, generator=g) * 0.1
+    return [t.requires_grad_() for t in (q, k, v, decay, beta, state)]
+
+
+@pytest.mark.parametrize("s", [150, 64, 5])
+def test_chunked_equals_token_loop_forward_and_gradients(s):
+    ref_in = _inputs(s=s)
+    got_in = [t.detach().clone().requires_grad_() for t in ref_in]
+    ref_out, ref_state = gated_delta_rule_reference(*ref_in[:5], initial_state=ref_in[5])
+    got_out, got_state = chunk_gated_delta_rule(*got_in[:5], initial_state=got_in[5])
+    torch.testing.assert_close(got_out, ref_out, **TOL)
+    torch.testing.assert_close(got_state, ref_state, **TOL)
+    w = torch.randn_like(ref_out)
+    ws = torch.randn_like(ref_state)
+    ((ref_out * w).sum() + (ref_state * ws).sum()).backward()
+    ((got_out * w).sum() + (got_state * ws).sum()).backward()
+    for name, a, b in zip("q k v g beta state".split(), got_in, ref_in):
+        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+def _layer(ctx, kernel="chunk", sp=False):
+    return GatedDeltaNet(ctx, "layers.0.mixer", hidden_size=32, num_key_heads=2, num_value_heads=4,
+                         key_head_dim=8, value_head_dim=6, conv_kernel_size=4, norm_eps=1e-6,
+                         sequence_parallel=sp, kernel=kernel)
+
+
+def test_matches_transformers_qwen3_5_gated_deltanet():
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(hidden_size=32, num_hidden_layers=1, layer_types=["linear_attention"],
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                            linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    hf = Qwen3_5GatedDeltaNet(cfg, 0).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if name != "norm.weight" else 0.1) + (1 if name == "norm.weight" else 0))
+    ours = _layer(ParallelContext())
+    load_canonical(ours, {f"layers.0.mixer.{n}": (p.squeeze(1) if n == "conv1d.weight" else p).detach()
+                          for n, p in hf.named_parameters()})
+    x = torch.randn(2, 70, 32)  # two chunks, the second padded
+    x_hf, x_ours = x.clone().requires_grad_(), x.transpose(0, 1).clone().requires_grad_()
+    y_hf = hf(x_hf)
+    y_ours = ours(x_ours)
+    torch.testing.assert_close(y_ours.transpose(0, 1), y_hf, **TOL)
+    w = torch.randn_like(y_hf)
+    (y_hf * w).sum().backward()
+    (y_ours * w.transpose(0, 1)).sum().backward()
+    close(x_ours.grad.transpose(0, 1), x_hf.grad, "input gradient")
+    grads = gather_canonical([ours], "grad")
+    for n, p in hf.named_parameters():
+        close(grads[f"layers.0.mixer.{n}"], p.grad.squeeze(1) if n == "conv1d.weight" else p.grad, n)
+
+
+def _run(ctx, sp):
+    layer = _layer(ctx, sp=sp)
+    initialize_parameters(layer, 3, torch.device("cpu"), torch.float32)
+    x = torch.randn(20, 2, 32, generator=torch.Generator().manual_seed(1))
+    if sp:
+        x = x.chunk(ctx.tp)[ctx.tp_rank]
+    x.requires_grad_()
+    y = layer(x)
+    (y * y).sum().backward()
+    sum_tp_partial_grads(layer, ctx.tp_group)
+    return y.detach(), x.grad, gather_canonical([layer], "grad")
+
+
+def _tp_worker(rank, world):
+    ctx = build_groups(world, 1, 1, 1, torch.device("cpu"))
+    return [_run(ctx, sp) for sp in (False, True)]
+
+
+def test_tensor_parallel_equals_one_process():
+    """TP=2 without and with sequence parallelism (one spawn for both)."""
+    ref_y, ref_dx, ref_grads = _run(ParallelContext(), False)
+    runs = run_distributed(_tp_worker, 2)
+    for sp in (False, True):
+        results = [r[sp] for r in runs]
+        y = torch.cat([r[0] for r in results]) if sp else results[0][0]
+        dx = torch.cat([r[1] for r in results]) if sp else results[0][1]
+        close(y, ref_y, f"output (sp={sp})")
+        close(dx, ref_dx, f"input gradient (sp={sp})")
+        for name, ref in ref_grads.items():
+            close(results[0][2][name], ref, f"{name} (sp={sp})")
+
+
+def test_refuses_what_it_does_not_support():
+    assert GatedDeltaNet.supports_context_parallel is False
+    layer = _layer(ParallelContext())
+    with pytest.raises(NotImplementedError):
+        layer(torch.zeros(4, 1, 32, device="meta"), mask=object())
