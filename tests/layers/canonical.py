@@ -1,4 +1,5 @@
-"""Fill a meshtron module from full canonical tensors (its parameters' ShardSpecs say which slices)."""
+"""Layer tests' helpers: fill a meshtron module from full canonical tensors (its parameters' ShardSpecs say
+which slices), sum TP-partial gradients, compare to 1e-5 of the largest entry."""
 
 from __future__ import annotations
 
@@ -28,3 +29,11 @@ def sum_tp_partial_grads(module: nn.Module, group) -> None:
     for p in module.parameters():
         if p.grad is not None and spec_of(p).grad_sync == "tp" and group is not None:
             dist.all_reduce(p.grad, group=group)
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    """Equal to 1e-5 relative, or 1e-5 of the largest entry (at least 1e-5) absolute: fp32 rounding of two
+    orders of summation (gradients of the layers reach tens, and two implementations differ from a
+    float64 run by a few 1e-6 of that)."""
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * max(1.0, ref.abs().max().item()),
+                               msg=lambda m: f"{what}: {m}")

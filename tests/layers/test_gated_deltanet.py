@@ -9,16 +9,9 @@ from meshtron.layers.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule
 from meshtron.parallel.context import ParallelContext, build_groups
 from meshtron.parallel.sharding import gather_canonical, initialize_parameters
 from tests.distributed.launch import run_distributed
-from tests.layers.canonical import load_canonical, sum_tp_partial_grads
+from tests.layers.canonical import close, load_canonical, sum_tp_partial_grads
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def close(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
-    """Equal to 1e-5 of the largest entry: fp32 rounding of two orders of summation (the layer's gradients
-    reach tens, and both implementations differ from a float64 run by a few 1e-6 of that)."""
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * max(1.0, ref.abs().max().item()),
-                               msg=lambda m: f"{what}: {m}")
 
 
 def _inputs(b=2, s=150, h=3, dk=8, dv=6, seed=0):
