@@ -1,4 +1,5 @@
-"""Gated DeltaNet: the chunked recurrence equals the token loop, the layer equals Qwen3.5's, TP=2 equals TP=1."""
+"""Gated DeltaNet: the chunked recurrence equals the token loop, the layer equals Qwen3.5's
+(TP=2: tests/layers/test_new_layers_tp.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ import pytest
 import torch
 
 from meshtron.layers.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, gated_delta_rule_reference
-from meshtron.parallel.context import ParallelContext, build_groups
-from meshtron.parallel.sharding import gather_canonical, initialize_parameters
-from tests.distributed.launch import run_distributed
-from tests.layers.canonical import close, load_canonical, sum_tp_partial_grads
+from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.sharding import gather_canonical
+from tests.layers.canonical import close, load_canonical
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -77,38 +77,6 @@ def test_matches_transformers_qwen3_5_gated_deltanet():
     grads = gather_canonical([ours], "grad")
     for n, p in hf.named_parameters():
         close(grads[f"layers.0.mixer.{n}"], p.grad.squeeze(1) if n == "conv1d.weight" else p.grad, n)
-
-
-def _run(ctx, sp):
-    layer = _layer(ctx, sp=sp)
-    initialize_parameters(layer, 3, torch.device("cpu"), torch.float32)
-    x = torch.randn(20, 2, 32, generator=torch.Generator().manual_seed(1))
-    if sp:
-        x = x.chunk(ctx.tp)[ctx.tp_rank]
-    x.requires_grad_()
-    y = layer(x)
-    (y * y).sum().backward()
-    sum_tp_partial_grads(layer, ctx.tp_group)
-    return y.detach(), x.grad, gather_canonical([layer], "grad")
-
-
-def _tp_worker(rank, world):
-    ctx = build_groups(world, 1, 1, 1, torch.device("cpu"))
-    return [_run(ctx, sp) for sp in (False, True)]
-
-
-def test_tensor_parallel_equals_one_process():
-    """TP=2 without and with sequence parallelism (one spawn for both)."""
-    ref_y, ref_dx, ref_grads = _run(ParallelContext(), False)
-    runs = run_distributed(_tp_worker, 2)
-    for sp in (False, True):
-        results = [r[sp] for r in runs]
-        y = torch.cat([r[0] for r in results]) if sp else results[0][0]
-        dx = torch.cat([r[1] for r in results]) if sp else results[0][1]
-        close(y, ref_y, f"output (sp={sp})")
-        close(dx, ref_dx, f"input gradient (sp={sp})")
-        for name, ref in ref_grads.items():
-            close(results[0][2][name], ref, f"{name} (sp={sp})")
 
 
 def test_refuses_what_it_does_not_support():

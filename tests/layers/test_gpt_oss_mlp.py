@@ -96,7 +96,8 @@ def test_moe_equals_transformers_gpt_oss_mlp():
 def test_dense_mlp_equals_one_transformers_expert():
     hf = _hf(num_experts=1)
     mlp = ClampedSwiGLUMLP(ParallelContext(), "layers.0.mlp", H, F)
-    load_canonical(mlp, {k.replace("experts.0.", ""): v for k, v in _expert_tensors(hf.experts, "layers.0.mlp.experts").items()})
+    tensors = _expert_tensors(hf.experts, "layers.0.mlp.experts")
+    load_canonical(mlp, {k.replace("experts.0.", ""): v for k, v in tensors.items()})
     x = torch.randn(7, 3, H)
     ones = torch.ones(21, 1)
     y_hf = hf.experts(x.reshape(-1, H), torch.zeros(21, 1, dtype=torch.long), ones)
