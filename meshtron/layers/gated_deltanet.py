@@ -26,7 +26,9 @@ Tensor parallelism splits the heads: the input projection is column-parallel (ea
 heads and their value heads, with their convolution channels, ``A_log`` and ``dt_bias``), the output
 projection row-parallel; the gated norm's weight (shared by all heads) is replicated and its
 gradient summed over TP. Context parallelism is not supported (:attr:`supports_context_parallel`),
-nor packed-document masks or incremental decoding.
+nor incremental decoding. Packed documents (a one-device
+:class:`~meshtron.layers.documents.DocumentMask`) restart the convolution's window and the state
+at each document's first token.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshtron.layers.documents import DocumentMask
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import Piece, ShardSpec, new_param, whole
@@ -47,13 +50,15 @@ CHUNK = 64
 
 # ---------------------------------------------------------------------------------------------- the recurrence
 def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
+                               segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule one token at a time (reference for tests), in fp32.
 
     ``q``, ``k`` [b, s, h, dk] (normalised and scaled already, as many heads as ``v``), ``v``
-    [b, s, h, dv], ``g`` (log decay, <= 0) and ``beta`` [b, s, h]. Returns the output
-    [b, s, h, dv] in ``v``'s dtype and the final state [b, h, dk, dv] (fp32).
+    [b, s, h, dv], ``g`` (log decay, <= 0) and ``beta`` [b, s, h]. ``segments`` [b, s]: packed
+    documents, one id per contiguous run (:func:`document_segments`); the state restarts from zero
+    where the id changes. Returns the output [b, s, h, dv] in ``v``'s dtype and the final state
+    [b, h, dk, dv] (fp32).
     """
     b, s, h, dk = k.shape
     dv = v.shape[-1]
@@ -62,6 +67,8 @@ def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     outs = []
     for t in range(s):
         state = state * g[:, t].exp()[..., None, None]
+        if segments is not None and t > 0:
+            state = state * (segments[:, t] == segments[:, t - 1]).float()[:, None, None, None]
         predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
         delta = beta[:, t, :, None] * (v[:, t] - predicted)
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
@@ -70,8 +77,8 @@ def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           chunk_size: int = CHUNK, initial_state: Optional[torch.Tensor] = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_size: int = CHUNK, initial_state: Optional[torch.Tensor] = None,
+                           segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule in chunks of ``chunk_size`` tokens (same arguments and results as
     :func:`gated_delta_rule_reference`); computed in fp32.
 
@@ -91,6 +98,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
     Decay ratios are formed as ``exp`` of differences of the cumulative log decay, masked before the
     exponential, so no quotient of two underflowing products is ever taken.
+
+    With ``segments`` a document start is a decay of exactly 0 (the state restarts): ``G_t / G_j`` is
+    0 unless j and t share a segment, ``G_t`` (what reaches t of the chunk's start state) is 0 unless t
+    is in the segment that was running before the chunk, and the same for the chunk's end. These are
+    masks on the same products, with finite logarithms throughout.
     """
     out_dtype = v.dtype
     b, s, h, dk = k.shape
@@ -108,16 +120,29 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     g, beta = g.reshape(b, h, n, C), beta.reshape(b, h, n, C)
 
     log_G = g.cumsum(-1)  # [b, h, n, C]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    D = (log_G[..., :, None] - log_G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    visible = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    from_start = to_end = carried = None
+    if segments is not None:
+        # padded tokens join the last segment (they write nothing)
+        seg = torch.cat([segments, segments[:, -1:].expand(b, pad)], dim=1).reshape(b, 1, n, C)
+        before = torch.cat([seg[:, :, :1, :1], seg[:, :, :-1, -1:]], dim=2)  # the segment running into each chunk
+        visible = visible & (seg[..., :, None] == seg[..., None, :])
+        from_start = seg == before  # [b, 1, n, C]: the chunk's start state reaches token t
+        to_end = seg == seg[..., -1:]  # token t reaches the chunk's end state
+        carried = (seg[..., -1] == before[..., 0])[..., None, None]  # the start state reaches the end
+    D = (log_G[..., :, None] - log_G[..., None, :]).masked_fill(~visible, float("-inf")).exp()
+    G = log_G.exp() if from_start is None else log_G.exp() * from_start
     A = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * D).tril(-1)
-    rhs = torch.cat([beta[..., None] * v, (beta * log_G.exp())[..., None] * k], dim=-1)
+    rhs = torch.cat([beta[..., None] * v, (beta * G)[..., None] * k], dim=-1)
     # Only A's strict lower triangle is read: the diagonal of I + A is 1.
     U0, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
     intra = (q @ k.transpose(-1, -2)) * D
-    q_decayed = q * log_G.exp()[..., None]
-    k_to_end = k * (log_G[..., -1:] - log_G).exp()[..., None]
+    q_decayed = q * G[..., None]
+    end_decay = (log_G[..., -1:] - log_G).exp()
+    k_to_end = k * (end_decay if to_end is None else end_decay * to_end)[..., None]
     chunk_decay = log_G[..., -1].exp()[..., None, None]  # [b, h, n, 1, 1]
+    if carried is not None:
+        chunk_decay = chunk_decay * carried
 
     state = (torch.zeros(b, h, dk, dv, device=v.device) if initial_state is None else initial_state.float())
     outs = []
@@ -134,30 +159,40 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def _fla_gated_delta_rule(q, k, v, g, beta, initial_state):  # pragma: no cover - needs CUDA and fla-core
+def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, segments):  # pragma: no cover - needs CUDA and fla-core
     """UNTESTED here (no CUDA, no fla-core): the fused kernel, on the same [b, s, h, d] layout.
 
     ``q`` is scaled already (``scale=1``) and normalised already (no normalisation in the kernel).
+    Packed documents go to the kernel as one sequence of variable-length pieces (``cu_seqlens``, batch
+    1); finding the pieces' starts synchronises with the host. The final state is then per piece.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-    out, state = fla_chunk(q, k, v, g.float(), beta, scale=1.0, initial_state=initial_state,
-                           output_final_state=True, use_qk_l2norm_in_kernel=False)
-    return out, state
+    if segments is None:
+        return fla_chunk(q, k, v, g.float(), beta, scale=1.0, initial_state=initial_state,
+                         output_final_state=True, use_qk_l2norm_in_kernel=False)
+    b, s = segments.shape
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    cu = torch.cat([starts.reshape(-1).nonzero()[:, 0], torch.tensor([b * s], device=q.device)]).to(torch.int32)
+    flat = [t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v, g.float(), beta)]
+    out, state = fla_chunk(*flat, scale=1.0, initial_state=None, output_final_state=True,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
+    return out.reshape(b, s, *out.shape[2:]), state
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     kernel: str = "auto", initial_state: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     kernel: str = "auto", initial_state: Optional[torch.Tensor] = None,
+                     segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: ``chunk``, ``fla``, ``reference``, or ``auto`` (fla on CUDA when installed, else chunk)."""
     if kernel == "auto":
         kernel = "fla" if q.is_cuda and fla_available() else "chunk"
     if kernel == "chunk":
-        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state)
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, segments=segments)
     if kernel == "fla":
-        return _fla_gated_delta_rule(q, k, v, g, beta, initial_state)
+        return _fla_gated_delta_rule(q, k, v, g, beta, initial_state, segments)
     if kernel == "reference":
-        return gated_delta_rule_reference(q, k, v, g, beta, initial_state)
+        return gated_delta_rule_reference(q, k, v, g, beta, initial_state, segments)
     raise ValueError(f"gated delta rule kernel must be auto, chunk, fla or reference, got {kernel!r}")
 
 
@@ -167,11 +202,31 @@ def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Each channel of ``x`` [b, s, c] convolved causally with its own kernel ``weight`` [c, K], then SiLU."""
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, segments: Optional[torch.Tensor] = None
+                          ) -> torch.Tensor:
+    """Each channel of ``x`` [b, s, c] convolved causally with its own kernel ``weight`` [c, K], then SiLU.
+
+    With ``segments`` [b, s] (packed documents) a token's window holds only tokens of its own document:
+    the K taps are summed as K shifted copies, each masked where it reaches into another document.
+    """
     K = weight.shape[1]
-    y = F.conv1d(x.transpose(1, 2), weight[:, None, :], padding=K - 1, groups=weight.shape[0])
-    return F.silu(y[..., :x.shape[1]]).transpose(1, 2)
+    if segments is None:
+        y = F.conv1d(x.transpose(1, 2), weight[:, None, :], padding=K - 1, groups=weight.shape[0])
+        return F.silu(y[..., :x.shape[1]]).transpose(1, 2)
+    y = x * weight[:, K - 1]
+    for i in range(1, K):  # tap K-1-i reads the token i places back
+        earlier = F.pad(x, (0, 0, i, 0))[:, :x.shape[1]]
+        same = F.pad(segments, (i, 0), value=-1)[:, :x.shape[1]] == segments
+        y = y + earlier * weight[:, K - 1 - i] * same[..., None]
+    return F.silu(y)
+
+
+def document_segments(document_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] ids of the contiguous runs of equal document ids (a document id met again later, after
+    another document, starts a new run: a recurrence cannot go back to an earlier state)."""
+    starts = torch.ones_like(document_ids, dtype=torch.int32)
+    starts[:, 1:] = (document_ids[:, 1:] != document_ids[:, :-1]).int()
+    return starts.cumsum(1)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -191,7 +246,6 @@ class GatedDeltaNet(nn.Module):
     """
 
     supports_context_parallel: ClassVar[bool] = False
-    supports_document_mask: ClassVar[bool] = False
 
     def __init__(self, ctx: ParallelContext, prefix: str, hidden_size: int, num_key_heads: int, num_value_heads: int,
                  key_head_dim: int, value_head_dim: int, conv_kernel_size: int = 4, norm_eps: float = 1e-6,
@@ -236,22 +290,25 @@ class GatedDeltaNet(nn.Module):
             ctx, Piece(f"{prefix}.out_proj.weight", (H, vd), 1, v0, self.nv * dv, "normal", out_std), None,
             sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope=None, mask=None, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, mask: Optional[DocumentMask] = None, cache=None) -> torch.Tensor:
         """``x`` [s, b, hidden]; ``rope`` is ignored (no positions: the convolution and the recurrence are
-        causal by construction); ``mask`` and ``cache`` must be None (causal over the whole sequence)."""
-        if mask is not None or cache is not None:
-            raise NotImplementedError("gated DeltaNet: no packed-document mask, context parallelism or KV cache")
+        causal by construction); ``mask``: None (one sequence) or a one-device
+        :class:`~meshtron.layers.documents.DocumentMask` (packed documents); ``cache`` must be None."""
+        if cache is not None or not (mask is None or isinstance(mask, DocumentMask)) or (
+                mask is not None and (mask.q_pos is not None or mask.k_pos is not None)):
+            raise NotImplementedError("gated DeltaNet: no context parallelism, KV cache or boolean masks")
+        segments = None if mask is None else document_segments(mask.q_docs)
         nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
         h = self.in_proj(x).transpose(0, 1)  # [b, s, local features]
         b, s = h.shape[:2]
         qkv, z, beta_logit, a = h.split([2 * nk * dk + nv * dv, nv * dv, nv, nv], dim=-1)
-        q, k, v = causal_depthwise_conv(qkv, self.conv_weight).split([nk * dk, nk * dk, nv * dv], dim=-1)
+        q, k, v = causal_depthwise_conv(qkv, self.conv_weight, segments).split([nk * dk, nk * dk, nv * dv], dim=-1)
         q = l2_normalise(q.reshape(b, s, nk, dk).float()) * dk ** -0.5
         k = l2_normalise(k.reshape(b, s, nk, dk).float())
         if nv != nk:  # each key head serves nv / nk consecutive value heads
             q, k = (t.repeat_interleave(nv // nk, dim=2) for t in (q, k))
         beta = beta_logit.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out, _ = gated_delta_rule(q, k, v.reshape(b, s, nv, dv), g, beta, self.kernel)
+        out, _ = gated_delta_rule(q, k, v.reshape(b, s, nv, dv), g, beta, self.kernel, segments=segments)
         out = gated_rms_norm(out, z.reshape(b, s, nv, dv), self.norm_weight, self.eps)
         return self.out_proj(out.reshape(b, s, nv * dv).transpose(0, 1))

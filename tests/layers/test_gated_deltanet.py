@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtron.layers.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, gated_delta_rule_reference
+from meshtron.layers.documents import DocumentMask
+from meshtron.layers.gated_deltanet import (GatedDeltaNet, chunk_gated_delta_rule, document_segments,
+                                            gated_delta_rule_reference)
 from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.sharding import gather_canonical
+from meshtron.parallel.sharding import gather_canonical, initialize_parameters
 from tests.layers.canonical import close, load_canonical
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -40,6 +42,42 @@ def test_chunked_equals_token_loop_forward_and_gradients(s):
     ((got_out * w).sum() + (got_state * ws).sum()).backward()
     for name, a, b in zip("q k v g beta state".split(), got_in, ref_in):
         torch.testing.assert_close(a.grad, b.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+# document runs: starts inside a chunk, exactly on a chunk boundary (64), one run over a whole chunk,
+# one-token documents, an id met again after another document
+DOCS = [0] * 10 + [1] * 54 + [2] * 70 + [3] + [4] * 5 + [1] * 10, [7] * 64 + [8] * 1 + [9] * 85
+
+
+def test_chunked_equals_token_loop_with_packed_documents():
+    ref_in = _inputs(s=150)
+    got_in = [t.detach().clone().requires_grad_() for t in ref_in]
+    segments = document_segments(torch.tensor(DOCS))
+    ref_out, ref_state = gated_delta_rule_reference(*ref_in[:5], initial_state=ref_in[5], segments=segments)
+    got_out, got_state = chunk_gated_delta_rule(*got_in[:5], initial_state=got_in[5], segments=segments)
+    torch.testing.assert_close(got_out, ref_out, **TOL)
+    torch.testing.assert_close(got_state, ref_state, **TOL)
+    w, ws = torch.randn_like(ref_out), torch.randn_like(ref_state)
+    ((ref_out * w).sum() + (ref_state * ws).sum()).backward()
+    ((got_out * w).sum() + (got_state * ws).sum()).backward()
+    for name, a, b in zip("q k v g beta state".split(), got_in, ref_in):
+        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_packed_documents_equal_each_document_alone():
+    """The layer over packed documents gives each document what it gives that document alone (the
+    convolution's window and the state restart at every document)."""
+    layer = _layer(ParallelContext())
+    initialize_parameters(layer, 3, torch.device("cpu"), torch.float32)
+    docs = torch.tensor(DOCS)
+    x = torch.randn(150, 2, 32)
+    packed = layer(x, mask=DocumentMask.causal(docs))
+    segments = document_segments(docs)
+    for row in range(2):
+        for seg in segments[row].unique():
+            where = (segments[row] == seg).nonzero()[:, 0]
+            alone = layer(x[where, row:row + 1])
+            close(packed[where, row:row + 1], alone, f"row {row}, run {seg.item()}")
 
 
 def _layer(ctx, kernel="chunk", sp=False):
@@ -83,4 +121,6 @@ def test_refuses_what_it_does_not_support():
     assert GatedDeltaNet.supports_context_parallel is False
     layer = _layer(ParallelContext())
     with pytest.raises(NotImplementedError):
-        layer(torch.zeros(4, 1, 32, device="meta"), mask=object())
+        layer(torch.zeros(4, 1, 32, device="meta"), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(NotImplementedError):
+        layer(torch.zeros(4, 1, 32, device="meta"), cache=object())
