@@ -11,6 +11,7 @@ from meshtron.layers.sink_attention import SinkAttention, sink_attention, window
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import gather_canonical
 from tests.layers.canonical import close, load_canonical
+from tests.layers.test_documents import flex_backward_on_cpu
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
@@ -43,24 +44,25 @@ def _qkv(b=2, nq=4, ng=2, s=40, d=8, seed=0):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("path", ["flex", "sdpa"])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("with_docs", [False, True])
-def test_both_paths_equal_the_dense_reference(window, with_docs):
-    """flex attention (forward; its backward has no CPU kernel) folding the sink through the log-sum-exp,
-    and the CPU path (forward and gradients) with the extra key, both against softmax over [scores, sink]."""
+def test_both_paths_equal_the_dense_reference(path, window, with_docs):
+    """flex attention folding the sink through the log-sum-exp (its eager kernel, whose backward runs on the
+    CPU once torch's device check is lifted: the gradient through the log-sum-exp included), and the CPU
+    path with the extra key, both against softmax over [scores, sink]: outputs and gradients."""
     q, k, v, sinks = _qkv()
     docs = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [5] * 40]) if with_docs else None
     mask = DocumentMask.causal(docs) if with_docs else None
     ref_in = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     ref = dense_reference(*ref_in, allowed_pairs(40, window, docs))
-    with torch.no_grad():
-        torch.testing.assert_close(sink_attention(q, k, v, sinks, window, mask, path="flex"), ref, **TOL)
     got_in = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    got = sink_attention(*got_in, window, mask, path="sdpa")
-    torch.testing.assert_close(got, ref, **TOL)
     w = torch.randn_like(ref)
+    with flex_backward_on_cpu():
+        got = sink_attention(*got_in, window, mask, path=path)
+        (got * w).sum().backward()
+    torch.testing.assert_close(got, ref, **TOL)
     (ref * w).sum().backward()
-    (got * w).sum().backward()
     for name, a, b in zip("q k v sinks".split(), got_in, ref_in):
         torch.testing.assert_close(a.grad, b.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
 
