@@ -10,7 +10,7 @@ or context-parallel attention under CP, as in :class:`~meshtron.layers.attention
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,21 @@ def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
 
 
+class ZeroCentredRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm (its layer norms and the final norm): weight ``1 + w`` with ``w`` starting at 0,
+    computed in fp32. Replicated over TP like :class:`~meshtron.layers.norm.Norm` (``sequence_parallel``:
+    each rank sees part of the inputs, so the gradient is summed over TP)."""
+
+    def __init__(self, name: str, hidden: int, eps: float = 1e-6, sequence_parallel: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = new_param(ShardSpec((whole(f"{name}.weight", (hidden,), "zeros"),), tp_replicated=True,
+                                          grad_sync="tp" if sequence_parallel else None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return zero_centred_rms_norm(x, self.weight, self.eps)
+
+
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` dimensions of ``x`` [s, b, heads, d]; the rest pass unchanged."""
     rd = cos.shape[-1]
@@ -44,6 +59,8 @@ class GatedAttention(nn.Module):
     biases with ``bias``), ``q_norm.weight`` / ``k_norm.weight`` [d]. Heads split over TP (key/value
     heads must divide by TP)."""
 
+    supports_context_parallel: ClassVar[bool] = True  # as SelfAttention: context-parallel attention under CP
+
     def __init__(self, ctx: ParallelContext, prefix: str, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, norm_eps: float = 1e-6, bias: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, output_std: Optional[float] = None):
@@ -53,7 +70,7 @@ class GatedAttention(nn.Module):
             raise ValueError(f"gated attention: key/value heads ({num_kv_heads}) must divide the heads ({num_heads}) "
                              f"and divide by TP ({tp})")
         H, d = hidden_size, head_dim
-        self.nq, self.ng, self.d, self.eps = num_heads // tp, num_kv_heads // tp, d, norm_eps
+        self.nq, self.ng, self.d = num_heads // tp, num_kv_heads // tp, d
         out_std = init_std if output_std is None else output_std
 
         def rows(name, heads, local, width, init="normal"):
@@ -68,10 +85,8 @@ class GatedAttention(nn.Module):
             ctx, Piece(f"{prefix}.o.weight", (H, num_heads * d), 1, r * self.nq * d, self.nq * d, "normal", out_std),
             Piece(f"{prefix}.o.bias", (H,), 0, 0, H, "zeros") if bias else None, sequence_parallel)
         # Shared by all heads; with TP each rank normalises its own heads (a partial gradient over TP).
-        sync = "tp" if tp > 1 else None
-        self.q_norm_weight, self.k_norm_weight = (
-            new_param(ShardSpec((whole(f"{prefix}.{n}.weight", (d,), "zeros"),), tp_replicated=True, grad_sync=sync))
-            for n in ("q_norm", "k_norm"))
+        self.q_norm, self.k_norm = (ZeroCentredRMSNorm(f"{prefix}.{n}", d, norm_eps, sequence_parallel=tp > 1)
+                                    for n in ("q_norm", "k_norm"))
         self.attend = context_parallel_attention if ctx.cp > 1 else core_attention
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask=None,
@@ -83,8 +98,7 @@ class GatedAttention(nn.Module):
         s, b = qkv.shape[:2]
         qg, k, v = qkv.split([nq * 2 * d, ng * d, ng * d], dim=-1)
         q, gate = qg.view(s, b, nq, 2 * d).split([d, d], dim=-1)
-        q = zero_centred_rms_norm(q, self.q_norm_weight, self.eps)
-        k = zero_centred_rms_norm(k.view(s, b, ng, d), self.k_norm_weight, self.eps)
+        q, k = self.q_norm(q), self.k_norm(k.view(s, b, ng, d))
         v = v.reshape(s, b, ng, d)
         if rope is not None:
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)

@@ -1,11 +1,11 @@
-"""Qwen3.5's gated full attention equals transformers' Qwen3_5Attention."""
+"""Qwen3.5's gated full attention and zero-centred RMSNorm equal transformers' Qwen3_5Attention and Qwen3_5RMSNorm."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from meshtron.layers.gated_attention import GatedAttention
+from meshtron.layers.gated_attention import GatedAttention, ZeroCentredRMSNorm
 from meshtron.layers.rotary import inverse_frequencies, rope_tables
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import gather_canonical
@@ -51,3 +51,18 @@ def test_matches_transformers_qwen3_5_attention(rotary_dim):
     grads = gather_canonical([ours], "grad")
     for n, p in hf.named_parameters():
         close(grads[f"{prefix}.{NAMES[n.split('.')[0]]}.weight"], p.grad, n)
+
+
+def test_zero_centred_rms_norm_equals_transformers():
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    torch.manual_seed(0)
+    hf = Qwen3_5RMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(24) * 0.3)
+    ours = ZeroCentredRMSNorm("layers.0.input_layernorm", 24, 1e-6)
+    load_canonical(ours, {"layers.0.input_layernorm.weight": hf.weight.detach()})
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 3, 24).to(dtype)
+        torch.testing.assert_close(ours(x), hf(x), rtol=1e-6, atol=1e-6)
