@@ -168,6 +168,7 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, segments):  # pragma:
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
+    q, k, beta = q.to(v.dtype), k.to(v.dtype), beta.to(v.dtype)  # one dtype for the kernel's operands
     if segments is None:
         return fla_chunk(q, k, v, g.float(), beta, scale=1.0, initial_state=initial_state,
                          output_final_state=True, use_qk_l2norm_in_kernel=False)
