@@ -1,4 +1,4 @@
-"""Layer tests' helpers: fill a meshtron module from full canonical tensors (its parameters' ShardSpecs say
+"""For the layer tests: fill a meshtron module from full canonical tensors (its parameters' ShardSpecs say
 which slices), sum TP-partial gradients, compare to 1e-5 of the largest entry."""
 
 from __future__ import annotations
