@@ -18,6 +18,8 @@ for phase in "$@"; do
         tests/optim/test_sharding_strategies.py tests/parallel/test_fp8_sequence_parallel.py \
         tests/context_parallel/test_cp_gpu.py -k "staged or zero3_prefetch or cast_before or cp_attention" \
         > "$OUT/gpu_tests.log" 2>&1
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/layers/test_new_layers_gpu.py \
+        tests/layers/test_documents.py >> "$OUT/gpu_tests.log" 2>&1
       grep -E "passed|failed|^FAILED" "$OUT/gpu_tests.log" | tail -8 ;;
     accuracy)
       kind=nvidia-h100-x1; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && kind=nvidia-h200
