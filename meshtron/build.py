@@ -23,8 +23,7 @@ import torch.nn as nn
 
 from meshtron.config import MeshtronConfig
 from meshtron.layers.activation_offload import ActivationOffloader
-from meshtron.layers.fp8 import enable_fp8
-from meshtron.layers.linear import set_tp_comm_overlap
+from meshtron.layers.linear import enable_fp8, set_tp_comm_overlap
 from meshtron.layers.moe import MoELayer, moe_mlp_factory
 from meshtron.model import GPTModel
 from meshtron.parallel import comm

@@ -623,7 +623,8 @@ def train_main(argv: Sequence[str]) -> int:
         return _load_entry("train", "meshtron.planning.cli", "dry_run")(cfg, world_size)
     if launching:
         check_not_doubly_launched(os.environ, cfg.launcher.nproc_per_node)
-        launcher.check_before_launch(cfg)  # errors once, here, rather than in every worker
+        # Errors once, here, rather than in every worker; a copy, since each worker validates its own.
+        launcher.check_local_gpus(validate_config(copy.deepcopy(cfg), launcher.planned_world_size(cfg.launcher)))
         return launcher.launch(cfg.launcher, argv)
     try:
         validate_config(cfg, world_size)
