@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 
-from meshtron.optim.muon_rule import NS_COEFFICIENTS, NS_EPS, STATES, uses_muon  # noqa: F401 (re-exported)
+from meshtron.optim.muon_rule import STATES, uses_muon
 from meshtron.optim.registry import WHOLE, OptimizerKind, StepWork
 
 def _states(pieces) -> tuple[str, ...]:
