@@ -32,7 +32,8 @@ from meshtron.flags import (COMPAT_NAMES, COMPAT_TOPIC, TOPICS, FlagSpec, coerce
 from meshtron.megatron_compat import MEGATRON_COMPAT
 from meshtron.presets import PRESETS, PUBLISHED_ACTIVE, apply_preset, count_parameters
 from meshtron.quickstart import SHAPE_FIELDS, quickstart_base
-from meshtron.validation import validate_config
+from meshtron.run_layout import RunLayout
+from meshtron.validation import validate_config, validate_run
 
 PROG = "meshtron"
 
@@ -327,13 +328,13 @@ def train_main(argv: Sequence[str]) -> int:
         launcher.check_local_gpus(validate_config(copy.deepcopy(cfg), launcher.planned_world_size(cfg.launcher)))
         return launcher.launch(cfg.launcher, argv)
     try:
-        validate_config(cfg, world_size)
+        layout = validate_run(cfg, world_size)  # once per worker: the trainer reads this layout, not the flags
     except ConfigError:
         if not _is_rank_zero():
             return 2  # every rank has the same config: rank 0 alone says what is wrong
         raise
     run_training = _load_entry("train", "meshtron.training.trainer", "run_training")
-    return _run_worker(cfg, world_size, run_training)
+    return _run_worker(cfg, world_size, run_training, layout)
 
 
 def _planned_world_size(cfg: MeshtronConfig) -> Optional[int]:
@@ -348,7 +349,7 @@ def _planned_world_size(cfg: MeshtronConfig) -> Optional[int]:
     return launcher.planned_world_size(cfg.launcher)
 
 
-def _run_worker(cfg: MeshtronConfig, world_size: int, run_training: Callable[..., Any]) -> int:
+def _run_worker(cfg: MeshtronConfig, world_size: int, run_training: Callable[..., Any], layout: RunLayout) -> int:
     """Train in this process under a :class:`~meshtron.training.lifecycle.RunLifecycle`, which reports
     an error raised during the run (possibly on some ranks only: each rank reports its own), tears
     threads and process groups down in order on every exit path and gives the exit code."""
@@ -363,7 +364,7 @@ def _run_worker(cfg: MeshtronConfig, world_size: int, run_training: Callable[...
                              on_exit_code=launcher.report_exit_status)
 
     def body() -> int:
-        result = run_training(cfg)
+        result = run_training(cfg, layout)  # validated above: run_training does not validate again
         return result if isinstance(result, int) else 0
 
     return lifecycle.run(body)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from meshtron.config import PIPELINE_SCHEDULES
 from meshtron.pipeline.p2p import PipelineP2P, free_output
 from meshtron.pipeline.partition import SPLIT_BACKWARD, check_micro_batches
 # The plan's vocabulary lives in its own module, below this one and zero_bubble; re-exported for callers.
@@ -106,8 +107,8 @@ def forward_backward_no_pipelining(model_chunks: Sequence[nn.Module], micro_batc
 
 
 # ------------------------------------------------------------------------------------------- plans
-#: ``--pipeline-schedule`` values (None: 1F1B, or interleaved 1F1B with virtual stages).
-SCHEDULES = ("1f1b", "interleaved", "zero-bubble-h1", "zbv")
+#: ``--pipeline-schedule`` values (None: 1F1B, or interleaved 1F1B with virtual stages): the schema's one list.
+SCHEDULES = PIPELINE_SCHEDULES
 
 
 def one_f_one_b_order(stages: int, stage: int, num_micro_batches: int, forward_only: bool = False) -> list[Compute]:

@@ -25,8 +25,9 @@ from typing import Optional, Sequence
 
 from meshtron.config import MeshtronConfig
 from meshtron.errors import ConfigError
-from meshtron.optim.accounting import releases_gradients, sharding_strategy
+from meshtron.optim.accounting import releases_gradients
 from meshtron.planning.validate import validate_for_plan
+from meshtron.run_layout import sharding_strategy
 
 GIB = 2**30
 
