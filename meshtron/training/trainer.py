@@ -34,7 +34,7 @@ from meshtron.optim.factory import build_optimization, weights_norm
 from meshtron.optim.lr_schedule import learning_rate
 from meshtron.parallel.context import ParallelContext, context_from_config
 from meshtron.parallel.context_parallel.split import split_micro_batch
-from meshtron.parallel.random import RNGTracker
+from meshtron.parallel.random import RNGTracker, capture_rng_state, restore_rng_state
 from meshtron.pipeline import get_schedule, is_data_rank
 from meshtron.pipeline.batches import broadcast_from_loss_stage, eval_batches, train_batches
 from meshtron.pipeline.balance import pipeline_balance_hint
@@ -48,7 +48,7 @@ from meshtron.run_layout import RunLayout, resolve_layout
 from meshtron.training.gc_control import ManualGC
 from meshtron.training.metrics import compute_throughput, flops_per_token, peak_memory_stats, peak_tflops
 from meshtron.training.step_profiler import StepProfiler
-from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
+from meshtron.training.state import TrainingState
 from meshtron.validation import validate_run
 
 
