@@ -1,5 +1,6 @@
 """Muon's update (torch): Newton-Schulz orthogonalisation, the one-process optimizer and the distributed
-optimizer's part; the rule is in :mod:`meshtron.optim.muon_rule`, flags and costs in :mod:`meshtron.optim.kinds.muon`."""
+optimizer's part; the rule is in :mod:`meshtron.optim.muon_rule`, the flags and costs in
+:mod:`meshtron.optim.kinds.muon`."""
 
 from __future__ import annotations
 
