@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from meshtron.layers.attention import core_attention
+from meshtron.layers.sdpa import core_attention
 from meshtron.layers.documents import DocumentMask
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import MeshtronConfig
-from meshtron.validation import validate_config
+from meshtron.validation import validate_run
 
 
 @dataclass
@@ -114,8 +114,8 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
     cfg: MeshtronConfig = build_config(["--mock-data", "--eval-interval", "0", "--train-iters",
                                         str(warmup + steps), "--log-interval", str(10**9)] + argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate_config(cfg, world)
-    ctx = context_from_config(cfg)
+    layout = validate_run(cfg, world)
+    ctx = context_from_config(cfg, layout)
     dev = ctx.device
     leftover = None
     if dev.type == "cuda":
@@ -136,7 +136,7 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
 
     # --record-collectives: this row's operations (its steps run slower for it: a dispatch mode sees every op).
     with recording(ctx, cfg.log.record_collectives) as recorder:
-        trainer = Trainer(cfg, ctx, data=data)
+        trainer = Trainer(cfg, ctx, data=data, layout=layout)
         if recorder is not None:
             recorder.where = lambda: (trainer.progress.iteration, trainer.progress.phase)
         try:

@@ -23,17 +23,16 @@ import torch.nn as nn
 
 from meshtron.config import MeshtronConfig
 from meshtron.layers.activation_offload import ActivationOffloader
-from meshtron.layers.fp8 import enable_fp8
-from meshtron.layers.linear import set_tp_comm_overlap
+from meshtron.layers.linear import enable_fp8, set_tp_comm_overlap
 from meshtron.layers.moe import MoELayer, moe_mlp_factory
 from meshtron.model import GPTModel
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import canonical_shapes, initialize_parameters
-from meshtron.pipeline import check_stage_count
+from meshtron.pipeline import PipelineLayout, check_stage_count
 from meshtron.pipeline.schedules import MicroBatch
-from meshtron.validation import layout_from_config
+from meshtron.run_layout import layout_from_config
 
 __all__ = ["build_model_chunks", "build_stage", "built_parameter_count", "gpt_forward_step", "prepare_stage",
            "recompute_layer_ids"]
@@ -99,13 +98,15 @@ def compile_options(layer: nn.Module, cuda_graphs: bool) -> dict:
 
 
 def build_model_chunks(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int, tracker: RNGTracker,
-                       dtype: torch.dtype, make_mlp=None) -> list[nn.Module]:
+                       dtype: torch.dtype, make_mlp=None,
+                       pipeline: Optional[PipelineLayout] = None) -> list[nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), initialised and ready to train.
 
-    Chunk ``v`` of pipeline rank ``p`` holds the layers of :func:`~meshtron.validation.layout_from_config`;
-    the embedding is on chunk 0 of stage 0, the output layer and loss on the last chunk of the last stage.
+    Chunk ``v`` of pipeline rank ``p`` holds the layers of ``pipeline``, the run's resolved stage layout
+    (:attr:`meshtron.run_layout.RunLayout.pipeline`; derived from ``cfg`` when not given); the embedding is on
+    the first model chunk, the output layer and loss on the last.
     """
-    layout = layout_from_config(cfg)
+    layout = pipeline if pipeline is not None else layout_from_config(cfg)
     check_stage_count(layout, ctx)
     chunks: list[nn.Module] = []
     for v in range(layout.virtual_stages):

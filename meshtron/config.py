@@ -37,6 +37,13 @@ def opt(default: Any = None, help: str = "", choices: Optional[tuple] = None, al
     return field(default=default, metadata=meta)
 
 
+#: ``--data-parallel-sharding-strategy`` values (Megatron-FSDP's names), from least to most sharded: the one list
+#: that the flag's choices, validation, the strategy builder and the memory accounting read.
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+#: ``--pipeline-schedule`` values (None: 1F1B, or interleaved 1F1B with virtual stages).
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zero-bubble-h1", "zbv")
+
+
 # Help texts several flags share.
 _DELAYED_SCALING_REFUSED = ("Delayed-scaling FP8 setting: refused, meshtron scales FP8 from current values "
                             "(--fp8-recipe).")
@@ -180,7 +187,7 @@ class ParallelConfig:
               "= --use-distributed-optimizer, ZeRO-1); optim_grads (and gradients, reduce-scattered as backward "
               "produces them, ZeRO-2); optim_grads_params (and weights, gathered per layer before its forward "
               "and backward, ZeRO-3). Default: optim with --use-distributed-optimizer, else no_shard.",
-        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+        choices=SHARDING_STRATEGIES)
     num_distributed_optimizer_instances: int = opt(
         1, "Hybrid sharded data parallelism (HSDP): R replicas of the sharded state. The DP x CP ranks of a "
            "stage split into R groups of S = DP x CP / R consecutive ranks; the sharding strategy (optim, "
@@ -220,7 +227,7 @@ class ParallelConfig:
                                                  "Default: interleaved with virtual stages, "
                                                  "else 1f1b. Without pipeline parallelism there is no bubble and "
                                                  "the value has no effect.",
-                                           choices=("1f1b", "interleaved", "zero-bubble-h1", "zbv"))
+                                           choices=PIPELINE_SCHEDULES)
     tp_comm_overlap: bool = opt(True, "Overlap the tensor-parallel backward collectives (input-gradient all-reduce or "
                                       "reduce-scatter, sequence all-gather) with the weight-gradient matmul.")
     distributed_backend: Optional[str] = opt(None, "torch.distributed backend (default nccl on CUDA, gloo on CPU).", choices=("nccl", "gloo"))

@@ -10,7 +10,6 @@ launcher flags are ignored.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import sys
@@ -83,16 +82,14 @@ def check_launcher(p: LauncherConfig) -> None:
         raise ConfigError("--rdzv-backend must not be empty (static or c10d)")
 
 
-def check_before_launch(cfg: MeshtronConfig) -> None:
-    """Validate a copy of ``cfg`` for the world size the shortcut will start, and the local GPU count.
+def check_local_gpus(cfg: MeshtronConfig) -> None:
+    """Check that this node has a GPU for each process the shortcut will start on it (``cfg`` already validated).
 
-    Run in the launching process so that a bad configuration fails once, before any worker starts.
+    The CLI validates the configuration for the planned world size first, in the launching process, so that a bad
+    configuration fails once, before any worker starts; the launcher itself never calls validation.
     """
-    from meshtron.validation import validate_config  # validation calls check_launcher: import it late
-
-    trial = validate_config(copy.deepcopy(cfg), planned_world_size(cfg.launcher))
     nproc = cfg.launcher.nproc_per_node
-    if trial.train.device == "cuda":
+    if cfg.train.device == "cuda":
         import torch
 
         found = torch.cuda.device_count()

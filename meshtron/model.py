@@ -31,6 +31,7 @@ from meshtron.layers.rotary import inverse_frequencies, rope_table_scale, rope_t
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.context_parallel.split import local_token_indices
+from meshtron.parallel.layout import sequence_parallel_in_effect
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import ShardSpec, new_param, shard
 
@@ -106,7 +107,7 @@ class GPTModel(nn.Module):
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, ctx.tp)
         self.pre_process, self.post_process = pre_process, post_process
-        self.sequence_parallel = sequence_parallel and ctx.tp > 1
+        self.sequence_parallel = sequence_parallel_in_effect(sequence_parallel, ctx.tp)
         self.recompute_layers = set(recompute_layers)
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         sp = self.sequence_parallel

@@ -13,18 +13,23 @@ Two steps, run in this order by :func:`validate_config`:
 
 Both need neither torch nor model code: this module imports only the schema
 (:mod:`meshtron.config`), the error (:mod:`meshtron.errors`), the launcher's and the resilience
-features' flag checks and the integer layer partition (:mod:`meshtron.pipeline.partition`). Only the CUDA probe behind an
-unset ``--device`` (or ``--device cuda``) asks torch, and a missing torch means no CUDA.
+features' flag checks, the integer rules of the rank layout (:mod:`meshtron.parallel.layout`), the integer
+layer partition (:mod:`meshtron.pipeline.partition`) and the resolved layout (:mod:`meshtron.run_layout`).
+Only the CUDA probe behind an unset ``--device`` (or ``--device cuda``) asks torch, and a missing torch means
+no CUDA. :func:`validate_run` validates and then resolves the :class:`~meshtron.run_layout.RunLayout` once.
 
 Which module owns which rule (each rule lives in one place; the others call it):
 
-- the type, choices and encoding of a value, unknown flags and YAML keys: :mod:`meshtron.cli`;
+- the type, choices and encoding of a value, unknown flags and YAML keys: :mod:`meshtron.flags`;
 - finite numbers: every float field here (:func:`check_finite`); a field whose definition says
   ``allow_inf`` may be infinite;
-- the model shape, sizes against the shape, the world size factoring into TP x CP x DP x PP
-  (:func:`data_parallel_size_of`, also used by :mod:`meshtron.parallel.context`), experts against
-  EP and the expert tensor-parallel size, batch sizes, precision, recomputation, the optimizer and
-  schedule, data and tokenizer files, checkpoint and logging directories: this module;
+- the world size factoring into TP x CP x DP x PP and the expert ranks over DP x CP:
+  :mod:`meshtron.parallel.layout`, shared with the process groups;
+- what the flags imply about the layout (stage layout, loss stage, sharding strategy, effective sequence
+  parallelism, compute dtype): :mod:`meshtron.run_layout`;
+- the model shape, sizes against the shape, experts against EP and the expert tensor-parallel size, batch
+  sizes, precision, recomputation, the optimizer and schedule, data and tokenizer files, checkpoint and
+  logging directories: this module;
 - the layer split over pipeline stages and virtual stages, and the micro-batch count of the
   interleaved schedule: :mod:`meshtron.pipeline.partition`, called from here with integers;
 - the launcher flags (``--nnodes``, ``--node-rank``, ``--master-port``, ...):
@@ -45,14 +50,16 @@ import os
 from typing import Iterable, Optional, Sequence
 
 from meshtron.config import (
-    SECTIONS, CheckpointConfig, DataConfig, LogConfig, MeshtronConfig, ModelConfig, OptimConfig, ffn_size, flag_name,
-    num_kv_heads,
+    PIPELINE_SCHEDULES, SECTIONS, SHARDING_STRATEGIES, CheckpointConfig, DataConfig, LogConfig, MeshtronConfig,
+    ModelConfig, OptimConfig, ffn_size, flag_name, num_kv_heads,
 )
 from meshtron.errors import ConfigError
 from meshtron.launcher import check_launcher
+from meshtron.parallel.layout import check_expert_ranks, data_parallel_size_of
 from meshtron.resilience.checks import check_resilience
 from meshtron.resilience.detection_checks import check_detection_flags
-from meshtron.pipeline.partition import PipelineLayout, check_micro_batches, partition_layers
+from meshtron.pipeline.partition import check_micro_batches
+from meshtron.run_layout import RunLayout, layout_from_config, resolve_layout, sharding_strategy
 
 
 def validate_config(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> MeshtronConfig:
@@ -64,6 +71,13 @@ def validate_config(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> Mesht
     resolve(cfg, world_size)
     check(cfg, world_size)
     return cfg
+
+
+def validate_run(cfg: MeshtronConfig, world_size: int) -> RunLayout:
+    """:func:`validate_config` for a run of ``world_size`` ranks, then its :class:`~meshtron.run_layout.RunLayout`:
+    what the configuration implies about the layout, resolved once for everything that follows."""
+    validate_config(cfg, world_size)
+    return resolve_layout(cfg, world_size)
 
 
 def resolve(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
@@ -127,47 +141,14 @@ def check(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout arithmetic shared with the process groups (plain integers).
+# Layout arithmetic with the run's flags (the integer rules are meshtron.parallel.layout's).
 # ---------------------------------------------------------------------------------------------
-
-def data_parallel_size_of(world_size: int, tp: int, cp: int, pp: int) -> int:
-    """DP = world / (TP x CP x PP); ConfigError naming the flags when the world size does not factor."""
-    _positive([("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp),
-               ("--pipeline-model-parallel-size", pp)])
-    if world_size < 1:
-        raise ConfigError(f"world size must be at least 1, got {world_size}")
-    if world_size % (tp * cp * pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by TP({tp}) x CP({cp}) x PP({pp}) = {tp * cp * pp}: "
-            f"choose --tensor-model-parallel-size, --context-parallel-size and --pipeline-model-parallel-size "
-            f"whose product divides {world_size}")
-    return world_size // (tp * cp * pp)
-
-
-def check_expert_ranks(ep: int, dp: int, cp: int) -> None:
-    """Experts split the DP x CP ranks of a pipeline stage: EP must divide DP x CP."""
-    _positive([("--expert-model-parallel-size", ep)])
-    if (dp * cp) % ep:
-        raise ConfigError(f"--expert-model-parallel-size ({ep}) must divide data-parallel size ({dp}) x "
-                          f"--context-parallel-size ({cp}) = {dp * cp}")
-
 
 def data_parallel_size(cfg: MeshtronConfig, world_size: int) -> int:
     """:func:`data_parallel_size_of` with the run's flags."""
     p = cfg.parallel
     return data_parallel_size_of(world_size, p.tensor_model_parallel_size, p.context_parallel_size,
                                  p.pipeline_model_parallel_size)
-
-
-def layout_from_config(cfg: MeshtronConfig) -> PipelineLayout:
-    """:func:`~meshtron.pipeline.partition.partition_layers` with the run's flags."""
-    p = cfg.parallel
-    return partition_layers(cfg.model.num_layers, p.pipeline_model_parallel_size,
-                            first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers,
-                            virtual_size=p.virtual_pipeline_model_parallel_size,
-                            layers_per_virtual=p.num_layers_per_virtual_pipeline_stage,
-                            embedding_slot=p.account_for_embedding_in_pipeline_split,
-                            loss_slot=p.account_for_loss_in_pipeline_split, v_shape=p.pipeline_schedule == "zbv")
 
 
 def _data_parallel_size_or_none(cfg: MeshtronConfig, world_size: Optional[int]) -> Optional[int]:
@@ -480,15 +461,13 @@ def _check_cp_comm_type(cfg: MeshtronConfig) -> None:
 
 def _check_sharding_strategy(cfg: MeshtronConfig) -> None:
     """--data-parallel-sharding-strategy, its aliases and what each strategy composes with."""
-    from meshtron.optim.accounting import sharding_strategy
-
     p, t = cfg.parallel, cfg.train
     explicit = p.data_parallel_sharding_strategy
     aliases = [f for f, on in (("--use-megatron-fsdp", p.use_megatron_fsdp), ("--use-torch-fsdp2", t.use_torch_fsdp2))
                if on]
-    if explicit is not None and explicit not in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
-        raise ConfigError(f"--data-parallel-sharding-strategy must be no_shard, optim, optim_grads or "
-                          f"optim_grads_params, got {explicit!r}")
+    if explicit is not None and explicit not in SHARDING_STRATEGIES:
+        raise ConfigError(f"--data-parallel-sharding-strategy must be {', '.join(SHARDING_STRATEGIES[:-1])} or "
+                          f"{SHARDING_STRATEGIES[-1]}, got {explicit!r}")
     if aliases and explicit not in (None, "optim_grads_params"):
         raise ConfigError(f"{aliases[0]} means --data-parallel-sharding-strategy optim_grads_params, which "
                           f"contradicts --data-parallel-sharding-strategy {explicit}; drop one of them")
@@ -527,9 +506,9 @@ def _check_pipeline_schedule(cfg: MeshtronConfig) -> None:
     schedule = p.pipeline_schedule
     if schedule is None:
         return
-    known = ("1f1b", "interleaved", "zero-bubble-h1", "zbv")
-    if schedule not in known:
-        raise ConfigError(f"--pipeline-schedule {schedule!r} is not known; choose one of {', '.join(known)}")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"--pipeline-schedule {schedule!r} is not known; choose one of "
+                          f"{', '.join(PIPELINE_SCHEDULES)}")
     if schedule == "zbv":
         _check_zbv(cfg)
         return
@@ -762,8 +741,6 @@ def check_cuda_graphs(cfg: MeshtronConfig) -> None:
         raise ConfigError("--enable-cuda-graph and --offload-activations exclude each other: the offloader moves "
                           "what a layer saves between its forward and backward, which the graphs keep in their "
                           "own memory; give one of them")
-    from meshtron.optim.accounting import sharding_strategy
-
     if sharding_strategy(cfg) == "optim_grads_params":
         raise ConfigError("--enable-cuda-graph does not work with --data-parallel-sharding-strategy "
                           "optim_grads_params: its weights are gathered into new memory before every layer, which "
@@ -1051,6 +1028,6 @@ def _is_float(text: str) -> bool:
     return True
 
 
-__all__ = ["validate_config", "resolve", "check", "check_finite", "check_expert_ranks", "check_vocab_size",
+__all__ = ["validate_config", "validate_run", "resolve", "check", "check_finite", "check_expert_ranks", "check_vocab_size",
            "data_parallel_size", "data_parallel_size_of", "data_path_items", "layout_from_config", "parse_data_path",
            "parse_split"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from meshtron.cli import FlagSpec, flag_groups, metavar_of
+from meshtron.flags import FlagSpec, flag_groups, metavar_of
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 

@@ -565,7 +565,7 @@ class TrainingError(RuntimeError):
 def _fake_trainer(monkeypatch: pytest.MonkeyPatch, behaviour) -> list:
     seen: list = []
 
-    def run_training(cfg):
+    def run_training(cfg, layout=None):
         seen.append(cfg)
         return behaviour(cfg)
 
@@ -592,7 +592,7 @@ def test_train_passes_a_validated_config(monkeypatch: pytest.MonkeyPatch, capsys
                                         (TrainingError("5 non-finite steps in a row"), 1)])
 def test_train_errors_during_the_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, no_cuda: None,
                                      error: Exception, code: int) -> None:
-    def fail(cfg):
+    def fail(cfg, layout=None):
         raise error
 
     _fake_trainer(monkeypatch, fail)

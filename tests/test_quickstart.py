@@ -35,7 +35,7 @@ def _train_without_training(argv: list[str], monkeypatch: pytest.MonkeyPatch,
                             capsys: pytest.CaptureFixture) -> tuple[int, list, list[str]]:
     """``meshtron train ARGV`` through the CLI, with a trainer that only records the validated config."""
     seen: list = []
-    monkeypatch.setattr(cli, "_load_entry", lambda *a: lambda cfg: seen.append(cfg) or 0)
+    monkeypatch.setattr(cli, "_load_entry", lambda *a: lambda cfg, layout=None: seen.append(cfg) or 0)
     code = main(["train", *argv])
     return code, seen, capsys.readouterr().err.splitlines()
 

@@ -454,18 +454,22 @@ class RefuseHeavyImports:
 sys.meta_path.insert(0, RefuseHeavyImports())
 from meshtron.cli import build_config
 from meshtron.errors import ConfigError
-from meshtron.validation import validate_config
+from meshtron.validation import validate_run
 import meshtron.pipeline.partition
 
 out = []
 for argv, world in json.loads(sys.argv[1]):
     try:
-        cfg = validate_config(build_config(argv), world)
+        cfg = build_config(argv)
+        layout = validate_run(cfg, world)  # the resolved layout is torch-free too
+        assert layout.pipeline.virtual_stages == (cfg.parallel.virtual_pipeline_model_parallel_size or 1)
         out.append(["ok", cfg.parallel.virtual_pipeline_model_parallel_size, cfg.train.global_batch_size])
     except ConfigError as err:
         out.append(["error", str(err)])
+# The integer rules of the rank layout (meshtron.parallel.layout) are torch-free; the process groups are not.
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("torch", "numpy")
-                or m.startswith(("meshtron.model", "meshtron.layers", "meshtron.parallel", "meshtron.pipeline.s")))
+                or (m.startswith(("meshtron.model", "meshtron.layers", "meshtron.parallel", "meshtron.pipeline.s"))
+                    and m not in ("meshtron.parallel", "meshtron.parallel.layout")))
 print(json.dumps({"results": out, "loaded": loaded}))
 '''
 

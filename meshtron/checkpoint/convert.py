@@ -30,20 +30,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtron.checkpoint import hf
+from meshtron.checkpoint.conversion_checks import check_complete, first_missing, require_empty
 from meshtron.checkpoint.dcp_reader import read_dcp_metadata, safe_dcp_load
 from meshtron.checkpoint.errors import (
     DISK_FULL_ERRNOS, CheckpointError, CheckpointSaveError, describe_dcp_failure, describe_os_error, is_disk_full,
 )
 from meshtron.checkpoint.load import read_checkpoint_tokenizer, resolve_checkpoint
 from meshtron.checkpoint.metadata import (
-    TOKENIZER_DIR, checkpoint_meta, compare_tensors, config_yaml, model_signature, read_config, read_json_file,
+    TOKENIZER_DIR, checkpoint_meta, config_yaml, model_signature, read_config, read_json_file,
     read_meta,
 )
 from meshtron.checkpoint.pieces import MODEL_PREFIX, SavedShard, model_key, to_state_dict
 from meshtron.checkpoint.verify import verify_checkpoint
 from meshtron.checkpoint.writer import SaveJob, quiet_single_process_notice, write_and_publish
-from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.sharding import spec_of
 from meshtron.training.state import TrainingState
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -62,11 +61,6 @@ def _canonical_order(name: str) -> tuple:
     if name.startswith("layers."):
         return (1, int(name.split(".")[1]), name)
     return (2, 0, name)
-
-
-def _require_empty(out: Path, flag: str = "--output") -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{flag} {out} already exists and is not an empty directory")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +167,7 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
     config_file = src / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"--input {src}: config.json not found (expected a Hugging Face model directory)")
-    _require_empty(out)
+    require_empty(out)
     cfg, values = _config_from_file(config_file, notices)
     interleave = hf.rope_interleaved(values)
     hf_tensors = read_hf_tensors(src)
@@ -211,7 +205,7 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
     if skipping and extra_layers:
         notices.append(f"skipped the multi-token prediction layer(s) {extra_layers} (model.layers.N with N >= "
                        f"num_hidden_layers {cfg.model.num_layers}): they are not imported")
-    _check_complete(cfg, {c.key[len(MODEL_PREFIX):]: c.global_shape for c in chunks})
+    check_complete(cfg, {c.key[len(MODEL_PREFIX):]: c.global_shape for c in chunks})
     tokenizer = _hf_tokenizer(src, notices)
     meta = checkpoint_meta(TrainingState(), model_signature(cfg.model, cfg.model.vocab_size),
                            {"world_size": 1, "tp": 1, "cp": 1, "dp": 1, "pp": 1, "ep": 1}, None, None,
@@ -219,7 +213,7 @@ def hf_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: Optiona
     meta["converted_from"] = {"format": "huggingface", "path": str(src.resolve())}
     job = SaveJob(save_dir=out, iteration=0, rank=0, state_dict=to_state_dict(chunks), meta=meta,
                   config_text=config_yaml(cfg), rng=None, group=None, tokenizer=tokenizer)
-    created = _first_missing(out)
+    created = first_missing(out)
     try:
         return write_and_publish(job)  # on failure it removes its partial iter_0000000.tmp and says why
     except BaseException:
@@ -243,19 +237,6 @@ def _config_from_file(config_file: Path, notices: list[str]):
         raise CheckpointError(f"{config_file} has no {err.args[0]!r}, which the model needs") from None
     except (TypeError, ValueError, AttributeError) as err:  # a field of the wrong type ("abc" for a size, ...)
         raise CheckpointError(f"{config_file} holds a value of the wrong type ({err})") from None
-
-
-def _check_complete(cfg, shapes: dict[str, tuple]) -> None:
-    """Every tensor the model needs is present with the configured shape."""
-    from meshtron.build import build_stage
-    from meshtron.parallel.sharding import spec_buffers
-
-    model = build_stage(cfg, ParallelContext(), cfg.model.vocab_size)  # on the meta device: no memory
-    state = [p for _, p in model.named_parameters()] + [b for _, b in spec_buffers(model)]  # + expert biases
-    required = {piece.name: tuple(piece.full_shape) for p in state for piece in spec_of(p).pieces}
-    diffs = compare_tensors(shapes, required)
-    if diffs:
-        raise CheckpointError("the Hugging Face weights do not match their config.json", diffs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +307,7 @@ def meshtron_to_hf(input_path: str | Path, output_dir: str | Path, architecture:
     way to export them to another architecture)."""
     notices = notices if notices is not None else []
     out = Path(output_dir)
-    _require_empty(out)
+    require_empty(out)
     ckpt_dir = resolve_checkpoint(input_path)
     if ckpt_dir is None:
         raise CheckpointError(f"--input {input_path}: no meshtron checkpoint found")
@@ -369,7 +350,7 @@ def write_all_or_nothing(out: Path, write: Callable[[Path], None], size_hint: st
     parents of ``out`` this call created, are removed: ``--output`` is as it was. A write that failed (full
     disk, I/O error; from Python or from safetensors) becomes one CheckpointSaveError (exit 1) naming ``out``
     and the error, with ``size_hint``; a process killed meanwhile leaves a hidden ``.NAME.tmp-*`` beside it."""
-    created = _first_missing(out.parent)
+    created = first_missing(out.parent)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -385,16 +366,6 @@ def write_all_or_nothing(out: Path, write: Callable[[Path], None], size_hint: st
             raise
         raise CheckpointSaveError(f"writing {out} failed: {cause} ({size_hint}); nothing was left there") from None
     return out
-
-
-def _first_missing(path: Path) -> Optional[Path]:
-    """The outermost of ``path`` and its parents that does not exist yet (None when ``path`` exists)."""
-    missing = None
-    for p in (path, *path.parents):
-        if p.exists() or p.is_symlink():
-            break
-        missing = p
-    return missing
 
 
 #: How safetensors (Rust) words an operating-system error: "... I/O error: No space left on device (os error 28)".

@@ -170,7 +170,7 @@ def config_from_dict(values: dict[str, Any]) -> MeshtronConfig:
     Each value goes through the command line's conversion for its field, as a ``--config``
     YAML value would: ValueError names the key whose value has the wrong type.
     """
-    from meshtron.cli import coerce, spec_by_name  # the one conversion of flag values (YAML included)
+    from meshtron.flags import coerce, spec_by_name  # the one conversion of flag values (YAML included)
 
     cfg = MeshtronConfig()
     known = {f for cls in SECTIONS.values() for f in cls.__dataclass_fields__}

@@ -20,7 +20,8 @@ from meshtron.checkpoint.pieces import model_shards
 from meshtron.checkpoint.writer import SaveJob, quiet_single_process_notice, write_and_publish
 from meshtron.config import MeshtronConfig
 from meshtron.parallel.context import ParallelContext
-from meshtron.training.state import TrainingState, capture_rng_state
+from meshtron.parallel.random import capture_rng_state
+from meshtron.training.state import TrainingState
 
 
 def model_vocab_size(model_chunks: Sequence[nn.Module], cfg: Optional[MeshtronConfig]) -> Optional[int]:

@@ -155,7 +155,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = ctx.tp_group if group is None else group
         self.sequence_parallel = sequence_parallel
         self.gather_input = gather_input
-        self.fp8_format: Optional[str] = None  # set by meshtron.layers.fp8.enable_fp8
+        self.fp8_format: Optional[str] = None  # set by enable_fp8
         self.fp8_recipe = "tensorwise"
         self.overlap_backward_comm = True  # set by set_tp_comm_overlap (--no-tp-comm-overlap)
         self.wgrad_store = None  # a zero-bubble schedule's weight-gradient store (see the module docstring)
@@ -197,7 +197,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group = ctx.tp_group
         self.sequence_parallel = sequence_parallel
-        self.fp8_format: Optional[str] = None  # set by meshtron.layers.fp8.enable_fp8
+        self.fp8_format: Optional[str] = None  # set by enable_fp8
         self.fp8_recipe = "tensorwise"
         self.wgrad_store = None  # a zero-bubble schedule's weight-gradient store (see the module docstring)
         self.weight = new_param(ShardSpec((weight_piece,), 0))
@@ -334,3 +334,17 @@ def set_tp_comm_overlap(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear):
             module.overlap_backward_comm = enabled
+
+
+def enable_fp8(model: nn.Module, fmt: str, recipe: str = "tensorwise") -> int:
+    """Switch every tensor-parallel linear of the transformer layers to FP8; returns how many.
+
+    The output layer (fused with the loss) and the MoE router and experts stay in bf16. It lives here, beside the
+    linears it switches, so that the FP8 kernels below need not know the layer classes.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.fp8_format, module.fp8_recipe = fmt, recipe
+            count += 1
+    return count

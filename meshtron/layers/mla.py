@@ -35,7 +35,8 @@ import torch
 import torch.nn as nn
 
 from meshtron.config import ModelConfig
-from meshtron.layers.attention import KVCache, core_attention
+from meshtron.layers.attention import KVCache
+from meshtron.layers.sdpa import core_attention
 from meshtron.parallel.context_parallel.attention import context_parallel_attention
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.layers.norm import Norm

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtron.config import SHARDING_STRATEGIES
+from meshtron.run_layout import sharding_strategy  # noqa: F401 (re-exported: the rule lives in run_layout)
+
 
 @dataclass(frozen=True)
 class BytesPerParameter:
@@ -36,23 +39,6 @@ def bytes_per_parameter(weight_bytes: int = 2, grad_bytes: int = 4, state_shards
     state = (moment_bytes + (0.0 if weight_bytes == 4 else 4.0)) / state_shards  # fp32 masters unless the weights
     return BytesPerParameter(float(weight_bytes), float(grad_bytes), state * (1.0 - offload_fraction),
                              state * offload_fraction)
-
-
-#: ``--data-parallel-sharding-strategy`` values (Megatron-FSDP's names), from least to most sharded.
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
-def sharding_strategy(cfg) -> str:
-    """The run's data-parallel sharding strategy: ``--data-parallel-sharding-strategy`` when given, else
-    ``optim_grads_params`` for ``--use-megatron-fsdp`` / ``--use-torch-fsdp2``, ``optim`` for
-    ``--use-distributed-optimizer``, ``no_shard`` otherwise (meshtron.validation rejects contradictions)."""
-    p = cfg.parallel
-    explicit = getattr(p, "data_parallel_sharding_strategy", None)
-    if explicit:
-        return explicit
-    if getattr(p, "use_megatron_fsdp", False) or getattr(cfg.train, "use_torch_fsdp2", False):
-        return "optim_grads_params"
-    return "optim" if p.use_distributed_optimizer else "no_shard"
 
 
 def releases_gradients(name: str, release_grad_buffer: bool) -> bool:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from meshtron.config import MeshtronConfig
-from meshtron.optim.accounting import BytesPerParameter, sharding_strategy, strategy_bytes_per_parameter
+from meshtron.optim.accounting import BytesPerParameter, strategy_bytes_per_parameter
 from meshtron.optim.buckets import BufferLayout, build_layout, default_bucket_size
 from meshtron.optim.clip import GradNorm, data_copy_counted, model_copy_counted
 from meshtron.optim.distributed_optimizer import DistributedOptimizer
@@ -20,6 +20,7 @@ from meshtron.optim.registry import kind_of, param_state_bytes, whole_layout
 from meshtron.optim.sharded_params import unit_layout
 from meshtron.optim.strategy import DataParallelStrategy, TrainingOptimizer, build_strategy
 from meshtron.parallel.context import ParallelContext
+from meshtron.run_layout import sharding_strategy
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Muon's update (torch): Newton-Schulz orthogonalisation, the one-process optimizer and the distributed
-optimizer's part; the rule, flags and costs are in :mod:`meshtron.optim.kinds.muon`."""
+optimizer's part; the rule is in :mod:`meshtron.optim.muon_rule`, the flags and costs in
+:mod:`meshtron.optim.kinds.muon`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshtron.optim.kinds.muon import NS_COEFFICIENTS, NS_EPS, STATES, uses_muon
+from meshtron.optim.muon_rule import NS_COEFFICIENTS, NS_EPS, STATES, uses_muon
 from meshtron.parallel.sharding import ShardSpec, cut, spec_of, split_local
 
 # ----------------------------------------------------------------------------------------- the update

@@ -27,6 +27,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 import torch.nn as nn
 
+from meshtron.config import SHARDING_STRATEGIES
 from meshtron.optim.accounting import releases_gradients
 from meshtron.optim.buckets import BufferLayout
 from meshtron.optim.grad_buffer import GradBuffer
@@ -37,8 +38,8 @@ from meshtron.optim.sharded_grads import ShardedGradients
 from meshtron.optim.sharded_params import ShardedParams
 from meshtron.parallel.context import ParallelContext
 
-#: ``--data-parallel-sharding-strategy`` values, from least to most sharded.
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+#: ``--data-parallel-sharding-strategy`` values, from least to most sharded (the schema's one list).
+STRATEGIES = SHARDING_STRATEGIES
 
 
 class TrainingOptimizer(Protocol):

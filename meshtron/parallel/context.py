@@ -26,14 +26,17 @@ import datetime
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from meshtron.resilience.restart import attempt_store_options
-from meshtron.validation import check_expert_ranks, data_parallel_size_of
+from meshtron.parallel.layout import check_expert_ranks, data_parallel_size_of
+
+if TYPE_CHECKING:
+    from meshtron.run_layout import RunLayout
 
 
 @dataclass
@@ -71,7 +74,8 @@ class ParallelContext:
     dp_cp_shard_group: Optional[dist.ProcessGroup] = None
     dp_cp_replica_group: Optional[dist.ProcessGroup] = None
     pp_ranks: tuple = (0,)  # global ranks of this rank's pipeline group, by stage
-    loss_stage: int = -1  # the pipeline stage with the loss: the last (-1), or the first (0) under ZBV
+    loss_stage: int = -1  # the pipeline stage with the loss: the last (-1), or the first (0) under ZBV; set at
+    # construction from the run's layout (meshtron.run_layout), never changed after
     # Every group's collective timeout (--distributed-timeout-minutes), also for groups created later.
     timeout: datetime.timedelta = datetime.timedelta(minutes=10)
 
@@ -163,7 +167,7 @@ def _new_groups(all_groups: list[list[int]], rank: int, backend: Optional[str],
 
 def check_layout(world_size: int, tp: int, cp: int, pp: int, ep: int, replicas: int = 1) -> int:
     """DP of the world split TP x CP x DP x PP, with EP (and hybrid sharding's replicas) over DP x CP; the
-    rules are validation's."""
+    rules are :mod:`meshtron.parallel.layout`'s."""
     dp = data_parallel_size_of(world_size, tp, cp, pp)
     check_expert_ranks(ep, dp, cp)
     if replicas < 1 or (dp * cp) % replicas:
@@ -173,17 +177,18 @@ def check_layout(world_size: int, tp: int, cp: int, pp: int, ep: int, replicas: 
 
 def build_parallel_context(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, device: Optional[str] = None,
                            backend: Optional[str] = None, timeout_minutes: float = 10.0,
-                           replicas: int = 1) -> ParallelContext:
+                           replicas: int = 1, loss_stage: int = -1) -> ParallelContext:
     """Initialise torch.distributed if launched by torchrun (WORLD_SIZE set) and build every group.
 
-    Without torchrun (or with a world of one) returns the trivial context.
+    Without torchrun (or with a world of one) returns the trivial context. ``loss_stage``: the pipeline stage
+    with the loss (the last, -1; the first, 0, under ZBV), fixed at construction.
     """
     dev_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not dist.is_initialized():
         check_layout(1, tp, cp, pp, ep, replicas)
         dev = torch.device("cuda", torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
-        return ParallelContext(device=dev)
+        return ParallelContext(device=dev, loss_stage=loss_stage)
 
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if dev_type == "cuda":
@@ -199,12 +204,14 @@ def build_parallel_context(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
         kwargs = {"device_id": dev} if dev_type == "cuda" else {}
         kwargs.update(attempt_store_options(timeout))  # a restarted attempt must not read the last one's keys
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    return build_groups(tp, cp, pp, ep, dev, backend, timeout, replicas)
+    return build_groups(tp, cp, pp, ep, dev, backend, timeout, replicas, loss_stage)
 
 
 def build_groups(tp: int, cp: int, pp: int, ep: int, device: torch.device, backend: Optional[str] = None,
-                 timeout: datetime.timedelta = datetime.timedelta(minutes=10), replicas: int = 1) -> ParallelContext:
-    """Build every group on an initialised default process group (``replicas``: hybrid sharding's R)."""
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10), replicas: int = 1,
+                 loss_stage: int = -1) -> ParallelContext:
+    """Build every group on an initialised default process group (``replicas``: hybrid sharding's R;
+    ``loss_stage`` as in :func:`build_parallel_context`)."""
     world = dist.get_world_size()
     rank = dist.get_rank()
     dp = check_layout(world, tp, cp, pp, ep, replicas)
@@ -213,7 +220,8 @@ def build_groups(tp: int, cp: int, pp: int, ep: int, device: torch.device, backe
 
     PP, DP, CP, TP = 0, 1, 2, 3
     ctx = ParallelContext(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank, device=device,
-                          tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank, timeout=timeout)
+                          tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank, timeout=timeout,
+                          loss_stage=loss_stage)
     ctx.tp_group = _new_groups(_groups_varying(grid, (TP,)), rank, backend, timeout)
     ctx.cp_group = _new_groups(_groups_varying(grid, (CP,)), rank, backend, timeout)
     ctx.dp_group = _new_groups(_groups_varying(grid, (DP,)), rank, backend, timeout)
@@ -283,21 +291,18 @@ def tp_subgroup(ctx: ParallelContext, size: int) -> Optional[dist.ProcessGroup]:
     return cache[size]
 
 
-def context_from_config(cfg) -> ParallelContext:
-    """The process groups a validated :class:`~meshtron.config.MeshtronConfig` asks for."""
+def context_from_config(cfg, layout: Optional[RunLayout] = None) -> ParallelContext:
+    """The process groups a validated :class:`~meshtron.config.MeshtronConfig` asks for, with the loss stage of
+    its resolved ``layout`` (resolved here, for the world about to be built, when the caller has none)."""
+    if layout is None:
+        from meshtron.run_layout import resolve_layout  # the caller skipped meshtron.validation.validate_run
+
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        layout = resolve_layout(cfg, world)
     p = cfg.parallel
-    ctx = build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
-                                 p.pipeline_model_parallel_size, p.expert_model_parallel_size,
-                                 device=cfg.train.device, backend=p.distributed_backend,
-                                 timeout_minutes=p.distributed_timeout_minutes,
-                                 replicas=getattr(p, "num_distributed_optimizer_instances", 1))
-    ctx.loss_stage = loss_stage(cfg)
-    return ctx
-
-
-def loss_stage(cfg) -> int:
-    """The pipeline stage with the loss for ``cfg``'s schedule (:func:`meshtron.pipeline.partition.loss_stage_of`)."""
-    from meshtron.pipeline.partition import loss_stage_of
-
-    p = cfg.parallel
-    return loss_stage_of(p.pipeline_schedule, p.pipeline_model_parallel_size)
+    return build_parallel_context(p.tensor_model_parallel_size, p.context_parallel_size,
+                                  p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                                  device=cfg.train.device, backend=p.distributed_backend,
+                                  timeout_minutes=p.distributed_timeout_minutes,
+                                  replicas=getattr(p, "num_distributed_optimizer_instances", 1),
+                                  loss_stage=layout.loss_stage)

@@ -24,12 +24,13 @@ from meshtron.pipeline.partition import PipelineLayout, check_micro_batches, par
 if TYPE_CHECKING:
     from meshtron.parallel.context import ParallelContext
     from meshtron.pipeline.schedules import ForwardStep, ScheduleStats
+    from meshtron.run_layout import RunLayout
 
 __all__ = ["PipelineLayout", "ScheduleStats", "check_micro_batches", "check_stage_count", "get_schedule",
            "is_data_rank", "layout_from_config", "partition_layers"]
 
 #: Names this package re-exports from modules that load on first use: name -> module.
-_LAZY = {"ScheduleStats": "meshtron.pipeline.schedules", "layout_from_config": "meshtron.validation"}
+_LAZY = {"ScheduleStats": "meshtron.pipeline.schedules", "layout_from_config": "meshtron.run_layout"}
 
 
 def __getattr__(name: str) -> Any:
@@ -45,7 +46,8 @@ def check_stage_count(layout: PipelineLayout, ctx: ParallelContext) -> None:
                           f"with {ctx.pp} pipeline stages")
 
 
-def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: ForwardStep) -> Callable:
+def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: ForwardStep,
+                 layout: Optional[RunLayout] = None) -> Callable:
     """The forward/backward schedule: ``schedule(model_chunks, micro_batches, forward_only=False,
     on_chunk_grads_ready=None) -> summed weighted loss`` (a tensor; zero on stages without the loss).
 
@@ -54,22 +56,23 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: Forwar
     One stage: no pipelining. Several: 1F1B, interleaved 1F1B with virtual stages, or the
     ``--pipeline-schedule`` named (ZB-H1: :mod:`meshtron.pipeline.zero_bubble`); the returned
     callable carries ``forward_step``, this rank's point-to-point communicator and, for ZB-H1, the
-    weight-gradient store its backward passes defer into.
+    weight-gradient store its backward passes defer into. ``layout``: the run's resolved layout (stage layout
+    and compute dtype; resolved here from ``cfg`` when not given).
     """
     import torch
 
     from meshtron.pipeline.p2p import PipelineP2P, activation_shape
     from meshtron.pipeline.schedules import forward_backward_no_pipelining, forward_backward_pipelining
-    from meshtron.validation import layout_from_config
+    from meshtron.run_layout import compute_dtype_name, layout_from_config
 
     if ctx.pp == 1:
         return functools.partial(forward_backward_no_pipelining, forward_step=forward_step)
-    layout = layout_from_config(cfg)
-    check_stage_count(layout, ctx)
+    stages = layout.pipeline if layout is not None else layout_from_config(cfg)
+    check_stage_count(stages, ctx)
     t = cfg.train
     if t.global_batch_size is not None:
-        check_micro_batches(t.global_batch_size // (t.micro_batch_size * ctx.dp), ctx.pp, layout.virtual_stages)
-    dtype = torch.bfloat16 if t.bf16 else torch.float32
+        check_micro_batches(t.global_batch_size // (t.micro_batch_size * ctx.dp), ctx.pp, stages.virtual_stages)
+    dtype = getattr(torch, layout.compute_dtype if layout is not None else compute_dtype_name(cfg))
     p2p = PipelineP2P(ctx, activation_shape(cfg, ctx), dtype, ctx.device)
     schedule = cfg.parallel.pipeline_schedule
     extra = {}

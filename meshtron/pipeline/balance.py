@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from meshtron.config import MeshtronConfig
-from meshtron.validation import layout_from_config
+from meshtron.run_layout import layout_from_config
 
 
 @dataclass(frozen=True)

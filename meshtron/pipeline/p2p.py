@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from meshtron.config import MeshtronConfig
 from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.layout import sequence_parallel_in_effect
 
 _FORWARD_TAG = 0
 _BACKWARD_TAG = 1
@@ -32,7 +33,7 @@ _BACKWARD_TAG = 1
 def activation_shape(cfg: MeshtronConfig, ctx: ParallelContext) -> tuple[int, int, int]:
     """Shape of a stage's output (and of its gradient): [local seq, micro-batch, hidden]."""
     seq = cfg.model.seq_length // ctx.cp
-    if cfg.parallel.sequence_parallel and ctx.tp > 1:
+    if sequence_parallel_in_effect(cfg.parallel.sequence_parallel, ctx.tp):
         seq //= ctx.tp
     return (seq, cfg.train.micro_batch_size, cfg.model.hidden_size)
 

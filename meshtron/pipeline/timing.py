@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from meshtron.pipeline.schedules import OVERLAPPED_BACKWARD_TICKS, Compute, Exchange, _orders, build_plans
+from meshtron.pipeline.plan import Compute, Exchange
+from meshtron.pipeline.schedules import OVERLAPPED_BACKWARD_TICKS, _orders, build_plans
 
 
 def _peers(stage: int, stages: int, exchange: Exchange) -> list[int]:

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from meshtron.pipeline.schedules import Compute, Unit, WeightGrad
+from meshtron.pipeline.plan import Compute, Unit, WeightGrad
 
 #: ``--pipeline-schedule`` value of this schedule.
 ZERO_BUBBLE_H1 = "zero-bubble-h1"
@@ -78,8 +78,6 @@ def zbv_orders(stages: int, num_micro_batches: int, forward_only: bool = False) 
     oldest pending W. What it defers into W fills the ticks in which a rank would wait; the last W run at
     the end. Forward-only runs (evaluation) take the same rule without B and W.
     """
-    from meshtron.pipeline.schedules import Compute, WeightGrad
-
     m, p = num_micro_batches, stages
     cap = 2 * p
     done: dict[tuple, int] = {}  # (stage, kind, chunk, micro-batch) -> tick it ended

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from meshtron.parallel.context import ParallelContext, rank_grid
-from meshtron.validation import check_expert_ranks, data_parallel_size_of
+from meshtron.parallel.layout import check_expert_ranks, data_parallel_size_of
 
 
 @dataclasses.dataclass(frozen=True)

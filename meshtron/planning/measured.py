@@ -94,7 +94,7 @@ def bench_record(row: dict, flags: list[str], existing: list[dict], device_kind:
 def record_config(record: dict):
     """The validated configuration of a record's ``flags`` on its GPUs (planned for CUDA, see planning.cli)."""
     from meshtron.cli import build_config
-    from meshtron.planning.cli import validate_for_plan
+    from meshtron.planning.validate import validate_for_plan
 
     return validate_for_plan(build_config(record["flags"]), record["gpu_count"])
 

@@ -19,7 +19,7 @@ Each is given the memory of :func:`meshtron.memory.estimate_memory` (the one mem
 step time of :func:`meshtron.planning.step_time.predict_step`, both from formulas, so thousands of
 layouts take seconds. Those whose estimate plus the stated headroom exceeds the device's memory are
 dropped; the rest are ranked by predicted tokens/s/GPU. The best few are then checked by the real
-configuration check (:func:`meshtron.planning.cli.validate_for_plan`) on the flags of the
+configuration check (:func:`meshtron.planning.validate.validate_for_plan`) on the flags of the
 ``meshtron train`` command line printed for them.
 """
 
@@ -419,7 +419,7 @@ def _a2a_heads_split(base: MeshtronConfig, lay: Layout) -> bool:
 def _valid(command: Sequence[str], gpus: int) -> bool:
     """Whether the configuration check accepts the command line's flags on ``gpus`` GPUs."""
     from meshtron.cli import build_config
-    from meshtron.planning.cli import validate_for_plan
+    from meshtron.planning.validate import validate_for_plan
 
     try:
         validate_for_plan(build_config(list(command[2:])), gpus)

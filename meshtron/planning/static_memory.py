@@ -46,7 +46,6 @@ import torch
 import torch.nn as nn
 
 from meshtron.config import MeshtronConfig
-from meshtron.optim.accounting import sharding_strategy
 from meshtron.optim.buckets import BufferLayout, ReduceGroup
 from meshtron.optim.distributed_optimizer import owned_segments
 from meshtron.optim.factory import buffer_layout
@@ -57,6 +56,7 @@ from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import spec_of
 from meshtron.planning.fake_context import group_rank, planned_context, without_data_parallel_groups
 from meshtron.planning.transient_memory import gathered_weight_bytes, reduction_bucket_bytes
+from meshtron.run_layout import compute_dtype_name, sharding_strategy
 
 #: The strategies that keep gradient shards instead of a full gradient buffer.
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
@@ -66,7 +66,7 @@ def build_stage(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int) -> l
     """This rank's model chunks, built by the run's own model builder (the one import of it here)."""
     from meshtron.build import build_model_chunks
 
-    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    dtype = getattr(torch, compute_dtype_name(cfg))
     tracker = RNGTracker(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, torch.device("cpu"))
     return build_model_chunks(cfg, ctx, vocab_size, tracker, dtype)
 

@@ -42,6 +42,7 @@ from typing import Any, Callable, MutableMapping, Optional, Sequence
 
 import torch.distributed as dist
 
+from meshtron.metrics_line import to_json_line
 from meshtron.resilience.p2p_ledger import P2PLedger, describe, stuck_pairs
 
 #: Exit code of every live rank after a hang was reported: a failure while running.
@@ -457,8 +458,6 @@ def hang_watchdog(cfg: Any, ctx: Any, progress: Progress, logger: Any = None) ->
         print(f"meshtron: ERROR: {summary_line(report)}. Full report: {stem}.txt; exiting with code "
               f"{HANG_EXIT_CODE}", file=sys.stderr, flush=True)
         if metrics_file:
-            from meshtron.training.logging_sinks import to_json_line
-
             try:
                 with open(metrics_file, "a", encoding="utf-8") as f:
                     f.write(to_json_line(metrics_event(report)) + "\n")

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from meshtron.parallel.context import ParallelContext
-from meshtron.training.state import capture_rng_state, restore_rng_state
+from meshtron.parallel.random import capture_rng_state, restore_rng_state
 
 RERUN_MODES: tuple[str, ...] = ("disabled", "validate_results", "report_stats")
 PERSISTENT_ACTIONS: tuple[str, ...] = ("skip", "stop")

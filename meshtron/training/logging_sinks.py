@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Optional, Protocol, TextIO
 
 from meshtron.config import ConfigError, LogConfig
+from meshtron.metrics_line import to_json_line
 
 #: Required keys of a train record and their kinds ("int": an integer; "number": a number or null).
 TRAIN_FIELDS: dict[str, str] = {
@@ -97,18 +98,6 @@ def normalize_record(record: dict, kind: str) -> dict:
         if key not in out and key != "type":
             out[key] = to_plain(value)
     return out
-
-
-def _is_nonfinite(value: Any) -> bool:
-    return isinstance(value, float) and not math.isfinite(value)
-
-
-def to_json_line(record: dict) -> str:
-    """One metrics-file line: NaN/inf become null and the record gains ``"nonfinite": true``."""
-    out = {k: (None if _is_nonfinite(v) else v) for k, v in record.items()}
-    if any(_is_nonfinite(v) for v in record.values()):
-        out["nonfinite"] = True
-    return json.dumps(out, allow_nan=False, separators=(",", ":"))
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -32,9 +32,9 @@ from meshtron.memory_report import record_memory
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization, weights_norm
 from meshtron.optim.lr_schedule import learning_rate
-from meshtron.parallel.context import ParallelContext, context_from_config, loss_stage
+from meshtron.parallel.context import ParallelContext, context_from_config
 from meshtron.parallel.context_parallel.split import split_micro_batch
-from meshtron.parallel.random import RNGTracker
+from meshtron.parallel.random import RNGTracker, capture_rng_state, restore_rng_state
 from meshtron.pipeline import get_schedule, is_data_rank
 from meshtron.pipeline.batches import broadcast_from_loss_stage, eval_batches, train_batches
 from meshtron.pipeline.balance import pipeline_balance_hint
@@ -44,11 +44,12 @@ from meshtron.resilience.rerun import RerunGuard, local_nonfinite, nonfinite_on_
 from meshtron.resilience.restart import restart_count, restart_event, resume_candidates
 from meshtron.resilience.straggler import StragglerDetector
 from meshtron.resilience.weight_hash import WeightHashCheck, mismatch_message
+from meshtron.run_layout import RunLayout, resolve_layout
 from meshtron.training.gc_control import ManualGC
 from meshtron.training.metrics import compute_throughput, flops_per_token, peak_memory_stats, peak_tflops
 from meshtron.training.step_profiler import StepProfiler
-from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
-from meshtron.validation import validate_config
+from meshtron.training.state import TrainingState
+from meshtron.validation import validate_run
 
 
 class TrainingError(RuntimeError):
@@ -68,8 +69,9 @@ class TrainingResult:
     sample: Optional[str] = None
 
 
-def compute_dtype(cfg: MeshtronConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.train.bf16 else torch.float32
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a :class:`~meshtron.run_layout.RunLayout`'s ``compute_dtype`` name."""
+    return getattr(torch, name)
 
 
 def _to_device(mb: dict, device: torch.device) -> dict:
@@ -88,14 +90,17 @@ SHARDED_GRAD_STRATEGIES = ("optim_grads", "optim_grads_params")
 class Trainer:
     """Owns the model, optimizer, data and logging of one run on this rank."""
 
-    def __init__(self, cfg: MeshtronConfig, ctx: ParallelContext, data=None):
+    def __init__(self, cfg: MeshtronConfig, ctx: ParallelContext, data=None, layout: Optional[RunLayout] = None):
         from meshtron.data import build_data
         from meshtron.training.logging_sinks import TrainingLogger
 
         self.cfg, self.ctx = cfg, ctx
-        ctx.loss_stage = loss_stage(cfg)  # where the schedule puts the loss (ZBV: on the first stage)
+        # What the configuration implies about the layout: resolved once by run_training (or here, for a caller
+        # that built its own process groups).
+        self.layout = layout if layout is not None else resolve_layout(cfg, ctx.world_size)
+        _check_loss_stage(ctx, self.layout)
         self.device = ctx.device
-        self.dtype = compute_dtype(cfg)
+        self.dtype = torch_dtype(self.layout.compute_dtype)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         self.logger = TrainingLogger(cfg.log, ctx.is_logging_rank, t.train_iters,
@@ -106,7 +111,8 @@ class Trainer:
         self.vocab_size = self.data.vocab_size
         self.tracker = RNGTracker(t.seed, ctx.tp_rank, ctx.pp_rank, self.device)
         self.tracker.seed_default()
-        self.model_chunks = build_model_chunks(cfg, ctx, self.vocab_size, self.tracker, self.dtype)
+        self.model_chunks = build_model_chunks(cfg, ctx, self.vocab_size, self.tracker, self.dtype,
+                                               pipeline=self.layout.pipeline)
         self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
         self.optim = build_optimization(cfg, ctx, self.model_chunks)
         # The data-parallel strategy owns the gradients, their reduction and the weights' gather.
@@ -115,7 +121,7 @@ class Trainer:
         # --check-for-nan-in-loss-and-grad every rank's shard and own loss are checked as well.
         self.grads_sharded = self.dp_strategy.name in SHARDED_GRAD_STRATEGIES
         self.check_shards = self.grads_sharded and t.check_for_nan_in_loss_and_grad
-        self.schedule = get_schedule(cfg, ctx, gpt_forward_step)
+        self.schedule = get_schedule(cfg, ctx, gpt_forward_step, self.layout)
         # Router-loss weighting, expert-bias updates and MoE metrics (None for dense models).
         self.moe = (MoETrainingHooks(self.model_chunks, ctx, self.num_micro_batches, cfg.model)
                     if cfg.model.num_experts else None)
@@ -670,16 +676,29 @@ class Trainer:
                              temperature=0.8, top_k=40, seed=self.cfg.train.seed)
 
 
-def run_training(cfg: MeshtronConfig) -> TrainingResult:
-    """Entry point of `meshtron train`: validate, set up the process groups, train, clean up."""
+def _check_loss_stage(ctx: ParallelContext, layout: RunLayout) -> None:
+    """The process groups were built with the loss on the stage the schedule puts it (ZBV: the first)."""
+    if ctx.pp > 1 and ctx.loss_stage % ctx.pp != layout.loss_stage % ctx.pp:
+        raise ValueError(f"the process groups put the loss on pipeline stage {ctx.loss_stage % ctx.pp}, but the "
+                         f"schedule puts it on stage {layout.loss_stage}: build them with "
+                         f"context_from_config(cfg, layout)")
+
+
+def run_training(cfg: MeshtronConfig, layout: Optional[RunLayout] = None) -> TrainingResult:
+    """Entry point of `meshtron train`: set up the process groups, train, clean up.
+
+    ``layout``: the :class:`~meshtron.run_layout.RunLayout` of a configuration already validated for this world
+    (``meshtron train`` validates before it calls this); without it, ``cfg`` is validated here first.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate_config(cfg, world)
+    if layout is None:
+        layout = validate_run(cfg, world)
     if (cfg.parallel.distributed_backend or ("nccl" if cfg.train.device == "cuda" else "gloo")) == "nccl":
         enable_nccl_flight_recorder(report_directory(cfg.checkpoint.save, cfg.log.metrics_file))
-    ctx = context_from_config(cfg)
+    ctx = context_from_config(cfg, layout)
     # --record-collectives: every operation from the model's build on; the trainer then says where it is.
     with recording(ctx, cfg.log.record_collectives) as recorder:
-        trainer = Trainer(cfg, ctx)
+        trainer = Trainer(cfg, ctx, layout=layout)
         if recorder is not None:
             recorder.where = lambda: (trainer.progress.iteration, trainer.progress.phase)
         return _run_trainer(cfg, ctx, trainer)

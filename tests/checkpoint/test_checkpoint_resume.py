@@ -15,7 +15,8 @@ from meshtron.checkpoint import (
 from meshtron.checkpoint.layout import LATEST_FILE, MEGATRON_LATEST_FILE, list_iterations
 from meshtron.data.tokenizers import ByteTokenizer
 from meshtron.parallel.context import ParallelContext
-from meshtron.training.state import TrainingState, capture_rng_state, restore_rng_state
+from meshtron.parallel.random import capture_rng_state, restore_rng_state
+from meshtron.training.state import TrainingState
 
 
 def train_steps(model, optimizer, buffer, first: int, count: int) -> list[float]:

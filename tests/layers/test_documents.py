@@ -10,7 +10,8 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 import torch.nn.functional as F
 
-from meshtron.layers.attention import attention_mask_from_documents, core_attention
+from meshtron.layers.attention import attention_mask_from_documents
+from meshtron.layers.sdpa import core_attention
 from meshtron.layers.documents import PATH_ENV, DocumentMask, flex
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from meshtron.layers.attention import core_attention
+from meshtron.layers.sdpa import core_attention
 from meshtron.parallel.context_parallel.kernels import MATH, select_kernel
 from tests.layers.test_mla import YARN, mla_cfg
 

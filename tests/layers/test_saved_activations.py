@@ -118,7 +118,7 @@ def test_fp8_layer_keeps_no_weight_copy(compiled):
     """FP8 (tensorwise) linears cast their weights again in backward: the layer saves no FP8 weight copy,
     and compiled it saves exactly what the memory model counts for FP8 (one-byte copies of the linears'
     inputs, nothing per weight)."""
-    from meshtron.layers.fp8 import enable_fp8
+    from meshtron.layers.linear import enable_fp8
 
     cfg, model, layer = _layer(False)
     enable_fp8(layer, "hybrid")
@@ -147,7 +147,7 @@ def test_fp8_layer_keeps_no_weight_copy(compiled):
 def test_compiled_rowwise_fp8_layer_saves_what_the_model_counts():
     """FP8 rowwise linears save their bf16 inputs; compiled, the norms' outputs among them and SwiGLU's
     product are recomputed in backward (no matmul): the layer keeps the memory model's rowwise count."""
-    from meshtron.layers.fp8 import enable_fp8
+    from meshtron.layers.linear import enable_fp8
 
     cfg, model, layer = _layer(False)
     enable_fp8(layer, "e4m3", "rowwise")

@@ -241,7 +241,7 @@ def test_zero3_with_fp8_linears_trains_the_single_process_fp8_model(runs):
                                    ["--compile", "--fp8-format", "hybrid", "--bf16", "--device", "cpu"]])
 def test_zero3_configuration_accepts_compiled_layers_and_fp8(extra):
     from meshtron.cli import build_config
-    from meshtron.optim.accounting import sharding_strategy
+    from meshtron.run_layout import sharding_strategy
     from meshtron.validation import validate_config
 
     cfg = build_config(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

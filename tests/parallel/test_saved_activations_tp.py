@@ -17,7 +17,7 @@ VARIANTS = (("plain", False, False), ("selective", True, False), ("fp8", False, 
 
 
 def _layer(selective: bool, fp8: bool, compiled: bool):
-    from meshtron.layers.fp8 import enable_fp8
+    from meshtron.layers.linear import enable_fp8
     from meshtron.model import GPTModel
     from meshtron.parallel.context import build_groups
     from meshtron.parallel.sharding import initialize_parameters

@@ -3,6 +3,7 @@ driven directly through the model chunks, the schedule and the optimizer (no tra
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -12,11 +13,12 @@ from meshtron.build import build_model_chunks, gpt_forward_step
 from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.optim.clip import clip_coefficient
 from meshtron.optim.factory import build_optimization
-from meshtron.parallel.context import ParallelContext, build_groups, loss_stage
+from meshtron.parallel.context import ParallelContext, build_groups
 from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import gather_canonical, iter_pieces
 from meshtron.pipeline import ScheduleStats, get_schedule
 from meshtron.pipeline.batches import broadcast_from_loss_stage, empty_micro_batches
+from meshtron.run_layout import resolve_layout
 from tests.distributed.late_gather import land_gathers_at_wait
 from tests.distributed.launch import rank_device
 
@@ -100,12 +102,14 @@ def train_and_collect(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int
     the first iteration and the canonical parameters after the last step (gathered over the world),
     the evaluation loss, this rank's schedule statistics of the first iteration, and its tied pieces.
     """
-    ctx.loss_stage = loss_stage(cfg)  # as the trainer sets it (ZBV: the first stage)
+    layout = resolve_layout(cfg, ctx.world_size)
+    # The groups were built without the run's layout: the same groups with its loss stage (ZBV: the first stage).
+    ctx = dataclasses.replace(ctx, loss_stage=layout.loss_stage)
     tracker = RNGTracker(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, ctx.device)
     tracker.seed_default()
-    chunks = build_model_chunks(cfg, ctx, VOCAB, tracker, torch.float32)
+    chunks = build_model_chunks(cfg, ctx, VOCAB, tracker, torch.float32, pipeline=layout.pipeline)
     optim = build_optimization(cfg, ctx, chunks)
-    schedule = get_schedule(cfg, ctx, gpt_forward_step)
+    schedule = get_schedule(cfg, ctx, gpt_forward_step, layout)
     extra = {}
     stats = ScheduleStats()
     if ctx.pp > 1:

@@ -21,7 +21,7 @@ from meshtron.cli import build_config
 from meshtron.emulation.runner import steady_state_micro_batches
 from meshtron.memory import stage_estimates
 from meshtron.optim.registry import matrix_state_bytes
-from meshtron.planning.cli import validate_for_plan
+from meshtron.planning.validate import validate_for_plan
 from meshtron.planning.profiles import builtin_profile
 from meshtron.planning.step_time import Links, predict_step
 

@@ -87,7 +87,7 @@ def test_search_proposes_fitting_layouts_for_the_guide(model, gpus, seq, gbs, gu
 
 def test_printed_command_is_a_valid_train_command():
     from meshtron.cli import parse_train_args
-    from meshtron.planning.cli import validate_for_plan
+    from meshtron.planning.validate import validate_for_plan
 
     plans, _, _ = _search("llama3-70b", 64, 4096, 256, top=2, tp=4, pp=4)
     command = plans[0].command
@@ -183,7 +183,7 @@ def test_zb_h1_is_ranked_above_1f1b_at_the_same_layout():
 
 def test_every_printed_command_passes_the_configuration_check():
     from meshtron.cli import parse_train_args
-    from meshtron.planning.cli import validate_for_plan
+    from meshtron.planning.validate import validate_for_plan
 
     plans, _, _ = _search("llama3-70b", 64, 4096, 1024, top=5)
     assert any(p.layout.zb_h1 for p in plans)

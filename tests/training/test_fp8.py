@@ -129,7 +129,7 @@ def test_fp8_training_follows_bf16():
 
 def test_fp8_switches_the_layer_linears():
     from meshtron.config import ModelConfig
-    from meshtron.layers.fp8 import enable_fp8
+    from meshtron.layers.linear import enable_fp8
     from meshtron.model import GPTModel
     from meshtron.parallel.context import ParallelContext
     from meshtron.presets import apply_preset
@@ -271,7 +271,7 @@ def test_the_mlp_takes_the_fused_fp8_swiglu_block_where_it_applies(monkeypatch, 
     """SwiGLU MLPs in FP8 tensorwise without biases run the fused block; with biases (or rowwise), the two linears."""
     import meshtron.layers.mlp as mlp_module
     from meshtron.config import ModelConfig
-    from meshtron.layers.fp8 import enable_fp8
+    from meshtron.layers.linear import enable_fp8
     from meshtron.parallel.context import ParallelContext
     from meshtron.presets import apply_preset
 

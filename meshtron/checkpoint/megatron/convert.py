@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from meshtron.checkpoint.conversion_checks import check_complete, first_missing, require_empty
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.checkpoint.megatron.args import apply_settings
 from meshtron.checkpoint.megatron.detect import find_megatron_checkpoint
@@ -29,7 +30,6 @@ def megatron_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: O
                          notices: Optional[list[str]] = None, optimizer: bool = True) -> Path:
     """Convert the Megatron-LM checkpoint ``input_dir`` designates (a save directory or one ``iter_N``); returns
     the path of the meshtron checkpoint written under ``output_dir``."""
-    from meshtron.checkpoint.convert import _check_complete, _first_missing, _require_empty
     from meshtron.checkpoint.writer import SaveJob, write_and_publish
 
     notices = notices if notices is not None else []
@@ -39,13 +39,13 @@ def megatron_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: O
         raise CheckpointError(f"--input {input_dir}: not a Megatron-LM checkpoint (expected "
                               "latest_checkpointed_iteration.txt and iter_NNNNNNN/ with .metadata + __*.distcp "
                               "files or mp_rank_*/model_optim_rng.pt)")
-    _require_empty(out)
+    require_empty(out)
     state = read_megatron(ckpt, optimizer=optimizer, dtype=dtype)
     notices += state.notices
     cfg = MeshtronConfig()
     apply_settings(cfg.model, state.settings)
     chunks = [SavedShard(model_key(n), tuple(t.shape), (0,) * t.dim(), t) for n, t in state.model.items()]
-    _check_complete(cfg, {n: tuple(t.shape) for n, t in state.model.items()})
+    check_complete(cfg, {n: tuple(t.shape) for n, t in state.model.items()})
     for st, tensors in state.optim.items():
         chunks += [SavedShard(optim_key(st, n), tuple(t.shape), (0,) * t.dim(), t.float().contiguous())
                    for n, t in tensors.items()]
@@ -60,7 +60,7 @@ def megatron_to_meshtron(input_dir: str | Path, output_dir: str | Path, dtype: O
                        "loads it start from zero)")
     job = SaveJob(save_dir=out, iteration=state.iteration, rank=0, state_dict=to_state_dict(chunks), meta=meta,
                   config_text=config_yaml(cfg), rng=None, group=None, tokenizer=None)
-    created = _first_missing(out)
+    created = first_missing(out)
     try:
         return write_and_publish(job)
     except BaseException:

@@ -215,18 +215,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 def gradient_dtype(fmt: str) -> torch.dtype:
     """The FP8 dtype of output gradients: e5m2 (more range) for "hybrid", else e4m3."""
     return E5M2 if fmt == "hybrid" else E4M3
-
-
-def enable_fp8(model: torch.nn.Module, fmt: str, recipe: str = "tensorwise") -> int:
-    """Switch every tensor-parallel linear of the transformer layers to FP8; returns how many.
-
-    The output layer (fused with the loss) and the MoE router and experts stay in bf16.
-    """
-    from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.fp8_format, module.fp8_recipe = fmt, recipe
-            count += 1
-    return count

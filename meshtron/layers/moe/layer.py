@@ -40,6 +40,7 @@ from meshtron.layers.moe.experts import GroupedExperts
 from meshtron.layers.moe.router import TopKRouter
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.layout import sequence_parallel_in_effect
 
 MakeMLP = Callable[[ModelConfig, ParallelContext, int, bool], Optional[nn.Module]]
 
@@ -68,7 +69,7 @@ class MoELayer(Fp32BufferModule):
         self.num_experts = E
         self.num_local = E // ctx.ep
         self.tp_group = ctx.tp_group
-        self.sequence_parallel = sequence_parallel and ctx.tp > 1
+        self.sequence_parallel = sequence_parallel_in_effect(sequence_parallel, ctx.tp)
         self.aux_loss_scale = 1.0
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.router = TopKRouter(cfg, f"{prefix}.router", ctx.cp_group)

@@ -26,35 +26,17 @@ With a sharded optimizer (``--use-distributed-optimizer``, ZeRO-2/3) the layout 
 one owner among the data-parallel ranks (layout need :data:`~meshtron.optim.registry.WHOLE`), which
 alone updates it; the weights' all-gather brings it to the others.
 
-The update itself (torch) lives in :mod:`meshtron.optim.muon_update`; this module stays torch-free so that
-checking a configuration imports no torch.
+The update itself (torch) lives in :mod:`meshtron.optim.muon_update` and the rule of which tensors Muon updates
+in :mod:`meshtron.optim.muon_rule`, below both; this module stays torch-free so that checking a configuration
+imports no torch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
+from meshtron.optim.muon_rule import STATES, uses_muon
 from meshtron.optim.registry import WHOLE, OptimizerKind, StepWork
-
-#: Newton-Schulz coefficients by --muon-coefficient-type.
-NS_COEFFICIENTS = {"quintic": (3.4445, -4.7750, 2.0315)}
-NS_EPS = 1e-7
-#: The states of a parameter Muon updates (the others keep AdamW's).
-STATES = ("master", "momentum_buffer")
-
-
-# ----------------------------------------------------------------------------------------- the rule
-def _adamw_tensor(name: str) -> bool:
-    parts = name.split(".")
-    return parts[0] in ("embedding", "output") or "router" in parts
-
-
-def uses_muon(pieces: Sequence) -> bool:
-    """Whether a parameter cut from ``pieces`` is updated by Muon: every piece a hidden matrix (2-D, not an
-    embedding, output layer or router)."""
-    return bool(pieces) and all(len(p.full_shape) == 2 and not _adamw_tensor(p.name) for p in pieces)
-
 
 def _states(pieces) -> tuple[str, ...]:
     from meshtron.optim.optimizer import STATES as ADAMW_STATES

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from meshtron.cp_comm_types import (COMM_TYPES, a2a_degree, a2a_kv_replicas,  # noqa: F401 (re-exported)
                                     check_a2a_heads, check_comm_type, single_comm_type)
 from meshtron.layers.documents import DocumentMask
+from meshtron.layers.sdpa import core_attention
 from meshtron.parallel.context_parallel.kernels import kernel_mask, select_kernel
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.context_parallel.split import chunk_owner, local_token_indices
@@ -519,8 +520,6 @@ def _a2a_attention(q, k, v, inputs: ContextParallelInputs, dropout_p: float, sca
     back[rows] = torch.arange(rows.numel(), device=rows.device)
     qh, kh, vh = (_seq_to_heads(t, inputs, rows) for t in (q, k, v))
     if inputs.ring is None:
-        from meshtron.layers.attention import core_attention
-
         mask = None
         if inputs.document_ids is not None:  # flex attention's block mask on CUDA, as without CP
             mask = DocumentMask.causal(_global_order(inputs.document_ids))
