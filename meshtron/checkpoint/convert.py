@@ -245,8 +245,9 @@ def _config_from_file(config_file: Path, notices: list[str]):
         raise CheckpointError(f"{config_file} holds a value of the wrong type ({err})") from None
 
 
-def _check_complete(cfg, shapes: dict[str, tuple]) -> None:
-    """Every tensor the model needs is present with the configured shape."""
+def _check_complete(cfg, shapes: dict[str, tuple], what: str = "the Hugging Face weights do not match their "
+                                                                 "config.json") -> None:
+    """Every tensor the model needs is present with the configured shape (CheckpointError ``what`` otherwise)."""
     from meshtron.build import build_stage
     from meshtron.parallel.sharding import spec_buffers
 
@@ -255,7 +256,7 @@ def _check_complete(cfg, shapes: dict[str, tuple]) -> None:
     required = {piece.name: tuple(piece.full_shape) for p in state for piece in spec_of(p).pieces}
     diffs = compare_tensors(shapes, required)
     if diffs:
-        raise CheckpointError("the Hugging Face weights do not match their config.json", diffs)
+        raise CheckpointError(what, diffs)
 
 
 # ---------------------------------------------------------------------------------------------

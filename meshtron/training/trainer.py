@@ -460,8 +460,25 @@ class Trainer:
                 if lg.record_memory_history:
                     self._dump_memory_snapshot(lg.memory_snapshot_path)
         checkpoint.finalize_async_saves()
+        self._export_megatron()
         self.result.final_iteration = self.state.iteration
         return self.result
+
+    def _export_megatron(self) -> None:
+        """--export-megatron: the last checkpoint saved to --save, converted by rank 0 while the others wait."""
+        target = self.cfg.checkpoint.export_megatron
+        if not target:
+            return
+        from meshtron.checkpoint.megatron.export import meshtron_to_megatron
+
+        if self.ctx.rank == 0:
+            notices: list[str] = []
+            path = meshtron_to_megatron(self.cfg.checkpoint.save, target, add_to_existing=True, notices=notices)
+            for note in notices:
+                self.logger.info(f"--export-megatron: {note}")
+            self.logger.info(f"wrote the Megatron-LM checkpoint {path}")
+        if self.ctx.world_size > 1:
+            dist.barrier()
 
     def _close_train_batches(self) -> None:
         """Stop the training data iterator and its prefetch thread (joined, so none outlives the run)."""

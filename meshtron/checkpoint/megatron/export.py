@@ -224,6 +224,7 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
                          notices: Optional[list[str]] = None, verify: bool = True) -> Path:
     """Write the meshtron checkpoint ``input_path`` designates as ``output_dir/iter_NNNNNNN`` of a Megatron-LM
     save directory (then ``latest_checkpointed_iteration.txt``); returns the iteration directory."""
+    from meshtron.checkpoint.convert import _check_complete
     from meshtron.checkpoint.load import resolve_checkpoint
     from meshtron.checkpoint.metadata import read_config, read_meta
     from meshtron.checkpoint.verify import verify_checkpoint
@@ -247,6 +248,8 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
     files.check_destination(out, iteration, add_to_existing)
     layout = meta.get("layout") or {}
     weights = read_canonical(ckpt_dir, MODEL_PREFIX)
+    _check_complete(cfg, {k: tuple(v.shape) for k, v in weights.items()}, f"{ckpt_dir}: the tensors do not match "
+                    "the checkpoint's configuration")
     vocab = int(weights[names.WORD_EMBEDDING].shape[0])
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, int(layout.get("tp", 1) or 1))
     if dtype is not None:
