@@ -10,6 +10,7 @@ tests/fixtures/megatron/make_exported_reference.py in ``exported_reference.pt``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -180,13 +181,11 @@ def _one_line_error(capsys) -> str:
 def test_model_megatron_cannot_express_is_refused_in_one_line(sources, tmp_path, capsys):
     ckpt = resolve_checkpoint(sources["dense"])
     copy = tmp_path / "src"
-    import shutil
-
     shutil.copytree(ckpt.parent, copy)
     config = next(copy.rglob("config.yaml"))
-    values = yaml.safe_load(config.read_text())
-    values.setdefault("model", {})["mtp_num_layers"] = 1
-    config.write_text(yaml.safe_dump(values))
+    values = yaml.safe_load(config.read_text())  # flat: one key per flag
+    values["mtp_num_layers"] = 1
+    config.write_text(yaml.safe_dump(values, sort_keys=False))
     code = convert_main(["--to", "megatron", "--input", str(copy), "--output", str(tmp_path / "mg"),
                          "--no-verify-checkpoint"])
     assert code == 2
