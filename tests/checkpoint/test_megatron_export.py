@@ -228,3 +228,18 @@ def test_failed_write_leaves_no_checkpoint_marked_latest(sources, tmp_path, monk
     with pytest.raises(CheckpointError):
         meshtron_to_megatron(sources["dense"], tmp_path / "fresh" / "mg")
     assert not (tmp_path / "fresh").exists()
+
+
+def test_train_exports_its_last_checkpoint(tmp_path):
+    """meshtron train --export-megatron: the checkpoint saved at the end, also as a Megatron-LM checkpoint."""
+    cmd = [sys.executable, "-m", "meshtron", "train", "--mock-data", "--device", "cpu", "--num-layers", "2",
+           "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "8", "--vocab-size", "64",
+           "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--train-iters", "2",
+           "--global-batch-size", "2", "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "1",
+           "--save", str(tmp_path / "run"), "--export-megatron", str(tmp_path / "mg")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    state = read_megatron(find_megatron_checkpoint(tmp_path / "mg"), vocab_size=64)
+    assert (state.iteration, state.step, state.consumed_samples) == (2, 2, 4)
+    weights = read_canonical(resolve_checkpoint(tmp_path / "run"), "model.")
+    assert all(torch.equal(t, state.model[name]) for name, t in weights.items())
