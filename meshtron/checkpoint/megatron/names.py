@@ -24,6 +24,9 @@ Megatron (per layer, after :func:`per_layer` has unstacked the ``torch_dist`` st
 ===========================================================  ==========================================
 
 Transformer Engine's ``_extra_state`` entries and RoPE's ``inv_freq`` carry no weights and are skipped.
+
+:func:`from_canonical` and :func:`stack_for_torch_dist` go the other way (``meshtron convert --to megatron``),
+with the same tables read backwards.
 """
 
 from __future__ import annotations
