@@ -464,6 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --to megatron: the Megatron-LM layer spec whose tensor names to write: "
                         "transformer_engine (Megatron-LM's default --transformer-impl) or local; they differ only "
                         "in a mixture-of-experts layer's pre-MLP norm")
+    p.add_argument("--megatron-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="with --to megatron: the tensor-parallel size to record in args and pad the vocabulary for "
+                        "(default: the checkpoint's own)")
+    p.add_argument("--megatron-expert-parallel-size", type=int, default=None, metavar="N",
+                   help="with --to megatron: the expert-parallel size to record in args (default: the checkpoint's "
+                        "own). Megatron keeps experts in an optimizer of their own only above 1, so the optimizer "
+                        "state is shaped for a run on the same side of 1")
     p.add_argument("--add-to-existing", action="store_true",
                    help="with --to megatron: write into a non-empty Megatron-LM save directory (a new iter_NNNNNNN "
                         "beside the others, which latest_checkpointed_iteration.txt then names)")
@@ -490,9 +497,14 @@ def convert_main(argv: list[str]) -> int:
         elif args.target == "megatron":
             from meshtron.checkpoint.megatron.export import meshtron_to_megatron
 
+            sizes = {k: v for k, v in (("tp", args.megatron_tensor_parallel_size),
+                                       ("ep", args.megatron_expert_parallel_size)) if v is not None}
+            if any(v < 1 for v in sizes.values()):
+                raise CheckpointError("--megatron-tensor-parallel-size / --megatron-expert-parallel-size: expected "
+                                      "a size of 1 or more")
             path = meshtron_to_megatron(args.input, args.output, args.megatron_spec, args.add_to_existing,
                                         optimizer=not args.no_optimizer, dtype=dtype, notices=notices,
-                                        verify=not args.no_verify_checkpoint)
+                                        verify=not args.no_verify_checkpoint, layout=sizes)
         else:
             path = meshtron_to_hf(args.input, args.output, args.hf_architecture, dtype, args.max_shard_size, notices,
                                   verify=not args.no_verify_checkpoint, skip_mtp=args.skip_mtp)

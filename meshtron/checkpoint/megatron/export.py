@@ -127,14 +127,14 @@ def _param_groups(cfg: MeshtronConfig, step: int, expert_parallel: bool) -> list
     return groups
 
 
-def optimizer_common(cfg: MeshtronConfig, step: int) -> dict:
-    """The distributed optimizer's common state: one optimizer, or two chained (dense, expert-parallel) with
-    experts, as Megatron-LM builds them."""
+def optimizer_common(cfg: MeshtronConfig, step: int, expert_parallel_size: int) -> dict:
+    """The distributed optimizer's common state as Megatron-LM builds the optimizer: one, or, for experts under
+    ``--expert-model-parallel-size`` above 1, two chained (dense, then expert-parallel)."""
     def one(expert_parallel: bool) -> dict:
         return {"optimizer": {"param_groups": _param_groups(cfg, step, expert_parallel)},
                 "param_state_sharding_type": "fully_reshardable"}
 
-    if cfg.model.num_experts:
+    if cfg.model.num_experts and expert_parallel_size > 1:
         return {0: one(False), 1: one(True)}
     return one(False)
 
@@ -222,9 +222,12 @@ def _optimizer_by_state(ckpt_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: str = "transformer_engine",
                          add_to_existing: bool = False, optimizer: bool = True, dtype: Optional[torch.dtype] = None,
-                         notices: Optional[list[str]] = None, verify: bool = True) -> Path:
+                         notices: Optional[list[str]] = None, verify: bool = True,
+                         layout: Optional[dict[str, int]] = None) -> Path:
     """Write the meshtron checkpoint ``input_path`` designates as ``output_dir/iter_NNNNNNN`` of a Megatron-LM
-    save directory (then ``latest_checkpointed_iteration.txt``); returns the iteration directory."""
+    save directory (then ``latest_checkpointed_iteration.txt``); returns the iteration directory. ``layout``
+    (``tp``, ``pp``, ``ep``...) overrides the saving run's parallel sizes recorded in ``args``, which set the
+    vocabulary's padding and, with experts, the optimizer's shape (see :func:`optimizer_common`)."""
     from meshtron.checkpoint.convert import _check_complete
     from meshtron.checkpoint.load import resolve_checkpoint
     from meshtron.checkpoint.metadata import read_config, read_meta
@@ -247,7 +250,7 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
     progress = meta.get("training_state") or {}
     iteration = int(meta.get("iteration", 0))
     files.check_destination(out, iteration, add_to_existing)
-    layout = meta.get("layout") or {}
+    layout = dict(meta.get("layout") or {}, **(layout or {}))
     weights = read_canonical(ckpt_dir, MODEL_PREFIX)
     _check_complete(cfg, {k: tuple(v.shape) for k, v in weights.items()}, f"{ckpt_dir}: the tensors do not match "
                     "the checkpoint's configuration")
@@ -276,7 +279,7 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
                                                global_batch_size(cfg, layout)),
         "num_floating_point_operations_so_far": 0, "content_metadata": content_metadata(bool(optim))}
     if optim:
-        common["optimizer"] = optimizer_common(cfg, step or iteration)
+        common["optimizer"] = optimizer_common(cfg, step or iteration, int(layout.get("ep", 1) or 1))
     if padded > vocab:
         notices.append(f"the vocabulary of {vocab} is padded to {padded} rows (--make-vocab-size-divisible-by "
                        f"{m.make_vocab_size_divisible_by} x tensor-parallel size {layout.get('tp', 1)}) with zeros")
