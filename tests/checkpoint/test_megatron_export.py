@@ -106,12 +106,21 @@ def test_layout_as_megatron_core_saves_it(sources, tmp_path):
     common = read_common_state(find_megatron_checkpoint(out))
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 3
     assert common["args"].padded_vocab_size == 96 and common["args"].no_save_rng
-    assert [g["step"] for g in common["optimizer"][1]["optimizer"]["param_groups"]] == [3, 3]
-    assert common["optimizer"][1]["optimizer"]["param_groups"][0]["is_expert_parallel"]
+    groups = common["optimizer"]["optimizer"]["param_groups"]  # expert-parallel 1: one optimizer
+    assert [(g["wd_mult"], g["step"], g["is_expert_parallel"]) for g in groups] == [(1.0, 3, False), (0.0, 3, False)]
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     _, raw = read_entries(d, read_index(d), (), ["decoder.layers.mlp.experts.experts.linear_fc2._extra_state/"
                                                  "shard_3.1_4.4"])
     assert len(raw) == 1
+
+
+def test_experts_optimizer_chained_above_expert_parallel_1(sources, tmp_path):
+    """Megatron keeps experts in an optimizer of their own only with --expert-model-parallel-size above 1."""
+    out = _export(sources["moe"], tmp_path / "mg", "--megatron-expert-parallel-size", "2")
+    common = read_common_state(find_megatron_checkpoint(out))
+    assert common["args"].expert_model_parallel_size == 2
+    assert sorted(common["optimizer"]) == [0, 1]
+    assert [g["is_expert_parallel"] for g in common["optimizer"][1]["optimizer"]["param_groups"]] == [True, True]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -148,6 +157,24 @@ def test_megatron_core_read_the_optimizer_state_and_common_state(case, sources, 
     assert ref["opt_param_scheduler"]["num_steps"] == 3 * 8 and ref["opt_param_scheduler"]["max_lr"] == 1e-2
     assert ref["args"] == {"num_layers": 4, "hidden_size": 16, "ffn_hidden_size": 32, "num_query_groups": 2,
                            "padded_vocab_size": 96, "consumed_train_samples": exported.CONSUMED}
+
+
+@pytest.mark.parametrize("which", ["dense", "moe", "moe_ep2"])
+def test_megatron_cores_distributed_optimizer_took_the_state(which, sources, reference, tmp_path):
+    """megatron-core's DistributedOptimizer (Megatron-LM's parameter groups; experts chained at expert-parallel 2)
+    loaded the export with ``optimizer.load_state_dict`` and saved it again: what it saved is what meshtron wrote,
+    and every group took the step count."""
+    case, extra = (which, ()) if which != "moe_ep2" else ("moe", ("--megatron-expert-parallel-size", "2"))
+    ref = reference["cases"][case]["distributed_optimizer" + ("_ep2" if extra else "")]
+    assert ref["steps"] == [exported.ITERATION] * (3 if extra else 2)
+    out = _export(sources[case], tmp_path / "mg", "--megatron-spec", "local", *extra)
+    d = out / "iter_0000003"
+    md = read_index(d)
+    keys = [k for k in md.state_dict_metadata if k.startswith("optimizer.state.")]
+    assert sorted(keys) == sorted(ref["optimizer"])
+    tensors, _ = read_entries(d, md, keys)
+    for key in keys:
+        torch.testing.assert_close(fingerprint(tensors[key]), ref["optimizer"][key], rtol=1e-9, atol=1e-7)
 
 
 @pytest.mark.slow
