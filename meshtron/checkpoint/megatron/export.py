@@ -220,6 +220,43 @@ def _optimizer_by_state(ckpt_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def _optimizer_tensors(ckpt_dir: Path, meta: dict, m: ModelConfig, padded: int, spec: str,
+                       notices: list[str]) -> dict[str, torch.Tensor]:
+    """The fully reshardable optimizer tensors (``optimizer.state.<state>.<model key>``) of AdamW's state; none,
+    with a notice, for a checkpoint without it or with another optimizer's."""
+    optim = _optimizer_by_state(ckpt_dir) if (meta.get("optimizer") or {}).get("present") else {}
+    if optim and set(optim) != set(OPTIM_NAMES):
+        notices.append(f"{ckpt_dir}: its optimizer keeps {', '.join(sorted(optim))}, not AdamW's master/exp_avg/"
+                       "exp_avg_sq: written without optimizer state")
+        return {}
+    if not optim:
+        notices.append(f"{ckpt_dir} holds no optimizer state: written without (Megatron starts fresh moments)")
+    out = {}
+    for state, canonical in optim.items():
+        for key, t in megatron_tensors(canonical, m, padded, spec).items():
+            if not key.endswith("expert_bias"):  # a buffer, not a parameter
+                out[f"optimizer.state.{OPTIM_NAMES[state]}.{key}"] = t.float()
+    return out
+
+
+def _common_state(cfg: MeshtronConfig, meta: dict, layout: dict, vocab: int, padded: int, spec: str,
+                  with_optimizer: bool) -> dict[str, Any]:
+    """What Megatron-LM's save keeps beside the tensors (``common_state``)."""
+    progress = meta.get("training_state") or {}
+    iteration = int(meta.get("iteration", 0))
+    consumed = int(progress.get("consumed_samples", 0))
+    common: dict[str, Any] = {
+        "args": megatron_args(cfg, layout, vocab, padded, iteration, consumed, with_optimizer, spec),
+        "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+        "opt_param_scheduler": scheduler_state(cfg, iteration, int(progress.get("skipped_iterations", 0)),
+                                               global_batch_size(cfg, layout)),
+        "num_floating_point_operations_so_far": 0, "content_metadata": content_metadata(with_optimizer)}
+    if with_optimizer:
+        step = int((meta.get("optimizer") or {}).get("step_count", 0)) or iteration
+        common["optimizer"] = optimizer_common(cfg, step, int(layout.get("ep", 1) or 1))
+    return common
+
+
 def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: str = "transformer_engine",
                          add_to_existing: bool = False, optimizer: bool = True, dtype: Optional[torch.dtype] = None,
                          notices: Optional[list[str]] = None, verify: bool = True,
@@ -247,7 +284,6 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
     if problems:
         raise CheckpointError(f"{ckpt_dir}: this model cannot be written as a Megatron-LM checkpoint: "
                               f"{'; '.join(problems)}")
-    progress = meta.get("training_state") or {}
     iteration = int(meta.get("iteration", 0))
     files.check_destination(out, iteration, add_to_existing)
     layout = dict(meta.get("layout") or {}, **(layout or {}))
@@ -259,27 +295,9 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
     if dtype is not None:
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     tensors = megatron_tensors(weights, m, padded, spec)
-    step = int((meta.get("optimizer") or {}).get("step_count", 0))
-    optim = _optimizer_by_state(ckpt_dir) if optimizer and (meta.get("optimizer") or {}).get("present") else {}
-    if optim and set(optim) != set(OPTIM_NAMES):
-        notices.append(f"{ckpt_dir}: its optimizer keeps {', '.join(sorted(optim))}, not AdamW's master/exp_avg/"
-                       "exp_avg_sq: written without optimizer state")
-        optim = {}
-    elif optimizer and not optim:
-        notices.append(f"{ckpt_dir} holds no optimizer state: written without (Megatron starts fresh moments)")
-    for state, canonical in optim.items():
-        for key, t in megatron_tensors(canonical, m, padded, spec).items():
-            if not key.endswith("expert_bias"):  # a buffer, not a parameter
-                tensors[f"optimizer.state.{OPTIM_NAMES[state]}.{key}"] = t.float()
-    consumed = int(progress.get("consumed_samples", 0))
-    common: dict[str, Any] = {
-        "args": megatron_args(cfg, layout, vocab, padded, iteration, consumed, bool(optim), spec),
-        "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-        "opt_param_scheduler": scheduler_state(cfg, iteration, int(progress.get("skipped_iterations", 0)),
-                                               global_batch_size(cfg, layout)),
-        "num_floating_point_operations_so_far": 0, "content_metadata": content_metadata(bool(optim))}
-    if optim:
-        common["optimizer"] = optimizer_common(cfg, step or iteration, int(layout.get("ep", 1) or 1))
+    optim = _optimizer_tensors(ckpt_dir, meta, m, padded, spec, notices) if optimizer else {}
+    tensors.update(optim)
+    common = _common_state(cfg, meta, layout, vocab, padded, spec, bool(optim))
     if padded > vocab:
         notices.append(f"the vocabulary of {vocab} is padded to {padded} rows (--make-vocab-size-divisible-by "
                        f"{m.make_vocab_size_divisible_by} x tensor-parallel size {layout.get('tp', 1)}) with zeros")
