@@ -191,9 +191,14 @@ def test_megatron_core_loads_the_export_live(tmp_path):
                          cwd=FIXTURES.parents[2])
     assert run.returncode == 0, run.stderr[-3000:]
     fresh = torch.load(out, weights_only=True)
+    recorded = torch.load(FIXTURES / "exported_reference.pt", weights_only=True)
     for case in CASES:
         mine = _logits(exported.write_meshtron_checkpoint(tmp_path / case, case), fresh["tokens"])
-        torch.testing.assert_close(fresh["cases"][case]["logits"][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
+        got = fresh["cases"][case]
+        torch.testing.assert_close(got["logits"][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
+        assert got["distributed_optimizer"]["steps"] == [exported.ITERATION] * 2
+        for key, value in recorded["cases"][case]["distributed_optimizer"]["optimizer"].items():
+            torch.testing.assert_close(got["distributed_optimizer"]["optimizer"][key], value, rtol=1e-9, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------
