@@ -277,3 +277,15 @@ def test_train_exports_its_last_checkpoint(tmp_path):
     assert (state.iteration, state.step, state.consumed_samples) == (2, 2, 4)
     weights = read_canonical(resolve_checkpoint(tmp_path / "run"), "model.")
     assert all(torch.equal(t, state.model[name]) for name, t in weights.items())
+
+
+def test_export_megatron_needs_save(tmp_path):
+    from meshtron.config import MeshtronConfig
+    from meshtron.errors import ConfigError
+    from meshtron.validation import validate_config
+
+    cfg = MeshtronConfig()
+    for key, value in dict(mock_data=True, device="cpu", export_megatron=str(tmp_path / "mg")).items():
+        cfg.set(key, value)
+    with pytest.raises(ConfigError, match="--export-megatron .*give --save too"):
+        validate_config(cfg, 1)

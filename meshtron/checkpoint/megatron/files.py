@@ -70,15 +70,6 @@ def write_iteration(directory: Path, tensors: dict[str, torch.Tensor], objects: 
     (directory / CONFIG_FILE).write_text(json.dumps(BACKEND), encoding="utf-8")
 
 
-def _first_missing(path: Path):
-    missing = None
-    for p in (path, *path.parents):
-        if p.exists() or p.is_symlink():
-            break
-        missing = p
-    return missing
-
-
 def check_destination(save_dir: Path, iteration: int, add_to_existing: bool, flag: str = "--output") -> None:
     """CheckpointError when ``save_dir`` holds files and ``add_to_existing`` is off, or already holds
     ``iter_NNNNNNN`` of ``iteration``."""
@@ -101,6 +92,8 @@ def publish(save_dir: Path, iteration: int, tensors: dict[str, torch.Tensor], ob
             common: dict) -> Path:
     """Write ``iter_NNNNNNN`` under ``save_dir`` (in a hidden directory renamed when complete), then the
     tracker file; returns the iteration directory. On failure nothing is left that was not there before."""
+    from meshtron.checkpoint.convert import _first_missing
+
     created = _first_missing(save_dir)
     final = save_dir / iteration_dir_name(iteration)
     tmp = save_dir / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
