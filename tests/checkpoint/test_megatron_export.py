@@ -277,6 +277,9 @@ def test_train_exports_its_last_checkpoint(tmp_path):
     assert (state.iteration, state.step, state.consumed_samples) == (2, 2, 4)
     weights = read_canonical(resolve_checkpoint(tmp_path / "run"), "model.")
     assert all(torch.equal(t, state.model[name]) for name, t in weights.items())
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # finished: resumes, nothing to do
+    assert again.returncode == 0 and "exists already; not written again" in again.stdout + again.stderr, \
+        again.stderr[-2000:]
 
 
 def test_export_megatron_needs_save(tmp_path):
