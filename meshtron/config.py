@@ -468,6 +468,11 @@ class CheckpointConfig:
     no_save_optim: bool = opt(False, "Save checkpoints without the optimizer state (weights only; a run that "
                                      "loads one starts fresh Adam moments).")
     no_save_rng: bool = opt(False, "Save checkpoints without the random-number generators' states.")
+    export_megatron: Optional[str] = opt(None, "At the end of training, also write the last checkpoint saved to "
+                                               "--save as a Megatron-LM torch_dist checkpoint (iter_NNNNNNN/ and "
+                                               "latest_checkpointed_iteration.txt) in this directory, as `meshtron "
+                                               "convert --to megatron --add-to-existing` does (rank 0 converts; "
+                                               "needs --save).", metavar="DIR")
     no_load_optim: bool = opt(False, "Do not load the optimizer state.")
     no_load_rng: bool = opt(False, "Do not load the RNG state.")
     no_verify_checkpoint: bool = opt(False, "Load a checkpoint without checking its files against the checksums "

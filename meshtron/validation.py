@@ -940,6 +940,10 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
         raise ConfigError(f"--load: directory {c.load} does not exist")
     if c.save is not None:
         _ensure_writable_dir(c.save, "--save")
+    if c.export_megatron is not None:
+        if c.save is None:
+            raise ConfigError("--export-megatron converts the last checkpoint saved to --save: give --save too")
+        _ensure_writable_dir(c.export_megatron, "--export-megatron")
 
 
 def _check_logging(lg: LogConfig) -> None:

@@ -31,8 +31,9 @@ def first_missing(path: Path) -> Optional[Path]:
     return missing
 
 
-def check_complete(cfg, shapes: dict[str, tuple]) -> None:
-    """Every tensor the model needs is present with the configured shape."""
+def check_complete(cfg, shapes: dict[str, tuple],
+                   what: str = "the Hugging Face weights do not match their config.json") -> None:
+    """Every tensor the model needs is present with the configured shape (CheckpointError ``what`` otherwise)."""
     from meshtron.build import build_stage
     from meshtron.parallel.sharding import spec_buffers
 
@@ -41,4 +42,4 @@ def check_complete(cfg, shapes: dict[str, tuple]) -> None:
     required = {piece.name: tuple(piece.full_shape) for p in state for piece in spec_of(p).pieces}
     diffs = compare_tensors(shapes, required)
     if diffs:
-        raise CheckpointError("the Hugging Face weights do not match their config.json", diffs)
+        raise CheckpointError(what, diffs)

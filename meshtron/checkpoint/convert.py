@@ -404,15 +404,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshtron convert",
         description="Convert between Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE/DeepSeek-V2/V3 "
-                    "models and meshtron checkpoints. meshtron "
+                    "models or Megatron-LM checkpoints and meshtron checkpoints. meshtron "
                     "checkpoints load into any parallel layout as they are: no resharding step is needed.")
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from", dest="source", choices=("hf", "megatron"),
                            help="read a Hugging Face model directory, or a Megatron-LM checkpoint (torch_dist or "
                                 "legacy; a save directory or one iter_N directory), from --input and write a "
                                 "meshtron checkpoint")
-    direction.add_argument("--to", dest="target", choices=("hf",),
-                           help="read a meshtron checkpoint (--input) and write a Hugging Face model directory")
+    direction.add_argument("--to", dest="target", choices=("hf", "megatron"),
+                           help="read a meshtron checkpoint (--input) and write a Hugging Face model directory, or a "
+                                "Megatron-LM torch_dist save directory (latest_checkpointed_iteration.txt and "
+                                "iter_NNNNNNN/, with the optimizer state in the fully reshardable format)")
     p.add_argument("--input", required=True, help="source directory (a save directory or one iter_N directory "
                                                   "for meshtron)")
     p.add_argument("--output", required=True, help="destination directory (must not exist or be empty)")
@@ -428,8 +430,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave the multi-token prediction layers out: with --from hf DeepSeek-V3's "
                         "model.layers.{num_hidden_layers + k} (imported as --mtp-num-layers depths by default), "
                         "with --to hf the checkpoint's mtp.layers.* depths")
+    p.add_argument("--megatron-spec", choices=("transformer_engine", "local"), default="transformer_engine",
+                   help="with --to megatron: the Megatron-LM layer spec whose tensor names to write: "
+                        "transformer_engine (Megatron-LM's default --transformer-impl) or local; they differ only "
+                        "in a mixture-of-experts layer's pre-MLP norm")
+    p.add_argument("--megatron-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="with --to megatron: the tensor-parallel size to record in args and pad the vocabulary for "
+                        "(default: the checkpoint's own)")
+    p.add_argument("--megatron-expert-parallel-size", type=int, default=None, metavar="N",
+                   help="with --to megatron: the expert-parallel size to record in args (default: the checkpoint's "
+                        "own). Megatron keeps experts in an optimizer of their own only above 1, so the optimizer "
+                        "state is shaped for a run on the same side of 1")
+    p.add_argument("--add-to-existing", action="store_true",
+                   help="with --to megatron: write into a non-empty Megatron-LM save directory (a new iter_NNNNNNN "
+                        "beside the others, which latest_checkpointed_iteration.txt then names)")
+    p.add_argument("--no-optimizer", action="store_true",
+                   help="with --to megatron or --from megatron: leave the optimizer state out (weights only)")
     p.add_argument("--no-verify-checkpoint", action="store_true",
-                   help="with --to hf: read the checkpoint without checking its files against their checksums")
+                   help="with --to hf or --to megatron: read the checkpoint without checking its files against "
+                        "their checksums")
     return p
 
 
@@ -444,7 +463,18 @@ def convert_main(argv: list[str]) -> int:
         elif args.source == "megatron":
             from meshtron.checkpoint.megatron.convert import megatron_to_meshtron
 
-            path = megatron_to_meshtron(args.input, args.output, dtype, notices)
+            path = megatron_to_meshtron(args.input, args.output, dtype, notices, optimizer=not args.no_optimizer)
+        elif args.target == "megatron":
+            from meshtron.checkpoint.megatron.export import meshtron_to_megatron
+
+            sizes = {k: v for k, v in (("tp", args.megatron_tensor_parallel_size),
+                                       ("ep", args.megatron_expert_parallel_size)) if v is not None}
+            if any(v < 1 for v in sizes.values()):
+                raise CheckpointError("--megatron-tensor-parallel-size / --megatron-expert-parallel-size: expected "
+                                      "a size of 1 or more")
+            path = meshtron_to_megatron(args.input, args.output, args.megatron_spec, args.add_to_existing,
+                                        optimizer=not args.no_optimizer, dtype=dtype, notices=notices,
+                                        verify=not args.no_verify_checkpoint, layout=sizes)
         else:
             path = meshtron_to_hf(args.input, args.output, args.hf_architecture, dtype, args.max_shard_size, notices,
                                   verify=not args.no_verify_checkpoint, skip_mtp=args.skip_mtp)

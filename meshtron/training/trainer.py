@@ -466,8 +466,41 @@ class Trainer:
                 if lg.record_memory_history:
                     self._dump_memory_snapshot(lg.memory_snapshot_path)
         checkpoint.finalize_async_saves()
+        self._export_megatron()
         self.result.final_iteration = self.state.iteration
         return self.result
+
+    def _export_megatron(self) -> None:
+        """--export-megatron: the last checkpoint saved to --save, converted by rank 0 while the others wait."""
+        target = self.cfg.checkpoint.export_megatron
+        if not target:
+            return
+        from pathlib import Path
+
+        from meshtron.checkpoint.errors import CheckpointError
+        from meshtron.checkpoint.megatron.export import meshtron_to_megatron
+        from meshtron.checkpoint.megatron.files import iteration_dir_name
+
+        failure = [None]
+        if self.ctx.rank == 0:
+            done = Path(target) / iteration_dir_name(self.state.iteration)
+            notices: list[str] = []
+            if done.exists():  # a finished run started again: its last checkpoint was exported before
+                notices.append(f"{done} exists already; not written again")
+            else:
+                try:
+                    path = meshtron_to_megatron(self.cfg.checkpoint.save, target, add_to_existing=True,
+                                                notices=notices)
+                except CheckpointError as err:
+                    failure[0] = str(err)
+                else:
+                    self.logger.info(f"wrote the Megatron-LM checkpoint {path}")
+            for note in notices:
+                self.logger.info(f"--export-megatron: {note}")
+        if self.ctx.world_size > 1:  # every rank learns whether it worked, and none waits on a failed one
+            dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            raise CheckpointError(f"--export-megatron {target}: {failure[0]}")
 
     def _close_train_batches(self) -> None:
         """Stop the training data iterator and its prefetch thread (joined, so none outlives the run)."""

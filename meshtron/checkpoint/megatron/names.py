@@ -24,6 +24,9 @@ Megatron (per layer, after :func:`per_layer` has unstacked the ``torch_dist`` st
 ===========================================================  ==========================================
 
 Transformer Engine's ``_extra_state`` entries and RoPE's ``inv_freq`` carry no weights and are skipped.
+
+:func:`from_canonical` and :func:`stack_for_torch_dist` go the other way (``meshtron convert --to megatron``),
+with the same tables read backwards.
 """
 
 from __future__ import annotations
@@ -173,3 +176,123 @@ def fit_vocab(t: torch.Tensor, vocab: int, name: str) -> torch.Tensor:
         raise CheckpointError(f"Megatron-LM tensor {name} has {t.shape[0]} rows (the checkpoint's padded "
                               f"vocabulary), fewer than this run's vocabulary of {vocab}")
     return t[:vocab]
+
+
+# ---------------------------------------------------------------------------------------------
+# The other direction: meshtron's canonical tensors -> Megatron-LM's torch_dist tensors.
+# ---------------------------------------------------------------------------------------------
+
+#: Megatron's layer specs: ``transformer_engine`` (Megatron-LM's default ``--transformer-impl``) and ``local``.
+#: Their torch_dist names differ only in the pre-MLP norm of a mixture-of-experts layer: TE keeps it a module
+#: of its own (``pre_mlp_layernorm``), the local spec saves it under the fused name, as for a dense layer.
+SPECS = ("transformer_engine", "local")
+_FROM_LAYER = {v: k for k, v in _LAYER_SIMPLE.items()}
+_FROM_GLOBAL = {v: k for k, v in _GLOBAL.items()}
+_FUSED_NORMS = {v: k for k, v in _NORM_ALIASES.items()}  # input_layernorm.weight -> linear_qkv.layer_norm_weight
+#: The modules whose Transformer Engine state (``_extra_state``, empty in these files) megatron-core saves.
+DENSE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+MOE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.shared_experts.linear_fc1",
+               "mlp.shared_experts.linear_fc2")
+EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+
+
+def _megatron_layer_name(rest: str, moe: bool, spec: str) -> str:
+    """Megatron's per-layer name (after ``decoder.layers.N.``) of a simple canonical name (after ``layers.N.``)."""
+    name = _FROM_LAYER[rest]
+    if name.startswith("pre_mlp_layernorm.") and moe and spec == "transformer_engine":
+        return name  # TE's MoE layer: a separate norm module
+    return _FUSED_NORMS.get(name, name)
+
+
+def _cat(parts: list[Optional[torch.Tensor]], what: str) -> torch.Tensor:
+    if any(p is None for p in parts):
+        raise CheckpointError(f"meshtron checkpoint: {what} is incomplete (a query/key/value or gate/up part is "
+                              "missing)")
+    return torch.cat(parts, dim=0)
+
+
+def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, d: int) -> torch.Tensor:
+    """Megatron's fused QKV rows: per query group g, [its q heads; k_g; v_g] (the inverse of :func:`_split_qkv`)."""
+    per_group = heads // groups
+    tail = tuple(q.shape[1:])
+    blocks = torch.cat([q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail),
+                        v.reshape(groups, d, *tail)], dim=1)
+    return blocks.reshape(groups * (per_group + 2) * d, *tail)
+
+
+def from_canonical(tensors: dict[str, torch.Tensor], shape: dict, moe_layers: set[int],
+                   spec: str = "transformer_engine") -> dict[str, torch.Tensor]:
+    """Megatron's per-layer tensors (``decoder.layers.N.*``, global names) of meshtron's canonical ones; ``shape``
+    as for :func:`to_canonical`, ``moe_layers`` the layers with experts. Experts come out as
+    ``decoder.layers.N.mlp.experts.E.linear_fcK.weight`` (stacked over E by :func:`stack_for_torch_dist`)."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}  # Megatron name -> parts by canonical role (q/k/v, gate/up)
+    for name, t in tensors.items():
+        if name in _FROM_GLOBAL:
+            if name == OUTPUT and shape["tied"]:
+                continue  # the tied output layer is the embedding
+            out[_FROM_GLOBAL[name]] = t
+            continue
+        m = re.match(r"^layers\.(\d+)\.(.+)$", name)
+        if not m:
+            raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent")
+        layer, rest = int(m.group(1)), m.group(2)
+        base = f"decoder.layers.{layer}"
+        if rest in _FROM_LAYER:
+            out[f"{base}.{_megatron_layer_name(rest, layer in moe_layers, spec)}"] = t
+            continue
+        parts = re.match(r"^attention\.([qkv])\.(weight|bias)$", rest)
+        if parts:
+            fused.setdefault(f"{base}.self_attention.linear_qkv.{parts.group(2)}", {})[parts.group(1)] = t
+            continue
+        parts = re.match(r"^mlp\.(?:(shared_experts|experts\.\d+)\.)?(gate|up|down)\.(weight|bias)$", rest)
+        if parts:
+            owner = parts.group(1)
+            prefix = f"{base}.mlp" + (f".{owner}" if owner else "")
+            if parts.group(2) == "down":
+                out[f"{prefix}.linear_fc2.{parts.group(3)}"] = t
+            else:
+                fused.setdefault(f"{prefix}.linear_fc1.{parts.group(3)}", {})[parts.group(2)] = t
+            continue
+        raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent (supported: dense GPT/Llama "
+                              "and mixture-of-experts layers)")
+    for mname, roles in fused.items():
+        if mname.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+            qkv = [roles.get(r) for r in "qkv"]
+            _cat(qkv, mname)  # every part present
+            out[mname] = _join_qkv(*qkv, shape["heads"], shape["groups"], shape["head_dim"])
+        elif shape["swiglu"]:
+            out[mname] = _cat([roles.get("gate"), roles.get("up")], mname)
+        else:
+            out[mname] = _cat([roles.get("up")], mname)
+    return out
+
+
+def stack_for_torch_dist(per_layer: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """megatron-core's torch_dist tensors: ``decoder.layers.N.X`` stacked as ``decoder.layers.X``
+    [num_layers, ...], experts ``mlp.experts.E.Y`` as ``mlp.experts.experts.Y`` [num_layers, experts, ...]
+    (the layout of its sequential and grouped experts alike). Every layer must hold the same tensors."""
+    by_rest: dict[str, dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in per_layer.items():
+        m = _PER_LAYER.match(name)
+        if m:
+            by_rest.setdefault(m.group(2), {})[int(m.group(1))] = t
+        else:
+            out[name] = t
+    experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
+    for rest, layers in by_rest.items():
+        if sorted(layers) != list(range(num_layers)):
+            raise CheckpointError(f"Megatron-LM export: decoder.layers.N.{rest} exists for layers "
+                                  f"{sorted(layers)[:8]} only; torch_dist stacks a tensor over all {num_layers} "
+                                  "layers (mixed dense and mixture-of-experts layers are not written yet)")
+        e = re.match(r"^mlp\.experts\.(\d+)\.(.+)$", rest)
+        if e:
+            experts.setdefault(e.group(2), {})[int(e.group(1))] = layers
+            continue
+        out[f"decoder.layers.{rest}"] = torch.stack([layers[i] for i in range(num_layers)])
+    for rest, by_expert in experts.items():
+        count = len(by_expert)
+        out[f"decoder.layers.mlp.experts.experts.{rest}"] = torch.stack(
+            [torch.stack([by_expert[e][i] for e in range(count)]) for i in range(num_layers)])
+    return out

@@ -1,0 +1,304 @@
+"""``meshtron convert --to megatron``: a meshtron checkpoint written as a Megatron-LM ``torch_dist`` checkpoint.
+
+What megatron-core 0.19's ``load_checkpoint`` (``--ckpt-format torch_dist``) reads, in its own names and layouts
+(:func:`.names.from_canonical`, :func:`.names.stack_for_torch_dist`):
+
+* the model's tensors, the vocabulary padded to ``--make-vocab-size-divisible-by`` x tensor-parallel size with
+  zero rows (as Megatron pads it; the tied output layer is the embedding and is not written);
+* with the optimizer (AdamW's fp32 masters and moments), the distributed optimizer's ``fully_reshardable``
+  format: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, and parameter groups carrying the step
+  count (loaded by a run with ``--use-distributed-optimizer`` in any parallel layout);
+* the common state: ``args`` (the model flags, the parallel sizes of the saving run, consumed samples),
+  ``iteration``, ``checkpoint_version`` 3.0, ``opt_param_scheduler`` (meshtron's schedule is Megatron's; its
+  position in samples), ``content_metadata``. RNG states are not written (``args.no_save_rng``: Megatron then
+  keeps its own), nor is the rerun state machine.
+
+Only types meshtron's own restricted unpickler admits go into the pickled parts (``argparse.Namespace``, plain
+containers, numbers, strings, ``torch.dtype``), so the result reads back with ``convert --from megatron``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
+from meshtron.checkpoint.megatron import files, names
+from meshtron.checkpoint.pieces import MODEL_PREFIX, OPTIM_PREFIX
+from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads, \
+    padded_vocab_size
+
+#: meshtron's optimizer states -> Megatron's names in the fully reshardable format.
+OPTIM_NAMES = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+CHECKPOINT_VERSION = 3.0
+
+
+def unsupported(m: ModelConfig) -> list[str]:
+    """What of ``m`` this export cannot write (empty: everything)."""
+    out = []
+    if m.multi_latent_attention:
+        out.append("--multi-latent-attention (Megatron's MLA tensors are not written yet)")
+    if m.mtp_num_layers:
+        out.append(f"--mtp-num-layers {m.mtp_num_layers} (multi-token prediction layers are not written yet)")
+    if m.num_experts and any(not is_moe_layer(m, i) for i in range(m.num_layers)):
+        out.append(f"--moe-layer-freq {m.moe_layer_freq} / --moe-first-dense-layers {m.moe_first_dense_layers} "
+                   "(dense and mixture-of-experts layers mixed: not written yet)")
+    if m.use_rope_scaling:
+        out.append("--use-rope-scaling (not read back by meshtron's Megatron reader yet)")
+    return out
+
+
+def shape_info(m: ModelConfig) -> dict[str, Any]:
+    return {"heads": m.num_attention_heads, "groups": num_kv_heads(m), "head_dim": head_dim(m),
+            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights}
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def megatron_tensors(canonical: dict[str, torch.Tensor], m: ModelConfig, padded_vocab: int, spec: str) \
+        -> dict[str, torch.Tensor]:
+    """megatron-core's torch_dist tensors of a set of canonical tensors (weights or one optimizer state)."""
+    moe = {i for i in range(m.num_layers) if is_moe_layer(m, i)}
+    per_layer = names.from_canonical(canonical, shape_info(m), moe, spec)
+    for n in (names.WORD_EMBEDDING, "output_layer.weight"):
+        if n in per_layer:
+            per_layer[n] = _pad_rows(per_layer[n], padded_vocab)
+    return names.stack_for_torch_dist(per_layer, m.num_layers)
+
+
+def extra_states(m: ModelConfig) -> dict[str, None]:
+    """The (empty) Transformer Engine states megatron-core saves for each linear layer, by storage key."""
+    L = m.num_layers
+    out: dict[str, None] = {}
+    if m.num_experts:
+        linears = names.MOE_LINEARS if m.moe_shared_expert_intermediate_size else names.MOE_LINEARS[:2]
+    else:
+        linears = names.DENSE_LINEARS
+    for layer in range(L):
+        for lin in linears:
+            out[files.object_key(f"decoder.layers.{lin}._extra_state", (layer,), (L,))] = None
+        for lin in names.EXPERT_LINEARS if m.num_experts else ():
+            for e in range(m.num_experts):
+                out[files.object_key(f"decoder.layers.{lin}._extra_state", (layer, e), (L, m.num_experts))] = None
+    return out
+
+
+def global_batch_size(cfg: MeshtronConfig, layout: dict) -> int:
+    return int(cfg.train.global_batch_size or cfg.train.micro_batch_size * int(layout.get("dp", 1) or 1))
+
+
+def scheduler_state(cfg: MeshtronConfig, iteration: int, skipped: int, gbs: int) -> dict[str, Any]:
+    """Megatron's ``OptimizerParamScheduler.state_dict()`` at this point of meshtron's schedule (both count in
+    samples: warm-up and decay lengths, and the position after ``iteration - skipped`` applied steps)."""
+    from meshtron.optim.lr_schedule import schedule_lengths
+
+    o = cfg.optim
+    lengths = schedule_lengths(o, cfg.train.train_iters, gbs, getattr(cfg.train, "train_samples", None))
+    warmup = int(lengths.warmup) if float(lengths.warmup).is_integer() else float(lengths.warmup)
+    return {"max_lr": float(o.lr), "lr_warmup_steps": warmup, "num_steps": max(0, iteration - skipped) * gbs,
+            "lr_decay_style": o.lr_decay_style, "lr_decay_steps": int(lengths.decay), "min_lr": float(o.min_lr),
+            "start_wd": float(o.weight_decay), "end_wd": float(o.weight_decay), "wd_incr_style": "constant",
+            "wd_incr_steps": int(cfg.train.train_iters) * gbs}
+
+
+def _param_groups(cfg: MeshtronConfig, step: int, expert_parallel: bool) -> list[dict[str, Any]]:
+    """Megatron-LM's two parameter groups (weight decay on matrices, none on norms and biases), with the keys
+    its load matches groups by (``wd_mult``, ``lr_mult``, ``max_lr``, ``min_lr``, ``is_expert_parallel``,
+    ``is_decoupled_lr``) and those Adam reads (``betas``, ``eps``, ``weight_decay``, ``bias_correction``...)."""
+    o = cfg.optim
+    groups = []
+    for wd_mult in (1.0, 0.0):
+        groups.append({
+            "wd_mult": wd_mult, "lr_mult": 1.0, "is_decoupled_lr": False, "is_expert_parallel": expert_parallel,
+            "default_config": True, "max_lr": float(o.lr), "min_lr": float(o.min_lr),
+            "lr": float(o.lr), "weight_decay": float(o.weight_decay) * wd_mult,
+            "betas": (float(o.adam_beta1), float(o.adam_beta2)), "eps": float(o.adam_eps), "bias_correction": True,
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+            "fused": None, "decoupled_weight_decay": True, "step": int(step)})
+    return groups
+
+
+def optimizer_common(cfg: MeshtronConfig, step: int, expert_parallel_size: int) -> dict:
+    """The distributed optimizer's common state as Megatron-LM builds the optimizer: one, or, for experts under
+    ``--expert-model-parallel-size`` above 1, two chained (dense, then expert-parallel)."""
+    def one(expert_parallel: bool) -> dict:
+        return {"optimizer": {"param_groups": _param_groups(cfg, step, expert_parallel)},
+                "param_state_sharding_type": "fully_reshardable"}
+
+    if cfg.model.num_experts and expert_parallel_size > 1:
+        return {0: one(False), 1: one(True)}
+    return one(False)
+
+
+def content_metadata(with_optimizer: bool) -> dict[str, Any]:
+    """What megatron-core's ``save`` records of how the sharded state was built (its load builds the same)."""
+    out: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if with_optimizer:
+        out.update(distrib_optim_sharding_type="fully_reshardable", distrib_optim_fully_reshardable_mem_efficient=False)
+    return out
+
+
+def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, iteration: int, consumed: int,
+                  with_optimizer: bool, spec: str) -> argparse.Namespace:
+    """Megatron-LM's ``args`` for this model: the flags its ``--use-checkpoint-args`` and checks read."""
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    rope = m.position_embedding_type == "rope"
+    moe = bool(m.num_experts)
+    values = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=ffn_size(m),
+        num_attention_heads=m.num_attention_heads, group_query_attention=num_kv_heads(m) != m.num_attention_heads,
+        num_query_groups=num_kv_heads(m), kv_channels=head_dim(m), seq_length=m.seq_length,
+        max_position_embeddings=m.max_position_embeddings or m.seq_length,
+        position_embedding_type=m.position_embedding_type, add_position_embedding=not rope,
+        use_rotary_position_embeddings=rope, rotary_base=int(m.rotary_base) if float(m.rotary_base).is_integer()
+        else float(m.rotary_base), rotary_percent=1.0, rotary_interleaved=False,
+        add_bias_linear=not m.disable_bias_linear, add_qkv_bias=bool(m.add_qkv_bias), squared_relu=False,
+        swiglu=bool(m.swiglu), untie_embeddings_and_output_weights=bool(m.untie_embeddings_and_output_weights),
+        apply_layernorm_1p=False, normalization=m.normalization, norm_epsilon=float(m.norm_epsilon),
+        qk_layernorm=bool(m.qk_layernorm), attention_dropout=float(m.attention_dropout),
+        hidden_dropout=float(m.hidden_dropout), init_method_std=float(m.init_method_std),
+        multi_latent_attention=False, mtp_num_layers=None,
+        num_experts=m.num_experts if moe else None, moe_layer_freq=1,
+        moe_ffn_hidden_size=(m.moe_ffn_hidden_size or ffn_size(m)) if moe else None,
+        moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=bool(m.moe_router_pre_softmax),
+        moe_grouped_gemm=False, moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=False, moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=bool(m.moe_router_enable_expert_bias),
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=m.moe_router_group_topk,
+        moe_aux_loss_coeff=float(m.moe_aux_loss_coeff), moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_router_bias_update_rate=float(m.moe_router_bias_update_rate), moe_token_dispatcher_type="alltoall",
+        vocab_size=vocab, padded_vocab_size=padded, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=int(layout.get("tp", 1)), pipeline_model_parallel_size=int(layout.get("pp", 1)),
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=int(layout.get("ep", 1)),
+        context_parallel_size=int(layout.get("cp", 1)), data_parallel_size=int(layout.get("dp", 1)),
+        world_size=int(layout.get("world_size", 1)),
+        transformer_impl=spec, ckpt_format="torch_dist", use_dist_ckpt=True,
+        iteration=iteration, consumed_train_samples=consumed, consumed_valid_samples=0,
+        train_iters=t.train_iters, global_batch_size=global_batch_size(cfg, layout),
+        micro_batch_size=t.micro_batch_size,
+        lr=float(o.lr), min_lr=float(o.min_lr), lr_decay_style=o.lr_decay_style, lr_warmup_iters=o.lr_warmup_iters,
+        lr_warmup_init=float(o.lr_warmup_init), weight_decay=float(o.weight_decay), adam_beta1=float(o.adam_beta1),
+        adam_beta2=float(o.adam_beta2), adam_eps=float(o.adam_eps), clip_grad=float(o.clip_grad), optimizer="adam",
+        use_distributed_optimizer=with_optimizer, dist_ckpt_optim_fully_reshardable=with_optimizer,
+        no_save_optim=not with_optimizer, no_save_rng=True, params_dtype=torch.float32)
+    return argparse.Namespace(**values)
+
+
+def read_canonical(ckpt_dir: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a meshtron checkpoint whose key starts with ``prefix``, whole ({key minus prefix: tensor})."""
+    from meshtron.checkpoint.dcp_reader import read_dcp_metadata, safe_dcp_load
+    from meshtron.checkpoint.writer import quiet_single_process_notice
+
+    quiet_single_process_notice()
+    md = read_dcp_metadata(ckpt_dir)
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    if not state:
+        return {}
+    try:
+        safe_dcp_load(state, ckpt_dir, md, no_dist=True)
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(f"reading tensors from {ckpt_dir} failed", describe_dcp_failure(err)) from None
+    return {k[len(prefix):]: v for k, v in state.items()}
+
+
+def _optimizer_by_state(ckpt_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in read_canonical(ckpt_dir, OPTIM_PREFIX).items():
+        state, name = key.split(".", 1)
+        out.setdefault(state, {})[name] = t
+    return out
+
+
+def _optimizer_tensors(ckpt_dir: Path, meta: dict, m: ModelConfig, padded: int, spec: str,
+                       notices: list[str]) -> dict[str, torch.Tensor]:
+    """The fully reshardable optimizer tensors (``optimizer.state.<state>.<model key>``) of AdamW's state; none,
+    with a notice, for a checkpoint without it or with another optimizer's."""
+    optim = _optimizer_by_state(ckpt_dir) if (meta.get("optimizer") or {}).get("present") else {}
+    if optim and set(optim) != set(OPTIM_NAMES):
+        notices.append(f"{ckpt_dir}: its optimizer keeps {', '.join(sorted(optim))}, not AdamW's master/exp_avg/"
+                       "exp_avg_sq: written without optimizer state")
+        return {}
+    if not optim:
+        notices.append(f"{ckpt_dir} holds no optimizer state: written without (Megatron starts fresh moments)")
+    out = {}
+    for state, canonical in optim.items():
+        for key, t in megatron_tensors(canonical, m, padded, spec).items():
+            if not key.endswith("expert_bias"):  # a buffer, not a parameter
+                out[f"optimizer.state.{OPTIM_NAMES[state]}.{key}"] = t.float()
+    return out
+
+
+def _common_state(cfg: MeshtronConfig, meta: dict, layout: dict, vocab: int, padded: int, spec: str,
+                  with_optimizer: bool) -> dict[str, Any]:
+    """What Megatron-LM's save keeps beside the tensors (``common_state``)."""
+    progress = meta.get("training_state") or {}
+    iteration = int(meta.get("iteration", 0))
+    consumed = int(progress.get("consumed_samples", 0))
+    common: dict[str, Any] = {
+        "args": megatron_args(cfg, layout, vocab, padded, iteration, consumed, with_optimizer, spec),
+        "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+        "opt_param_scheduler": scheduler_state(cfg, iteration, int(progress.get("skipped_iterations", 0)),
+                                               global_batch_size(cfg, layout)),
+        "num_floating_point_operations_so_far": 0, "content_metadata": content_metadata(with_optimizer)}
+    if with_optimizer:
+        step = int((meta.get("optimizer") or {}).get("step_count", 0)) or iteration
+        common["optimizer"] = optimizer_common(cfg, step, int(layout.get("ep", 1) or 1))
+    return common
+
+
+def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: str = "transformer_engine",
+                         add_to_existing: bool = False, optimizer: bool = True, dtype: Optional[torch.dtype] = None,
+                         notices: Optional[list[str]] = None, verify: bool = True,
+                         layout: Optional[dict[str, int]] = None) -> Path:
+    """Write the meshtron checkpoint ``input_path`` designates as ``output_dir/iter_NNNNNNN`` of a Megatron-LM
+    save directory (then ``latest_checkpointed_iteration.txt``); returns the iteration directory. ``layout``
+    (``tp``, ``pp``, ``ep``...) overrides the saving run's parallel sizes recorded in ``args``, which set the
+    vocabulary's padding and, with experts, the optimizer's shape (see :func:`optimizer_common`)."""
+    from meshtron.checkpoint.conversion_checks import check_complete
+    from meshtron.checkpoint.load import resolve_checkpoint
+    from meshtron.checkpoint.metadata import read_config, read_meta
+    from meshtron.checkpoint.verify import verify_checkpoint
+
+    notices = notices if notices is not None else []
+    if spec not in names.SPECS:
+        raise CheckpointError(f"--megatron-spec {spec}: valid are {', '.join(names.SPECS)}")
+    out = Path(output_dir)
+    ckpt_dir = resolve_checkpoint(input_path)
+    if ckpt_dir is None:
+        raise CheckpointError(f"--input {input_path}: no meshtron checkpoint found")
+    verify_checkpoint(ckpt_dir, None, verify)
+    meta, cfg = read_meta(ckpt_dir), read_config(ckpt_dir)
+    m = cfg.model
+    problems = unsupported(m)
+    if problems:
+        raise CheckpointError(f"{ckpt_dir}: this model cannot be written as a Megatron-LM checkpoint: "
+                              f"{'; '.join(problems)}")
+    iteration = int(meta.get("iteration", 0))
+    files.check_destination(out, iteration, add_to_existing)
+    layout = dict(meta.get("layout") or {}, **(layout or {}))
+    weights = read_canonical(ckpt_dir, MODEL_PREFIX)
+    check_complete(cfg, {k: tuple(v.shape) for k, v in weights.items()}, f"{ckpt_dir}: the tensors do not match "
+                    "the checkpoint's configuration")
+    vocab = int(weights[names.WORD_EMBEDDING].shape[0])
+    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, int(layout.get("tp", 1) or 1))
+    if dtype is not None:
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+    tensors = megatron_tensors(weights, m, padded, spec)
+    optim = _optimizer_tensors(ckpt_dir, meta, m, padded, spec, notices) if optimizer else {}
+    tensors.update(optim)
+    common = _common_state(cfg, meta, layout, vocab, padded, spec, bool(optim))
+    if padded > vocab:
+        notices.append(f"the vocabulary of {vocab} is padded to {padded} rows (--make-vocab-size-divisible-by "
+                       f"{m.make_vocab_size_divisible_by} x tensor-parallel size {layout.get('tp', 1)}) with zeros")
+    return files.publish(out, iteration, tensors, extra_states(m), common)

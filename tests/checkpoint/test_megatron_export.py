@@ -1,0 +1,294 @@
+"""Megatron-LM checkpoints written by meshtron (``meshtron convert --to megatron``): read back by meshtron, loaded by
+megatron-core, and the refusals.
+
+The meshtron checkpoints are made afresh (fixed seeds) by tests/fixtures/megatron/exported.py; megatron-core's
+view of their exports (logits, the optimizer tensors it loaded, the common state it read) was recorded by
+tests/fixtures/megatron/make_exported_reference.py in ``exported_reference.pt``. Where megatron-core is importable
+(the ``megatron-oracle`` extra or ``MESHTRON_MEGATRON_CORE``) one test runs that load live.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from meshtron.checkpoint import load_for_inference
+from meshtron.checkpoint.convert import convert_main
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.checkpoint.load import resolve_checkpoint
+from meshtron.checkpoint.megatron import files
+from meshtron.checkpoint.megatron import find_megatron_checkpoint
+from meshtron.checkpoint.megatron.export import meshtron_to_megatron, read_canonical
+from meshtron.checkpoint.megatron.reader import read_common_state, read_megatron
+from meshtron.checkpoint.megatron.torch_dist import read_entries, read_index
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+sys.path.insert(0, str(FIXTURES))
+import exported  # noqa: E402
+from make_exported_reference import fingerprint  # noqa: E402
+
+CASES = tuple(exported.CASES)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """{case: meshtron save directory} made once for the module."""
+    root = tmp_path_factory.mktemp("meshtron")
+    return {case: exported.write_meshtron_checkpoint(root / case, case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return torch.load(FIXTURES / "exported_reference.pt", weights_only=True)
+
+
+def _export(src: Path, out: Path, *extra: str) -> Path:
+    assert convert_main(["--to", "megatron", "--input", str(src), "--output", str(out), *extra]) == 0
+    return out
+
+
+def _logits(save_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model, _ = load_for_inference(save_dir, "cpu", torch.float32)
+    with torch.no_grad():
+        return model(tokens)
+
+
+@pytest.mark.parametrize("spec", ["transformer_engine", "local"])
+@pytest.mark.parametrize("case", CASES)
+def test_round_trip_through_meshtrons_reader(case, spec, sources, tmp_path, capsys):
+    """Weights, fp32 masters, Adam moments, step, iteration and consumed samples read back unchanged; converted
+    back to meshtron, the model computes the same logits."""
+    src = sources[case]
+    out = _export(src, tmp_path / "mg", "--megatron-spec", spec)
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == str(exported.ITERATION)
+    state = read_megatron(find_megatron_checkpoint(out), vocab_size=exported.VOCAB)
+    ckpt = resolve_checkpoint(src)
+    weights, optim = read_canonical(ckpt, "model."), read_canonical(ckpt, "optim.")
+    assert set(weights) == set(state.model)
+    for name, t in weights.items():
+        assert torch.equal(t, state.model[name]), name
+    assert {f"{s}.{n}" for s, ts in state.optim.items() for n in ts} == set(optim)
+    for key, t in optim.items():
+        s, name = key.split(".", 1)
+        assert torch.equal(t, state.optim[s][name]), key
+    assert (state.step, state.iteration, state.consumed_samples) == (exported.ITERATION, exported.ITERATION,
+                                                                     exported.CONSUMED)
+    assert convert_main(["--from", "megatron", "--input", str(out), "--output", str(tmp_path / "back")]) == 0
+    tokens = exported.tokens()
+    torch.testing.assert_close(_logits(tmp_path / "back", tokens)[..., :exported.VOCAB], _logits(src, tokens),
+                               rtol=0, atol=0)
+
+
+def test_layout_as_megatron_core_saves_it(sources, tmp_path):
+    """torch_dist files, metadata.json, stacked layers, experts [layers, experts, ...], QKV per query group,
+    the padded vocabulary, the common state entry and the TE names of a mixture-of-experts layer."""
+    out = _export(sources["moe"], tmp_path / "mg")
+    d = out / "iter_0000003"
+    assert sorted(p.name for p in d.iterdir()) == [".metadata", "__0_0.distcp", "metadata.json"]
+    assert (d / "metadata.json").read_text() == '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+    shapes = {k: tuple(v.size) for k, v in read_index(d).state_dict_metadata.items() if hasattr(v, "size")}
+    assert shapes["embedding.word_embeddings.weight"] == (96, 16)
+    assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == (4, 32, 16)
+    assert shapes["decoder.layers.pre_mlp_layernorm.weight"] == (4, 16)  # TE: a norm of its own in an MoE layer
+    assert shapes["decoder.layers.self_attention.linear_qkv.layer_norm_weight"] == (4, 16)
+    assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 4, 24, 16)
+    assert shapes["decoder.layers.mlp.router.expert_bias"] == (4, 4)
+    assert "output_layer.weight" not in shapes  # tied
+    assert "optimizer.state.exp_avg.decoder.layers.mlp.router.expert_bias" not in shapes  # a buffer
+    assert "optimizer.state.param.decoder.layers.mlp.shared_experts.linear_fc1.weight" in shapes
+    common = read_common_state(find_megatron_checkpoint(out))
+    assert common["checkpoint_version"] == 3.0 and common["iteration"] == 3
+    assert common["args"].padded_vocab_size == 96 and common["args"].no_save_rng
+    groups = common["optimizer"]["optimizer"]["param_groups"]  # expert-parallel 1: one optimizer
+    assert [(g["wd_mult"], g["step"], g["is_expert_parallel"]) for g in groups] == [(1.0, 3, False), (0.0, 3, False)]
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    _, raw = read_entries(d, read_index(d), (), ["decoder.layers.mlp.experts.experts.linear_fc2._extra_state/"
+                                                 "shard_3.1_4.4"])
+    assert len(raw) == 1
+
+
+def test_experts_optimizer_chained_above_expert_parallel_1(sources, tmp_path):
+    """Megatron keeps experts in an optimizer of their own only with --expert-model-parallel-size above 1."""
+    out = _export(sources["moe"], tmp_path / "mg", "--megatron-expert-parallel-size", "2")
+    common = read_common_state(find_megatron_checkpoint(out))
+    assert common["args"].expert_model_parallel_size == 2
+    assert sorted(common["optimizer"]) == [0, 1]
+    assert [g["is_expert_parallel"] for g in common["optimizer"][1]["optimizer"]["param_groups"]] == [True, True]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_equal_megatron_cores(case, sources, reference):
+    """megatron-core's GPTModel loaded the export of this very checkpoint (make_exported_reference.py): its logits
+    are meshtron's; the padding rows it computes are 0."""
+    ref = reference["cases"][case]
+    tokens = reference["tokens"]
+    assert torch.equal(tokens, exported.tokens())
+    mine = _logits(sources[case], tokens)
+    torch.testing.assert_close(ref["logits"][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
+    assert torch.count_nonzero(ref["logits"][..., exported.VOCAB:]) == 0
+    # moe: the default --megatron-spec transformer_engine too, loaded under its names; dense: loaded at TP=2 x PP=2,
+    # saved again by megatron-core and loaded at TP=1
+    other = {"moe": "te_names_logits", "dense": "tp2pp2_resaved_logits"}[case]
+    torch.testing.assert_close(ref[other][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_megatron_core_read_the_optimizer_state_and_common_state(case, sources, reference, tmp_path):
+    """Every optimizer tensor megatron-core loaded (fully reshardable keys) is what meshtron wrote; the common state
+    it read holds the iteration, step, schedule and model flags."""
+    ref = reference["cases"][case]
+    out = _export(sources[case], tmp_path / "mg", "--megatron-spec", "local")
+    d = out / "iter_0000003"
+    md = read_index(d)
+    keys = [k for k in md.state_dict_metadata if k.startswith("optimizer.state.")]
+    assert sorted(keys) == sorted(ref["optimizer"])
+    tensors, _ = read_entries(d, md, keys)
+    for key in keys:
+        torch.testing.assert_close(fingerprint(tensors[key]), ref["optimizer"][key], rtol=1e-9, atol=1e-7)
+    assert (ref["iteration"], ref["checkpoint_version"], ref["step"]) == (3, 3.0, 3)
+    assert ref["sharding_type"] == "fully_reshardable"
+    assert ref["opt_param_scheduler"]["num_steps"] == 3 * 8 and ref["opt_param_scheduler"]["max_lr"] == 1e-2
+    assert ref["args"] == {"num_layers": 4, "hidden_size": 16, "ffn_hidden_size": 32, "num_query_groups": 2,
+                           "padded_vocab_size": 96, "consumed_train_samples": exported.CONSUMED}
+
+
+@pytest.mark.parametrize("which", ["dense", "moe", "moe_ep2"])
+def test_megatron_cores_distributed_optimizer_took_the_state(which, sources, reference, tmp_path):
+    """megatron-core's DistributedOptimizer (Megatron-LM's parameter groups; experts chained at expert-parallel 2)
+    loaded the export with ``optimizer.load_state_dict`` and saved it again: what it saved is what meshtron wrote,
+    and every group took the step count."""
+    case, extra = (which, ()) if which != "moe_ep2" else ("moe", ("--megatron-expert-parallel-size", "2"))
+    ref = reference["cases"][case]["distributed_optimizer" + ("_ep2" if extra else "")]
+    assert ref["steps"] == [exported.ITERATION] * (3 if extra else 2)
+    out = _export(sources[case], tmp_path / "mg", "--megatron-spec", "local", *extra)
+    d = out / "iter_0000003"
+    md = read_index(d)
+    keys = [k for k in md.state_dict_metadata if k.startswith("optimizer.state.")]
+    assert sorted(keys) == sorted(ref["optimizer"])
+    tensors, _ = read_entries(d, md, keys)
+    for key in keys:
+        torch.testing.assert_close(fingerprint(tensors[key]), ref["optimizer"][key], rtol=1e-9, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_megatron_core_loads_the_export_live(tmp_path):
+    """megatron-core itself (where importable) loads fresh exports: the reference is made again and compared."""
+    sys.path.insert(0, str(FIXTURES.parents[1]))
+    from tests.megatron_oracle import _core_package
+
+    _core_package()  # skips without megatron-core
+    out = tmp_path / "ref.pt"
+    env = dict(os.environ, PYTHONPATH=str(FIXTURES.parents[2]))
+    run = subprocess.run([sys.executable, str(FIXTURES / "make_exported_reference.py"), "--output", str(out),
+                          "--tp1-only"], capture_output=True, text=True, timeout=900, env=env,
+                         cwd=FIXTURES.parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    fresh = torch.load(out, weights_only=True)
+    recorded = torch.load(FIXTURES / "exported_reference.pt", weights_only=True)
+    for case in CASES:
+        mine = _logits(exported.write_meshtron_checkpoint(tmp_path / case, case), fresh["tokens"])
+        got = fresh["cases"][case]
+        torch.testing.assert_close(got["logits"][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
+        assert got["distributed_optimizer"]["steps"] == [exported.ITERATION] * 2
+        for key, value in recorded["cases"][case]["distributed_optimizer"]["optimizer"].items():
+            torch.testing.assert_close(got["distributed_optimizer"]["optimizer"][key], value, rtol=1e-9, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals.
+# ---------------------------------------------------------------------------------------------
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_model_megatron_cannot_express_is_refused_in_one_line(sources, tmp_path, capsys):
+    ckpt = resolve_checkpoint(sources["dense"])
+    copy = tmp_path / "src"
+    shutil.copytree(ckpt.parent, copy)
+    config = next(copy.rglob("config.yaml"))
+    values = yaml.safe_load(config.read_text())  # flat: one key per flag
+    values["mtp_num_layers"] = 1
+    config.write_text(yaml.safe_dump(values, sort_keys=False))
+    code = convert_main(["--to", "megatron", "--input", str(copy), "--output", str(tmp_path / "mg"),
+                         "--no-verify-checkpoint"])
+    assert code == 2
+    line = _one_line_error(capsys)
+    assert "--mtp-num-layers 1" in line and "cannot be written as a Megatron-LM checkpoint" in line
+    assert not (tmp_path / "mg").exists()
+
+
+def test_non_empty_output_refused_unless_added_to(sources, tmp_path, capsys):
+    out = tmp_path / "mg"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert convert_main(["--to", "megatron", "--input", str(sources["dense"]), "--output", str(out)]) == 2
+    assert "--add-to-existing" in _one_line_error(capsys)
+    _export(sources["dense"], out, "--add-to-existing")
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "3" and (out / "notes.txt").exists()
+    assert convert_main(["--to", "megatron", "--input", str(sources["dense"]), "--output", str(out),
+                         "--add-to-existing"]) == 2
+    assert "already holds iter_0000003" in _one_line_error(capsys)
+
+
+def test_failed_write_leaves_no_checkpoint_marked_latest(sources, tmp_path, monkeypatch, capsys):
+    """A save directory with iteration 1 marked latest: a write of iteration 3 that fails part-way leaves it as it
+    was (no iter_0000003, the tracker still naming 1)."""
+    out = tmp_path / "mg"
+    out.mkdir()
+    (out / "iter_0000001").mkdir()
+    (out / "latest_checkpointed_iteration.txt").write_text("1")
+    real = files.write_iteration
+
+    def fail_half_way(directory, *args):
+        real(directory, *args)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "write_iteration", fail_half_way)
+    with pytest.raises(CheckpointError, match="no space left|No space left"):
+        meshtron_to_megatron(sources["dense"], out, add_to_existing=True)
+    assert sorted(p.name for p in out.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "1"
+    with pytest.raises(CheckpointError):
+        meshtron_to_megatron(sources["dense"], tmp_path / "fresh" / "mg")
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_train_exports_its_last_checkpoint(tmp_path):
+    """meshtron train --export-megatron: the checkpoint saved at the end, also as a Megatron-LM checkpoint."""
+    cmd = [sys.executable, "-m", "meshtron", "train", "--mock-data", "--device", "cpu", "--num-layers", "2",
+           "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "8", "--vocab-size", "64",
+           "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--train-iters", "2",
+           "--global-batch-size", "2", "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "1",
+           "--save", str(tmp_path / "run"), "--export-megatron", str(tmp_path / "mg")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    state = read_megatron(find_megatron_checkpoint(tmp_path / "mg"), vocab_size=64)
+    assert (state.iteration, state.step, state.consumed_samples) == (2, 2, 4)
+    weights = read_canonical(resolve_checkpoint(tmp_path / "run"), "model.")
+    assert all(torch.equal(t, state.model[name]) for name, t in weights.items())
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # finished: resumes, nothing to do
+    assert again.returncode == 0 and "exists already; not written again" in again.stdout + again.stderr, \
+        again.stderr[-2000:]
+
+
+def test_export_megatron_needs_save(tmp_path):
+    from meshtron.config import MeshtronConfig
+    from meshtron.errors import ConfigError
+    from meshtron.validation import validate_config
+
+    cfg = MeshtronConfig()
+    for key, value in dict(mock_data=True, device="cpu", export_megatron=str(tmp_path / "mg")).items():
+        cfg.set(key, value)
+    with pytest.raises(ConfigError, match="--export-megatron .*give --save too"):
+        validate_config(cfg, 1)
