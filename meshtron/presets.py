@@ -158,7 +158,7 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
     kinds = layer_kinds(m)
     total = matmul = inactive = 0
     mtp = m.mtp_num_layers or 0  # each prediction depth: one layer of the last layer's kind (meshtron.layers.mtp)
-    for layer in kinds + (kinds[-1],) * mtp:
+    for layer in kinds + (kinds[-1:] * mtp):
         mixer, mlp = layer.mixer.parameters(m), layer.mlp.parameters(m)
         total += mixer.total + mlp.total + 2 * norm_params
         matmul += mixer.matmul + mlp.matmul

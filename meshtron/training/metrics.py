@@ -63,7 +63,7 @@ def flops_per_token(model_cfg: ModelConfig, vocab_size: int) -> float:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     n_matmul = count_parameters(model_cfg, vocab_size)["matmul"]
     kinds = layer_kinds(model_cfg)
-    kinds += (kinds[-1],) * (model_cfg.mtp_num_layers or 0)  # a prediction depth's layer attends too
+    kinds += kinds[-1:] * (model_cfg.mtp_num_layers or 0)  # a prediction depth's layer attends too
     sequence = sum(k.mixer.sequence_flops_per_token(model_cfg, model_cfg.seq_length) for k in kinds)
     return float(6 * n_matmul + 3 * sequence)  # forward + backward: three times the forward
 

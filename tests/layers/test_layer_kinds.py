@@ -206,3 +206,47 @@ def test_an_explicit_pattern_equal_to_the_derived_one_trains_identically():
     assert derived.train_losses and explicit.train_losses == derived.train_losses
     other = run_training(_training_config("gqa+moe*3,gqa+dense"))  # the same flags, another pattern
     assert other.train_losses != derived.train_losses
+
+
+# ------------------------------------------------------------------ the models of the model, per layer
+def _run_config(m: ModelConfig, pp: int = 1) -> MeshtronConfig:
+    cfg = MeshtronConfig()
+    cfg.model = m
+    cfg.parallel.pipeline_model_parallel_size = pp
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 8
+    return cfg
+
+
+def test_an_explicit_pattern_equal_to_the_derived_one_changes_no_estimate():
+    from meshtron.memory import stage_estimates
+    from meshtron.planning.profiles import H200
+    from meshtron.planning.step_time import predict_step
+    from meshtron.training.metrics import flops_per_token
+
+    derived = _preset("deepseek-v2-lite")
+    explicit = dataclasses.replace(derived, layer_pattern=resolved_pattern(derived))
+    assert explicit.layer_pattern == "mla+dense,mla+moe*26"
+    for m in (derived, explicit):
+        assert [k.entry for k in layer_kinds(m)] == ["mla+dense"] + ["mla+moe"] * 26
+    a, b = _run_config(derived, pp=3), _run_config(explicit, pp=3)
+    assert stage_estimates(a, 102400, world_size=6) == stage_estimates(b, 102400, world_size=6)
+    assert predict_step(a, 6, H200, 102400) == predict_step(b, 6, H200, 102400)
+    assert flops_per_token(derived, 102400) == flops_per_token(explicit, 102400)
+
+
+def test_moving_the_experts_moves_the_estimates_with_them():
+    from meshtron.memory import stage_estimates
+
+    first = _small(**_MOE, num_layers=4, layer_pattern="gqa+moe*2,gqa+dense*2", ffn_hidden_size=512)
+    last = dataclasses.replace(first, layer_pattern="gqa+dense*2,gqa+moe*2")
+    a, b = (stage_estimates(_run_config(m, pp=2), 96) for m in (first, last))
+    assert a[0].weights < a[1].weights and b[0].weights > b[1].weights  # the dense layers are the heavy ones
+    assert count_parameters(first, 96) == count_parameters(last, 96)
+
+
+def test_the_balance_hint_weighs_each_layer_by_its_kinds():
+    from meshtron.pipeline.balance import layer_costs
+
+    assert set(layer_costs(_preset("llama3-8b"))) == {1.0}
+    costs = layer_costs(_small(**_MOE, ffn_hidden_size=512, layer_pattern="gqa+dense,gqa+moe*3"))
+    assert costs[0] > costs[1] == costs[2] == costs[3] and sum(costs) == pytest.approx(4.0)
