@@ -49,6 +49,7 @@ class TransformerLayer(nn.Module):
         self.input_norm = Norm(f"{prefix}.input_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon,
                                sequence_parallel)
         kinds = layer_at(cfg, index)
+        self.mixer_kind = kinds.mixer  # its description: what it is, and its decode state
         self.attention = kinds.mixer.build(cfg, ctx, f"{prefix}.attention", sequence_parallel)
         self.post_attention_norm = Norm(f"{prefix}.post_attention_norm", cfg.hidden_size, cfg.normalization,
                                         cfg.norm_epsilon, sequence_parallel)
@@ -248,7 +249,7 @@ class GPTModel(nn.Module):
     def _run_layers(self, x: torch.Tensor, rope, mask, caches: Optional[dict]) -> torch.Tensor:
         offloader, previous = self.activation_offloader, None
         for i, (key, layer) in enumerate(self.layers.items()):
-            cache = caches.setdefault(key, KVCache()) if caches is not None else None
+            cache = caches.setdefault(key, layer.mixer_kind.new_decode_state()) if caches is not None else None
             if offloader is None or cache is not None:
                 x = layer(x, rope, mask, cache)
                 continue

@@ -166,8 +166,13 @@ class MixerKind(Kind):
 
     #: Whether context parallelism can split its sequence.
     supports_context_parallel: bool = True
-    #: Whether it keeps a key/value cache when generating (a recurrent mixer keeps a state of its own).
-    uses_kv_cache: bool = True
+    #: The class of its decode state when generating, ``"package.module:Class"``, made with no arguments and
+    #: passed to the mixer as ``cache`` (attention: a key/value cache; a recurrent mixer: its own state).
+    decode_state: str = "meshtron.layers.attention:KVCache"
+
+    def new_decode_state(self) -> Any:
+        """An empty decode state for one layer (imported now)."""
+        return _import(self.decode_state)()
 
     def build(self, cfg: ModelConfig, ctx: Any, prefix: str, sequence_parallel: bool) -> Any:
         """The module of one layer's mixer, its parameters named ``prefix.*``."""
