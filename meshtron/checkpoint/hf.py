@@ -39,7 +39,7 @@ from meshtron.checkpoint import hf_moe
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
 from meshtron.layer_kinds import MIXERS, MLPS, MixerKind
-from meshtron.layer_kinds.pattern import layer_at
+from meshtron.layer_kinds.pattern import layer_at, pattern_is_derived, resolved_pattern
 from meshtron.layers.mtp import HF_MTP_NAMES, mtp_depths
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -421,6 +421,9 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
         problems.append(f"--mtp-num-layers {m.mtp_num_layers} (only DeepSeek-V3 checkpoints hold multi-token "
                         "prediction layers: export with --hf-architecture deepseek_v3, or leave the depths out "
                         "with --skip-mtp)")
+    if not pattern_is_derived(m):
+        problems.append(f"--layer-pattern {resolved_pattern(m)} (a Hugging Face config places the experts by the "
+                        "MoE fields: only the layers --moe-first-dense-layers and --moe-layer-freq imply)")
     if architecture in hf_moe.DEEPSEEK or architecture == "qwen3_moe":
         problems += hf_moe.export_problems(m, architecture)
     elif architecture == "mixtral":

@@ -26,7 +26,7 @@ import yaml
 
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import SECTIONS, MeshtronConfig, ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads
-from meshtron.layer_kinds.pattern import derived_entries, format_pattern, resolved_pattern
+from meshtron.layer_kinds.pattern import pattern_is_derived, resolved_pattern
 from meshtron.training.state import TrainingState
 
 FORMAT_NAME = "meshtron-dcp"
@@ -77,8 +77,7 @@ def model_signature(m: ModelConfig, vocab_size: Optional[int]) -> dict[str, Any]
 def _pattern_signature(m: ModelConfig) -> Optional[str]:
     """The layer pattern where --layer-pattern gives one other than the flags imply (None otherwise, so that
     checkpoints of derived patterns keep their old signature)."""
-    pattern = resolved_pattern(m)
-    return pattern if m.layer_pattern and pattern != format_pattern(derived_entries(m)) else None
+    return None if pattern_is_derived(m) else resolved_pattern(m)
 
 
 _ROUTING_FIELDS = ("moe_first_dense_layers", "moe_router_score_function", "moe_router_pre_softmax",

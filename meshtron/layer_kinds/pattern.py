@@ -111,6 +111,11 @@ def resolved_pattern(m: ModelConfig) -> str:
     return format_pattern([kinds.entry for kinds in layer_kinds(m)])
 
 
+def pattern_is_derived(m: ModelConfig) -> bool:
+    """Whether ``m``'s layers are those its flags imply (no --layer-pattern, or one equal to the derived)."""
+    return not m.layer_pattern or [k.entry for k in layer_kinds(m)] == derived_entries(m)
+
+
 def check_pattern(m: ModelConfig) -> None:
     """Refuse, in one line, a pattern that is malformed, of the wrong length, or that names a kind the other
     flags cannot give (each kind's own check), or mixers that need different rotary tables."""

@@ -250,3 +250,27 @@ def test_the_balance_hint_weighs_each_layer_by_its_kinds():
     assert set(layer_costs(_preset("llama3-8b"))) == {1.0}
     costs = layer_costs(_small(**_MOE, ffn_hidden_size=512, layer_pattern="gqa+dense,gqa+moe*3"))
     assert costs[0] > costs[1] == costs[2] == costs[3] and sum(costs) == pytest.approx(4.0)
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_a_checkpoint_records_a_pattern_other_than_the_derived_one():
+    from meshtron.checkpoint.metadata import compare_signatures, model_signature
+
+    derived = _small(**_MOE, moe_first_dense_layers=1)
+    same = dataclasses.replace(derived, layer_pattern="gqa+dense,gqa+moe*3")
+    moved = dataclasses.replace(derived, layer_pattern="gqa+moe*3,gqa+dense")
+    assert model_signature(same, 96) == model_signature(derived, 96)  # older checkpoints keep their signature
+    assert model_signature(moved, 96)["layer_pattern"] == "gqa+moe*3,gqa+dense"
+    assert any(line.startswith("layer_pattern (--layer-pattern)")
+               for line in compare_signatures(model_signature(moved, 96), model_signature(derived, 96)))
+
+
+def test_a_pattern_hugging_face_cannot_express_is_not_exported():
+    from meshtron.checkpoint.errors import CheckpointError
+    from meshtron.checkpoint.hf import check_exportable
+
+    m = _small(**_MOE, num_query_groups=4, group_query_attention=False)
+    check_exportable(dataclasses.replace(m, layer_pattern="gqa+moe*4"), "mixtral")  # the derived pattern: fine
+    with pytest.raises(CheckpointError) as err:
+        check_exportable(dataclasses.replace(m, layer_pattern="gqa+moe*3,gqa+dense"), "mixtral")
+    assert "--layer-pattern gqa+moe*3,gqa+dense" in str(err.value) + str(getattr(err.value, "args", ""))
