@@ -243,12 +243,15 @@ class MLPKind(Kind):
         raise NotImplementedError
 
     def parameters(self, m: ModelConfig) -> Counts:
+        """Parameters of one layer's MLP (the layer's norms not included)."""
         raise NotImplementedError
 
     def rank_parameters(self, m: ModelConfig, tp: int, ep: int, expert_tp: int) -> RankParameters:
+        """Parameters of one layer's MLP on one rank of a TP x EP (expert TP) split."""
         raise NotImplementedError
 
     def add_saved_bytes(self, m: ModelConfig, s: SavedBytes) -> None:
+        """Add what it keeps for its backward, per token, to ``s`` (the second norm's output included)."""
         raise NotImplementedError
 
     def backward_working_bytes(self, m: ModelConfig, e: int, tp: int, expert_tp: int) -> float:
@@ -257,13 +260,11 @@ class MLPKind(Kind):
         raise NotImplementedError
 
     def fp8_weight_elements(self, m: ModelConfig, tp: int, fc2_recast: bool) -> float:
+        """Elements of its FP8 linears' weights on one TP rank (``fc2_recast``: SwiGLU's fc2 keeps no copy)."""
         raise NotImplementedError
 
     def step_work(self, m: ModelConfig, x: StepInputs) -> StepWork:
-        raise NotImplementedError
-
-    def selective_recompute_width(self, m: ModelConfig) -> int:
-        """The width whose activation selective recomputation runs again (the layer's MLP width)."""
+        """Its GEMM seconds and elementwise bytes for one micro-batch on one rank (the step-time model's)."""
         raise NotImplementedError
 
 
