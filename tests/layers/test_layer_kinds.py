@@ -274,3 +274,23 @@ def test_a_pattern_hugging_face_cannot_express_is_not_exported():
     with pytest.raises(CheckpointError) as err:
         check_exportable(dataclasses.replace(m, layer_pattern="gqa+moe*3,gqa+dense"), "mixtral")
     assert "--layer-pattern gqa+moe*3,gqa+dense" in str(err.value) + str(getattr(err.value, "args", ""))
+
+
+def test_megatrons_list_of_moe_layers_is_read_as_a_pattern_and_checked():
+    from types import SimpleNamespace
+
+    from meshtron.checkpoint.errors import CheckpointError
+    from meshtron.checkpoint.megatron.args import apply_settings, check_model, model_settings
+
+    args = SimpleNamespace(num_layers=4, hidden_size=32, num_attention_heads=4, num_experts=4, moe_router_topk=2,
+                           moe_layer_freq=[0, 1, 1, 0], add_bias_linear=False)
+    settings = model_settings(args, "checkpoint X")
+    assert settings["layer_pattern"] == "gqa+dense,gqa+moe*2,gqa+dense"
+    run = apply_settings(ModelConfig(), {k: v for k, v in settings.items() if k != "vocab_size"})
+    check_model(settings, run, "checkpoint X")  # the same layers: no difference
+    with pytest.raises(CheckpointError) as err:
+        check_model(settings, dataclasses.replace(run, layer_pattern=None), "checkpoint X")
+    assert any(line.startswith("--layer-pattern: checkpoint 'gqa+dense,gqa+moe*2,gqa+dense'")
+               for line in err.value.differences)
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
+        model_settings(SimpleNamespace(**{**vars(args), "moe_layer_freq": [0, 2, 1, 0]}), "checkpoint X")
