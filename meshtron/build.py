@@ -24,7 +24,7 @@ import torch.nn as nn
 from meshtron.config import MeshtronConfig
 from meshtron.layers.activation_offload import ActivationOffloader
 from meshtron.layers.linear import enable_fp8, set_tp_comm_overlap
-from meshtron.layers.moe import MoELayer, moe_mlp_factory
+from meshtron.layers.moe import MoELayer
 from meshtron.model import GPTModel
 from meshtron.parallel import comm
 from meshtron.parallel.context import ParallelContext
@@ -53,15 +53,15 @@ def build_stage(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int,
                 make_mlp=None) -> GPTModel:
     """One model stage on the meta device, shaped by ``cfg`` (the whole model by default).
 
-    ``make_mlp`` overrides the MLP choice (tests); by default it is the mixture-of-experts layer
-    when ``--num-experts`` is set and the dense MLP otherwise.
+    ``make_mlp`` overrides the MLP choice (tests); by default each layer's MLP is the kind its entry of the
+    layer pattern names (:mod:`meshtron.layer_kinds.pattern`).
     """
     ids = list(range(cfg.model.num_layers)) if layer_ids is None else list(layer_ids)
     return GPTModel(cfg.model, ctx, vocab_size, layer_ids=ids, pre_process=pre_process, post_process=post_process,
                     sequence_parallel=cfg.parallel.sequence_parallel,
                     recompute_layers=recompute_layer_ids(cfg, ids),
                     selective_recompute=cfg.train.recompute_granularity == "selective",
-                    make_mlp=make_mlp if make_mlp is not None else moe_mlp_factory(cfg),
+                    make_mlp=make_mlp,
                     cp_comm_type=cfg.parallel.cp_comm_type,
                     cp_a2a_size=(cfg.parallel.hierarchical_context_parallel_sizes or [None])[0])
 

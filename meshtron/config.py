@@ -56,6 +56,11 @@ class ModelConfig:
     model: Optional[str] = opt(None, "Named preset (see `meshtron presets`); any flag below overrides its fields. "
                                      "With no preset and no shape flags, the 'tiny' preset is used.", metavar="PRESET")
     num_layers: int = opt(2, "Number of transformer layers.")
+    layer_pattern: Optional[str] = opt(None, "Each layer's token mixer and MLP kind, as comma-separated MIXER+MLP "
+                                             "entries, each optionally *N (mixers: gqa, mla; MLPs: dense, moe), "
+                                             "e.g. gqa+dense*3,gqa+moe*29 (docs/layer-kinds.md). Default: "
+                                             "derived from --multi-latent-attention, --num-experts, "
+                                             "--moe-layer-freq and --moe-first-dense-layers.")
     hidden_size: int = opt(64, "Hidden (model) dimension.")
     ffn_hidden_size: Optional[int] = opt(None, "MLP inner dimension (default 4*hidden, or 2/3 of that rounded to 64 with --swiglu).")
     num_attention_heads: int = opt(4, "Number of query heads.")
@@ -603,12 +608,6 @@ def ffn_size(m: ModelConfig) -> int:
     if m.swiglu:
         return int((4 * m.hidden_size * 2 / 3) / 64) * 64 or 4 * m.hidden_size
     return 4 * m.hidden_size
-
-
-def is_moe_layer(m: ModelConfig, layer: int) -> bool:
-    """Whether layer ``layer`` (0-based, global) has a mixture-of-experts MLP: every
-    --moe-layer-freq-th layer counting from layer 0, except the first --moe-first-dense-layers."""
-    return bool(m.num_experts) and layer >= m.moe_first_dense_layers and layer % max(1, m.moe_layer_freq) == 0
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

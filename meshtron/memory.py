@@ -178,8 +178,8 @@ the forward as usual, but the caching allocator hands its block out again only w
 run, so the device holds what the copies have not reached yet (reserved memory; no longer counted
 by ``max_memory_allocated``, the figure this model describes): the copies run at ``pcie_gbps`` of the
 device profile (``profile``, the built-in H200 one by default; ``meshtron plan --calibrate``
-measures it) behind each layer's forward, whose time comes from the step-time model
-(:mod:`meshtron.planning.step_time`). In the backward the same stream first drains that backlog,
+measures it) behind each layer's forward, whose time comes from the step-time model's per-layer costs
+(:mod:`meshtron.planning.layer_costs`). In the backward the same stream first drains that backlog,
 then fetches each layer's tensors when the backward reaches the layer after it, so a layer's and
 its predecessor's tensors are on the device together. :func:`offload_timeline` replays this
 queue; the peak is the largest of (kept activations of the layers not yet back-propagated + the
@@ -197,11 +197,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads,
-                             padded_vocab_size)
+from meshtron.config import MeshtronConfig, ModelConfig, num_kv_heads, padded_vocab_size
 from meshtron.layers.cross_entropy import chunk_size  # the fused loss's chunk rule
-from meshtron.accounting import mla_rank_parameters
+from meshtron.layer_kinds import MLPS
+from meshtron.layer_kinds.base import SavedBytes, norm_parameters
+from meshtron.layer_kinds.pattern import LayerKinds, layer_at, layer_kinds
 from meshtron.optim.accounting import releases_gradients, sharding_strategy
+# LAYER_SAVES and fc2_recomputes_product are the layers' (the step-time model needs them as well).
+from meshtron.planning.layer_costs import LAYER_SAVES, _layers_compiled, fc2_recomputes_product
 from meshtron.pipeline.partition import SPLIT_BACKWARD, loss_stage_of
 from meshtron.validation import layout_from_config
 
@@ -211,21 +214,6 @@ OFFLOAD_MIN_BYTES = 1 << 20
 #: What ``--recompute-granularity selective`` recomputes (see the module docstring).
 SELECTIVE_MODULES: tuple[str, ...] = ("core_attn", "norm", "act")
 _KNOWN_MODULES = frozenset(SELECTIVE_MODULES)
-#: Revision of what a layer keeps for backward, so that rows measured at earlier code are compared with
-#: the model of that code: 0 = the values a view of the fused QKV output (which stayed whole), SwiGLU's
-#: product kept, FP8 weight copies kept; 1 = values copied out, the product recomputed by fc2 (in FP8 with
-#: its casts and fc2's weight cast), the other FP8 linears' weight copies kept; 2 = every FP8 linear casts
-#: its weight again in backward; 3 = SwiGLU experts on the direct path weigh each row inside the activation
-#: and recompute SwiGLU in backward; 4 = grouped SwiGLU experts recompute SwiGLU in backward on every path
-#: (through the dispatcher too, with weights 1: the combine weighs); 5 = through the dispatcher too, SwiGLU
-#: experts without an output bias weigh their rows inside the activation, so the combine keeps no rows; 6 = the
-#: FP8 (tensorwise) SwiGLU block without biases is one function (``fp8.swiglu``), which recomputes the product
-#: eagerly too; 7 = a compiled column-parallel linear under SP keeps only its input shard on the GPU (the
-#: backward gathers it again): the emulated H100 rows e2-e20 of benchmarks/emulated.jsonl (torch 2.11, today's
-#: code) peak where the model without the gathered inputs puts them, the two-GPU rows of revision 0 (c6, c8,
-#: d16-g7) where it counts them (which change in between took the merge away is not established; the CPU's
-#: compiler, torch 2.13, still merges, :func:`layer_activation_bytes`'s ``merged_gathers``).
-LAYER_SAVES = 7
 
 
 @dataclass(frozen=True)
@@ -280,8 +268,16 @@ class MemoryEstimate:
 # Activations.
 # ---------------------------------------------------------------------------------------------
 
-def _is_moe_layer(m: ModelConfig, layer: int) -> bool:
-    return is_moe_layer(m, layer)
+def _layer_kinds(m: ModelConfig, layer: Optional[int], moe: bool) -> LayerKinds:
+    """Layer ``layer``'s kinds; without an index, those of the model's first layer whose MLP has experts exactly
+    when ``moe`` (the registry's first such MLP kind if no layer has one)."""
+    if layer is not None:
+        return layer_at(m, layer)
+    kinds = layer_kinds(m)
+    match = next((k for k in kinds if k.mlp.has_experts == moe), None)
+    if match is not None:
+        return match
+    return LayerKinds(kinds[0].mixer, next(k for k in MLPS.values() if k.has_experts == moe))
 
 
 def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
@@ -291,8 +287,12 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
                            compiled: bool = True, local_experts: bool = True, fc2_keeps_product: bool = False,
                            saves: int = LAYER_SAVES, rowwise_fp8: bool = False,
-                           merged_gathers: Optional[bool] = None, cp_kv_replicas: int = 1) -> float:
+                           merged_gathers: Optional[bool] = None, cp_kv_replicas: int = 1,
+                           layer: Optional[int] = None) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
+
+    The layer's kinds (:mod:`meshtron.layer_kinds`) add their parts: those of layer ``layer`` of the pattern,
+    or without an index those of a layer with (``moe``) or without experts.
 
     ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
     or ``"full"`` (then only the layer's input is counted). ``fp8``: the layer's tensor-parallel
@@ -318,7 +318,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     unknown = selective - _KNOWN_MODULES
     if unknown:
         raise ValueError(f"unknown selective recompute modules {sorted(unknown)}; known: {sorted(_KNOWN_MODULES)}")
-    e, h, d = act_bytes, m.hidden_size, head_dim(m)
+    e, h = act_bytes, m.hidden_size
     tokens = micro_batch * seq
     sp_div = tp if sequence_parallel else 1
     if recompute == "full":
@@ -352,100 +352,21 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         # ``rep`` counts that tensor as the rank's sequence shard (the second residual stream).
         part += e * h * (1 - 1 / tp)
 
-    # Attention.
-    if m.multi_latent_attention:
-        n, dn, dr, dv = heads, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
-        latent = (m.q_lora_rank or 0) + m.kv_lora_rank + dr
-        # The down projection's output (the latent norms' input, replicated like the down projection)
-        # with the norms' statistics, and the normed latents (the up projections' input).
-        rep += e * latent + stats * (2 if m.q_lora_rank else 1)
-        part += lin * latent  # gathered over the sequence under SP: whole on every TP rank
-        if "norm" not in selective:
-            rep += lin * h  # the first norm's output (the input of the down and query projections)
-        qk = n * (dn + dr)
-        # The concatenated queries and keys, the values (copied out of the key/value projection's output,
-        # which then goes; under selective recomputation that output is a saved matmul output and stays
-        # whole), the attention output, and its [s, b, n*dv] copy, the output projection's input.
-        kv_kept = n * dv if recompute != "selective" and saves >= 1 else n * (dn + dv)
-        part += e * (2 * qk + kv_kept + n * dv) + lin * n * dv
-    else:
-        q_out, kv_out = heads * d, 2 * groups * d
-        if "norm" not in selective and not rowwise_fp8:
-            rep += lin * h  # the first norm's output (the QKV projection's input)
-            part += gathered  # ... and the rest of its all-gathered sequence (compiled, SP, bf16)
-        # RoPE (and the head norms) write new queries and keys, which the attention kernel keeps, and the
-        # values are copied out of the fused QKV output, which then goes. Without either, q and k are
-        # views of it; under selective recomputation it is a saved matmul output: all of it stays. And
-        # the attention output.
-        rotated = m.position_embedding_type == "rope" or m.qk_layernorm
-        copied = rotated and recompute != "selective" and saves >= 1
-        part += e * heads * d + e * (kv_out // 2 if copied else q_out + kv_out)
-        if fp8:
-            part += heads * d  # the output projection's FP8 copy of its input (the attention output)
-        if rotated and "core_attn" not in selective:
-            part += e * (q_out + kv_out // 2)
-        # All-to-all CP (--cp-comm-type a2a) keeps the exchanged q, k, v in place of the local ones (the same
-        # bytes per token), with key/value heads repeated until they split over the CP ranks.
-        part += e * kv_out * (cp_kv_replicas - 1)
-        if m.qk_layernorm and "norm" not in selective:
-            part += stats * (heads + groups)  # per-head statistics
-    if flash_attention:
-        part += 4 * heads  # log-sum-exp (kept by selective recomputation too: an attention output)
-    elif "core_attn" not in selective:
-        part += heads * seq * (e + ((1 + e) if m.attention_dropout > 0 else 0))
-
-    # MLP.
-    def mlp_part(width: int, divisor: int, linear_fp8: bool) -> float:
-        """fc1's output (SwiGLU: gate and up) and the activation's output (fc2's input: SwiGLU's
-        product is recomputed by fc2's backward, in FP8 with its casts, except on the sequence-parallel
-        FP8 path)."""
-        recomputed = "act" in selective or (m.swiglu and not fc2_keeps_product and saves >= 1
-                                            and not (linear_fp8 and fp8_sp_path)) or (m.swiglu and rowwise_fp8)
-        out = 0.0 if recomputed else width * (1 if linear_fp8 else e)
-        return (e * (2 * width if m.swiglu else width) + out) / divisor
-
-    if moe:
-        fe = m.moe_ffn_hidden_size or ffn_size(m)
-        k, etp = m.moe_router_topk, expert_tp or tp
-        # The router reads the whole sequence on every TP rank: its fp32 input and logits/probabilities,
-        # the routing indices (int64: top-k choices, the sort order, its source rows, the way back).
-        part += 4 * h + 8 * m.num_experts + k * 38 + 8
-        # The experts (eager, bf16), per choice: the rows of the aligned grouped-GEMM buffer (fc1's
-        # input) and the output rows the weighted sum's batched matmul keeps; fc1's output, SiLU's
-        # output and the SwiGLU product. fc2's output is not kept (the unpadding saves indices only).
-        # Through the dispatcher (expert parallelism, a capacity) one more row per choice stays. Since
-        # revision 3 of the saves, SwiGLU experts without an output bias on the direct path weigh each row
-        # inside the activation (experts.forward_weighted): no output row, SiLU output or product stays, only
-        # fc1's input row and output and each row's fp32 routing weight.
-        weighted = local_experts and m.swiglu and m.disable_bias_linear and saves >= 3
-        if weighted:
-            part += k * (e * h + 4) + k * e * 2 * fe / etp
-        elif m.swiglu and saves >= 4:
-            # Since revision 4 the grouped SwiGLU experts recompute SwiGLU in the down projection's backward on
-            # every path (weights 1 where the combine weighs): fc1's output and one fp32 weight per row. Since
-            # revision 5 those without an output bias weigh the dispatched rows themselves: the combine keeps
-            # no output row.
-            rows = (2 if local_experts else 3) - (1 if saves >= 5 and m.disable_bias_linear else 0)
-            part += k * e * rows * h + k * (4 + e * 2 * fe / etp)
-        else:
-            part += k * e * (2 if local_experts else 3) * h
-            inner = (2 * fe + (0 if "act" in selective else 2 * fe) if m.swiglu
-                     else fe + (0 if "act" in selective else fe))
-            part += k * e * inner / etp
-        if m.moe_shared_expert_intermediate_size:
-            fs = m.moe_shared_expert_intermediate_size
-            part += lin * h + mlp_part(fs, tp, False)  # its fc1's input (the normed tokens); fc2 runs in bf16
-    else:
-        if "norm" not in selective and not rowwise_fp8:
-            rep += lin * h  # the second norm's output (fc1's input)
-            part += gathered  # ... and the rest of its all-gathered sequence
-        part += mlp_part(ffn_size(m), tp, fp8)
-    return tokens * (rep / sp_div + part)
+    # The mixer, then the MLP, each adding its own tensors (the sums keep the order they always had).
+    kinds = _layer_kinds(m, layer, moe)
+    saved = SavedBytes(rep=rep, part=part, e=e, lin=lin, h=h, tp=tp, heads=heads, groups=groups, stats=stats,
+                       seq=seq, recompute=recompute, selective=frozenset(selective), saves=saves, gathered=gathered,
+                       rowwise_fp8=rowwise_fp8, fp8=fp8, fp8_sp_path=fp8_sp_path,
+                       fc2_keeps_product=fc2_keeps_product, local_experts=local_experts,
+                       expert_tp=expert_tp or tp, cp_kv_replicas=cp_kv_replicas, flash_attention=flash_attention)
+    kinds.mixer.add_saved_bytes(m, saved)
+    kinds.mlp.add_saved_bytes(m, saved)
+    return tokens * (saved.rep / sp_div + saved.part)
 
 
 def backward_working_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
                            sequence_parallel: bool = False, act_bytes: int = 2, moe: bool = False,
-                           expert_tp: Optional[int] = None) -> float:
+                           expert_tp: Optional[int] = None, layer: Optional[int] = None) -> float:
     """Bytes one layer's backward allocates beyond what the layer saved, at its peak (in its MLP), on one TP rank.
 
     The gradient it receives (``e*h`` per token, split over TP with SP) and the MLP's: a SwiGLU MLP recomputes
@@ -458,14 +379,7 @@ def backward_working_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     """
     e, h = act_bytes, m.hidden_size
     sp_div = tp if sequence_parallel and tp > 1 else 1
-    per_width = 3 if m.swiglu else 2
-    if moe:
-        fe = m.moe_ffn_hidden_size or ffn_size(m)
-        mlp = m.moe_router_topk * per_width * e * fe / (expert_tp or tp)
-        if m.moe_shared_expert_intermediate_size:
-            mlp = max(mlp, per_width * e * m.moe_shared_expert_intermediate_size / tp)
-    else:
-        mlp = per_width * e * ffn_size(m) / tp
+    mlp = _layer_kinds(m, layer, moe).mlp.backward_working_bytes(m, e, tp, expert_tp or tp)
     return micro_batch * seq * (e * h / sp_div + mlp)
 
 
@@ -479,51 +393,19 @@ def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: b
     and the shared expert's fc2 stay in bf16). ``fc2_recast``: the dense SwiGLU fc2 recasts its weight in
     backward (``linear._swiglu_fp8_recomputed``) and keeps no copy.
     """
-    h, d = m.hidden_size, head_dim(m)
-    if m.multi_latent_attention:
-        weights = mla_rank_parameters(m, tp)
-    else:
-        heads, groups = math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp)
-        weights = h * d * (heads + 2 * groups) + heads * d * h
-    if is_moe_layer(m, layer):
-        fs = m.moe_shared_expert_intermediate_size or 0
-        weights += h * (2 * fs if m.swiglu else fs) / tp
-    else:
-        f = ffn_size(m)
-        weights += h * ((2 if fc2_recast else 3) * f if m.swiglu else 2 * f) / tp
-    return float(weights)
-
-
-def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> bool:
-    """Whether SwiGLU's down projection recomputes the product (in FP8 also its and its weight's casts) in
-    backward, as ``RowParallelLinear._swiglu_matmul`` and the FP8 SwiGLU block (``fp8.swiglu``) decide: not under
-    a zero-bubble schedule's deferred weight gradients, rowwise FP8, the sequence-parallel FP8 path or eager FP8
-    with biases (eager FP8 without them before revision 6); not before revision 1 of ``saves``."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not m.swiglu or saves < 1 or p.pipeline_schedule in SPLIT_BACKWARD:
-        return False
-    if not t.fp8_format:
-        return True
-    sequence_parallel = p.sequence_parallel and p.tensor_model_parallel_size > 1
-    fused_block = saves >= 6 and m.disable_bias_linear  # meshtron.layers.linear.fuses_fp8_swiglu
-    return t.fp8_recipe == "tensorwise" and not sequence_parallel and (_layers_compiled(cfg) or fused_block)
+    kinds = layer_at(m, layer)
+    return float(kinds.mixer.fp8_weight_elements(m, tp) + kinds.mlp.fp8_weight_elements(m, tp, fc2_recast))
 
 
 def _cp_kv_replicas(cfg) -> int:
     """How many times all-to-all context parallelism repeats each key/value head of a TP rank (1 without it)."""
-    from meshtron.cp_comm_types import a2a_kv_replicas
-    from meshtron.planning.step_time import cp_a2a_size
+    from meshtron.planning.layer_costs import cp_a2a_size
 
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     degree = cp_a2a_size(cfg)
-    if degree <= 1 or m.multi_latent_attention:
+    if degree <= 1:
         return 1
-    return a2a_kv_replicas(math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp), degree)
-
-
-def _layers_compiled(cfg: MeshtronConfig) -> bool:
-    """Whether the layers run under ``torch.compile`` (the GPU default; the CPU runs them eagerly)."""
-    return cfg.train.compile is not False and cfg.train.device != "cpu"
+    return max(kinds.mixer.cp_kv_replicas(m, tp, degree) for kinds in layer_kinds(m))
 
 
 def _fp8_tensorwise(cfg: MeshtronConfig) -> bool:
@@ -558,13 +440,6 @@ def stage_chunks(cfg: MeshtronConfig) -> list[list[list[int]]]:
 # Parameters.
 # ---------------------------------------------------------------------------------------------
 
-def _mlp_params(m: ModelConfig, width: int, tp: int) -> float:
-    fan_in = 2 * width if m.swiglu else width
-    weights = (m.hidden_size * fan_in + width * m.hidden_size) / tp
-    biases = 0 if m.disable_bias_linear else fan_in / tp + m.hidden_size
-    return weights + biases
-
-
 def _sharded_weights_and_grads(strategy: str, dense: float, expert: float, dense_shard: float,
                                expert_shard: float, w_bytes: int, g_bytes: int) -> tuple[float, float]:
     """Weight and gradient bytes of a rank between steps under ``strategy`` (as
@@ -583,28 +458,12 @@ def _sharded_weights_and_grads(strategy: str, dense: float, expert: float, dense
 
 def layer_parameters(m: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
                      expert_tp: Optional[int] = None) -> tuple[float, float]:
-    """(dense, expert) parameters of one layer held by one rank."""
-    h, d = m.hidden_size, head_dim(m)
-    heads, groups = math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp)
-    qkv_out = d * (heads + 2 * groups)
-    dense = h * qkv_out + heads * d * h  # QKV and output projection shards
-    if not m.disable_bias_linear or m.add_qkv_bias:
-        dense += qkv_out
-    if not m.disable_bias_linear:
-        dense += h  # output-projection bias (row-parallel: replicated)
-    if m.multi_latent_attention:
-        dense = mla_rank_parameters(m, tp)
-    dense += 2 * (h if m.normalization == "RMSNorm" else 2 * h)
-    expert = 0.0
-    if _is_moe_layer(m, layer):
-        fe = m.moe_ffn_hidden_size or ffn_size(m)
-        dense += h * m.num_experts  # router (replicated)
-        if m.moe_shared_expert_intermediate_size:
-            dense += _mlp_params(m, m.moe_shared_expert_intermediate_size, tp)
-        expert = m.num_experts / ep * _mlp_params(m, fe, expert_tp or tp)
-    else:
-        dense += _mlp_params(m, ffn_size(m), tp)
-    return dense, expert
+    """(dense, expert) parameters of one layer held by one rank, as its kinds count them."""
+    kinds = layer_at(m, layer)
+    dense = kinds.mixer.rank_parameters(m, tp)
+    dense += 2 * norm_parameters(m)
+    mlp = kinds.mlp.rank_parameters(m, tp, ep, expert_tp or tp)
+    return dense + mlp.dense, mlp.expert
 
 
 # ---------------------------------------------------------------------------------------------
@@ -691,7 +550,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
 
     def act(layer: int, recompute: Optional[str]) -> float:
         saved = layer_activation_bytes(m, micro_batch=tr.micro_batch_size, seq=seq, tp=tp, sequence_parallel=sp,
-                                       act_bytes=e, recompute=recompute, moe=_is_moe_layer(m, layer),
+                                       act_bytes=e, recompute=recompute, layer=layer,
                                        expert_tp=etp, flash_attention=flash_attention,
                                        selective_modules=selective_modules, fp8=fp8, compiled=compiled,
                                        local_experts=local_experts, saves=saves,
@@ -704,7 +563,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     def backward_work(layers: list[int]) -> float:
         """The largest of the layers' backward working sets (:func:`backward_working_bytes`)."""
         return max((backward_working_bytes(m, micro_batch=tr.micro_batch_size, seq=seq, tp=tp, sequence_parallel=sp,
-                                           act_bytes=e, moe=_is_moe_layer(m, i), expert_tp=etp) for i in layers),
+                                           act_bytes=e, expert_tp=etp, layer=i) for i in layers),
                    default=0.0)
 
     def chunk_activation(layers: list[int]) -> tuple[float, float]:
@@ -857,8 +716,8 @@ def _offload_chunk(cfg: MeshtronConfig, layers: list[int], saved: list[float], t
                    vocab: int, profile=None) -> tuple[OffloadTimeline, float]:
     """(the copy timeline, bytes kept on the device) of one micro-batch through one chunk of layers
     that save ``saved`` bytes each, under ``--offload-activations``."""
+    from meshtron.planning.layer_costs import Links, head_cost, layer_cost
     from meshtron.planning.profiles import H200
-    from meshtron.planning.step_time import Links, _head_cost, _layer_cost
 
     profile = profile or H200
     t = cfg.train
@@ -871,10 +730,10 @@ def _offload_chunk(cfg: MeshtronConfig, layers: list[int], saved: list[float], t
     for position, i in enumerate(layers):
         recomputed = t.recompute_granularity == "full" and (t.recompute_method != "block"
                                                             or position < max(1, t.recompute_num_layers))
-        cost = _layer_cost(cfg, is_moe_layer(cfg.model, i), recomputed, profile, Links())
+        cost = layer_cost(cfg, i, recomputed, profile, Links())
         forward.append(cost.forward)
         backward.append(cost.compute - cost.forward)
-    gap = _head_cost(cfg, vocab, profile)[0] if with_loss else 0.0
+    gap = head_cost(cfg, vocab, profile)[0] if with_loss else 0.0
     timeline = offload_timeline(offloaded, kept, forward, backward, gap, profile.pcie_gbps * 1e9)
     return timeline, sum(kept)
 

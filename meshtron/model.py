@@ -19,11 +19,10 @@ from meshtron.config import ConfigError, ModelConfig, padded_vocab_size
 from meshtron.layers.attention import KVCache
 from meshtron.layers.documents import DocumentMask
 from meshtron.layers.activation_offload import ActivationOffloader
-from meshtron.layers.attention_kinds import attention_class
+from meshtron.layer_kinds.pattern import layer_at, layer_kinds
 from meshtron.parallel.context_parallel.attention import check_comm_type, context_parallel_inputs, cp_subgroups
 from meshtron.layers.cross_entropy import linear_cross_entropy
 from meshtron.layers.embedding import VocabParallelEmbedding
-from meshtron.layers.mlp import MLP
 from meshtron.layers.mtp import MTPBlock, attach_loss, mtp_depths
 from meshtron.layers.norm import Norm
 from meshtron.layers.recompute import run_with_recompute
@@ -37,10 +36,10 @@ from meshtron.parallel.sharding import ShardSpec, new_param, shard
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)).
+    """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(.)).
 
-    The attention kind comes from the config (:mod:`meshtron.layers.attention_kinds`); ``mlp``
-    replaces the dense MLP (mixture of experts).
+    The mixer and MLP kinds are layer ``index``'s entry of the layer pattern
+    (:mod:`meshtron.layer_kinds.pattern`); ``mlp`` replaces the pattern's MLP (tests).
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int, sequence_parallel: bool,
@@ -50,10 +49,12 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.input_norm = Norm(f"{prefix}.input_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon,
                                sequence_parallel)
-        self.attention = attention_class(cfg)(cfg, ctx, f"{prefix}.attention", sequence_parallel)
+        kinds = layer_at(cfg, index)
+        self.mixer_kind = kinds.mixer  # its description: what it is, and its decode state
+        self.attention = kinds.mixer.build(cfg, ctx, f"{prefix}.attention", sequence_parallel)
         self.post_attention_norm = Norm(f"{prefix}.post_attention_norm", cfg.hidden_size, cfg.normalization,
                                         cfg.norm_epsilon, sequence_parallel)
-        self.mlp = mlp if mlp is not None else MLP(cfg, ctx, f"{prefix}.mlp", sequence_parallel)
+        self.mlp = mlp if mlp is not None else kinds.mlp.build(cfg, ctx, index, f"{prefix}.mlp", sequence_parallel)
         self.hidden_dropout = cfg.hidden_dropout
         self.tracker: Optional[RNGTracker] = None
         self.recompute: Optional[str] = None  # "full" or "selective" (set by GPTModel)
@@ -139,7 +140,8 @@ class GPTModel(nn.Module):
                 if mtp_depths(cfg):
                     self.mtp = self._build_mtp(cfg, ctx, make_mlp, selective_recompute)
         self.use_rope = cfg.position_embedding_type == "rope"
-        self.rope_dim = attention_class(cfg).rope_dim(cfg)
+        # One rotary table for every layer (the pattern's check refuses mixers of different widths).
+        self.rope_dim = max(kinds.mixer.rope_dim(cfg) for kinds in layer_kinds(cfg))
         self.rope_scale = rope_table_scale(cfg)
 
     def set_rng_tracker(self, tracker: RNGTracker) -> None:
@@ -248,7 +250,7 @@ class GPTModel(nn.Module):
     def _run_layers(self, x: torch.Tensor, rope, mask, caches: Optional[dict]) -> torch.Tensor:
         offloader, previous = self.activation_offloader, None
         for i, (key, layer) in enumerate(self.layers.items()):
-            cache = caches.setdefault(key, KVCache()) if caches is not None else None
+            cache = caches.setdefault(key, layer.mixer_kind.new_decode_state()) if caches is not None else None
             if offloader is None or cache is not None:
                 x = layer(x, rope, mask, cache)
                 continue

@@ -6,8 +6,9 @@ config; flags given by the user are applied afterwards and win.
 
 from __future__ import annotations
 
-from meshtron.config import ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads
-from meshtron.accounting import mla_parameter_counts
+from meshtron.config import ModelConfig
+from meshtron.layer_kinds.base import norm_parameters
+from meshtron.layer_kinds.pattern import layer_kinds
 
 _GPT2 = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
              vocab_size=50257, seq_length=1024, max_position_embeddings=1024, norm_epsilon=1e-5,
@@ -142,7 +143,8 @@ def apply_preset(cfg: ModelConfig, name: str) -> None:
 
 
 def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str, int]:
-    """Parameter counts computed from the shape, without building the model.
+    """Parameter counts computed from the shape, without building the model: each layer's kinds count their
+    parts (:mod:`meshtron.layer_kinds`).
 
     Returns ``total`` (every parameter), ``active`` (the parameters one token uses: ``total`` less
     the experts it is not routed to, the "activated" count of MoE model cards; ``total`` for dense
@@ -151,42 +153,16 @@ def count_parameters(m: ModelConfig, vocab_size: int | None = None) -> dict[str,
     for FLOPs) and ``embedding``.
     """
     V = vocab_size if vocab_size is not None else (m.vocab_size or 0)
-    H, L, d = m.hidden_size, m.num_layers, head_dim(m)
-    nq, nkv, F = m.num_attention_heads, num_kv_heads(m), ffn_size(m)
-    bias = not m.disable_bias_linear
-    qkv_bias = bias or m.add_qkv_bias
-    norm_params = H if m.normalization == "RMSNorm" else 2 * H
-
-    attn_w = H * nq * d + 2 * H * nkv * d + nq * d * H
-    attn_b = (nq * d + 2 * nkv * d if qkv_bias else 0) + (H if bias else 0)
-    attn_other = attn_b + (2 * norm_params * d // H if m.qk_layernorm else 0)
-    if m.multi_latent_attention:
-        attn_w, attn_all = mla_parameter_counts(m)
-        attn_other = attn_all - attn_w
-    mlp_in = 2 * F if m.swiglu else F
-    dense_w = H * mlp_in + F * H
-    dense_b = (mlp_in + H) if bias else 0
-
+    H = m.hidden_size
+    norm_params = norm_parameters(m)
+    kinds = layer_kinds(m)
     total = matmul = inactive = 0
     mtp = m.mtp_num_layers or 0  # each prediction depth: one layer of the last layer's kind (meshtron.layers.mtp)
-    for layer in list(range(L)) + [L - 1] * mtp:
-        total += attn_w + attn_other + 2 * norm_params
-        matmul += attn_w
-        if is_moe_layer(m, layer):
-            Fe = m.moe_ffn_hidden_size or F
-            expert_w = H * (2 * Fe if m.swiglu else Fe) + Fe * H
-            expert_b = ((2 * Fe if m.swiglu else Fe) + H) if bias else 0
-            router = H * m.num_experts
-            shared = 0
-            if m.moe_shared_expert_intermediate_size:
-                Fs = m.moe_shared_expert_intermediate_size
-                shared = H * (2 * Fs if m.swiglu else Fs) + Fs * H
-            total += m.num_experts * (expert_w + expert_b) + router + shared
-            matmul += m.moe_router_topk * expert_w + router + shared
-            inactive += (m.num_experts - m.moe_router_topk) * (expert_w + expert_b)
-        else:
-            total += dense_w + dense_b
-            matmul += dense_w
+    for layer in kinds + (kinds[-1:] * mtp):
+        mixer, mlp = layer.mixer.parameters(m), layer.mlp.parameters(m)
+        total += mixer.total + mlp.total + 2 * norm_params
+        matmul += mixer.matmul + mlp.matmul
+        inactive += mixer.inactive + mlp.inactive
     embedding = V * H
     total += embedding + norm_params
     if m.position_embedding_type == "learned_absolute":

@@ -51,7 +51,7 @@ from typing import Iterable, Optional, Sequence
 
 from meshtron.config import (
     PIPELINE_SCHEDULES, SECTIONS, SHARDING_STRATEGIES, CheckpointConfig, DataConfig, LogConfig, MeshtronConfig,
-    ModelConfig, OptimConfig, ffn_size, flag_name, num_kv_heads,
+    ModelConfig, OptimConfig, ffn_size, flag_name,
 )
 from meshtron.errors import ConfigError
 from meshtron.launcher import check_launcher
@@ -60,6 +60,7 @@ from meshtron.resilience.checks import check_resilience
 from meshtron.resilience.detection_checks import check_detection_flags
 from meshtron.pipeline.partition import check_micro_batches
 from meshtron.run_layout import RunLayout, layout_from_config, resolve_layout, sharding_strategy
+from meshtron.layer_kinds.pattern import check_pattern, layer_kinds
 
 
 def validate_config(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> MeshtronConfig:
@@ -341,6 +342,7 @@ def _check_model(m: ModelConfig) -> None:
                               "--moe-router-force-load-balancing")
     _check_group_routing(m)
     _check_multi_latent_attention(m)
+    check_pattern(m)  # --layer-pattern (or the one the flags imply): its syntax, length and each kind's needs
     scaling = m.moe_router_topk_scaling_factor
     if scaling is not None and not scaling > 0:
         raise ConfigError(f"--moe-router-topk-scaling-factor must be positive, got {scaling}")
@@ -453,10 +455,16 @@ def _check_cp_comm_type(cfg: MeshtronConfig) -> None:
     elif sizes:
         raise ConfigError(f"--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p, not {comm}")
     degree = a2a_degree(comm, cp, sizes)
+    mixers = {kinds.mixer.name: kinds.mixer for kinds in layer_kinds(m)}
+    if cp > 1:
+        for mixer in mixers.values():
+            if not mixer.supports_context_parallel:
+                raise ConfigError(f"--context-parallel-size {cp}: {mixer.name} layers (--layer-pattern) cannot "
+                                  "split their sequence over context-parallel ranks")
     if cp > 1 and degree > 1:
         heads = m.num_attention_heads // tp
-        groups = heads if m.multi_latent_attention else max(1, num_kv_heads(m) // tp)
-        check_a2a_heads(heads, groups, degree, tp, comm)
+        for mixer in mixers.values():
+            check_a2a_heads(heads, mixer.cp_exchange_heads(m, tp), degree, tp, comm)
 
 
 def _check_sharding_strategy(cfg: MeshtronConfig) -> None:

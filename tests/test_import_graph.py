@@ -12,12 +12,6 @@ from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "meshtron"
 
-# A cycle that is known and being mended elsewhere, listed here so that this test guards every other pair of modules
-# meanwhile. The per-layer costs that both modules need are moving into a room below both; once that lands, this set
-# is emptied (and the test then keeps it empty).
-KNOWN_CYCLES_BEING_MENDED: set[frozenset[str]] = {
-    frozenset({"meshtron.memory", "meshtron.planning.step_time"}),
-}
 
 
 def module_name(path: Path) -> str:
@@ -148,13 +142,7 @@ def test_the_graph_sees_lazy_and_relative_imports():
 
 def test_no_import_cycles_in_meshtron():
     graph = import_graph()
-    cycles = [component for component in strongly_connected(graph)
-              if frozenset(component) not in KNOWN_CYCLES_BEING_MENDED]
+    cycles = strongly_connected(graph)
     named = ["  " + " -> ".join(a_cycle(graph, component)) for component in cycles]
     assert not cycles, "import cycles in meshtron/:\n" + "\n".join(named)
 
-
-def test_known_cycles_are_still_cycles():
-    # An entry that no longer closes a circle must leave the list, so the list cannot hide a new cycle later.
-    components = {frozenset(component) for component in strongly_connected(import_graph())}
-    assert KNOWN_CYCLES_BEING_MENDED <= components, KNOWN_CYCLES_BEING_MENDED - components

@@ -38,7 +38,8 @@ import torch
 from meshtron.checkpoint import hf_moe
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
-from meshtron.layers import mla_hf
+from meshtron.layer_kinds import MIXERS, MLPS, MixerKind
+from meshtron.layer_kinds.pattern import layer_at, pattern_is_derived, resolved_pattern
 from meshtron.layers.mtp import HF_MTP_NAMES, mtp_depths
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -47,21 +48,17 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 _NAMES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
           "qwen3_moe": "Qwen3-MoE", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}
 
+def _kind_names(kinds, hf_part: str, our_part: str) -> dict[str, str]:
+    """The layer-relative names of every registered kind of one part (they agree where they overlap)."""
+    return {f"{hf_part}.{hf}": f"{our_part}.{ours}" for kind in kinds for hf, ours in kind.hf_names.items()}
+
+
+# A layer's two norms, then its mixer's and its dense MLP's tensors as their kinds name them.
 _LAYER_MAP = {
     "input_layernorm.weight": "input_norm.weight",
-    "self_attn.q_proj.weight": "attention.q.weight",
-    "self_attn.k_proj.weight": "attention.k.weight",
-    "self_attn.v_proj.weight": "attention.v.weight",
-    "self_attn.q_proj.bias": "attention.q.bias",  # Qwen2
-    "self_attn.k_proj.bias": "attention.k.bias",
-    "self_attn.v_proj.bias": "attention.v.bias",
-    "self_attn.q_norm.weight": "attention.q_norm.weight",  # Qwen3
-    "self_attn.k_norm.weight": "attention.k_norm.weight",
-    "self_attn.o_proj.weight": "attention.o.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "mlp.gate_proj.weight": "mlp.gate.weight",
-    "mlp.up_proj.weight": "mlp.up.weight",
-    "mlp.down_proj.weight": "mlp.down.weight",
+    **_kind_names(MIXERS.values(), "self_attn", "attention"),
+    **_kind_names(MLPS.values(), "mlp", "mlp"),
 }
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "embedding.word_embeddings.weight",
@@ -125,8 +122,6 @@ def hf_to_meshtron_name(name: str) -> Optional[str]:
         shared = _HF_SHARED.match(rest)
         if shared:
             return f"layers.{layer}.mlp.shared_experts.{shared.group(1)}.weight"
-        if rest.startswith("self_attn.") and rest[len("self_attn."):] in mla_hf.HF_TO_MESHTRON:
-            return f"layers.{layer}.attention.{mla_hf.HF_TO_MESHTRON[rest[len('self_attn.'):]]}"
     raise CheckpointError(f"unexpected tensor {name!r} in the Hugging Face checkpoint (supported: Llama, "
                           "Mistral and Mixtral without biases, Qwen2 with query/key/value biases, dense Qwen3, "
                           "Qwen3-MoE, DeepSeek-V2/V3)")
@@ -193,10 +188,19 @@ def _layer_tensors(name: str, tensor: torch.Tensor, model: Optional[ModelConfig]
     canonical = hf_to_meshtron_name(name)
     if canonical is None:
         return []
-    if ".attention." in canonical and model is not None and model.multi_latent_attention:
-        short = canonical.split(".attention.", 1)[1]
-        tensor = mla_hf.attention_from_hf({mla_hf.MESHTRON_TO_HF[short]: tensor}, model, rope_interleave)[short]
+    if ".attention." in canonical and model is not None:
+        mixer = _layer_mixer(model, canonical)
+        values, short = mixer.hf_value_converter(), canonical.split(".attention.", 1)[1]
+        if values is not None and mixer.hf_name(short):
+            tensor = values.attention_from_hf({mixer.hf_name(short): tensor}, model, rope_interleave)[short]
     return [(canonical, tensor)]
+
+
+def _layer_mixer(model: ModelConfig, name: str) -> MixerKind:
+    """The mixer kind of the layer a tensor belongs to (a prediction depth's layer: the last layer's kinds)."""
+    match = re.search(r"layers\.(\d+)\.", name)
+    index = int(match.group(1)) if match else model.num_layers - 1
+    return layer_at(model, min(index, model.num_layers - 1)).mixer
 
 
 def rope_interleaved(hf: dict) -> bool:
@@ -214,11 +218,7 @@ def meshtron_to_hf_name(name: str, architecture: str = "llama") -> str:
     if m:
         layer, rest = m.group(1), m.group(2)
         mixtral = architecture == "mixtral"
-        if rest.startswith("attention.") and architecture in hf_moe.DEEPSEEK:
-            short = rest[len("attention."):]
-            if short in mla_hf.MESHTRON_TO_HF:
-                return f"model.layers.{layer}.self_attn.{mla_hf.MESHTRON_TO_HF[short]}"
-        elif rest in _LAYER_MAP_BACK:
+        if rest in _LAYER_MAP_BACK:
             return f"model.layers.{layer}.{_LAYER_MAP_BACK[rest]}"
         if rest == "mlp.router.weight":
             return f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}.gate.weight"
@@ -254,10 +254,11 @@ def meshtron_to_hf_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig,
                 continue
             if rest.startswith(_MTP_LAYER):  # the depth's decoder layer: as a main layer of that index
                 name = f"layers.{layer}.{rest[len(_MTP_LAYER):]}"
-        if architecture in hf_moe.DEEPSEEK and ".attention." in name:
-            short = name.split(".attention.", 1)[1]
-            if short in mla_hf.MESHTRON_TO_HF:
-                t = next(iter(mla_hf.attention_to_hf({short: t}, model, rope_interleave=True).values()))
+        if ".attention." in name:
+            mixer = _layer_mixer(model, name)
+            values, short = mixer.hf_value_converter(), name.split(".attention.", 1)[1]
+            if values is not None and mixer.hf_name(short):
+                t = next(iter(values.attention_to_hf({short: t}, model, rope_interleave=True).values()))
         out[meshtron_to_hf_name(name, architecture)] = t
         if architecture == "deepseek_v3" and name.endswith(".mlp.router.weight"):
             bias = name.replace(".router.weight", ".router.expert_bias")
@@ -420,6 +421,9 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
         problems.append(f"--mtp-num-layers {m.mtp_num_layers} (only DeepSeek-V3 checkpoints hold multi-token "
                         "prediction layers: export with --hf-architecture deepseek_v3, or leave the depths out "
                         "with --skip-mtp)")
+    if not pattern_is_derived(m):
+        problems.append(f"--layer-pattern {resolved_pattern(m)} (a Hugging Face config places the experts by the "
+                        "MoE fields: only the layers --moe-first-dense-layers and --moe-layer-freq imply)")
     if architecture in hf_moe.DEEPSEEK or architecture == "qwen3_moe":
         problems += hf_moe.export_problems(m, architecture)
     elif architecture == "mixtral":

@@ -26,6 +26,7 @@ import yaml
 
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import SECTIONS, MeshtronConfig, ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads
+from meshtron.layer_kinds.pattern import pattern_is_derived, resolved_pattern
 from meshtron.training.state import TrainingState
 
 FORMAT_NAME = "meshtron-dcp"
@@ -67,14 +68,23 @@ def model_signature(m: ModelConfig, vocab_size: Optional[int]) -> dict[str, Any]
         sig["moe_shared_expert_intermediate_size"] = m.moe_shared_expert_intermediate_size
         sig["moe_layer_freq"] = m.moe_layer_freq
         sig.update(_routing_signature(m))
+    pattern = _pattern_signature(m)
+    if pattern:
+        sig["layer_pattern"] = pattern
     return sig
+
+
+def _pattern_signature(m: ModelConfig) -> Optional[str]:
+    """The layer pattern where --layer-pattern gives one other than the flags imply (None otherwise, so that
+    checkpoints of derived patterns keep their old signature)."""
+    return None if pattern_is_derived(m) else resolved_pattern(m)
 
 
 _ROUTING_FIELDS = ("moe_first_dense_layers", "moe_router_score_function", "moe_router_pre_softmax",
                    "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
                    "moe_router_topk_scaling_factor")
 #: signature fields written only when they differ from these values (older checkpoints lack them)
-_OMITTED_DEFAULTS = {"qk_layernorm": False, "multi_latent_attention": False,
+_OMITTED_DEFAULTS = {"qk_layernorm": False, "multi_latent_attention": False, "layer_pattern": None,
                      **{key: getattr(ModelConfig(), key) for key in _ROUTING_FIELDS}}
 
 

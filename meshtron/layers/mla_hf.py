@@ -13,21 +13,10 @@ from __future__ import annotations
 import torch
 
 from meshtron.config import ModelConfig
+from meshtron.layer_kinds.mla import MLA
 
-#: Hugging Face ``self_attn.<name>`` -> meshtron ``attention.<name>``.
-HF_TO_MESHTRON = {
-    "q_a_proj.weight": "q_down.weight",
-    "q_a_proj.bias": "q_down.bias",
-    "q_a_layernorm.weight": "q_latent_norm.weight",
-    "q_b_proj.weight": "q_up.weight",
-    "q_proj.weight": "q.weight",  # no --q-lora-rank
-    "kv_a_proj_with_mqa.weight": "kv_down.weight",
-    "kv_a_proj_with_mqa.bias": "kv_down.bias",
-    "kv_a_layernorm.weight": "kv_latent_norm.weight",
-    "kv_b_proj.weight": "kv_up.weight",
-    "o_proj.weight": "o.weight",
-    "o_proj.bias": "o.bias",
-}
+#: Hugging Face ``self_attn.<name>`` -> meshtron ``attention.<name>``: the MLA kind's names.
+HF_TO_MESHTRON = MLA.hf_names
 MESHTRON_TO_HF = {v: k for k, v in HF_TO_MESHTRON.items()}
 
 

@@ -4,7 +4,8 @@ The last stage runs its transformer layers *and* the output layer with the loss.
 vocabulary that is several layers' worth of matmuls (llama3-3b: 6·h·V ≈ 3.1 layers at 128K tokens
 of vocabulary), so an even split makes the last stage the slowest and every other stage waits
 for it once per micro-batch. Costs are training FLOPs per token (DESIGN.md section 7), counted in
-transformer layers.
+transformer layers of the model's mean cost; each layer's own cost comes from its kinds
+(:mod:`meshtron.layer_kinds`), so a pattern of unlike layers (dense and MoE) is split by cost, not by count.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from meshtron.config import MeshtronConfig
+from meshtron.config import ConfigError, MeshtronConfig, ModelConfig
+from meshtron.layer_kinds.pattern import layer_kinds
+from meshtron.pipeline.partition import partition_layers
 from meshtron.run_layout import layout_from_config
 
 
@@ -37,8 +40,23 @@ def output_layer_cost(cfg: MeshtronConfig, vocab_size: int) -> float:
     return output / ((total - output) / m.num_layers)
 
 
-def _slowest(counts: list[int], out_cost: float) -> float:
-    return max(counts[:-1] + [counts[-1] + out_cost])
+def layer_costs(m: ModelConfig) -> list[float]:
+    """Each layer's training FLOPs per token, in units of the model's mean layer (all 1.0 when alike)."""
+    flops = [k.mixer.forward_flops_per_token(m, m.seq_length) + 2 * k.mlp.parameters(m).matmul
+             for k in layer_kinds(m)]
+    mean = sum(flops) / len(flops)
+    return [f / mean for f in flops]
+
+
+def _slowest(cfg: MeshtronConfig, last: Optional[int], costs: list[float], out_cost: float) -> float:
+    """The slowest stage's cost with ``last`` layers on the last stage (None: the even split)."""
+    p = cfg.parallel
+    layout = partition_layers(cfg.model.num_layers, p.pipeline_model_parallel_size, last=last,
+                              virtual_size=p.virtual_pipeline_model_parallel_size,
+                              layers_per_virtual=p.num_layers_per_virtual_pipeline_stage,
+                              v_shape=p.pipeline_schedule == "zbv")
+    stages = [sum(costs[i] for chunk in layout.stage_layers(r) for i in chunk) for r in range(layout.stages)]
+    return max(stages[:-1] + [stages[-1] + out_cost])
 
 
 def suggest_last_stage_layers(cfg: MeshtronConfig, vocab_size: int,
@@ -53,13 +71,17 @@ def suggest_last_stage_layers(cfg: MeshtronConfig, vocab_size: int,
         return None  # the user chose the split
     virtual = layout_from_config(cfg).virtual_stages
     out_cost = output_layer_cost(cfg, vocab_size)
-    even = _slowest([layers // stages] * stages, out_cost)
+    costs = layer_costs(cfg.model)
+    even = _slowest(cfg, None, costs, out_cost)
     best: Optional[tuple[float, int]] = None
     for last in range(virtual, layers - (stages - 1) * virtual + 1, virtual):
         rest = layers - last
         if rest % (stages - 1) or (rest // (stages - 1)) % virtual:
             continue
-        cost = _slowest([rest // (stages - 1)] * (stages - 1) + [last], out_cost)
+        try:
+            cost = _slowest(cfg, last, costs, out_cost)
+        except ConfigError:  # a split the layout cannot make
+            continue
         if best is None or cost < best[0]:
             best = (cost, last)
     if best is None or even / best[0] < min_speedup:

@@ -126,7 +126,7 @@ def left_out(records: Iterable[dict]) -> dict[str, str]:
 
 def layer_saves(record: dict) -> int:
     """The revision of what the layers kept when the row was measured (:data:`meshtron.memory.LAYER_SAVES`)."""
-    from meshtron.memory import LAYER_SAVES
+    from meshtron.planning.layer_costs import LAYER_SAVES
 
     return record.get("layer_saves", LAYER_SAVES)
 

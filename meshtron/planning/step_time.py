@@ -49,17 +49,22 @@ group's ranks share a node, the network otherwise (rank order TP, CP, DP, PP, fa
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from meshtron.config import MeshtronConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads, padded_vocab_size
-from meshtron.memory import LAYER_SAVES
+from meshtron.config import MeshtronConfig, padded_vocab_size
+from meshtron.layer_kinds.pattern import layer_at
+from meshtron.memory import layer_parameters, stage_chunks, stage_estimates
 from meshtron.pipeline.partition import SPLIT_BACKWARD, loss_stage_of
+from meshtron.planning.layer_costs import (ATTENTION_BACKWARD_FLOPS, LAYER_SAVES, LayerCost, Links, _overlapped,
+                                           _ring, attention_rate, cp_a2a_size, gemm_seconds, head_cost, layer_cost)
 from meshtron.planning.profiles import DeviceProfile
 
-#: Flash attention's backward does 2.5x its forward's FLOPs (five matmuls for two, the scores recomputed).
-ATTENTION_BACKWARD_FLOPS = 2.5
+# The per-layer costs live in meshtron.planning.layer_costs (the memory model needs them too); these names are
+# kept here for the callers that time GEMMs and attention through this module.
+__all__ = ["ATTENTION_BACKWARD_FLOPS", "BACKWARD_TICKS", "DATASHEET_PEAK_TFLOPS", "LAYER_SAVES", "Links",
+           "StepPrediction", "attention_rate", "bubble_fraction", "cp_a2a_size", "gemm_seconds", "predict_step"]
+
 #: Lock-step ticks of a backward pass in the bubble simulation (two GEMMs per forward GEMM).
 BACKWARD_TICKS = 2
 #: ZB-H1 in compiled layers: each linear's deferred weight-gradient GEMM runs outside the compiled backward
@@ -69,18 +74,6 @@ ZB_H1_BREAK_US = 5.0
 ZB_H1_LINEARS = 4
 #: Datasheet dense bf16 peaks for MFU (the same table as meshtron.training.metrics).
 DATASHEET_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0}
-
-
-@dataclass(frozen=True)
-class Links:
-    """Where the ranks sit: ``gpus_per_node`` GPUs share NVLink, nodes talk over the network."""
-
-    gpus_per_node: int = 8
-
-    def bandwidth(self, profile: DeviceProfile, size: int, stride: int) -> float:
-        """Bus bandwidth (bytes/s) of a group of ``size`` ranks ``stride`` apart."""
-        spans_nodes = size * stride > self.gpus_per_node
-        return (profile.network_gbps if spans_nodes else profile.nvlink_gbps) * 1e9
 
 
 @dataclass
@@ -105,28 +98,6 @@ class StepPrediction:
                                               "exposed_comm_s", "optimizer_s", "overhead_s",
                                               "tokens_per_sec_per_gpu", "model_tflops_per_gpu", "mfu",
                                               "comm_by_kind_s")}
-
-
-def gemm_seconds(flops: float, profile: DeviceProfile, fp8: bool = False, efficiency: float = 1.0) -> float:
-    """One GEMM of ``flops`` at the profile's size-dependent rate."""
-    if flops <= 0:
-        return 0.0
-    rate = profile.matmul_tflops * 1e12 * flops / (flops + profile.matmul_half_gflop * 1e9)
-    return flops / (rate * (profile.fp8_matmul_speedup if fp8 else 1.0) * efficiency)
-
-
-def _ring(bytes_: float, n: int, bw: float, latency: float, factor: float = 1.0) -> float:
-    """A ring collective over ``n`` ranks: all-gather / reduce-scatter (factor 1), all-reduce (2)."""
-    if n <= 1 or bytes_ <= 0:
-        return 0.0
-    return factor * bytes_ * (n - 1) / n / bw + latency
-
-
-def _overlapped(comm: float, cover: float, profile: DeviceProfile) -> float:
-    """Exposed seconds of ``comm`` run beside ``cover`` seconds of compute: what sticks out, plus
-    ``overlap_cost`` of the hidden part (the collective's kernels share SMs and memory bandwidth)."""
-    hidden = min(comm, cover)
-    return comm - hidden + profile.overlap_cost * hidden
 
 
 #: Beyond this many micro-batches the bubble is simulated at fewer and scaled (see bubble_fraction).
@@ -155,222 +126,7 @@ def bubble_fraction(stages: int, virtual: int, micro_batches: int, schedule: Opt
     return simulated_bubble(stages, virtual, simulated, BACKWARD_TICKS, schedule=schedule) * simulated / micro_batches
 
 
-@dataclass
-class _LayerCost:
-    compute: float  # seconds of forward + backward (+ recompute) kernels
-    forward: float  # the forward part of it
-    comm: float  # exposed communication on the critical path
-    comm_kind: dict
-
-
-def attention_rate(profile: DeviceProfile, seq: float, head_dim: int) -> float:
-    """Useful FLOP/s of causal flash attention over ``seq`` tokens (per CP rank) at query/key head dim ``head_dim``.
-
-    ``attention_tflops * seq / (seq + attention_half_seq)`` at head dim 128 and above; towards head dim 64 both
-    constants move linearly in ``128 / head_dim`` to the profile's head-dim-64 pair (the kernels' per-score work,
-    the softmax, does not shrink with the head dim: a lower ceiling, reached at shorter sequences), and stay there
-    below 64.
-    """
-    x = min(1.0, max(0.0, 128.0 / head_dim - 1.0))
-    peak = profile.attention_tflops + x * ((profile.attention_tflops_d64 or profile.attention_tflops)
-                                           - profile.attention_tflops)
-    half = profile.attention_half_seq + x * ((profile.attention_half_seq_d64 or profile.attention_half_seq)
-                                             - profile.attention_half_seq)
-    return peak * 1e12 * seq / (seq + half)
-
-
-def cp_a2a_size(cfg: MeshtronConfig) -> int:
-    """Ranks that exchange heads for sequence (``--cp-comm-type a2a``: CP; ``a2a+p2p``: A of
-    ``--hierarchical-context-parallel-sizes A B``; the ring and the all-gather: 1)."""
-    from meshtron.cp_comm_types import a2a_degree, single_comm_type
-
-    p = cfg.parallel
-    if p.context_parallel_size <= 1:
-        return 1
-    return a2a_degree(single_comm_type(p.cp_comm_type), p.context_parallel_size,
-                      p.hierarchical_context_parallel_sizes)
-
-
-def _attention_dims(cfg: MeshtronConfig) -> tuple[int, int]:
-    """(query/key, value) head dims of the model's attention (multi-latent attention differs)."""
-    from meshtron.layers.attention_kinds import attention_class
-
-    return attention_class(cfg.model).head_dims(cfg.model)
-
-
-def _layer_cost(cfg: MeshtronConfig, moe: bool, recomputed: bool, profile: DeviceProfile, links: Links,
-                saves: int = LAYER_SAVES) -> _LayerCost:
-    """Forward + backward time of one layer for one micro-batch on one rank (``recomputed``: its
-    forward runs again in the backward, ``--recompute-granularity full``; ``saves``: the revision of
-    what the layers keep, :data:`meshtron.memory.LAYER_SAVES`, for rows measured at earlier code)."""
-    from meshtron.accounting import mla_rank_parameters
-    from meshtron.memory import fc2_recomputes_product
-
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
-    etp = p.expert_tensor_parallel_size or tp
-    sp = p.sequence_parallel and tp > 1
-    fp8 = bool(t.fp8_format)
-    e = 2
-    h, d = m.hidden_size, head_dim(m)
-    seq = m.seq_length
-    tokens = t.micro_batch_size * seq / cp
-    heads, groups = math.ceil(m.num_attention_heads / tp), math.ceil(num_kv_heads(m) / tp)
-    q_out, kv_out = heads * d, 2 * groups * d
-    rep_div = tp if sp else 1
-    latency = profile.collective_latency_us * 1e-6
-    hbm = profile.hbm_gbps * 1e9 * profile.hbm_efficiency * (1.0 if t.compile else 1.0 / profile.eager_elementwise_factor)
-
-    swiglu_recompute = 0.0
-    # GEMMs (forward FLOPs of each call) and the matching elementwise traffic.
-    if m.multi_latent_attention:
-        attn_params = mla_rank_parameters(m, tp)
-        attn_gemms = [2 * tokens * attn_params / 4] * 4
-    else:
-        attn_gemms = [2 * tokens * h * (q_out + kv_out), 2 * tokens * q_out * h]
-    fwd_gemm = sum(gemm_seconds(f, profile, fp8) for f in attn_gemms)
-    wgrad = fwd_gemm
-    if moe:
-        fe = m.moe_ffn_hidden_size or ffn_size(m)
-        k, n_exp = m.moe_router_topk, m.num_experts
-        local = n_exp / ep
-        per_expert_tokens = tokens * ep * k / n_exp
-        fan_in = 2 * fe if m.swiglu else fe
-        # One grouped GEMM per projection runs every local expert in one kernel: its rate is that of
-        # the whole product (all local experts' rows), not of one expert's.
-        expert = (gemm_seconds(2 * local * per_expert_tokens * h * fan_in / etp, profile, False,
-                               profile.moe_gemm_efficiency)
-                  + gemm_seconds(2 * local * per_expert_tokens * fe / etp * h, profile, False,
-                                 profile.moe_gemm_efficiency))
-        router = gemm_seconds(2 * tokens * h * n_exp, profile)
-        shared = 0.0
-        if m.moe_shared_expert_intermediate_size:
-            fs = m.moe_shared_expert_intermediate_size
-            shared = (gemm_seconds(2 * tokens * h * (2 * fs if m.swiglu else fs) / tp, profile, fp8)
-                      + gemm_seconds(2 * tokens * fs / tp * h, profile, fp8))
-        fwd_gemm += expert + router + shared
-        wgrad += expert + shared
-        if (saves >= 3 and ep == 1 and m.moe_expert_capacity_factor is None and m.swiglu and m.disable_bias_linear
-                and t.bf16):
-            # experts.forward_weighted: the routing weight inside the fused SwiGLU (read gate and up, write the
-            # product; backward recomputes it in the same pass), each token's rows gathered into the aligned
-            # buffer and summed out of it (the slot-sum kernel): no permutation, unpadding or weighted combine.
-            mlp_elem = tokens * e * (3 * k * fe / etp + 2 * k * h / rep_div)
-        else:
-            mlp_elem = tokens * e * (3 * k * fe / etp + 8 * k * h / rep_div)  # SwiGLU + permute/unpermute copies
-        mlp_elem += tokens * 3 * 4 * n_exp  # router softmax / top-k in fp32
-        if m.moe_shared_expert_intermediate_size:
-            mlp_elem += tokens * e * 3 * m.moe_shared_expert_intermediate_size / tp
-    else:
-        f = ffn_size(m)
-        fan_in = 2 * f if m.swiglu else f
-        mlp = gemm_seconds(2 * tokens * h * fan_in / tp, profile, fp8) + gemm_seconds(2 * tokens * f / tp * h, profile, fp8)
-        fwd_gemm += mlp
-        wgrad += mlp
-        mlp_elem = tokens * e * 3 * f / tp
-        if fc2_recomputes_product(cfg, saves):
-            # fc2's backward recomputes SwiGLU's product from gate and up; in FP8 also the product's casts
-            # (read bf16, write two FP8 layouts), and before revision 2 the weight's (since, every FP8
-            # linear's weight recast is counted with the others' below).
-            weight_recast = 4 * h * f / tp if fp8 and saves < 2 else 0.0
-            swiglu_recompute = tokens * (e * 3 + (4 if fp8 else 0)) * f / tp + weight_recast
-    # Norms (read + write), residual adds (two reads, one write), RoPE on q and k.
-    norm_elem = tokens * e * 4 * h / rep_div
-    other_elem = tokens * e * (6 * h / rep_div + 2 * (q_out + kv_out / 2))
-    fwd_elem = norm_elem + other_elem + mlp_elem
-    fp8_fwd = fp8_bwd = 0.0
-    if fp8 and not moe:
-        # Each linear's input (forward) and output gradient (backward) cast to both FP8 layouts:
-        # read bf16, write two FP8 copies; and the weights, once per micro-batch.
-        f = ffn_size(m)
-        inputs = tokens * (2 * h + q_out + f / tp)
-        grads = tokens * (q_out + kv_out + h + 2 * f / tp + h)
-        weights = (h * (q_out + kv_out) + q_out * h + 3 * h * f / tp)
-        # The backward reads the inputs' saved copies and casts the gradients; since revision 2 of the
-        # layers' saves the forward writes the weight's own layout only and the backward casts it again,
-        # transposed (read bf16, write FP8).
-        recast = saves >= 2
-        fp8_fwd = 4 * inputs + (3 if recast else 4) * weights
-        fp8_bwd = 4 * grads + (3 * weights if recast else 0.0)
-
-    d_qk, d_v = _attention_dims(cfg)
-    attn_flops = t.micro_batch_size * (seq / cp) * seq * heads * (d_qk + d_v)  # causal: half of 2 * 2 * s^2 ...
-    a2a = cp_a2a_size(cfg)
-    local_seq = seq / cp * a2a  # the all-to-all hands attention A x the tokens on 1/A of the heads
-    attn_rate = attention_rate(profile, local_seq, d_qk)
-    attn_fwd = attn_flops / attn_rate
-    attn_bwd = ATTENTION_BACKWARD_FLOPS * attn_fwd
-
-    forward = fwd_gemm + attn_fwd + (fwd_elem + fp8_fwd) / hbm
-    backward = fwd_gemm + wgrad + attn_bwd + (2 * fwd_elem + fp8_bwd + swiglu_recompute) / hbm
-    recompute = 0.0
-    gran = t.recompute_granularity
-    if gran == "full":
-        recompute = forward if recomputed else 0.0
-    elif gran == "selective":
-        # meshtron.layers.recompute saves every matmul's and attention kernel's output (MUST_SAVE) and
-        # recomputes the element-wise work around them: the norms, RoPE and the SwiGLU.
-        recompute = (norm_elem + tokens * e * 2 * (q_out + kv_out / 2) + tokens * e * 3 * (ffn_size(m) / tp)) / hbm
-    overhead = profile.layer_overhead_us * 1e-6 * (1.5 if gran == "full" else 1.0)
-    compute = forward + backward + recompute + overhead
-
-    # Communication on the critical path.
-    kinds = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
-    if tp > 1:
-        bw = links.bandwidth(profile, tp, 1)
-        act = tokens * h * e
-        if sp:
-            gather = act * (0.5 if fp8 else 1.0)  # FP8 sequence parallelism gathers the FP8 input
-            # Forward: all-gather before QKV and fc1, reduce-scatter after the projections. Backward:
-            # the mirrored pair, and the inputs gathered again for the weight gradients.
-            fwd_comm = 2 * _ring(gather, tp, bw, latency) + 2 * _ring(act, tp, bw, latency)
-            bwd_comm = 4 * _ring(act, tp, bw, latency) + 2 * _ring(gather, tp, bw, latency)
-        else:
-            fwd_comm = bwd_comm = 2 * _ring(act, tp, bw, latency, 2.0)
-        hidden = profile.async_tp_hidden if (p.async_tensor_parallel and sp) else 0.0
-        fwd_exposed = _overlapped(fwd_comm, fwd_comm * hidden, profile)
-        bwd_exposed = bwd_comm * (1 - hidden)
-        if p.tp_comm_overlap:
-            bwd_exposed = _overlapped(bwd_exposed, wgrad, profile)
-        kinds["tp"] = fwd_exposed + bwd_exposed + (fwd_exposed if gran == "full" else 0.0)
-    if cp > 1:
-        ring = cp // a2a  # ranks of the ring (p2p, all-gather: CP; a2a: none; a2a+p2p: B)
-        if a2a > 1:
-            # q, k, v in and the output back, each moving (A - 1) / A of its local bytes; backward the same
-            # four (the output's gradient in, those of q, k, v back). On the critical path, not overlapped.
-            g = heads if m.multi_latent_attention else groups
-            g = math.lcm(g, a2a)  # key/value heads repeated until they split over the A ranks
-            width = heads * d_qk + g * (d_qk + d_v) + heads * d_v
-            moved = t.micro_batch_size * (seq / cp) * width * e * (a2a - 1) / a2a
-            one_way = moved / links.bandwidth(profile, a2a, tp) + 4 * latency
-            kinds["cp"] += 2 * one_way
-            kv_out = (2 * g * d) / a2a  # the ring below carries this rank's heads after the exchange
-        if ring > 1:
-            bw = links.bandwidth(profile, ring, tp * a2a)
-            kv = t.micro_batch_size * (seq / ring) * kv_out * e
-            ring_fwd = (ring - 1) * (kv / bw + latency)
-            kinds["cp"] += _overlapped(ring_fwd, attn_fwd, profile) + _overlapped(2 * ring_fwd, attn_bwd, profile)
-    if moe and ep > 1:
-        bw = links.bandwidth(profile, ep, tp)
-        a2a = tokens * m.moe_router_topk * h * e / rep_div
-        kinds["ep"] = 4 * _ring(a2a, ep, bw, latency)
-    return _LayerCost(compute=compute, forward=forward, comm=sum(kinds.values()), comm_kind=kinds)
-
-
-def _head_cost(cfg: MeshtronConfig, vocab: int, profile: DeviceProfile) -> tuple[float, float]:
-    """(last stage's output layer + loss, first stage's embedding) per micro-batch, seconds."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-    tokens = t.micro_batch_size * m.seq_length / cp
-    v_local = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, tp) / tp
-    hbm = profile.hbm_gbps * 1e9 * profile.hbm_efficiency
-    logits = gemm_seconds(2 * tokens * m.hidden_size * v_local, profile)
-    loss = 3 * logits + tokens * v_local * 12 / hbm  # forward, input and weight gradients; fp32 logits passes
-    embed = tokens * m.hidden_size * 2 * 3 / hbm
-    return loss, embed
-
-
-def _mtp_depth_cost(cfg: MeshtronConfig, layer: _LayerCost, loss: float, embed: float,
+def _mtp_depth_cost(cfg: MeshtronConfig, layer: LayerCost, loss: float, embed: float,
                     profile: DeviceProfile) -> float:
     """One multi-token prediction depth on the last stage, per micro-batch: its transformer layer (of the
     last layer's kind), the embedding of the shifted tokens, the projection of the two normed inputs
@@ -383,8 +139,6 @@ def _mtp_depth_cost(cfg: MeshtronConfig, layer: _LayerCost, loss: float, embed: 
 
 def _rank_parameters(cfg: MeshtronConfig, layers: list[int], first: bool, last: bool, vocab: int) -> tuple[float, float]:
     """(dense, expert) parameters of one pipeline rank."""
-    from meshtron.memory import layer_parameters
-
     m, p = cfg.model, cfg.parallel
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
     etp = p.expert_tensor_parallel_size or tp
@@ -403,8 +157,7 @@ def _rank_parameters(cfg: MeshtronConfig, layers: list[int], first: bool, last: 
 def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, vocab_size: Optional[int] = None,
                  links: Links = Links(), saves: int = LAYER_SAVES) -> StepPrediction:
     """Predicted step time of a resolved configuration on ``world_size`` GPUs (see the module docstring;
-    ``saves``: for rows measured at earlier layer code, see :func:`_layer_cost`)."""
-    from meshtron.memory import stage_chunks
+    ``saves``: for rows measured at earlier layer code, see :func:`meshtron.planning.layer_costs.layer_cost`)."""
     from meshtron.training.metrics import flops_per_token
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -418,14 +171,14 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     chunks = stage_chunks(cfg)
     virtual = len(chunks[0])
     latency = profile.collective_latency_us * 1e-6
-    loss, embed = _head_cost(cfg, vocab, profile)
+    loss, embed = head_cost(cfg, vocab, profile)
 
-    cache: dict[tuple[bool, bool], _LayerCost] = {}
+    cache: dict[tuple[str, bool], LayerCost] = {}
 
-    def cost(layer: int, recomputed: bool) -> _LayerCost:
-        key = (is_moe_layer(m, layer), recomputed)
-        if key not in cache:  # every dense (every MoE) layer costs the same
-            cache[key] = _layer_cost(cfg, key[0], recomputed, profile, links, saves)
+    def cost(layer: int, recomputed: bool) -> LayerCost:
+        key = (layer_at(m, layer).entry, recomputed)
+        if key not in cache:  # every layer of the same kinds costs the same
+            cache[key] = layer_cost(cfg, layer, recomputed, profile, links, saves)
         return cache[key]
 
     def recomputed(position: int) -> bool:
@@ -456,8 +209,6 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         params_by_stage.append(_rank_parameters(cfg, layers, rank == 0, rank == loss_rank, vocab))
     if t.offload_activations:
         # The backward's waits for the host copies the side stream has not finished (memory.offload_timeline).
-        from meshtron.memory import stage_estimates
-
         for rank, est in enumerate(stage_estimates(cfg, vocab, world_size=world_size, profile=profile)):
             stage_times[rank] += est.offload_stall_s
     slowest = max(range(pp), key=lambda r: stage_times[r])

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from meshtron.config import ConfigError, ModelConfig
-from meshtron.layers.attention_kinds import attention_class
+from meshtron.layer_kinds.pattern import layer_kinds
 from meshtron.presets import count_parameters
 
 #: Dense (no structured sparsity) bf16 tensor-core peaks in TFLOP/s, matched against
@@ -54,17 +54,18 @@ def flops_per_token(model_cfg: ModelConfig, vocab_size: int) -> float:
     ``vocab_size`` is the tokenizer's (unpadded) vocabulary: the padding rows that make the
     output layer divisible by ``--make-vocab-size-divisible-by`` x TP are not useful work.
     The second term is the scores (query/key head dim ``d_qk``) and the weighted values (``d_v``);
-    with equal head dims ``d`` it is DESIGN.md's ``12*L*A*S``, ``A`` = heads x d. Multi-latent
-    attention has d_qk = --qk-head-dim + --qk-pos-emb-head-dim and d_v = --v-head-dim.
-    Multi-token prediction adds per depth one layer, its projection [2H -> H] and the output layer again.
+    with equal head dims ``d`` it is DESIGN.md's ``12*L*A*S``, ``A`` = heads x d. Each layer's mixer kind gives
+    its own (:meth:`meshtron.layer_kinds.MixerKind.sequence_flops_per_token`; multi-latent attention has
+    d_qk = --qk-head-dim + --qk-pos-emb-head-dim and d_v = --v-head-dim). Multi-token prediction adds per depth
+    one layer (of the last layer's kinds), its projection [2H -> H] and the output layer again.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     n_matmul = count_parameters(model_cfg, vocab_size)["matmul"]
-    d_qk, d_v = attention_class(model_cfg).head_dims(model_cfg)
-    heads, S = model_cfg.num_attention_heads, model_cfg.seq_length
-    L = model_cfg.num_layers + (model_cfg.mtp_num_layers or 0)  # a prediction depth's layer attends too
-    return float(6 * n_matmul + 6 * L * S * heads * (d_qk + d_v))
+    kinds = layer_kinds(model_cfg)
+    kinds += kinds[-1:] * (model_cfg.mtp_num_layers or 0)  # a prediction depth's layer attends too
+    sequence = sum(k.mixer.sequence_flops_per_token(model_cfg, model_cfg.seq_length) for k in kinds)
+    return float(6 * n_matmul + 3 * sequence)  # forward + backward: three times the forward
 
 
 def peak_tflops_for_name(device_name: str) -> Optional[float]:

@@ -288,7 +288,8 @@ def test_mla_heads_must_divide_over_tensor_parallel_ranks():
 @pytest.mark.parametrize("q_lora", [12, None])
 def test_memory_estimate_counts_one_ranks_mla_parameters(q_lora):
     from meshtron.layers.mla import MultiLatentAttention
-    from meshtron.memory import _mlp_params, layer_parameters
+    from meshtron.layer_kinds.base import mlp_rank_parameters
+    from meshtron.memory import layer_parameters
 
     cfg = mla_cfg(q_lora_rank=q_lora, disable_bias_linear=False)
     with torch.device("meta"):
@@ -296,7 +297,7 @@ def test_memory_estimate_counts_one_ranks_mla_parameters(q_lora):
                     .parameters())
     dense, _ = layer_parameters(cfg, 0, tp=2)
     norms = 2 * cfg.hidden_size  # the layer's two RMSNorm weights
-    assert dense == local + norms + _mlp_params(cfg, cfg.ffn_hidden_size, 2)
+    assert dense == local + norms + mlp_rank_parameters(cfg, cfg.ffn_hidden_size, 2)
 
 
 def test_incremental_decoding_with_the_kv_cache_matches_the_full_forward():

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.config import ModelConfig, is_moe_layer
+from meshtron.config import ModelConfig
+from meshtron.layer_kinds.pattern import is_moe_layer
 from meshtron.layers.moe import MoELayer
 from meshtron.layers.moe.router import select_experts
 from meshtron.model import GPTModel

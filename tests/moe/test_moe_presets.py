@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.config import ModelConfig, is_moe_layer
+from meshtron.config import ModelConfig
+from meshtron.layer_kinds.pattern import is_moe_layer
 from meshtron.presets import apply_preset, count_parameters
 
 

@@ -13,6 +13,10 @@ from typing import Any
 
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads
+from meshtron.layer_kinds.dense import DENSE
+from meshtron.layer_kinds.gqa import GQA
+from meshtron.layer_kinds.moe import MOE
+from meshtron.layer_kinds.pattern import format_pattern, resolved_pattern
 
 #: meshtron model fields taken from ``args`` under the same name.
 SAME_NAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
@@ -47,20 +51,34 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
     if _get(args, "moe_shared_expert_gate"):
         unsupported.append("--moe-shared-expert-gate (the shared expert's gate has no meshtron equivalent)")
     freq = _get(args, "moe_layer_freq", 1)
+    pattern = None
     if _get(args, "num_experts") and not isinstance(freq, int):
-        unsupported.append(f"--moe-layer-freq {freq} (a pattern; meshtron takes every n-th layer)")
+        pattern = _moe_pattern(freq, int(args.num_layers))
+        if pattern is None:
+            unsupported.append(f"--moe-layer-freq {freq} (a list of one 0 or 1 per layer is read as a "
+                               "--layer-pattern; this is not one)")
     if unsupported:
         raise CheckpointError(f"{where}: this Megatron-LM model cannot be loaded by meshtron", unsupported)
     out = {name: _get(args, name) for name in SAME_NAME if _get(args, name) is not None}
     out["disable_bias_linear"] = not bool(_get(args, "add_bias_linear", True))
     if out.get("add_qkv_bias") is None:
         out["add_qkv_bias"] = False
-    if _get(args, "num_experts"):
+    if pattern is not None:
+        out["layer_pattern"] = pattern  # Megatron's per-layer list: 1 for a MoE layer, 0 for a dense one
+    elif _get(args, "num_experts"):
         out["moe_layer_freq"] = int(freq)
     if not out.get("group_query_attention"):
         out["num_query_groups"] = None
     out["vocab_size"] = int(_get(args, "padded_vocab_size") or 0) or None
     return out
+
+
+def _moe_pattern(freq: Any, num_layers: int) -> str | None:
+    """Megatron's list form of ``--moe-layer-freq`` (one 1 per MoE layer, 0 per dense one) as a
+    ``--layer-pattern`` (grouped-query attention: the multi-latent kind is not read yet), or None if it is not one."""
+    if not isinstance(freq, (list, tuple)) or len(freq) != num_layers or not set(freq) <= {0, 1}:
+        return None
+    return format_pattern([f"{GQA.name}+{MOE.name if moe else DENSE.name}" for moe in freq])
 
 
 def apply_settings(m: ModelConfig, settings: dict[str, Any]) -> ModelConfig:
@@ -93,6 +111,7 @@ _CHECKED = {
     "moe_router_score_function": lambda m: m.moe_router_score_function if m.num_experts else None,
     "moe_router_enable_expert_bias": lambda m: bool(m.moe_router_enable_expert_bias) if m.num_experts else None,
     "moe_router_pre_softmax": lambda m: bool(m.moe_router_pre_softmax) if m.num_experts else None,
+    "layer_pattern": resolved_pattern,  # each layer's kinds (where the experts are)
 }
 
 

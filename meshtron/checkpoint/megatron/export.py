@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.megatron import files, names
 from meshtron.checkpoint.pieces import MODEL_PREFIX, OPTIM_PREFIX
-from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, is_moe_layer, num_kv_heads, \
-    padded_vocab_size
+from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads, padded_vocab_size
+from meshtron.layer_kinds.pattern import is_moe_layer
 
 #: meshtron's optimizer states -> Megatron's names in the fully reshardable format.
 OPTIM_NAMES = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
