@@ -202,13 +202,18 @@ def _rowwise_weight_grad(g2: torch.Tensor, x2: torch.Tensor, w_dtype: torch.dtyp
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str,
                recipe: str = "tensorwise", deferral: Optional[tuple] = None) -> torch.Tensor:
-    """``F.linear`` with FP8 operands (``fmt``: "e4m3" or "hybrid"; ``recipe``: "tensorwise" or
-    "rowwise", which takes e4m3 only; see the module docstring). ``deferral``: (zero-bubble store,
-    ``weight``): the weight gradient goes to the store, and autograd sees ``weight`` detached."""
+    """``F.linear`` with FP8 operands (``fmt``: "e4m3" or "hybrid"; ``recipe``: "tensorwise", or "rowwise" or
+    "blockwise" (:mod:`meshtron.layers.fp8.blockwise`), which take e4m3 only; see the module docstring).
+    ``deferral``: (zero-bubble store, ``weight``): the weight gradient goes to the store, and autograd sees
+    ``weight`` detached."""
     if deferral is not None:
         weight = weight.detach()
     if recipe == "rowwise":
         return _FP8LinearRowwise.apply(x, weight, bias, deferral)
+    if recipe == "blockwise":
+        # Imported here: the blockwise module builds on this one's helpers.
+        from meshtron.layers.fp8.blockwise import fp8_linear_blockwise
+        return fp8_linear_blockwise(x, weight, bias, deferral)
     return _FP8Linear.apply(x, weight, bias, gradient_dtype(fmt), deferral)
 
 
