@@ -119,10 +119,13 @@ def blockwise_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: t
 
 
 def gpu_support_error() -> Optional[str]:
-    """Why this machine cannot run the blockwise scaled matmul on its GPU, or None where it can."""
+    """Why this machine cannot run the blockwise scaled matmul on its GPU, or None where it can (or where it has no
+    GPU to ask: a configuration checked away from the GPUs it will run on)."""
     if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise1x128"):
         return (f"--fp8-recipe blockwise on GPU needs torch >= 2.10 (torch.nn.functional.scaled_mm with "
                 f"blockwise scales); this is torch {torch.__version__}")
+    if not torch.cuda.is_available():
+        return None
     major, minor = torch.cuda.get_device_capability()
     if major != 9:
         return (f"--fp8-recipe blockwise on GPU needs a Hopper GPU (compute capability 9.x, cuBLASLt's "
