@@ -170,9 +170,24 @@ ARGS = ["--model", "tiny", "--seq-length", "64", "--micro-batch-size", "4", "--g
 
 def test_blockwise_fp8_training_follows_bf16():
     """30 iterations of the tiny model (bf16 with blockwise FP8 linears, including the partial tiles of its
-    352-wide MLP) against bf16: the loss falls and ends within 3% of the bf16 run's, as the other recipes do."""
+    352-wide MLP) against bf16: the loss falls and ends within 3% of the bf16 run's, the other recipes' bound
+    (measured: 6.5335 against 6.5219, +0.18%)."""
     bf16 = run_training(build_config(ARGS))
     fp8 = run_training(build_config(ARGS + ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]))
     assert fp8.train_losses[30] < fp8.train_losses[10] - 0.5
     assert fp8.train_losses[30] == pytest.approx(bf16.train_losses[30], rel=0.03)
     assert fp8.train_losses[30] != bf16.train_losses[30]
+
+
+def test_the_memory_estimate_counts_blockwise_as_rowwise():
+    """Both recipes save their linears' bf16 inputs and keep no FP8 copies: the same estimate, with and without
+    TP + SP, and not the tensorwise one."""
+    from meshtron.memory import estimate_memory
+
+    for layout, world in (([], 1), (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)):
+        totals = {}
+        for recipe in ("tensorwise", "rowwise", "blockwise"):
+            cfg = build_config(["--model", "llama3-1b", "--bf16", "--device", "cuda", "--mock-data",
+                                "--fp8-format", "e4m3", "--fp8-recipe", recipe] + layout)
+            totals[recipe] = estimate_memory(cfg, 128256, world_size=world).total
+        assert totals["blockwise"] == totals["rowwise"] != totals["tensorwise"]
