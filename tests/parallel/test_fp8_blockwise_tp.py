@@ -1,4 +1,4 @@
-"""FP8 blockwise under tensor parallelism with sequence parallelism (two gloo ranks on CPU).
+"""FP8 blockwise under tensor parallelism with sequence parallelism, ZeRO-3 and recomputation (two gloo ranks).
 
 A column-parallel layer all-gathers its bf16 input and quantises after the gather, and a row-parallel
 layer quantises its own input features; with shards that are multiples of 128 every tile and block of a

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.layers.fp8.cast import scaled_cast
-from meshtron.layers.fp8.recipes import output_dtype, weight_grad_now_or_deferred
+from meshtron.layers.fp8.operands import output_dtype, weight_grad_now_or_deferred
 
 E4M3 = torch.float8_e4m3fn
 TILE = 128
