@@ -244,3 +244,18 @@ def test_recomputed_and_compiled_blockwise_linear_equal_eager():
     assert rel(compiled[0], want[0]) < 1e-2
     for a, c in zip(want[1:], compiled[1:]):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("b_blocks", [True, False], ids=["1x128-128x128", "1x128-1x128"])
+def test_the_gpu_path_passes_the_scaled_matmul_layout_checks(b_blocks):
+    """The CUDA path's operands and scales (zero-padded, M-major 1x128 scales, L4-padded block scales) pass the
+    shape and stride checks of torch's blockwise scaled matmul, run here through its meta kernel (no GPU)."""
+    from meshtron.layers.fp8.blockwise import _cuda_mm
+
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+    for p, k, q in ((256, 512, 384), (300, 200, 130), (64, 1000, 520)):
+        aq, a_inv = quantize_tiles(torch.randn(p, k))
+        bq, b_inv = (quantize_blocks if b_blocks else quantize_tiles)(torch.randn(q, k))
+        out = _cuda_mm(*(t.to("meta") for t in (aq, a_inv, bq, b_inv)), b_blocks, torch.bfloat16)
+        assert out.shape == (p, q) and out.dtype == torch.bfloat16
