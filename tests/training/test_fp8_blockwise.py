@@ -259,3 +259,11 @@ def test_the_gpu_path_passes_the_scaled_matmul_layout_checks(b_blocks):
         bq, b_inv = (quantize_blocks if b_blocks else quantize_tiles)(torch.randn(q, k))
         out = _cuda_mm(*(t.to("meta") for t in (aq, a_inv, bq, b_inv)), b_blocks, torch.bfloat16)
         assert out.shape == (p, q) and out.dtype == torch.bfloat16
+
+
+def test_an_empty_batch_gives_empty_outputs_and_a_zero_weight_gradient():
+    x = torch.zeros(0, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+    y = fp8_linear(x, w, None, "e4m3", "blockwise")
+    y.sum().backward()
+    assert y.shape == (0, 128) and x.grad.shape == (0, 256) and not w.grad.any()

@@ -81,9 +81,10 @@ def _scale_of(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x`` [R, C] as e4m3, 1/scale [R, ceil(C / 128)]): one scale per row for each 128 columns."""
     rows, cols = x.shape
-    tiles = _pad_to_tiles(x, (1,)).view(rows, -1, TILE)
+    padded = _pad_to_tiles(x, (1,))
+    tiles = padded.view(rows, padded.shape[1] // TILE, TILE)  # splitting one dimension: a view at any strides
     scale, inv = _scale_of(tiles.detach().abs().amax(dim=-1, keepdim=True))
-    q = scaled_cast(tiles, scale, E4M3).view(rows, -1)[:, :cols]
+    q = scaled_cast(tiles, scale, E4M3).view(padded.shape)[:, :cols]
     return q, inv.squeeze(-1)
 
 
