@@ -29,8 +29,9 @@ Two paths compute the same products. On Hopper GPUs the scaled matmul of torch >
 >= 12.9), over operands zero-padded to multiples of 128 where needed (zeros change no tile's maximum
 and add nothing to a sum). Elsewhere (CPU) an emulation: the same e4m3 values (real casts), dequantised and
 multiplied in fp32; it equals the GPU kernel up to the order of accumulation, and is what the CPU tests run.
-The forward product does not take the tensor cores' fast accumulation: cuBLASLt's blockwise kernel
-promotes each 128-wide partial sum to fp32 as it applies the scales (DeepSeek-V3's promotion interval).
+No product asks for the tensor cores' fast accumulation: the kernel applies the scales to each 128-wide
+partial sum along K and accumulates those in fp32 (DeepSeek-V3's promotion to fp32 every 128 elements).
+``tests/training/test_fp8_blockwise_gpu.py`` checks the installed torch and GPU against the emulation.
 
 With the rest of the framework:
 
@@ -123,8 +124,8 @@ def gpu_support_error() -> Optional[str]:
     """Why this machine cannot run the blockwise scaled matmul on its GPU, or None where it can (or where it has no
     GPU to ask: a configuration checked away from the GPUs it will run on)."""
     if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise1x128"):
-        return (f"--fp8-recipe blockwise on GPU needs torch >= 2.10 (torch.nn.functional.scaled_mm with "
-                f"blockwise scales); this is torch {torch.__version__}")
+        return (f"--fp8-recipe blockwise on GPU needs torch.nn.functional.scaled_mm with blockwise scales (torch "
+                f"2.10 or later); this is torch {torch.__version__}")
     if not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability()
@@ -151,7 +152,7 @@ def _cuda_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch
     # Padded tiles hold zeros, so their scales are arbitrary: 1.
     sa = a_inv.new_ones(pp, kk // TILE)
     sa[:a_inv.shape[0], :a_inv.shape[1]] = a_inv
-    sa = sa.t().contiguous().t()  # [P, K/128], M-major
+    sa = sa.t().contiguous().t()  # [P, K/128] column-major: strides (1, P)
     kinds = F.ScalingType
     if b_blocks:
         l4 = math.ceil(kk // TILE / 4) * 4
