@@ -170,6 +170,7 @@ ARGS = ["--model", "tiny", "--seq-length", "64", "--micro-batch-size", "4", "--g
         "--log-interval", "10", "--no-generate-sample", "--bf16", "--device", "cpu"]
 
 
+@pytest.mark.slow  # tests/parallel/test_fp8_blockwise_tp.py's TP=2 + SP run is this recipe's fast trainer run
 def test_blockwise_fp8_training_follows_bf16():
     """30 iterations of the tiny model (bf16 with blockwise FP8 linears, including the partial tiles of its
     352-wide MLP) against bf16: the loss falls and ends within 3% of the bf16 run's, the other recipes' bound
