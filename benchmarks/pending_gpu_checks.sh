@@ -5,6 +5,7 @@
 #   bash benchmarks/pending_gpu_checks.sh long        # llama3-8b at a million tokens, CP=32 and TP=4 x CP=8 ranks
 #   bash benchmarks/pending_gpu_checks.sh documents   # packed documents: flex attention against causal, 8K-128K
 #   bash benchmarks/pending_gpu_checks.sh muon        # Muon against AdamW, quick-start size, 1,000 steps each
+#   bash benchmarks/pending_gpu_checks.sh blockwise   # FP8 blockwise: GPU tests, then its bench rows beside the others
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -47,6 +48,12 @@ for phase in "$@"; do
       done
       timeout 240 python3 -m meshtron bench --matrix benchmarks/muon_one_gpu.yaml --warmup 3 --steps 8 \
         --record "$OUT/measured_muon.jsonl" 2>&1 | tail -6 ;;
+    blockwise)
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/training/test_fp8_blockwise_gpu.py \
+        > "$OUT/gpu_tests_blockwise.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_blockwise.log" | tail -12
+      timeout 280 python3 -m meshtron bench --matrix benchmarks/fp8_blockwise_one_gpu.yaml --warmup 3 --steps 5 \
+        --record "$OUT/measured_fp8_blockwise.jsonl" 2>&1 | tail -10 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

@@ -374,8 +374,10 @@ class TrainConfig:
                                             "last checkpoint; refused without one).", choices=("stop", "restart"))
     fp8_format: Optional[str] = opt(None, "FP8 linear layers.", choices=("e4m3", "hybrid"))
     fp8_hybrid: bool = opt(False, "Alias of --fp8-format hybrid.")
-    fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (one current scale per tensor) or rowwise (one per "
-                          "row, e4m3); delayed is not implemented.", choices=("tensorwise", "rowwise", "delayed"))
+    fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (one current scale per tensor), rowwise (one per "
+                          "row, e4m3) or blockwise (DeepSeek-V3's: one per 1x128 tile of activations and gradients, "
+                          "one per 128x128 block of weights, e4m3); delayed is not implemented.",
+                          choices=("tensorwise", "rowwise", "blockwise", "delayed"))
     recompute_granularity: Optional[str] = opt(None, "Activation recomputation.", choices=("full", "selective"))
     recompute_activations: bool = opt(False, "Megatron's shorthand for --recompute-granularity selective.")
     recompute_method: Optional[str] = opt(None, "Which layers to recompute with --recompute-granularity full.",

@@ -699,10 +699,19 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
         raise ConfigError(f"--fp8-format {t.fp8_format} needs --bf16 (FP8 matmuls take and give bf16 activations)")
     if t.fp8_format and t.fp8_recipe == "delayed":
         raise ConfigError("--fp8-recipe delayed is not implemented; use --fp8-recipe tensorwise (one current "
-                          "scale per tensor) or rowwise (one per row)")
+                          "scale per tensor), rowwise (one per row) or blockwise (one per tile)")
     if t.fp8_recipe == "rowwise" and t.fp8_format == "hybrid":
         raise ConfigError("--fp8-recipe rowwise takes --fp8-format e4m3 (the rowwise scaled matmul has no e5m2 "
                           "gradient path); use --fp8-recipe tensorwise for hybrid")
+    if t.fp8_recipe == "blockwise" and t.fp8_format == "hybrid":
+        raise ConfigError("--fp8-recipe blockwise takes --fp8-format e4m3 (its per-tile scales give gradients their "
+                          "range, and the blockwise scaled matmul takes e4m3 only); use --fp8-recipe tensorwise for "
+                          "hybrid")
+    if t.fp8_format and t.fp8_recipe == "blockwise" and t.device == "cuda":
+        from meshtron.layers.fp8.blockwise import gpu_support_error
+        problem = gpu_support_error()
+        if problem:
+            raise ConfigError(problem)
     if cfg.parallel.async_tensor_parallel and not (t.device == "cuda" and t.compile and cfg.parallel.sequence_parallel):
         raise ConfigError("--async-tensor-parallel needs --device cuda, compiled layers (not --no-compile) and "
                           "--sequence-parallel with --tensor-model-parallel-size > 1")
@@ -778,7 +787,7 @@ def _check_unsupported_megatron_flags(cfg: MeshtronConfig) -> None:
     if t.fp8_amax_history_len is not None or t.fp8_amax_compute_algo is not None:
         flag = "--fp8-amax-history-len" if t.fp8_amax_history_len is not None else "--fp8-amax-compute-algo"
         raise ConfigError(f"{flag} configures delayed FP8 scaling, which meshtron does not implement: it scales "
-                          f"from current values (--fp8-recipe tensorwise or rowwise); drop {flag}")
+                          f"from current values (--fp8-recipe tensorwise, rowwise or blockwise); drop {flag}")
     if t.rampup_batch_size:
         raise ConfigError("--rampup-batch-size is not supported: train with a fixed --global-batch-size")
     for flag, value in (("--loss-scale", t.loss_scale), ("--initial-loss-scale", t.initial_loss_scale)):

@@ -238,7 +238,7 @@ class RowParallelLinear(nn.Module):
         longer keeps). FP8 (tensorwise, outside the sequence-parallel FP8 path) recomputes the product
         and its FP8 casts, and the weight's, in backward (:func:`_swiglu_fp8_recomputed`): neither the
         product's one-byte copy nor the weight's stays between forward and backward. Deferring layers,
-        rowwise FP8, sequence-parallel FP8 and eager FP8 keep the product (their matmuls save their own copies).
+        rowwise or blockwise FP8, sequence-parallel FP8 and eager FP8 keep the product (their matmuls save their own copies).
         A SwiGLU MLP in FP8 tensorwise without biases does not come here: it runs as one function
         (:func:`fuses_fp8_swiglu`, :mod:`meshtron.layers.fp8.swiglu`), eagerly too.
         """

@@ -2,6 +2,9 @@
 
 - :mod:`meshtron.layers.fp8.recipes`: the tensorwise and rowwise FP8 linears and their scales (the switch of a
   model's tensor-parallel linears to FP8, :func:`meshtron.layers.linear.enable_fp8`, lives beside those linears);
+- :mod:`meshtron.layers.fp8.blockwise`: the blockwise recipe (DeepSeek-V3's 1x128 tiles and 128x128 blocks),
+  with a CPU emulation of the scaled matmul;
+- :mod:`meshtron.layers.fp8.operands`: what every recipe's linear shares (output dtype, weight-gradient deferral);
 - :mod:`meshtron.layers.fp8.cast`: the FP8 cast with its transposed copy in one pass (a Triton kernel on CUDA);
 - :mod:`meshtron.layers.fp8.sequence_parallel`: the tensor-parallel linears under sequence parallelism,
   cast before their collectives so that the all-gathers move one byte per element.

@@ -31,11 +31,13 @@ transposed; rowwise: the saved input and the output gradient, quantized in the W
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from meshtron.layers.fp8.blockwise import fp8_linear_blockwise
 from meshtron.layers.fp8.cast import cast_transpose, cast_transposed, scaled_cast
+from meshtron.layers.fp8.operands import output_dtype, weight_grad_now_or_deferred
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -69,11 +71,6 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     return scale, scale.reciprocal()
 
 
-def output_dtype(input_dtype: torch.dtype) -> torch.dtype:
-    """The scaled matmul's output dtype: the activations' half-precision dtype, else fp32."""
-    return input_dtype if input_dtype in (torch.bfloat16, torch.float16) else torch.float32
-
-
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix stored column-major (what _scaled_mm wants for its second operand)."""
     return t.t().contiguous().t()
@@ -88,17 +85,6 @@ def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torc
     a_inv, b_inv = a_inv.flatten().view(a_inv.shape), b_inv.flatten().view(b_inv.shape)
     return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
-
-
-def weight_grad_now_or_deferred(deferral: Optional[tuple], weight_grad: Callable[[], torch.Tensor]
-                                ) -> Optional[torch.Tensor]:
-    """``weight_grad()`` now (no deferral), or handed to the zero-bubble store of ``deferral`` =
-    (store, parameter) for its W pass (then None: the backward returns no weight gradient)."""
-    if deferral is None:
-        return weight_grad()
-    store, param = deferral
-    store.defer(param, weight_grad)
-    return None
 
 
 def cast_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,13 +188,16 @@ def _rowwise_weight_grad(g2: torch.Tensor, x2: torch.Tensor, w_dtype: torch.dtyp
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str,
                recipe: str = "tensorwise", deferral: Optional[tuple] = None) -> torch.Tensor:
-    """``F.linear`` with FP8 operands (``fmt``: "e4m3" or "hybrid"; ``recipe``: "tensorwise" or
-    "rowwise", which takes e4m3 only; see the module docstring). ``deferral``: (zero-bubble store,
-    ``weight``): the weight gradient goes to the store, and autograd sees ``weight`` detached."""
+    """``F.linear`` with FP8 operands (``fmt``: "e4m3" or "hybrid"; ``recipe``: "tensorwise", or "rowwise" or
+    "blockwise" (:mod:`meshtron.layers.fp8.blockwise`), which take e4m3 only; see the module docstring).
+    ``deferral``: (zero-bubble store, ``weight``): the weight gradient goes to the store, and autograd sees
+    ``weight`` detached."""
     if deferral is not None:
         weight = weight.detach()
     if recipe == "rowwise":
         return _FP8LinearRowwise.apply(x, weight, bias, deferral)
+    if recipe == "blockwise":
+        return fp8_linear_blockwise(x, weight, bias, deferral)
     return _FP8Linear.apply(x, weight, bias, gradient_dtype(fmt), deferral)
 
 

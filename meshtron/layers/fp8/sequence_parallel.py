@@ -16,7 +16,7 @@ the gathered input bit for bit (tests/parallel/test_fp8_sequence_parallel.py).
 The weight gradient needs the gathered operand transposed ([features, all tokens]): each rank saves
 its shard's transposed copy (written by the same cast) and backward all-gathers those, so saved
 activations shrink to 1/TP of the gathered FP8 input. Tensorwise scaling only (``--fp8-recipe rowwise``
-takes the plain path).
+and ``blockwise`` take the plain path: cast after the all-gather).
 
 Zero-bubble schedules (``deferral``, as in meshtron.layers.fp8): the collectives stay in the input-gradient
 pass; the gathered transposed operand is kept for the weight-gradient matmul, which the store runs later.
