@@ -39,7 +39,7 @@ for phase in "$@"; do
       # learning rates; Muon through Moonlight's scale rule (spectral x 0.2), which keeps AdamW's learning rates.
       # Then llama3-1b's step time and peak memory with each (benchmarks/muon_one_gpu.yaml).
       for opt in adam muon; do
-        for lr in 1.5e-3 3e-3 6e-3; do
+        for lr in ${MUON_LRS:-1.5e-3 3e-3 6e-3}; do
           extra=""; [ "$opt" = muon ] && extra="--muon-scale-mode spectral --muon-extra-scale-factor 0.2"
           timeout 150 python3 -m meshtron train --train-iters 1000 --optimizer "$opt" --lr "$lr" $extra \
             --save "/tmp/quick_${opt}_$lr" --metrics-file "/tmp/quick_${opt}_$lr.jsonl" --log-interval 250 2>&1 \
