@@ -1,57 +1,94 @@
-"""The distributed optimizer's state of Megatron-LM checkpoints in megatron-core's bucket layout, read by meshtron.
+"""Optimizer state of Megatron-LM checkpoints that does not name its tensors, read by meshtron.
 
-``dense_tp2pp2_dp2_dp_reshardable`` was written by megatron-core 0.19.2's own ``DistributedOptimizer``
-(tests/fixtures/megatron/make_checkpoints.py ``--optimizer``): TP=2 x PP=2 x DP=2, ``--overlap-grad-reduce`` with
-buckets of 1500 elements, its state saved in the ``dp_reshardable`` format (Megatron-LM's default). The same
-optimizer saved in the ``fully_reshardable`` format (megatron-core mapping its buckets to the model's tensors
-itself) is ``reference_optimizer.pt``.
+Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_checkpoints.py ``--optimizer``):
+
+* ``dense_tp2pp2_dp2_dp_reshardable``: its ``DistributedOptimizer`` at TP=2 x PP=2 x DP=2, ``--overlap-grad-reduce``
+  with buckets of 1500 elements, saved in torch_dist's ``dp_reshardable`` format (Megatron-LM's default);
+* ``legacy_tp2pp2_dp2_distrib_optim``: the same optimizer in the legacy format (``distrib_optim.pt`` by
+  ``DistributedOptimizer.save_parameter_state``, ``optimizer.state_dict()`` in ``model_optim_rng.pt``);
+* ``legacy_tp2_bf16_optim``: a bf16 model (2 layers, TP=2) with Megatron's non-distributed optimizer
+  (``Float16OptimizerWithFloat16Params``: fp32 masters), legacy format.
+
+``reference_optimizer.pt`` holds megatron-core's own per-tensor state of each: the first saved again in the
+``fully_reshardable`` format (megatron-core mapping its buckets to the model's tensors itself; the moments, an
+fp32 model's masters being its weights), the second the same tensors (``same_as``), the third the non-distributed
+optimizer's masters and moments as they were in memory, per rank and parameter name.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from meshtron.checkpoint.errors import CheckpointError
 from meshtron.checkpoint.megatron import buckets, find_megatron_checkpoint, reader
 from meshtron.checkpoint.megatron.reader import read_megatron
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
 CASE = "dense_tp2pp2_dp2_dp_reshardable"
+LEGACY = "legacy_tp2pp2_dp2_distrib_optim"
+BF16 = "legacy_tp2_bf16_optim"
+
+
+def _read(name: str):
+    return read_megatron(find_megatron_checkpoint(FIXTURES / name))
 
 
 @pytest.fixture(scope="module")
-def state():
-    return read_megatron(find_megatron_checkpoint(FIXTURES / CASE))
+def references():
+    return torch.load(FIXTURES / "reference_optimizer.pt", weights_only=True)
 
 
-@pytest.fixture(scope="module")
-def reference(state):
-    """megatron-core's own per-tensor optimizer state, in meshtron's names."""
-    saved = torch.load(FIXTURES / "reference_optimizer.pt", weights_only=True)[CASE]["optimizer"]
-    shape = reader._shape_info(state.settings)
+def _reference(references: dict, name: str, settings: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """megatron-core's own per-tensor optimizer state of ``name``, in meshtron's names (the per-rank shards of
+    the non-distributed optimizer joined as Megatron's tensor parallelism splits them)."""
+    entry = references[name]
+    entry = references[entry["same_as"]] if "same_as" in entry else entry
+    shape = reader._shape_info(settings)
+    if "per_rank" in entry:
+        tp = 1 + max(t for t, _ in entry["per_rank"])
+        saved = {}
+        for key in ("fp32_param", "exp_avg", "exp_avg_sq"):
+            for pname in entry["per_rank"][(0, 0)]:
+                parts = [entry["per_rank"][(t, 0)][pname][key] for t in range(tp)]
+                saved[f"optimizer.state.{key}.{pname}"] = buckets.merge_shards(pname, parts, shape["swiglu"])
+    else:
+        saved = entry["optimizer"]
     out = {}
     for megatron_state, ours in reader.OPTIM_STATES.items():
         prefix = f"optimizer.state.{megatron_state}."
         tensors = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
         if tensors:
-            out[ours] = reader._canonical(tensors, state.settings["num_layers"], shape)
+            out[ours] = reader._canonical(tensors, settings["num_layers"], shape)
     return out
 
 
-def test_buckets_give_megatron_cores_tensors(state, reference):
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16])
+def test_optimizer_state_is_megatron_cores(name, references):
+    state = _read(name)
     assert state.notices == [] and state.step == 7
-    assert set(state.optim) == set(reference) == {"master", "exp_avg", "exp_avg_sq"}
-    for name in reference:
-        assert set(state.optim[name]) == set(reference[name]) == set(state.model), name
-        for k, t in reference[name].items():
-            assert torch.equal(state.optim[name][k], t), (name, k)
+    assert set(state.optim) == {"master", "exp_avg", "exp_avg_sq"}
+    reference = _reference(references, name, state.settings)
+    assert set(reference) == ({"master", "exp_avg", "exp_avg_sq"} if name == BF16 else {"exp_avg", "exp_avg_sq"})
+    for which in reference:
+        assert set(state.optim[which]) == set(reference[which]) == set(state.model), which
+        for k, t in reference[which].items():
+            assert torch.equal(state.optim[which][k], t), (which, k)
+    for k, t in state.model.items():  # the masters are the weights, rounded to the model's dtype
+        assert torch.equal(state.optim["master"][k].to(t.dtype), t), k
 
 
-def test_the_model_is_the_same_as_without_buckets(state):
-    """Same seeds, same layout as dense_tp2pp2: the weights read equal, and so do the master weights."""
+@pytest.mark.parametrize("name", [CASE, LEGACY])
+def test_the_model_is_the_same_as_without_buckets(name):
+    """Same seeds, same layout as dense_tp2pp2: the weights read equal, and (an fp32 model) the masters too."""
+    state = _read(name)
     plain = read_megatron(find_megatron_checkpoint(FIXTURES / "dense_tp2pp2"), optimizer=False)
+    assert set(plain.model) == set(state.model)
     for k, t in plain.model.items():
         assert torch.equal(state.model[k], t), k
         assert torch.equal(state.optim["master"][k], t), k
@@ -65,6 +102,48 @@ def test_a_layout_that_does_not_fit_is_a_notice(monkeypatch):
     note = got.notices[0]
     assert "\n" not in note and "Megatron-LM checkpoint" in note and "dp_reshardable" in note
     assert "model-parallel rank 0 (TP 0, PP 0)" in note and "Adam moments start from zero" in note
+
+
+def test_legacy_missing_or_foreign_optimizer_file(tmp_path):
+    """A missing distrib_optim.pt is a notice (the weights load); a foreign pickle in one is refused in one line
+    naming the file."""
+    dst = tmp_path / "legacy"
+    shutil.copytree(FIXTURES / LEGACY, dst)
+    f = dst / "iter_0000007" / "mp_rank_01_001" / "distrib_optim.pt"
+    f.unlink()
+    got = _read_dir(dst)
+    assert got.optim == {} and len(got.notices) == 1 and str(f) in got.notices[0] and "\n" not in got.notices[0]
+    f.write_bytes(pickle.dumps({"buckets_coalesced": True, 0: _Payload()}, protocol=2))
+    with pytest.raises(CheckpointError) as err:
+        _read_dir(dst)
+    text = str(err.value)
+    assert "\n" not in text and str(f) in text and f"{os.system.__module__}.system" in text
+
+
+def test_bf16_groups_that_do_not_fit_are_a_notice(tmp_path):
+    """Parameter groups unlike Megatron-LM's standard two: nothing taken from them, said in one line."""
+    from meshtron.checkpoint.megatron.unpickler import load_pickled
+
+    dst = tmp_path / "bf16"
+    shutil.copytree(FIXTURES / BF16, dst)
+    f = dst / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = load_pickled(f, str(f))
+    state["args"].attention_backend = "auto"  # the stand-in of Megatron's enum does not pickle back
+    groups = state["optimizer"]["optimizer"]["param_groups"]
+    groups[0]["params"], groups[1]["params"] = groups[0]["params"][:-1], groups[1]["params"] + groups[0]["params"][-1:]
+    torch.save(state, f)
+    got = _read_dir(dst)
+    assert got.optim == {} and len(got.notices) == 1
+    assert "mp_rank_00_000: parameter groups of [9, 6] parameters" in got.notices[0]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def _read_dir(path: Path):
+    return read_megatron(find_megatron_checkpoint(path))
 
 
 def test_tied_embedding_gets_a_bucket_of_its_own():

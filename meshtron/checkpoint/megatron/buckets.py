@@ -179,6 +179,24 @@ def layout(rank: Rank, bucket_size: Optional[int]) -> tuple[list[Placement], lis
     return placements, lengths
 
 
+def split_coalesced(model: dict[str, torch.Tensor], world: dict[int, dict[str, torch.Tensor]], tp_size: int,
+                    pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
+                    bucket_size: Optional[int]) -> dict[int, dict[int, dict[str, torch.Tensor]]]:
+    """The legacy ``distrib_optim.pt`` buffers ({model-parallel rank: {state: the buckets' unpadded contents one
+    after another}}) cut into buckets as :func:`unflatten` takes them."""
+    out: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    for index, states in world.items():
+        tp, pp = index % tp_size, index // tp_size
+        _, lengths = layout(rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied), bucket_size)
+        for state, flat in states.items():
+            if flat.numel() != sum(lengths):
+                raise LayoutMismatch(f"model-parallel rank {index} (TP {tp}, PP {pp}): a buffer of {flat.numel()} "
+                                     f"elements, the model's parameters lay out as {sum(lengths)}")
+            for b, piece in enumerate(flat.split(lengths)):
+                out.setdefault(index, {}).setdefault(b, {})[state] = piece
+    return out
+
+
 def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[str, torch.Tensor]]],
               tp_size: int, pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
               bucket_size: Optional[int]) -> dict[str, dict[str, torch.Tensor]]:

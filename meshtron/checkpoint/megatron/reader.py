@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from meshtron.checkpoint.errors import CheckpointError
-from meshtron.checkpoint.megatron import buckets, legacy, names, torch_dist
+from meshtron.checkpoint.megatron import buckets, legacy, legacy_optim, names, torch_dist
 from meshtron.checkpoint.megatron.args import model_settings
 from meshtron.checkpoint.megatron.detect import MegatronCheckpoint
 from meshtron.checkpoint.megatron.unpickler import load_pickled
@@ -72,7 +72,7 @@ def _progress(common: dict, where: str) -> tuple[int, Any, dict]:
 def _optimizer_step(common: dict, iteration: int) -> int:
     """The Adam step count: from the parameter groups (Megatron keeps it there), else the iteration."""
     opt = common.get("optimizer")
-    inner = opt.get("optimizer") if isinstance(opt, dict) else None
+    inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None  # FP32Optimizer: torch's own state_dict
     return _groups_step(inner.get("param_groups") if isinstance(inner, dict) else None, iteration)
 
 
@@ -91,6 +91,41 @@ def _bucket_size(args: Any) -> Optional[int]:
     return int(size) if size else max(40_000_000, 1_000_000 * int(getattr(args, "data_parallel_size", 1) or 1))
 
 
+def _layout_args(args: Any) -> tuple[int, int, str]:
+    return (int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+            int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+            str(getattr(args, "transformer_impl", "transformer_engine")))
+
+
+def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, merged: dict[str, torch.Tensor],
+                           settings: dict, args: Any, shape: dict, where: str) -> tuple[dict, list[str]]:
+    """The legacy format's optimizer state as {state: {Megatron name: whole tensor}} (empty, with a notice, when
+    its layout is not one meshtron can prove; empty, silently, when it has none)."""
+    distributed = [f.parent / legacy_optim.DISTRIB_OPTIM_FILE for f in files.values()]
+    has_distributed = any(f.is_file() for f in distributed)
+    if not has_distributed and not any(isinstance(s.get("optimizer"), dict) for s in states.values()):
+        return {}, []
+    tp, pp, spec = _layout_args(args)
+    what = "distrib_optim.pt (the distributed optimizer's buffers)" if has_distributed else \
+        "the 'optimizer' entries of model_optim_rng.pt"
+    why = None
+    if getattr(args, "num_experts", None) or getattr(args, "virtual_pipeline_model_parallel_size", None):
+        why = "mixture-of-experts and virtual-pipeline layouts are not mapped yet"
+    elif has_distributed and not all(f.is_file() for f in distributed):
+        why = f"{next(f for f in distributed if not f.is_file())} is missing"
+    else:
+        try:
+            if has_distributed:
+                return legacy_optim.distributed_state(files, merged, tp, pp, settings["num_layers"], spec,
+                                                      shape["swiglu"], shape["tied"], _bucket_size(args)), []
+            return legacy_optim.local_state(states, merged, tp, pp, settings["num_layers"], spec, shape["swiglu"],
+                                            shape["tied"]), []
+        except buckets.LayoutMismatch as err:
+            why = f"it does not hold the parameters where megatron-core puts them ({err})"
+    return {}, [f"{where}: its optimizer state ({what}) is not read: {why}; the weights load and the Adam "
+                "moments start from zero"]
+
+
 def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dict[str, torch.Tensor],
                   settings: dict, args: Any, shape: dict, where: str) -> tuple[dict, Optional[list], list[str]]:
     """The dp_reshardable optimizer state as {state: {Megatron name: whole tensor}} (empty, with a notice, when
@@ -105,8 +140,7 @@ def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dic
         buffers.add(m.group(2))
         found.setdefault(int(m.group(1)), {}).setdefault(int(m.group(4)), {})[m.group(5)] = k
     why = None
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    tp, pp, spec = _layout_args(args)
     if buffers != {"0"}:
         why = "more than one parameter buffer (parameters of several dtypes, or experts)"
     elif getattr(args, "num_experts", None) or getattr(args, "virtual_pipeline_model_parallel_size", None):
@@ -121,8 +155,7 @@ def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dic
         for name, t in model_tensors.items():
             per_layer.update(dict(names.per_layer(name, t, settings["num_layers"])))
         try:
-            state = buckets.unflatten(per_layer, flat, tp, pp, settings["num_layers"],
-                                      str(getattr(args, "transformer_impl", "transformer_engine")), shape["swiglu"],
+            state = buckets.unflatten(per_layer, flat, tp, pp, settings["num_layers"], spec, shape["swiglu"],
                                       shape["tied"], _bucket_size(args))
         except buckets.LayoutMismatch as err:
             why = f"its buckets do not hold the parameters where megatron-core puts them ({err})"
@@ -176,10 +209,16 @@ def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, op
         iteration, args, scheduler = _progress(first, where)
         settings = model_settings(args, where)
         shape = _shape_info(settings)
-        merged, _, more = legacy.merge(ckpt.directory, shape["swiglu"])
+        merged, states, more = legacy.merge(ckpt.directory, shape["swiglu"])
         notices += more
         model = _canonical(merged, settings["num_layers"], shape)
         step = None
+        if optimizer:
+            flat, more = _read_legacy_optimizer(ckpt, files, states, merged, settings, args, shape, where)
+            notices += more
+            for state, ts in flat.items():
+                optim[OPTIM_STATES[state]] = _canonical(ts, settings["num_layers"], shape)
+            step = _optimizer_step(first, iteration) if optim else None
     if optimizer and optim:
         missing = sorted(set(model) - set(optim.get("master", {})) - {n for n in model if n.endswith("expert_bias")})
         if missing or {"exp_avg", "exp_avg_sq"} - set(optim):
