@@ -166,3 +166,21 @@ def test_tied_embedding_gets_a_bucket_of_its_own():
     assert [(p.name, p.bucket, p.start) for p in places] == [("output_layer.weight", 0, 0),
                                                              ("decoder.final_layernorm.weight", 1, 0)]
     assert lengths == [32, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16])
+def test_train_continues_with_the_optimizer_state(name):
+    """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
+    moments start from zero) and trains on."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "meshtron", "train", "--load", str(FIXTURES / name), "--use-checkpoint-args",
+           "--mock-data", "--train-iters", "8", "--global-batch-size", "8", "--micro-batch-size", "8", "--device",
+           "cpu", "--lr", "3e-4", "--log-interval", "1", "--eval-iters", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-2000:]
+    assert "resumed from" in text and "iteration 8/8" in text
+    assert "start from zero" not in text and "is not read" not in text

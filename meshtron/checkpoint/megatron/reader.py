@@ -165,7 +165,8 @@ def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dic
             groups = obj.get("param_groups") if isinstance(obj, dict) else None
     if why is not None:
         return {}, None, [f"{where}: its optimizer state (the distributed optimizer's dp_reshardable buckets) is "
-                          f"not read: {why}; the weights load and the Adam moments start from zero"]
+                          f"not read: {why}; the weights load and the Adam moments start from zero (save with "
+                          "--dist-ckpt-optim-fully-reshardable to carry them over)"]
     return state, groups, []
 
 
