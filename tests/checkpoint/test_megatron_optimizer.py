@@ -2,17 +2,17 @@
 
 Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_checkpoints.py ``--optimizer``):
 
-* ``dense_tp2pp2_dp2_dp_reshardable``: its ``DistributedOptimizer`` at TP=2 x PP=2 x DP=2, ``--overlap-grad-reduce``
-  with buckets of 1500 elements, saved in torch_dist's ``dp_reshardable`` format (Megatron-LM's default);
+* ``dense_tp2pp2_dp2_dp_reshardable``: its ``DistributedOptimizer`` at TP=2 x PP=2 x DP=2 (2 layers),
+  ``--overlap-grad-reduce`` with buckets of 1000 elements, saved in torch_dist's ``dp_reshardable`` format
+  (Megatron-LM's default);
 * ``legacy_tp2pp2_dp2_distrib_optim``: the same optimizer in the legacy format (``distrib_optim.pt`` by
   ``DistributedOptimizer.save_parameter_state``, ``optimizer.state_dict()`` in ``model_optim_rng.pt``);
 * ``legacy_tp2_bf16_optim``: a bf16 model (2 layers, TP=2) with Megatron's non-distributed optimizer
   (``Float16OptimizerWithFloat16Params``: fp32 masters), legacy format.
 
-``reference_optimizer.pt`` holds megatron-core's own per-tensor state of each: the first saved again in the
-``fully_reshardable`` format (megatron-core mapping its buckets to the model's tensors itself; the moments, an
-fp32 model's masters being its weights), the second the same tensors (``same_as``), the third the non-distributed
-optimizer's masters and moments as they were in memory, per rank and parameter name.
+``reference_optimizer.pt`` holds megatron-core's own per-tensor state of each, as it was in memory: per
+model-parallel rank and parameter name, the masters and moments (the distributed optimizer's pieces put together
+with its own parameter ranges); the second is the first's (``same_as``).
 """
 
 from __future__ import annotations
@@ -50,15 +50,13 @@ def _reference(references: dict, name: str, settings: dict) -> dict[str, dict[st
     entry = references[name]
     entry = references[entry["same_as"]] if "same_as" in entry else entry
     shape = reader._shape_info(settings)
-    if "per_rank" in entry:
-        tp = 1 + max(t for t, _ in entry["per_rank"])
-        saved = {}
-        for key in ("fp32_param", "exp_avg", "exp_avg_sq"):
-            for pname in entry["per_rank"][(0, 0)]:
-                parts = [entry["per_rank"][(t, 0)][pname][key] for t in range(tp)]
-                saved[f"optimizer.state.{key}.{pname}"] = buckets.merge_shards(pname, parts, shape["swiglu"])
-    else:
-        saved = entry["optimizer"]
+    parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for (tp, _), by_name in entry["per_rank"].items():
+        for pname, tensors in by_name.items():
+            for key, t in tensors.items():
+                parts.setdefault((key, pname), {})[tp] = t
+    saved = {f"optimizer.state.{key}.{pname}": buckets.merge_shards(pname, [p[t] for t in sorted(p)], shape["swiglu"])
+             for (key, pname), p in parts.items()}
     out = {}
     for megatron_state, ours in reader.OPTIM_STATES.items():
         prefix = f"optimizer.state.{megatron_state}."
@@ -74,7 +72,7 @@ def test_optimizer_state_is_megatron_cores(name, references):
     assert state.notices == [] and state.step == 7
     assert set(state.optim) == {"master", "exp_avg", "exp_avg_sq"}
     reference = _reference(references, name, state.settings)
-    assert set(reference) == ({"master", "exp_avg", "exp_avg_sq"} if name == BF16 else {"exp_avg", "exp_avg_sq"})
+    assert set(reference) == {"master", "exp_avg", "exp_avg_sq"}
     for which in reference:
         assert set(state.optim[which]) == set(reference[which]) == set(state.model), which
         for k, t in reference[which].items():
@@ -83,15 +81,17 @@ def test_optimizer_state_is_megatron_cores(name, references):
         assert torch.equal(state.optim["master"][k].to(t.dtype), t), k
 
 
-@pytest.mark.parametrize("name", [CASE, LEGACY])
-def test_the_model_is_the_same_as_without_buckets(name):
-    """Same seeds, same layout as dense_tp2pp2: the weights read equal, and (an fp32 model) the masters too."""
-    state = _read(name)
-    plain = read_megatron(find_megatron_checkpoint(FIXTURES / "dense_tp2pp2"), optimizer=False)
-    assert set(plain.model) == set(state.model)
-    for k, t in plain.model.items():
-        assert torch.equal(state.model[k], t), k
-        assert torch.equal(state.optim["master"][k], t), k
+def test_the_same_optimizer_in_both_formats():
+    """The same model and optimizer saved as torch_dist dp_reshardable and as legacy distrib_optim.pt read the
+    same: weights, masters (an fp32 model's: its weights) and moments."""
+    a, b = _read(CASE), _read(LEGACY)
+    assert set(a.model) == set(b.model)
+    for k, t in a.model.items():
+        assert torch.equal(b.model[k], t), k
+        assert torch.equal(a.optim["master"][k], t) and torch.equal(b.optim["master"][k], t), k
+    for which in ("exp_avg", "exp_avg_sq"):
+        for k, t in a.optim[which].items():
+            assert torch.equal(b.optim[which][k], t), (which, k)
 
 
 def test_a_layout_that_does_not_fit_is_a_notice(monkeypatch):

@@ -14,6 +14,9 @@ from typing import Any
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads
 
+#: multi-latent attention's fields, the same name in ``args`` and meshtron (with --multi-latent-attention).
+MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim", "rope_type")
 #: meshtron model fields taken from ``args`` under the same name.
 SAME_NAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
              "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings", "normalization",
@@ -36,8 +39,13 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
         raise CheckpointError(f"{where} holds no Megatron-LM 'args' (with num_layers, hidden_size...): cannot tell "
                               "the model's shape")
     unsupported = []
-    if _get(args, "multi_latent_attention"):
-        unsupported.append("--multi-latent-attention (multi-latent attention is not read yet)")
+    mla = bool(_get(args, "multi_latent_attention"))
+    if mla and not _get(args, "qk_layernorm"):
+        unsupported.append("--multi-latent-attention without --qk-layernorm (megatron-core's multi-latent attention "
+                           "then has no latent norms; meshtron's, as DeepSeek's, has them)")
+    if mla and (_get(args, "rope_type") or "yarn") != "rope":  # unset: megatron-core's MLA takes YaRN
+        unsupported.append(f"--rope-type {_get(args, 'rope_type') or 'yarn (unset)'} with multi-latent attention "
+                           "(only --rope-type rope is read yet)")
     if _get(args, "mtp_num_layers"):
         unsupported.append(f"--mtp-num-layers {args.mtp_num_layers} (multi-token prediction is not read yet)")
     if float(_get(args, "rotary_percent", 1.0) or 1.0) != 1.0:
@@ -57,6 +65,9 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
         out["add_qkv_bias"] = False
     if _get(args, "num_experts"):
         out["moe_layer_freq"] = int(freq)
+    if mla:  # Megatron's --qk-layernorm is MLA's latent norms here, which meshtron's MLA always has
+        out.update({k: _get(args, k) for k in MLA_FIELDS if _get(args, k) is not None}, qk_layernorm=False,
+                   group_query_attention=False, kv_channels=None)
     if not out.get("group_query_attention"):
         out["num_query_groups"] = None
     out["vocab_size"] = int(_get(args, "padded_vocab_size") or 0) or None
@@ -93,6 +104,9 @@ _CHECKED = {
     "moe_router_score_function": lambda m: m.moe_router_score_function if m.num_experts else None,
     "moe_router_enable_expert_bias": lambda m: bool(m.moe_router_enable_expert_bias) if m.num_experts else None,
     "moe_router_pre_softmax": lambda m: bool(m.moe_router_pre_softmax) if m.num_experts else None,
+    "multi_latent_attention": lambda m: bool(m.multi_latent_attention),
+    **{k: (lambda name: lambda m: getattr(m, name) if m.multi_latent_attention else None)(k)
+       for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")},
 }
 
 

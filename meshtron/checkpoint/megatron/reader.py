@@ -48,8 +48,10 @@ def _shape_info(settings: dict[str, Any]) -> dict[str, Any]:
     for k, v in settings.items():
         if k != "vocab_size":
             setattr(m, k, v)
+    mla = {k: getattr(m, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                       "v_head_dim")} if m.multi_latent_attention else None
     return {"heads": m.num_attention_heads, "groups": num_kv_heads(m), "head_dim": head_dim(m),
-            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights}
+            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights, "mla": mla}
 
 
 def _canonical(tensors: dict[str, torch.Tensor], num_layers: int, shape: dict) -> dict[str, torch.Tensor]:
