@@ -157,16 +157,17 @@ _MLA = {
 }
 
 
-def _mla_rows(rest: str, t: torch.Tensor, mla: dict) -> torch.Tensor:
+def _mla_rows(rest: str, t: torch.Tensor, mla: dict, inverse: bool = False) -> torch.Tensor:
     """megatron-core's MLA rotates the rotary part in interleaved pairs (``mla_rotary_interleaved``), as DeepSeek
-    does: the rows producing it are reordered into meshtron's rotate-half order, as for Hugging Face's."""
+    does: the rows producing it are reordered into meshtron's rotate-half order, as for Hugging Face's
+    (``inverse``: back, for writing)."""
     from meshtron.layers.mla_hf import deinterleave_rows
 
     dr = mla["qk_pos_emb_head_dim"]
     if rest in ("self_attention.linear_q_up_proj.weight", "self_attention.linear_q_proj.weight"):
-        return deinterleave_rows(t, mla["qk_head_dim"] + dr, dr)
+        return deinterleave_rows(t, mla["qk_head_dim"] + dr, dr, inverse)
     if rest == "self_attention.linear_kv_down_proj.weight":
-        return deinterleave_rows(t, mla["kv_lora_rank"] + dr, dr)
+        return deinterleave_rows(t, mla["kv_lora_rank"] + dr, dr, inverse)
     return t
 
 
@@ -232,13 +233,24 @@ DENSE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp
 MOE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.shared_experts.linear_fc1",
                "mlp.shared_experts.linear_fc2")
 EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+MLA_LINEARS = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+               "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj", "self_attention.linear_proj",
+               "mlp.linear_fc1", "mlp.linear_fc2")
+#: canonical MLA name -> Megatron's, by spec: Transformer Engine fuses the latent norms into the up projections
+_FUSED_MLA_NORMS = {k for k in _MLA if k.endswith(".layer_norm_weight")}
+_PLAIN_MLA_NORMS = {"self_attention.q_layernorm.weight", "self_attention.kv_layernorm.weight"}
+_FROM_MLA = {spec: {v: k for k, v in _MLA.items()
+                    if k not in (_PLAIN_MLA_NORMS if spec == "transformer_engine" else _FUSED_MLA_NORMS)}
+             for spec in SPECS}
 
 
-def _megatron_layer_name(rest: str, moe: bool, spec: str) -> str:
+def _megatron_layer_name(rest: str, moe: bool, spec: str, mla: bool = False) -> str:
     """Megatron's per-layer name (after ``decoder.layers.N.``) of a simple canonical name (after ``layers.N.``)."""
     name = _FROM_LAYER[rest]
     if name.startswith("pre_mlp_layernorm.") and moe and spec == "transformer_engine":
         return name  # TE's MoE layer: a separate norm module
+    if mla and (name.startswith("input_layernorm.") or spec == "local"):
+        return name  # MLA's layer: the input norm a module of its own (no fused QKV), no fused names in local
     return _FUSED_NORMS.get(name, name)
 
 
@@ -276,8 +288,12 @@ def from_canonical(tensors: dict[str, torch.Tensor], shape: dict, moe_layers: se
             raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent")
         layer, rest = int(m.group(1)), m.group(2)
         base = f"decoder.layers.{layer}"
+        if shape.get("mla") and rest in _FROM_MLA[spec]:
+            mname = _FROM_MLA[spec][rest]
+            out[f"{base}.{mname}"] = _mla_rows(mname, t, shape["mla"], inverse=True)
+            continue
         if rest in _FROM_LAYER:
-            out[f"{base}.{_megatron_layer_name(rest, layer in moe_layers, spec)}"] = t
+            out[f"{base}.{_megatron_layer_name(rest, layer in moe_layers, spec, bool(shape.get('mla')))}"] = t
             continue
         parts = re.match(r"^attention\.([qkv])\.(weight|bias)$", rest)
         if parts:
@@ -292,8 +308,8 @@ def from_canonical(tensors: dict[str, torch.Tensor], shape: dict, moe_layers: se
             else:
                 fused.setdefault(f"{prefix}.linear_fc1.{parts.group(3)}", {})[parts.group(2)] = t
             continue
-        raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent (supported: dense GPT/Llama "
-                              "and mixture-of-experts layers)")
+        raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent (supported: dense GPT/Llama, "
+                              "mixture-of-experts and multi-latent attention layers)")
     for mname, roles in fused.items():
         if mname.endswith(("linear_qkv.weight", "linear_qkv.bias")):
             qkv = [roles.get(r) for r in "qkv"]
