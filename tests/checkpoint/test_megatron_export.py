@@ -292,3 +292,39 @@ def test_export_megatron_needs_save(tmp_path):
         cfg.set(key, value)
     with pytest.raises(ConfigError, match="--export-megatron .*give --save too"):
         validate_config(cfg, 1)
+
+
+def test_mla_export_is_megatron_cores_own_save(tmp_path):
+    """Multi-latent attention: megatron-core's own checkpoint (the ``mla`` fixture of make_checkpoints.py) read and
+    written again with ``--megatron-spec local`` gives megatron-core's keys, bit for bit its tensors (the rotary
+    rows back in interleaved pairs) and its Transformer Engine entries; what is read back computes megatron-core's
+    logits. With Transformer Engine's spec the latent norms and the pre-MLP norm take its fused names."""
+    src = FIXTURES / "mla" / "iter_0000007"
+    assert convert_main(["--from", "megatron", "--input", str(src.parent), "--output", str(tmp_path / "c")]) == 0
+    for spec in ("local", "transformer_engine"):
+        out = tmp_path / spec
+        assert convert_main(["--to", "megatron", "--input", str(tmp_path / "c"), "--output", str(out),
+                             "--megatron-spec", spec]) == 0
+        written = next(out.glob("iter_*"))
+        ma, mb = read_index(src), read_index(written)
+        theirs, ours = set(ma.state_dict_metadata), set(mb.state_dict_metadata)
+        if spec == "local":
+            assert theirs == ours
+        else:
+            renamed = {"decoder.layers.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+                       "decoder.layers.self_attention.q_layernorm.weight":
+                           "decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight",
+                       "decoder.layers.self_attention.kv_layernorm.weight":
+                           "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight"}
+            assert {renamed.get(k, k) for k in theirs} == ours
+        keys = [k for k, v in ma.state_dict_metadata.items() if hasattr(v, "chunks") and k in ours]
+        a, _ = read_entries(src, ma, keys)
+        b, _ = read_entries(written, mb, keys)
+        for k in keys:
+            assert torch.equal(a[k], b[k]), (spec, k)
+    ref = torch.load(FIXTURES / "reference.pt", weights_only=True)
+    assert convert_main(["--from", "megatron", "--input", str(tmp_path / "local"), "--output",
+                         str(tmp_path / "back")]) == 0
+    model, _ = load_for_inference(tmp_path / "back", "cpu", torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["tokens"]), ref["logits"]["mla"], rtol=0, atol=2e-5)

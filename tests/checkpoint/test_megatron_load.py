@@ -2,7 +2,8 @@
 
 The fixtures under tests/fixtures/megatron/ were written by megatron-core 0.19.2 itself
 (tests/fixtures/megatron/make_checkpoints.py): TP=2 x PP=2 torch_dist with fully reshardable optimizer state,
-the same with ``common.pt``, the same model in the legacy format, and an expert-parallel MoE model.
+the same with ``common.pt``, the same model in the legacy format, an expert-parallel MoE model, and a model with
+multi-latent attention (DeepSeek's, with latent norms: ``--qk-layernorm``; its rotary rows reordered on reading).
 ``reference.pt`` holds megatron-core's logits of each after it loaded the checkpoint into a TP=1, PP=1 model.
 """
 
@@ -29,7 +30,7 @@ from meshtron.checkpoint.megatron.unpickler import load_pickled
 from meshtron.config import ModelConfig
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
-CASES = ("dense_tp2pp2", "dense_tp2pp2_common_pt", "legacy_tp2pp2", "moe_ep2")
+CASES = ("dense_tp2pp2", "dense_tp2pp2_common_pt", "legacy_tp2pp2", "moe_ep2", "mla")
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +176,22 @@ def test_train_continues_from_a_megatron_checkpoint(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     train = [r for r in rows if r.get("type") == "train"]
     assert [r["iteration"] for r in train] == [8, 9] and train[0]["consumed_samples"] == 64
+
+
+def test_mla_refusals_named():
+    """Multi-latent attention with megatron-core's default YaRN, or without its latent norms: refused, named."""
+    import copy
+
+    from meshtron.checkpoint.megatron.args import model_settings
+    from meshtron.checkpoint.megatron.reader import read_common_state
+
+    args = read_common_state(find_megatron_checkpoint(FIXTURES / "mla"))["args"]
+    assert model_settings(args, "X")["multi_latent_attention"]
+    for change, flag in (({"rope_type": None}, "--rope-type yarn (unset)"), ({"qk_layernorm": False},
+                                                                             "without --qk-layernorm")):
+        bad = copy.copy(args)
+        for k, v in change.items():
+            setattr(bad, k, v)
+        with pytest.raises(CheckpointError) as err:
+            model_settings(bad, "Megatron-LM checkpoint X")
+        assert any(flag in line for line in err.value.differences), err.value.differences

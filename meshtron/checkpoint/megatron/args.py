@@ -15,9 +15,13 @@ from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads
 from meshtron.layer_kinds.dense import DENSE
 from meshtron.layer_kinds.gqa import GQA
+from meshtron.layer_kinds.mla import MLA
 from meshtron.layer_kinds.moe import MOE
 from meshtron.layer_kinds.pattern import format_pattern, resolved_pattern
 
+#: multi-latent attention's fields, the same name in ``args`` and meshtron (with --multi-latent-attention).
+MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim", "rope_type")
 #: meshtron model fields taken from ``args`` under the same name.
 SAME_NAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
              "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings", "normalization",
@@ -40,8 +44,13 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
         raise CheckpointError(f"{where} holds no Megatron-LM 'args' (with num_layers, hidden_size...): cannot tell "
                               "the model's shape")
     unsupported = []
-    if _get(args, "multi_latent_attention"):
-        unsupported.append("--multi-latent-attention (multi-latent attention is not read yet)")
+    mla = bool(_get(args, "multi_latent_attention"))
+    if mla and not _get(args, "qk_layernorm"):
+        unsupported.append("--multi-latent-attention without --qk-layernorm (megatron-core's multi-latent attention "
+                           "then has no latent norms; meshtron's, as DeepSeek's, has them)")
+    if mla and (_get(args, "rope_type") or "yarn") != "rope":  # unset: megatron-core's MLA takes YaRN
+        unsupported.append(f"--rope-type {_get(args, 'rope_type') or 'yarn (unset)'} with multi-latent attention "
+                           "(only --rope-type rope is read yet)")
     if _get(args, "mtp_num_layers"):
         unsupported.append(f"--mtp-num-layers {args.mtp_num_layers} (multi-token prediction is not read yet)")
     if float(_get(args, "rotary_percent", 1.0) or 1.0) != 1.0:
@@ -53,7 +62,7 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
     freq = _get(args, "moe_layer_freq", 1)
     pattern = None
     if _get(args, "num_experts") and not isinstance(freq, int):
-        pattern = _moe_pattern(freq, int(args.num_layers))
+        pattern = _moe_pattern(freq, int(args.num_layers), mla)
         if pattern is None:
             unsupported.append(f"--moe-layer-freq {freq} (a list of one 0 or 1 per layer is read as a "
                                "--layer-pattern; this is not one)")
@@ -67,18 +76,22 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
         out["layer_pattern"] = pattern  # Megatron's per-layer list: 1 for a MoE layer, 0 for a dense one
     elif _get(args, "num_experts"):
         out["moe_layer_freq"] = int(freq)
+    if mla:  # Megatron's --qk-layernorm is MLA's latent norms here, which meshtron's MLA always has
+        out.update({k: _get(args, k) for k in MLA_FIELDS if _get(args, k) is not None}, qk_layernorm=False,
+                   group_query_attention=False, kv_channels=None)
     if not out.get("group_query_attention"):
         out["num_query_groups"] = None
     out["vocab_size"] = int(_get(args, "padded_vocab_size") or 0) or None
     return out
 
 
-def _moe_pattern(freq: Any, num_layers: int) -> str | None:
+def _moe_pattern(freq: Any, num_layers: int, mla: bool = False) -> str | None:
     """Megatron's list form of ``--moe-layer-freq`` (one 1 per MoE layer, 0 per dense one) as a
-    ``--layer-pattern`` (grouped-query attention: the multi-latent kind is not read yet), or None if it is not one."""
+    ``--layer-pattern`` (its mixer multi-latent or grouped-query attention), or None if it is not one."""
     if not isinstance(freq, (list, tuple)) or len(freq) != num_layers or not set(freq) <= {0, 1}:
         return None
-    return format_pattern([f"{GQA.name}+{MOE.name if moe else DENSE.name}" for moe in freq])
+    mixer = MLA.name if mla else GQA.name
+    return format_pattern([f"{mixer}+{MOE.name if moe else DENSE.name}" for moe in freq])
 
 
 def apply_settings(m: ModelConfig, settings: dict[str, Any]) -> ModelConfig:
@@ -112,6 +125,9 @@ _CHECKED = {
     "moe_router_enable_expert_bias": lambda m: bool(m.moe_router_enable_expert_bias) if m.num_experts else None,
     "moe_router_pre_softmax": lambda m: bool(m.moe_router_pre_softmax) if m.num_experts else None,
     "layer_pattern": resolved_pattern,  # each layer's kinds (where the experts are)
+    "multi_latent_attention": lambda m: bool(m.multi_latent_attention),
+    **{k: (lambda name: lambda m: getattr(m, name) if m.multi_latent_attention else None)(k)
+       for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")},
 }
 
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.megatron import files, names
+from meshtron.checkpoint.megatron.args import MLA_FIELDS
 from meshtron.checkpoint.pieces import MODEL_PREFIX, OPTIM_PREFIX
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads, padded_vocab_size
 from meshtron.layer_kinds.pattern import is_moe_layer
@@ -41,8 +42,9 @@ CHECKPOINT_VERSION = 3.0
 def unsupported(m: ModelConfig) -> list[str]:
     """What of ``m`` this export cannot write (empty: everything)."""
     out = []
-    if m.multi_latent_attention:
-        out.append("--multi-latent-attention (Megatron's MLA tensors are not written yet)")
+    if m.multi_latent_attention and (m.rope_type or "rope") != "rope":
+        out.append(f"--multi-latent-attention with --rope-type {m.rope_type} (only --rope-type rope is written and "
+                   "read back yet)")
     if m.mtp_num_layers:
         out.append(f"--mtp-num-layers {m.mtp_num_layers} (multi-token prediction layers are not written yet)")
     if m.num_experts and any(not is_moe_layer(m, i) for i in range(m.num_layers)):
@@ -54,8 +56,9 @@ def unsupported(m: ModelConfig) -> list[str]:
 
 
 def shape_info(m: ModelConfig) -> dict[str, Any]:
+    mla = {k: getattr(m, k) for k in MLA_FIELDS[1:6]} if m.multi_latent_attention else None
     return {"heads": m.num_attention_heads, "groups": num_kv_heads(m), "head_dim": head_dim(m),
-            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights}
+            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights, "mla": mla}
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -82,7 +85,9 @@ def extra_states(m: ModelConfig) -> dict[str, None]:
     if m.num_experts:
         linears = names.MOE_LINEARS if m.moe_shared_expert_intermediate_size else names.MOE_LINEARS[:2]
     else:
-        linears = names.DENSE_LINEARS
+        linears = names.MLA_LINEARS if m.multi_latent_attention else names.DENSE_LINEARS
+    if m.multi_latent_attention and not m.q_lora_rank:  # one query projection instead of the two
+        linears = tuple(n for n in linears if "linear_q_" not in n) + ("self_attention.linear_q_proj",)
     for layer in range(L):
         for lin in linears:
             out[files.object_key(f"decoder.layers.{lin}._extra_state", (layer,), (L,))] = None
@@ -147,6 +152,14 @@ def content_metadata(with_optimizer: bool) -> dict[str, Any]:
     return out
 
 
+def mla_args(m: ModelConfig) -> dict[str, Any]:
+    """Megatron-LM's multi-latent attention flags: its latent norms are --qk-layernorm, its RoPE --rope-type."""
+    if not m.multi_latent_attention:
+        return {"multi_latent_attention": False}
+    return dict({k: getattr(m, k) for k in MLA_FIELDS}, rope_type="rope", qk_layernorm=True,
+                group_query_attention=False, num_query_groups=m.num_attention_heads)
+
+
 def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, iteration: int, consumed: int,
                   with_optimizer: bool, spec: str) -> argparse.Namespace:
     """Megatron-LM's ``args`` for this model: the flags its ``--use-checkpoint-args`` and checks read."""
@@ -166,7 +179,7 @@ def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, it
         apply_layernorm_1p=False, normalization=m.normalization, norm_epsilon=float(m.norm_epsilon),
         qk_layernorm=bool(m.qk_layernorm), attention_dropout=float(m.attention_dropout),
         hidden_dropout=float(m.hidden_dropout), init_method_std=float(m.init_method_std),
-        multi_latent_attention=False, mtp_num_layers=None,
+        mtp_num_layers=None,
         num_experts=m.num_experts if moe else None, moe_layer_freq=1,
         moe_ffn_hidden_size=(m.moe_ffn_hidden_size or ffn_size(m)) if moe else None,
         moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=bool(m.moe_router_pre_softmax),
@@ -191,6 +204,7 @@ def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, it
         adam_beta2=float(o.adam_beta2), adam_eps=float(o.adam_eps), clip_grad=float(o.clip_grad), optimizer="adam",
         use_distributed_optimizer=with_optimizer, dist_ckpt_optim_fully_reshardable=with_optimizer,
         no_save_optim=not with_optimizer, no_save_rng=True, params_dtype=torch.float32)
+    values.update(mla_args(m))
     return argparse.Namespace(**values)
 
 

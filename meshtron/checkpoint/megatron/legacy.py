@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from meshtron.checkpoint.errors import CheckpointError
-from meshtron.checkpoint.megatron.detect import DISTRIB_OPTIM_FILE, LEGACY_FILE, RANK_DIR
+from meshtron.checkpoint.megatron.detect import LEGACY_FILE, RANK_DIR
 from meshtron.checkpoint.megatron.unpickler import load_pickled
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -76,8 +75,9 @@ def _layer_count(sd: dict) -> int:
     return max(layers) + 1 if layers else 0
 
 
-def merge(directory: Path, swiglu: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
-    """(Megatron's whole per-layer tensors, the common state of the first file, notices) of a legacy directory."""
+def merge(directory: Path, swiglu: bool) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int, int], dict],
+                                                  list[str]]:
+    """(Megatron's whole per-layer tensors, every file's state by (tp, pp, ep), notices) of a legacy directory."""
     files = rank_files(directory)
     tp = 1 + max(k[0] for k in files)
     pp = 1 + max(k[1] for k in files)
@@ -116,13 +116,7 @@ def merge(directory: Path, swiglu: bool) -> tuple[dict[str, torch.Tensor], dict[
                     continue
                 shards.setdefault(name, {})[t] = value
     merged = {name: _merge_tp(name, parts, tp, swiglu) for name, parts in shards.items()}
-    notices = []
-    if any((directory / d.parent.name / DISTRIB_OPTIM_FILE).is_file() for d in files.values()) or \
-            "optimizer" in first:
-        notices.append(f"Megatron-LM checkpoint {directory} (legacy format): its optimizer state is not read yet; "
-                       "the weights load and the Adam moments start from zero")
-    common = {k: v for k, v in first.items() if not re.fullmatch(r"model\d*", str(k))}
-    return merged, common, notices
+    return merged, states, []
 
 
 def _local_expert_count(sd: dict) -> int:

@@ -19,6 +19,14 @@ Megatron (per layer, after :func:`per_layer` has unstacked the ``torch_dist`` st
 ``...mlp.experts.E.linear_fc{1,2}.weight`` (every spelling   ``layers.N.mlp.experts.E.{gate,up,down}.weight``
   of experts: :func:`expert_name`)
 ``...mlp.shared_experts.linear_fc{1,2}.weight``              ``layers.N.mlp.shared_experts.{gate,up,down}.weight``
+multi-latent attention (``args.multi_latent_attention``):    ``layers.N.attention.``
+``...self_attention.linear_q_down_proj.weight``              ``q_down.weight``
+``...self_attention.linear_q_up_proj.weight`` (or            ``q_up.weight`` (``q.weight``), rotary rows
+``linear_q_proj`` without --q-lora-rank)                       reordered (:func:`_mla_rows`)
+``...self_attention.linear_kv_down_proj.weight``             ``kv_down.weight``, rotary rows reordered
+``...self_attention.linear_kv_up_proj.weight``               ``kv_up.weight``
+``...self_attention.{q,kv}_layernorm.weight`` (TE:           ``{q,kv}_latent_norm.weight``
+``linear_{q,kv}_up_proj.layer_norm_weight``)
 ``decoder.final_layernorm.{weight,bias}``                    ``final_norm.{weight,bias}``
 ``output_layer.weight`` (absent or ignored when tied)        ``output.weight``
 ===========================================================  ==========================================
@@ -134,6 +142,35 @@ def _split_fc1(prefix: str, kind: str, t: torch.Tensor, swiglu: bool) -> list[tu
     return [(f"{prefix}.gate.{kind}", gate), (f"{prefix}.up.{kind}", up)]
 
 
+#: multi-latent attention (``shape["mla"]`` set) -> meshtron's :mod:`meshtron.layers.mla` names; its latent norms
+#: are ``q_layernorm``/``kv_layernorm``, fused into the up projections by Transformer Engine
+_MLA = {
+    "self_attention.linear_q_up_proj.layer_norm_weight": "attention.q_latent_norm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "attention.kv_latent_norm.weight",
+    "self_attention.linear_q_down_proj.weight": "attention.q_down.weight",
+    "self_attention.linear_q_up_proj.weight": "attention.q_up.weight",
+    "self_attention.linear_q_proj.weight": "attention.q.weight",
+    "self_attention.linear_kv_down_proj.weight": "attention.kv_down.weight",
+    "self_attention.linear_kv_up_proj.weight": "attention.kv_up.weight",
+    "self_attention.q_layernorm.weight": "attention.q_latent_norm.weight",
+    "self_attention.kv_layernorm.weight": "attention.kv_latent_norm.weight",
+}
+
+
+def _mla_rows(rest: str, t: torch.Tensor, mla: dict, inverse: bool = False) -> torch.Tensor:
+    """megatron-core's MLA rotates the rotary part in interleaved pairs (``mla_rotary_interleaved``), as DeepSeek
+    does: the rows producing it are reordered into meshtron's rotate-half order, as for Hugging Face's
+    (``inverse``: back, for writing)."""
+    from meshtron.layers.mla_hf import deinterleave_rows
+
+    dr = mla["qk_pos_emb_head_dim"]
+    if rest in ("self_attention.linear_q_up_proj.weight", "self_attention.linear_q_proj.weight"):
+        return deinterleave_rows(t, mla["qk_head_dim"] + dr, dr, inverse)
+    if rest == "self_attention.linear_kv_down_proj.weight":
+        return deinterleave_rows(t, mla["kv_lora_rank"] + dr, dr, inverse)
+    return t
+
+
 def to_canonical(name: str, t: torch.Tensor, shape: dict) -> list[tuple[str, torch.Tensor]]:
     """meshtron (canonical name, tensor) pairs of one per-layer Megatron tensor; ``shape`` holds ``heads``,
     ``groups``, ``head_dim``, ``swiglu`` and ``tied`` (from the checkpoint's args). Unknown names raise."""
@@ -146,6 +183,8 @@ def to_canonical(name: str, t: torch.Tensor, shape: dict) -> list[tuple[str, tor
     m = _PER_LAYER.match(name)
     if m:
         layer, rest = m.group(1), _NORM_ALIASES.get(m.group(2), m.group(2))
+        if shape.get("mla") and rest in _MLA:
+            return [(f"layers.{layer}.{_MLA[rest]}", _mla_rows(rest, t, shape["mla"]))]
         if rest in _LAYER_SIMPLE:
             return [(f"layers.{layer}.{_LAYER_SIMPLE[rest]}", t)]
         if rest.startswith("self_attention.linear_qkv."):
@@ -165,9 +204,9 @@ def to_canonical(name: str, t: torch.Tensor, shape: dict) -> list[tuple[str, tor
                 else:
                     out.append((f"{prefix}.down.{part.rsplit('.', 1)[1]}", et))
             return out
-    raise CheckpointError(f"Megatron-LM tensor {name} has no meshtron equivalent (supported: dense GPT/Llama and "
-                          "mixture-of-experts layers; multi-latent attention and multi-token prediction are not "
-                          "read yet)")
+    raise CheckpointError(f"Megatron-LM tensor {name} has no meshtron equivalent (supported: dense GPT/Llama, "
+                          "mixture-of-experts and multi-latent attention layers; multi-token prediction is not read "
+                          "yet)")
 
 
 def fit_vocab(t: torch.Tensor, vocab: int, name: str) -> torch.Tensor:
@@ -194,13 +233,24 @@ DENSE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp
 MOE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.shared_experts.linear_fc1",
                "mlp.shared_experts.linear_fc2")
 EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+MLA_LINEARS = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+               "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj", "self_attention.linear_proj",
+               "mlp.linear_fc1", "mlp.linear_fc2")
+#: canonical MLA name -> Megatron's, by spec: Transformer Engine fuses the latent norms into the up projections
+_FUSED_MLA_NORMS = {k for k in _MLA if k.endswith(".layer_norm_weight")}
+_PLAIN_MLA_NORMS = {"self_attention.q_layernorm.weight", "self_attention.kv_layernorm.weight"}
+_FROM_MLA = {spec: {v: k for k, v in _MLA.items()
+                    if k not in (_PLAIN_MLA_NORMS if spec == "transformer_engine" else _FUSED_MLA_NORMS)}
+             for spec in SPECS}
 
 
-def _megatron_layer_name(rest: str, moe: bool, spec: str) -> str:
+def _megatron_layer_name(rest: str, moe: bool, spec: str, mla: bool = False) -> str:
     """Megatron's per-layer name (after ``decoder.layers.N.``) of a simple canonical name (after ``layers.N.``)."""
     name = _FROM_LAYER[rest]
     if name.startswith("pre_mlp_layernorm.") and moe and spec == "transformer_engine":
         return name  # TE's MoE layer: a separate norm module
+    if mla and (name.startswith("input_layernorm.") or spec == "local"):
+        return name  # MLA's layer: the input norm a module of its own (no fused QKV), no fused names in local
     return _FUSED_NORMS.get(name, name)
 
 
@@ -238,8 +288,12 @@ def from_canonical(tensors: dict[str, torch.Tensor], shape: dict, moe_layers: se
             raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent")
         layer, rest = int(m.group(1)), m.group(2)
         base = f"decoder.layers.{layer}"
+        if shape.get("mla") and rest in _FROM_MLA[spec]:
+            mname = _FROM_MLA[spec][rest]
+            out[f"{base}.{mname}"] = _mla_rows(mname, t, shape["mla"], inverse=True)
+            continue
         if rest in _FROM_LAYER:
-            out[f"{base}.{_megatron_layer_name(rest, layer in moe_layers, spec)}"] = t
+            out[f"{base}.{_megatron_layer_name(rest, layer in moe_layers, spec, bool(shape.get('mla')))}"] = t
             continue
         parts = re.match(r"^attention\.([qkv])\.(weight|bias)$", rest)
         if parts:
@@ -254,8 +308,8 @@ def from_canonical(tensors: dict[str, torch.Tensor], shape: dict, moe_layers: se
             else:
                 fused.setdefault(f"{prefix}.linear_fc1.{parts.group(3)}", {})[parts.group(2)] = t
             continue
-        raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent (supported: dense GPT/Llama "
-                              "and mixture-of-experts layers)")
+        raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent (supported: dense GPT/Llama, "
+                              "mixture-of-experts and multi-latent attention layers)")
     for mname, roles in fused.items():
         if mname.endswith(("linear_qkv.weight", "linear_qkv.bias")):
             qkv = [roles.get(r) for r in "qkv"]

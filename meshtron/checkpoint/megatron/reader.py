@@ -9,9 +9,10 @@ from typing import Any, Optional
 import torch
 
 from meshtron.checkpoint.errors import CheckpointError
-from meshtron.checkpoint.megatron import legacy, names, torch_dist
+from meshtron.checkpoint.megatron import buckets, legacy, legacy_optim, names, torch_dist
 from meshtron.checkpoint.megatron.args import model_settings
 from meshtron.checkpoint.megatron.detect import MegatronCheckpoint
+from meshtron.checkpoint.megatron.unpickler import load_pickled
 from meshtron.checkpoint.writer import quiet_single_process_notice
 from meshtron.config import ModelConfig, head_dim, num_kv_heads
 
@@ -20,6 +21,10 @@ from meshtron.config import ModelConfig, head_dim, num_kv_heads
 OPTIM_STATES = {"param": "master", "fp32_param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 _OPTIM_KEY = re.compile(r"^optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 _VOCAB_NAMES = (names.WORD_EMBEDDING, names.OUTPUT)
+#: the dp_reshardable format's buckets (see :mod:`.buckets`) and its per-rank optimizer common state
+_BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\."
+                         r"bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+_GROUPS_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_0\.optimizer/")
 
 
 @dataclass
@@ -43,8 +48,10 @@ def _shape_info(settings: dict[str, Any]) -> dict[str, Any]:
     for k, v in settings.items():
         if k != "vocab_size":
             setattr(m, k, v)
+    mla = {k: getattr(m, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                       "v_head_dim")} if m.multi_latent_attention else None
     return {"heads": m.num_attention_heads, "groups": num_kv_heads(m), "head_dim": head_dim(m),
-            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights}
+            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights, "mla": mla}
 
 
 def _canonical(tensors: dict[str, torch.Tensor], num_layers: int, shape: dict) -> dict[str, torch.Tensor]:
@@ -67,10 +74,102 @@ def _progress(common: dict, where: str) -> tuple[int, Any, dict]:
 def _optimizer_step(common: dict, iteration: int) -> int:
     """The Adam step count: from the parameter groups (Megatron keeps it there), else the iteration."""
     opt = common.get("optimizer")
-    inner = opt.get("optimizer") if isinstance(opt, dict) else None
-    groups = inner.get("param_groups") if isinstance(inner, dict) else None
-    steps = {int(g["step"]) for g in groups or [] if isinstance(g, dict) and isinstance(g.get("step"), int)}
+    inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None  # FP32Optimizer: torch's own state_dict
+    return _groups_step(inner.get("param_groups") if isinstance(inner, dict) else None, iteration)
+
+
+def _groups_step(groups: Any, iteration: int) -> int:
+    steps = {int(g["step"]) for g in groups or [] if isinstance(g, dict) and isinstance(g.get("step"), (int, float))
+             and float(g["step"]).is_integer()}
     return steps.pop() if len(steps) == 1 else iteration
+
+
+def _bucket_size(args: Any) -> Optional[int]:
+    """The distributed optimizer's bucket size as megatron-core's DistributedDataParallel chose it: none
+    without ``--overlap-grad-reduce``, else ``--ddp-bucket-size`` or max(4e7, 1e6 x data-parallel size)."""
+    if not getattr(args, "overlap_grad_reduce", False):
+        return None
+    size = getattr(args, "ddp_bucket_size", None)
+    return int(size) if size else max(40_000_000, 1_000_000 * int(getattr(args, "data_parallel_size", 1) or 1))
+
+
+def _layout_args(args: Any) -> tuple[int, int, str]:
+    return (int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+            int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+            str(getattr(args, "transformer_impl", "transformer_engine")))
+
+
+def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, merged: dict[str, torch.Tensor],
+                           settings: dict, args: Any, shape: dict, where: str) -> tuple[dict, list[str]]:
+    """The legacy format's optimizer state as {state: {Megatron name: whole tensor}} (empty, with a notice, when
+    its layout is not one meshtron can prove; empty, silently, when it has none)."""
+    distributed = [f.parent / legacy_optim.DISTRIB_OPTIM_FILE for f in files.values()]
+    has_distributed = any(f.is_file() for f in distributed)
+    if not has_distributed and not any(isinstance(s.get("optimizer"), dict) for s in states.values()):
+        return {}, []
+    tp, pp, spec = _layout_args(args)
+    what = "distrib_optim.pt (the distributed optimizer's buffers)" if has_distributed else \
+        "the 'optimizer' entries of model_optim_rng.pt"
+    why = None
+    if getattr(args, "num_experts", None) or getattr(args, "virtual_pipeline_model_parallel_size", None):
+        why = "mixture-of-experts and virtual-pipeline layouts are not mapped yet"
+    elif has_distributed and not all(f.is_file() for f in distributed):
+        why = f"{next(f for f in distributed if not f.is_file())} is missing"
+    else:
+        try:
+            if has_distributed:
+                return legacy_optim.distributed_state(files, merged, tp, pp, settings["num_layers"], spec,
+                                                      shape["swiglu"], shape["tied"], _bucket_size(args)), []
+            return legacy_optim.local_state(states, merged, tp, pp, settings["num_layers"], spec, shape["swiglu"],
+                                            shape["tied"]), []
+        except buckets.LayoutMismatch as err:
+            why = f"it does not hold the parameters where megatron-core puts them ({err})"
+    return {}, [f"{where}: its optimizer state ({what}) is not read: {why}; the weights load and the Adam "
+                "moments start from zero"]
+
+
+def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dict[str, torch.Tensor],
+                  settings: dict, args: Any, shape: dict, where: str) -> tuple[dict, Optional[list], list[str]]:
+    """The dp_reshardable optimizer state as {state: {Megatron name: whole tensor}} (empty, with a notice, when
+    its layout is not one meshtron can prove), and the parameter groups of model-parallel rank 0."""
+    keys = [k for k in shapes if _BUCKET_KEY.match(k)]
+    if not keys:
+        return {}, None, []
+    found: dict[int, dict[int, dict[str, str]]] = {}
+    buffers = set()
+    for k in keys:
+        m = _BUCKET_KEY.match(k)
+        buffers.add(m.group(2))
+        found.setdefault(int(m.group(1)), {}).setdefault(int(m.group(4)), {})[m.group(5)] = k
+    why = None
+    tp, pp, spec = _layout_args(args)
+    if buffers != {"0"}:
+        why = "more than one parameter buffer (parameters of several dtypes, or experts)"
+    elif getattr(args, "num_experts", None) or getattr(args, "virtual_pipeline_model_parallel_size", None):
+        why = "mixture-of-experts and virtual-pipeline layouts are not mapped yet"
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    groups = None
+    if why is None:
+        tensors, raw = torch_dist.read_entries(ckpt.directory, md, keys,
+                                               [k for k in md.state_dict_metadata if _GROUPS_KEY.match(k)][:1])
+        flat = {r: {b: {s: tensors[k] for s, k in per.items()} for b, per in rb.items()} for r, rb in found.items()}
+        per_layer = {}
+        for name, t in model_tensors.items():
+            per_layer.update(dict(names.per_layer(name, t, settings["num_layers"])))
+        try:
+            state = buckets.unflatten(per_layer, flat, tp, pp, settings["num_layers"], spec, shape["swiglu"],
+                                      shape["tied"], _bucket_size(args))
+        except buckets.LayoutMismatch as err:
+            why = f"its buckets do not hold the parameters where megatron-core puts them ({err})"
+        for k, b in raw.items():
+            obj = load_pickled(b, f"{ckpt.directory} (entry {k})")
+            obj = obj[0] if isinstance(obj, (list, tuple)) and len(obj) == 1 else obj
+            groups = obj.get("param_groups") if isinstance(obj, dict) else None
+    if why is not None:
+        return {}, None, [f"{where}: its optimizer state (the distributed optimizer's dp_reshardable buckets) is "
+                          f"not read: {why}; the weights load and the Adam moments start from zero (save with "
+                          "--dist-ckpt-optim-fully-reshardable to carry them over)"]
+    return state, groups, []
 
 
 def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, optimizer: bool = True,
@@ -98,21 +197,31 @@ def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, op
             by_state.setdefault(OPTIM_STATES[m.group(1)], {})[m.group(2)] = tensors[k].float()
         for state, ts in by_state.items():
             optim[state] = _canonical(ts, settings["num_layers"], shape)
-        if optimizer and not optim and any(k.startswith("optimizer.distributed.") for k in shapes):
-            notices.append(f"{where}: its optimizer state is in the dp_reshardable format (buckets of the "
-                           "distributed optimizer), which is not read yet; the weights load and the Adam moments "
-                           "start from zero (save with --dist-ckpt-optim-fully-reshardable to carry them over)")
-        step = _optimizer_step(common, iteration) if optim else None
+        groups = None
+        if optimizer and not optim:
+            flat, groups, more = _read_buckets(ckpt, md, shapes, {k: tensors[k] for k in model_keys}, settings, args,
+                                               shape, where)
+            notices += more
+            for state, ts in flat.items():
+                optim[OPTIM_STATES[state]] = _canonical(ts, settings["num_layers"], shape)
+        step = (_groups_step(groups, iteration) if groups is not None else _optimizer_step(common, iteration)) \
+            if optim else None
     else:
         files = legacy.rank_files(ckpt.directory)
         first = legacy.read_rank(files[(0, 0, 0)])
         iteration, args, scheduler = _progress(first, where)
         settings = model_settings(args, where)
         shape = _shape_info(settings)
-        merged, _, more = legacy.merge(ckpt.directory, shape["swiglu"])
+        merged, states, more = legacy.merge(ckpt.directory, shape["swiglu"])
         notices += more
         model = _canonical(merged, settings["num_layers"], shape)
         step = None
+        if optimizer:
+            flat, more = _read_legacy_optimizer(ckpt, files, states, merged, settings, args, shape, where)
+            notices += more
+            for state, ts in flat.items():
+                optim[OPTIM_STATES[state]] = _canonical(ts, settings["num_layers"], shape)
+            step = _optimizer_step(first, iteration) if optim else None
     if optimizer and optim:
         missing = sorted(set(model) - set(optim.get("master", {})) - {n for n in model if n.endswith("expert_bias")})
         if missing or {"exp_avg", "exp_avg_sq"} - set(optim):

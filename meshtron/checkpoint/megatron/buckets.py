@@ -1,0 +1,239 @@
+"""The distributed optimizer's buckets: Megatron's flat per-rank optimizer state mapped back to its tensors.
+
+megatron-core's ``DistributedOptimizer`` keeps each model-parallel rank's fp32 master weights and Adam moments
+as flat buffers laid out like its gradient buffer (``_compute_per_buffer_param_layout``):
+
+* the rank's parameters in *reverse* ``named_parameters()`` order (backward order), each starting on a
+  64-element boundary (zeros in between);
+* cut into buckets: a bucket closes after the parameter that brings it to ``bucket_size`` elements
+  (only with ``--overlap-grad-reduce``, ``--ddp-bucket-size`` or max(4e7, 1e6 x DP), and only on the first
+  pipeline stage); a tied embedding or output layer off a one-stage pipeline gets a bucket of its own;
+* a bucket's saved length is its *unpadded* size (up to the end of its last parameter).
+
+The ``torch_dist`` format ``dp_reshardable`` (Megatron-LM's default for the distributed optimizer) saves each
+bucket as one tensor ``optimizer.distributed.dp_group_idx_M.gbuf_idx_0.dtype_(...).bucket_idx_B.{param,exp_avg,
+exp_avg_sq}`` whose index ``M`` is the model-parallel rank (tensor-parallel rank + TP x pipeline rank); the
+legacy ``distrib_optim.pt`` saves, per buffer, the buckets' unpadded contents one after another.
+
+Nothing in the checkpoint names the parameters inside a bucket, so the layout is derived here from the model's
+tensors (their per-rank shards) and Megatron's module order, and then *proven*: every master-weight slice must
+equal the model weight it belongs to, or the layout is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+#: one layer's parameters in megatron-core's ``named_parameters()`` order (the local layer spec's modules:
+#: TransformerLayer builds input_layernorm, self_attention (linear_proj, then linear_qkv, q/k layernorm),
+#: pre_mlp_layernorm, mlp); Transformer Engine fuses the input norm into linear_qkv, after linear_proj.
+_LOCAL_ORDER = ("input_layernorm.weight", "input_layernorm.bias",
+                "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+                "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+_TE_ORDER = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+             "input_layernorm.weight", "input_layernorm.bias",
+             "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+             "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+             "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+             "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+             "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+_BEFORE_LAYERS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+_AFTER_LAYERS = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+#: the fused spellings (Transformer Engine, and every torch_dist checkpoint) of the layer norms
+_FUSED = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+          "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+          "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+          "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+_COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias)|word_embeddings\.weight|"
+                     r"^output_layer\.weight)$")
+_ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight)$")
+_ALIGN = 64  # every parameter starts on a 64-element boundary
+
+
+class LayoutMismatch(Exception):
+    """The derived layout does not fit the checkpoint's buckets (the message says where)."""
+
+
+@dataclass
+class Rank:
+    """One model-parallel rank's parameters, in ``named_parameters()`` order: (Megatron name, local shard)."""
+
+    tp: int
+    pp: int
+    params: list[tuple[str, torch.Tensor]]
+    first_stage: bool
+    shared_embedding: set[str]  #: names given a bucket of their own (tied embedding/output, PP > 1)
+
+
+def _layer_key(rest: str) -> str:
+    return _FUSED.get(rest, rest)
+
+
+def local_shard(name: str, whole: torch.Tensor, tp: int, tp_size: int, swiglu: bool) -> torch.Tensor:
+    """Tensor-parallel rank ``tp``'s shard of Megatron's whole tensor ``name``: column-parallel layers by rows
+    (SwiGLU's ``linear_fc1`` as ``[gate_tp; up_tp]``), row-parallel weights by columns, the rest replicated."""
+    if tp_size == 1:
+        return whole
+    short = _LAYER.sub(r"\2", name)
+    if _ROW.search(short):
+        return whole.chunk(tp_size, dim=1)[tp]
+    if _COLUMN.search(short):
+        if swiglu and "linear_fc1" in short:
+            gate, up = whole.chunk(2, dim=0)
+            return torch.cat([gate.chunk(tp_size)[tp], up.chunk(tp_size)[tp]])
+        return whole.chunk(tp_size, dim=0)[tp]
+    return whole
+
+
+def merge_shards(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """The inverse of :func:`local_shard` over every tensor-parallel rank."""
+    if len(shards) == 1:
+        return shards[0]
+    short = _LAYER.sub(r"\2", name)
+    if _ROW.search(short):
+        return torch.cat(shards, dim=1)
+    if _COLUMN.search(short):
+        if swiglu and "linear_fc1" in short:
+            halves = [s.chunk(2) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        return torch.cat(shards)
+    return shards[0]
+
+
+def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, pp_size: int, num_layers: int,
+                spec: str, swiglu: bool, tied: bool) -> Rank:
+    """Rank (tp, pp)'s parameters from Megatron's whole per-layer tensors ``model`` (layers split evenly over
+    the stages; the fused norm spellings accepted)."""
+    per_stage = num_layers // pp_size
+    order = {k: i for i, k in enumerate(_TE_ORDER if spec == "transformer_engine" else _LOCAL_ORDER)}
+    first, last = pp == 0, pp == pp_size - 1
+    layers: dict[int, list[tuple[int, str]]] = {}
+    for name in model:
+        m = _LAYER.match(name)
+        if m:
+            n, rest = int(m.group(1)), _layer_key(m.group(2))
+            if rest not in order:
+                raise LayoutMismatch(f"{name} has no known place in megatron-core's layer")
+            if pp * per_stage <= n < (pp + 1) * per_stage:
+                layers.setdefault(n, []).append((order[rest], name))
+    names = [n for n in _BEFORE_LAYERS if first and n in model]
+    for n in sorted(layers):
+        names += [name for _, name in sorted(layers[n])]
+    names += [n for n in _AFTER_LAYERS[:2] if last and n in model]
+    shared = set()
+    if last and (not tied and "output_layer.weight" in model):
+        names.append("output_layer.weight")
+    elif last and tied and pp_size > 1:  # the last stage's copy of the tied embedding
+        names.append("output_layer.weight")
+        shared.add("output_layer.weight")
+    if tied and pp_size > 1 and first:
+        shared.add("embedding.word_embeddings.weight")
+    params = []
+    for name in names:
+        source = "embedding.word_embeddings.weight" if name == "output_layer.weight" and tied else name
+        params.append((name, local_shard(source, model[source], tp, tp_size, swiglu)))
+    return Rank(tp, pp, params, first, shared)
+
+
+@dataclass
+class Placement:
+    name: str
+    bucket: int
+    start: int  #: offset in the bucket's saved tensor
+    shape: tuple
+
+
+def layout(rank: Rank, bucket_size: Optional[int]) -> tuple[list[Placement], list[int]]:
+    """(where each parameter of ``rank`` lies, each bucket's unpadded length), as megatron-core lays them out.
+    A bucket's end padding (to a multiple of 128 x DP) is never saved, and the next bucket starts after it, so
+    offsets are counted from each bucket's start."""
+    size = bucket_size if rank.first_stage else None  # later pipeline stages are never bucketed
+    placements: list[Placement] = []
+    lengths: list[int] = []
+    pos, bucket, count, end = 0, 0, 0, 0
+    for name, t in reversed(rank.params):
+        shared = name in rank.shared_embedding
+        pos = -(-pos // _ALIGN) * _ALIGN
+        if shared and count:  # a tied embedding/output closes the bucket before it
+            lengths.append(pos)
+            pos, bucket, count = 0, bucket + 1, 0
+        end = pos + t.numel()
+        placements.append(Placement(name, bucket, pos, tuple(t.shape)))
+        count += 1
+        if (size is not None and end >= size) or shared:
+            lengths.append(end)
+            pos, bucket, count = 0, bucket + 1, 0
+        else:
+            pos = end
+    if count:
+        lengths.append(end)
+    return placements, lengths
+
+
+def split_coalesced(model: dict[str, torch.Tensor], world: dict[int, dict[str, torch.Tensor]], tp_size: int,
+                    pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
+                    bucket_size: Optional[int]) -> dict[int, dict[int, dict[str, torch.Tensor]]]:
+    """The legacy ``distrib_optim.pt`` buffers ({model-parallel rank: {state: the buckets' unpadded contents one
+    after another}}) cut into buckets as :func:`unflatten` takes them."""
+    out: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    for index, states in world.items():
+        tp, pp = index % tp_size, index // tp_size
+        _, lengths = layout(rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied), bucket_size)
+        for state, flat in states.items():
+            if flat.numel() != sum(lengths):
+                raise LayoutMismatch(f"model-parallel rank {index} (TP {tp}, PP {pp}): a buffer of {flat.numel()} "
+                                     f"elements, the model's parameters lay out as {sum(lengths)}")
+            for b, piece in enumerate(flat.split(lengths)):
+                out.setdefault(index, {}).setdefault(b, {})[state] = piece
+    return out
+
+
+def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[str, torch.Tensor]]],
+              tp_size: int, pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
+              bucket_size: Optional[int]) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {Megatron name: whole tensor}} from ``buckets`` ({model-parallel rank: {bucket: {state: flat
+    tensor}}}, ``state`` among ``param``, ``exp_avg``, ``exp_avg_sq``), checked against ``model`` (Megatron's
+    whole per-layer tensors): LayoutMismatch if a bucket's length or a master weight differs."""
+    if num_layers % pp_size:
+        raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
+    if sorted(buckets) != list(range(tp_size * pp_size)):
+        raise LayoutMismatch(f"optimizer state for model-parallel ranks {sorted(buckets)}, expected "
+                             f"0..{tp_size * pp_size - 1} (TP {tp_size} x PP {pp_size})")
+    shards: dict[str, dict[str, list[Optional[torch.Tensor]]]] = {}
+    for pp in range(pp_size):
+        for tp in range(tp_size):
+            index = tp + tp_size * pp  # megatron-core's dp_group_idx: the rank in the model-parallel group
+            rank = rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied)
+            placements, lengths = layout(rank, bucket_size)
+            saved = buckets[index]
+            found = [next(iter(saved[b].values())).numel() for b in sorted(saved)]
+            if found != lengths:
+                raise LayoutMismatch(f"model-parallel rank {index} (TP {tp}, PP {pp}): buckets of {found} elements, "
+                                     f"the model's parameters lay out as {lengths}")
+            local = dict(rank.params)
+            for p in placements:
+                n = 1
+                for d in p.shape:
+                    n *= d
+                for state, flat in saved[p.bucket].items():
+                    piece = flat[p.start:p.start + n].reshape(p.shape)
+                    if state == "param" and not torch.equal(piece.to(local[p.name].dtype), local[p.name]):
+                        raise LayoutMismatch(f"model-parallel rank {index}: the master weights at "
+                                             f"{p.start}..{p.start + n} of bucket {p.bucket} are not {p.name}")
+                    shards.setdefault(state, {}).setdefault(p.name, [None] * tp_size)[tp] = piece
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for state, by_name in shards.items():
+        for name, parts in by_name.items():
+            if tied and name == "output_layer.weight":
+                continue  # the tied copy: the embedding's own state is the one kept
+            out.setdefault(state, {})[name] = merge_shards(name, parts, swiglu).clone()
+    return out

@@ -1,0 +1,127 @@
+"""The optimizer state of Megatron-LM's legacy format, per model-parallel rank ``mp_rank_TT_PPP/``:
+
+* with the distributed optimizer, ``distrib_optim.pt`` (``DistributedOptimizer.save_parameter_state``): per
+  parameter buffer ``{(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": the buckets' unpadded
+  contents one after another, "numel_unpadded"}}`` beside ``"buckets_coalesced": True``; its buckets are laid
+  out as :mod:`.buckets` describes;
+* without it, ``model_optim_rng.pt``'s ``optimizer`` entry: torch's optimizer ``state_dict()`` (``state`` by
+  parameter index, ``param_groups`` with the indices of each group), under ``optimizer`` beside
+  ``fp32_from_fp16_params`` (the fp32 masters, group by group) for a bf16/fp16 model
+  (``Float16OptimizerWithFloat16Params``), or as it is for an fp32 model (``FP32Optimizer``, whose parameters are
+  the masters). Megatron-LM's parameter groups are the parameters with weight decay (matrices) and those
+  without (``wd_mult`` 0: one-dimensional and biases), each in ``named_parameters()`` order.
+
+Every layout is checked against the model's weights (the masters must equal them, rounded to the model's dtype)
+before anything is taken from it; :class:`~.buckets.LayoutMismatch` says where it did not fit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.checkpoint.megatron import buckets
+from meshtron.checkpoint.megatron.buckets import LayoutMismatch
+from meshtron.checkpoint.megatron.detect import DISTRIB_OPTIM_FILE
+from meshtron.checkpoint.megatron.unpickler import load_pickled
+
+_STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _read_distrib_optim(f: Path) -> dict[str, torch.Tensor]:
+    state = load_pickled(f, str(f))
+    if isinstance(state, list):
+        raise LayoutMismatch(f"{f} holds {len(state)} optimizers (a chained optimizer: experts or several dtypes)")
+    if not isinstance(state, dict) or not state.get("buckets_coalesced"):
+        raise LayoutMismatch(f"{f} is not the coalesced per-buffer state of megatron-core's "
+                             "DistributedOptimizer.save_parameter_state (an older layout)")
+    buffers = [k for k in state if k != "buckets_coalesced"]
+    if buffers != [0] or not isinstance(state[0], dict) or len(state[0]) != 1:
+        raise LayoutMismatch(f"{f} holds more than one parameter buffer (parameters of several dtypes)")
+    inner = next(iter(state[0].values()))
+    missing = [k for k in _STATES if not isinstance(inner.get(k), torch.Tensor)]
+    if missing:
+        raise CheckpointError(f"Megatron-LM checkpoint file {f} is not a distributed optimizer's state: no "
+                              f"{', '.join(missing)} tensor")
+    return {k: inner[k].float() for k in _STATES}
+
+
+def distributed_state(files: dict[tuple[int, int, int], Path], model: dict[str, torch.Tensor], tp_size: int,
+                      pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
+                      bucket_size: Optional[int]) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {Megatron name: whole tensor}} from every rank's ``distrib_optim.pt``."""
+    world = {}
+    for (tp, pp, ep), f in files.items():
+        if ep:
+            raise LayoutMismatch("expert-parallel ranks are not mapped yet")
+        world[tp + tp_size * pp] = _read_distrib_optim(f.parent / DISTRIB_OPTIM_FILE)
+    flat = buckets.split_coalesced(model, world, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size)
+    return buckets.unflatten(model, flat, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size)
+
+
+def _no_decay(name: str, t: torch.Tensor) -> bool:
+    """Megatron-LM's standard parameter groups: no weight decay on one-dimensional parameters and biases."""
+    return t.dim() == 1 or name.endswith(".bias")
+
+
+def _rank_state(opt: Any, rank: buckets.Rank, where: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {Megatron name: this rank's shard}} of one rank's non-distributed optimizer ``state_dict()``."""
+    masters = None
+    if isinstance(opt, dict) and "fp32_from_fp16_params" in opt:
+        masters, opt = opt["fp32_from_fp16_params"], opt.get("optimizer")
+    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or \
+            not isinstance(opt.get("param_groups"), list):
+        raise CheckpointError(f"{where}: its 'optimizer' entry is not an optimizer's state_dict (state, "
+                              "param_groups)")
+    groups = opt["param_groups"]
+    by_decay = {True: [], False: []}
+    for name, t in rank.params:
+        by_decay[_no_decay(name, t)].append((name, t))
+    placed = []
+    for g, group in enumerate(groups):
+        members = by_decay[float(group.get("wd_mult", 1.0)) == 0.0]
+        if len(members) != len(group.get("params", ())) or len(groups) != 2:
+            raise LayoutMismatch(f"{where}: parameter groups of {[len(x.get('params', ())) for x in groups]} "
+                                 f"parameters, Megatron-LM's standard groups here would hold "
+                                 f"{[len(by_decay[False]), len(by_decay[True])]}")
+        for k, (name, t) in enumerate(members):
+            placed.append((g, k, group["params"][k], name, t))
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for g, k, index, name, t in placed:
+        state = opt["state"].get(index) or {}
+        master = masters[g][k] if masters is not None else t
+        for key, value in (("param", master), ("exp_avg", state.get("exp_avg")),
+                           ("exp_avg_sq", state.get("exp_avg_sq"))):
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(t.shape):
+                raise LayoutMismatch(f"{where}: the optimizer's {key} of parameter {index} is not shaped like {name} "
+                                     f"{tuple(t.shape)}")
+            out.setdefault(key, {})[name] = value.float()
+        if not torch.equal(out["param"][name].to(t.dtype), t):
+            raise LayoutMismatch(f"{where}: the master weight of parameter {index} is not {name}")
+    return out
+
+
+def local_state(states: dict[tuple[int, int, int], dict], model: dict[str, torch.Tensor], tp_size: int,
+                pp_size: int, num_layers: int, spec: str, swiglu: bool,
+                tied: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {Megatron name: whole tensor}} from every rank's ``model_optim_rng.pt`` ``optimizer`` entry."""
+    if num_layers % pp_size:
+        raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
+    shards: dict[str, dict[str, list]] = {}
+    for (tp, pp, ep), state in states.items():
+        if ep:
+            raise LayoutMismatch("expert-parallel ranks are not mapped yet")
+        rank = buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied)
+        for key, by_name in _rank_state(state.get("optimizer"), rank, f"mp_rank_{tp:02d}_{pp:03d}").items():
+            for name, t in by_name.items():
+                shards.setdefault(key, {}).setdefault(name, [None] * tp_size)[tp] = t
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, by_name in shards.items():
+        for name, parts in by_name.items():
+            if tied and name == "output_layer.weight":
+                continue
+            out.setdefault(key, {})[name] = buckets.merge_shards(name, parts, swiglu).clone()
+    return out

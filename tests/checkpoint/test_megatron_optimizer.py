@@ -1,0 +1,186 @@
+"""Optimizer state of Megatron-LM checkpoints that does not name its tensors, read by meshtron.
+
+Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_checkpoints.py ``--optimizer``):
+
+* ``dense_tp2pp2_dp2_dp_reshardable``: its ``DistributedOptimizer`` at TP=2 x PP=2 x DP=2 (2 layers),
+  ``--overlap-grad-reduce`` with buckets of 1000 elements, saved in torch_dist's ``dp_reshardable`` format
+  (Megatron-LM's default);
+* ``legacy_tp2pp2_dp2_distrib_optim``: the same optimizer in the legacy format (``distrib_optim.pt`` by
+  ``DistributedOptimizer.save_parameter_state``, ``optimizer.state_dict()`` in ``model_optim_rng.pt``);
+* ``legacy_tp2_bf16_optim``: a bf16 model (2 layers, TP=2) with Megatron's non-distributed optimizer
+  (``Float16OptimizerWithFloat16Params``: fp32 masters), legacy format.
+
+``reference_optimizer.pt`` holds megatron-core's own per-tensor state of each, as it was in memory: per
+model-parallel rank and parameter name, the masters and moments (the distributed optimizer's pieces put together
+with its own parameter ranges); the second is the first's (``same_as``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshtron.checkpoint.errors import CheckpointError
+from meshtron.checkpoint.megatron import buckets, find_megatron_checkpoint, reader
+from meshtron.checkpoint.megatron.reader import read_megatron
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+CASE = "dense_tp2pp2_dp2_dp_reshardable"
+LEGACY = "legacy_tp2pp2_dp2_distrib_optim"
+BF16 = "legacy_tp2_bf16_optim"
+
+
+def _read(name: str):
+    return read_megatron(find_megatron_checkpoint(FIXTURES / name))
+
+
+@pytest.fixture(scope="module")
+def references():
+    return torch.load(FIXTURES / "reference_optimizer.pt", weights_only=True)
+
+
+def _reference(references: dict, name: str, settings: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """megatron-core's own per-tensor optimizer state of ``name``, in meshtron's names (the per-rank shards of
+    the non-distributed optimizer joined as Megatron's tensor parallelism splits them)."""
+    entry = references[name]
+    entry = references[entry["same_as"]] if "same_as" in entry else entry
+    shape = reader._shape_info(settings)
+    parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for (tp, _), by_name in entry["per_rank"].items():
+        for pname, tensors in by_name.items():
+            for key, t in tensors.items():
+                parts.setdefault((key, pname), {})[tp] = t
+    saved = {f"optimizer.state.{key}.{pname}": buckets.merge_shards(pname, [p[t] for t in sorted(p)], shape["swiglu"])
+             for (key, pname), p in parts.items()}
+    out = {}
+    for megatron_state, ours in reader.OPTIM_STATES.items():
+        prefix = f"optimizer.state.{megatron_state}."
+        tensors = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+        if tensors:
+            out[ours] = reader._canonical(tensors, settings["num_layers"], shape)
+    return out
+
+
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16])
+def test_optimizer_state_is_megatron_cores(name, references):
+    state = _read(name)
+    assert state.notices == [] and state.step == 7
+    assert set(state.optim) == {"master", "exp_avg", "exp_avg_sq"}
+    reference = _reference(references, name, state.settings)
+    assert set(reference) == {"master", "exp_avg", "exp_avg_sq"}
+    for which in reference:
+        assert set(state.optim[which]) == set(reference[which]) == set(state.model), which
+        for k, t in reference[which].items():
+            assert torch.equal(state.optim[which][k], t), (which, k)
+    for k, t in state.model.items():  # the masters are the weights, rounded to the model's dtype
+        assert torch.equal(state.optim["master"][k].to(t.dtype), t), k
+
+
+def test_the_same_optimizer_in_both_formats():
+    """The same model and optimizer saved as torch_dist dp_reshardable and as legacy distrib_optim.pt read the
+    same: weights, masters (an fp32 model's: its weights) and moments."""
+    a, b = _read(CASE), _read(LEGACY)
+    assert set(a.model) == set(b.model)
+    for k, t in a.model.items():
+        assert torch.equal(b.model[k], t), k
+        assert torch.equal(a.optim["master"][k], t) and torch.equal(b.optim["master"][k], t), k
+    for which in ("exp_avg", "exp_avg_sq"):
+        for k, t in a.optim[which].items():
+            assert torch.equal(b.optim[which][k], t), (which, k)
+
+
+def test_a_layout_that_does_not_fit_is_a_notice(monkeypatch):
+    """Bucket lengths or master weights that do not fit the derived layout: nothing read, said in one line."""
+    monkeypatch.setattr(reader, "_bucket_size", lambda args: None)  # one bucket per rank: lengths differ
+    got = read_megatron(find_megatron_checkpoint(FIXTURES / CASE))
+    assert got.optim == {} and got.step is None and len(got.notices) == 1
+    note = got.notices[0]
+    assert "\n" not in note and "Megatron-LM checkpoint" in note and "dp_reshardable" in note
+    assert "model-parallel rank 0 (TP 0, PP 0)" in note and "Adam moments start from zero" in note
+
+
+def test_legacy_missing_or_foreign_optimizer_file(tmp_path):
+    """A missing distrib_optim.pt is a notice (the weights load); a foreign pickle in one is refused in one line
+    naming the file."""
+    dst = tmp_path / "legacy"
+    shutil.copytree(FIXTURES / LEGACY, dst)
+    f = dst / "iter_0000007" / "mp_rank_01_001" / "distrib_optim.pt"
+    f.unlink()
+    got = _read_dir(dst)
+    assert got.optim == {} and len(got.notices) == 1 and str(f) in got.notices[0] and "\n" not in got.notices[0]
+    f.write_bytes(pickle.dumps({"buckets_coalesced": True, 0: _Payload()}, protocol=2))
+    with pytest.raises(CheckpointError) as err:
+        _read_dir(dst)
+    text = str(err.value)
+    assert "\n" not in text and str(f) in text and f"{os.system.__module__}.system" in text
+
+
+def test_bf16_groups_that_do_not_fit_are_a_notice(tmp_path):
+    """Parameter groups unlike Megatron-LM's standard two: nothing taken from them, said in one line."""
+    from meshtron.checkpoint.megatron.unpickler import load_pickled
+
+    dst = tmp_path / "bf16"
+    shutil.copytree(FIXTURES / BF16, dst)
+    f = dst / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = load_pickled(f, str(f))
+    state["args"].attention_backend = "auto"  # the stand-in of Megatron's enum does not pickle back
+    groups = state["optimizer"]["optimizer"]["param_groups"]
+    groups[0]["params"], groups[1]["params"] = groups[0]["params"][:-1], groups[1]["params"] + groups[0]["params"][-1:]
+    torch.save(state, f)
+    got = _read_dir(dst)
+    assert got.optim == {} and len(got.notices) == 1
+    assert "mp_rank_00_000: parameter groups of [9, 6] parameters" in got.notices[0]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def _read_dir(path: Path):
+    return read_megatron(find_megatron_checkpoint(path))
+
+
+def test_tied_embedding_gets_a_bucket_of_its_own():
+    """A tied embedding off a one-stage pipeline closes the bucket before it and gets its own (megatron-core's
+    ``shared_embedding``); parameters start on 64-element boundaries; buckets close at ``bucket_size``."""
+    model = {"embedding.word_embeddings.weight": torch.zeros(8, 4), "decoder.layers.0.input_layernorm.weight":
+             torch.zeros(4), "decoder.layers.0.mlp.linear_fc2.weight": torch.zeros(4, 25),
+             "decoder.final_layernorm.weight": torch.zeros(4)}
+    first = buckets.rank_params(model, 0, 0, 1, 2, 2, "local", False, tied=True)
+    places, lengths = buckets.layout(first, bucket_size=200)
+    assert [(p.name, p.bucket, p.start) for p in places] == [
+        ("decoder.layers.0.mlp.linear_fc2.weight", 0, 0), ("decoder.layers.0.input_layernorm.weight", 0, 128),
+        ("embedding.word_embeddings.weight", 1, 0)]
+    assert lengths == [192, 32]  # the bucket closed where the embedding would have started
+    _, lengths = buckets.layout(first, bucket_size=90)
+    assert lengths == [100, 64, 32]
+    last = buckets.rank_params(model, 0, 1, 1, 2, 2, "local", False, tied=True)
+    assert [n for n, _ in last.params] == ["decoder.final_layernorm.weight", "output_layer.weight"]
+    places, lengths = buckets.layout(last, bucket_size=200)  # a later stage is not bucketed, the copy still is
+    assert [(p.name, p.bucket, p.start) for p in places] == [("output_layer.weight", 0, 0),
+                                                             ("decoder.final_layernorm.weight", 1, 0)]
+    assert lengths == [32, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16])
+def test_train_continues_with_the_optimizer_state(name):
+    """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
+    moments start from zero) and trains on."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "meshtron", "train", "--load", str(FIXTURES / name), "--use-checkpoint-args",
+           "--mock-data", "--train-iters", "8", "--global-batch-size", "8", "--micro-batch-size", "8", "--device",
+           "cpu", "--lr", "3e-4", "--log-interval", "1", "--eval-iters", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-2000:]
+    assert "resumed from" in text and "iteration 8/8" in text
+    assert "start from zero" not in text and "is not read" not in text
