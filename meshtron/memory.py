@@ -202,11 +202,13 @@ from meshtron.layers.cross_entropy import chunk_size  # the fused loss's chunk r
 from meshtron.layer_kinds import MLPS
 from meshtron.layer_kinds.base import SavedBytes, norm_parameters
 from meshtron.layer_kinds.pattern import LayerKinds, layer_at, layer_kinds
-from meshtron.optim.accounting import releases_gradients, sharding_strategy
+from meshtron.optim.accounting import releases_gradients
+from meshtron.parallel.layout import sequence_parallel_in_effect
 # LAYER_SAVES and fc2_recomputes_product are the layers' (the step-time model needs them as well).
 from meshtron.planning.layer_costs import LAYER_SAVES, _layers_compiled, fc2_recomputes_product
-from meshtron.pipeline.partition import SPLIT_BACKWARD, loss_stage_of
-from meshtron.validation import layout_from_config
+from meshtron.pipeline.partition import SPLIT_BACKWARD, PipelineLayout
+from meshtron.run_layout import (BF16, DTYPE_BYTES, RunLayout, layout_from_config, resolve_layout, shards_gradients,
+                                 shards_state, shards_weights)
 
 GIB = 2**30
 #: Saved tensors smaller than this stay on the device with --offload-activations (activation_offload.DEFAULT_MIN_BYTES).
@@ -311,7 +313,8 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     two-GPU rows of revision 0; not on the GPU since (revision 7 of :data:`LAYER_SAVES`). None: by ``saves``.
     See the module docstring.
     """
-    fp8_sp_path = sequence_parallel and tp > 1  # FP8 linears cast before their sequence-parallel collectives
+    sp = sequence_parallel_in_effect(sequence_parallel, tp)
+    fp8_sp_path = sp  # FP8 linears cast before their sequence-parallel collectives
     if recompute not in (None, "selective", "full"):
         raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
     selective = set(selective_modules) if recompute == "selective" else set()
@@ -320,7 +323,7 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
         raise ValueError(f"unknown selective recompute modules {sorted(unknown)}; known: {sorted(_KNOWN_MODULES)}")
     e, h = act_bytes, m.hidden_size
     tokens = micro_batch * seq
-    sp_div = tp if sequence_parallel else 1
+    sp_div = tp if sp else 1
     if recompute == "full":
         return tokens * e * h / sp_div
     lin = 1 if fp8 else e  # bytes per element of a saved linear input (FP8 copies under fp8)
@@ -345,8 +348,8 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     # planner against emulation"): the linears keep their shards, counted in ``rep``.
     if merged_gathers is None:
         merged_gathers = saves < 7
-    gathered = lin * h * (1 - 1 / tp) if (sequence_parallel and tp > 1 and compiled and merged_gathers) else 0.0
-    if selective and sequence_parallel and tp > 1:
+    gathered = lin * h * (1 - 1 / tp) if (sp and compiled and merged_gathers) else 0.0
+    if selective and sp:
         # Selective recomputation keeps the output projection's matmul output, which under SP is the
         # whole sequence's partial sum before its reduce-scatter (the collective is recomputed);
         # ``rep`` counts that tensor as the rank's sequence shard (the second residual stream).
@@ -378,7 +381,7 @@ def backward_working_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
     choice, and a shared expert like a dense MLP (not measured).
     """
     e, h = act_bytes, m.hidden_size
-    sp_div = tp if sequence_parallel and tp > 1 else 1
+    sp_div = tp if sequence_parallel_in_effect(sequence_parallel, tp) else 1
     mlp = _layer_kinds(m, layer, moe).mlp.backward_working_bytes(m, e, tp, expert_tp or tp)
     return micro_batch * seq * (e * h / sp_div + mlp)
 
@@ -425,14 +428,10 @@ def _split_backward_in_flight(schedule: str, stages: int, virtual: int, micro_ba
     return max_in_flight(pipeline_plans(stages, virtual, micro_batches, False, 1, schedule)[rank]) / virtual
 
 
-def virtual_stages(cfg: MeshtronConfig) -> int:
-    """Virtual pipeline stages per rank (1 without interleaving)."""
-    return layout_from_config(cfg).virtual_stages
-
-
-def stage_chunks(cfg: MeshtronConfig) -> list[list[list[int]]]:
-    """For each pipeline rank, its model chunks (one per virtual stage) as lists of global layer indices."""
-    layout = layout_from_config(cfg)
+def stage_chunks(cfg: MeshtronConfig, pipeline: Optional[PipelineLayout] = None) -> list[list[list[int]]]:
+    """For each pipeline rank, its model chunks (one per virtual stage) as lists of global layer indices (of
+    ``pipeline``, by default ``cfg``'s)."""
+    layout = pipeline if pipeline is not None else layout_from_config(cfg)
     return [layout.stage_layers(rank) for rank in range(layout.stages)]
 
 
@@ -447,12 +446,12 @@ def _sharded_weights_and_grads(strategy: str, dense: float, expert: float, dense
     full weights plus the compact shard the optimizer writes, and fp32 gradient shards; ZeRO-3 keeps only
     weight and fp32 gradient shards."""
     params = dense + expert
-    if strategy == "optim_grads":
-        return (params * w_bytes + (dense / dense_shard + expert / expert_shard) * w_bytes,
-                (dense / dense_shard + expert / expert_shard) * 4)
-    if strategy == "optim_grads_params":
+    if shards_weights(strategy):
         shards = dense / dense_shard + expert / expert_shard
         return shards * w_bytes, shards * 4
+    if shards_gradients(strategy):
+        return (params * w_bytes + (dense / dense_shard + expert / expert_shard) * w_bytes,
+                (dense / dense_shard + expert / expert_shard) * 4)
     return params * w_bytes, params * g_bytes
 
 
@@ -470,58 +469,50 @@ def layer_parameters(m: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
 # The estimate.
 # ---------------------------------------------------------------------------------------------
 
-def _uses_bf16(cfg: MeshtronConfig) -> bool:
-    t = cfg.train
-    if t.fp32 or t.device == "cpu":
-        return bool(t.bf16 or t.fp8_format)
-    return True  # bf16 (and fp8, whose master weights are the same) is the GPU default
-
-
 def estimate_memory(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
                     flash_attention: bool = True, fused_loss: bool = True,
                     selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None,
-                    saves: int = LAYER_SAVES) -> MemoryEstimate:
+                    saves: int = LAYER_SAVES, layout: Optional[RunLayout] = None) -> MemoryEstimate:
     """Estimated training memory per GPU for ``cfg`` on ``world_size`` GPUs (see the module docstring).
 
     The figures are those of the pipeline rank with the largest total. ``vocab_size`` is the
     tokenizer's; it is padded as the model pads it. Without ``world_size`` the data-parallel
     size is 1 (world = TP x CP x PP). ``profile`` (a :class:`meshtron.planning.profiles.DeviceProfile`,
     default the built-in H200 one) times the host copies of ``--offload-activations``; nothing else uses it.
-    ``saves``: see :func:`layer_activation_bytes`.
+    ``saves``: see :func:`layer_activation_bytes`. ``layout``: ``cfg``'s
+    :class:`~meshtron.run_layout.RunLayout` on ``world_size`` ranks where the caller has it (else resolved here).
     """
     stages = stage_estimates(cfg, vocab_size, world_size=world_size, flash_attention=flash_attention,
                              fused_loss=fused_loss, selective_modules=selective_modules, profile=profile,
-                             saves=saves)
+                             saves=saves, layout=layout)
     return max(stages, key=lambda est: est.total)
 
 
 def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optional[int] = None,
                     flash_attention: bool = True, fused_loss: bool = True,
                     selective_modules: Iterable[str] = SELECTIVE_MODULES, profile=None,
-                    saves: int = LAYER_SAVES) -> list[MemoryEstimate]:
+                    saves: int = LAYER_SAVES, layout: Optional[RunLayout] = None) -> list[MemoryEstimate]:
     """:func:`estimate_memory` for every pipeline rank, in rank order."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
-    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
-    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or par.tensor_model_parallel_size
-    model_parallel = tp * pp * cp
-    if world_size is None:
-        world_size = model_parallel
-    if world_size % model_parallel:
-        raise ValueError(f"world size {world_size} is not a multiple of TP x CP x PP = {model_parallel}")
-    dp = world_size // model_parallel
+    if layout is None:
+        if world_size is None:  # one data-parallel rank
+            world_size = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
+        layout = resolve_layout(cfg, world_size)
+    tp, pp, cp, ep, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.dp
+    etp = par.expert_tensor_parallel_size or tp
     global_batch = tr.global_batch_size or tr.micro_batch_size * dp
     n_micro = max(1, global_batch // (tr.micro_batch_size * dp))
-    v = virtual_stages(cfg)
-    sp = par.sequence_parallel and tp > 1
+    v = layout.pipeline.virtual_stages
+    sp = layout.sequence_parallel
     sp_div = tp if sp else 1
     seq = m.seq_length // cp
     tokens = tr.micro_batch_size * seq
-    bf16 = _uses_bf16(cfg)
-    e = 2 if bf16 else 4
+    bf16 = layout.compute_dtype == BF16
+    e = DTYPE_BYTES[layout.compute_dtype]
     vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     selective_modules = tuple(selective_modules)
 
-    w_bytes = 2 if bf16 else 4
+    w_bytes = e
     g_bytes = 2 if (bf16 and par.grad_reduce_in_bf16) else 4
     # fp32 masters (unless the weights are fp32) and the optimizer's states of a hidden matrix (Adam's moments,
     # bf16 when asked for; Muon's momentum: its AdamW-updated embeddings and norms are counted at that rate too)
@@ -531,13 +522,13 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
     opt_gpu = 1.0 - (_offload_fraction(cfg) if cfg.optim.optimizer_cpu_offload else 0.0)
     # --data-parallel-sharding-strategy (meshtron.optim.accounting): what is split over DP x CP (dense) and
     # over the expert-data-parallel ranks (experts).
-    strategy = sharding_strategy(cfg)
+    strategy = layout.sharding_strategy
     # --release-grad-buffer: no gradients from an iteration's start to its backward.
     releases = releases_gradients(strategy, par.release_grad_buffer)
     # Hybrid sharding (--num-distributed-optimizer-instances R): the state is split over S = DP x CP / R ranks.
     replicas = max(1, getattr(par, "num_distributed_optimizer_instances", 1) or 1)
-    dense_shard = dp * cp / replicas if strategy != "no_shard" else 1
-    expert_shard = max(1.0, dp * cp * tp / (ep * etp) / replicas) if strategy != "no_shard" else 1
+    dense_shard = dp * cp / replicas if shards_state(strategy) else 1
+    expert_shard = max(1.0, dp * cp * tp / (ep * etp) / replicas) if shards_state(strategy) else 1
 
     fp8 = _fp8_tensorwise(cfg)
     fc2_recomputes = fc2_recomputes_product(cfg, saves)
@@ -582,8 +573,8 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         return kept, window + backward_work(layers)
 
     out: list[MemoryEstimate] = []
-    loss_rank = loss_stage_of(par.pipeline_schedule, pp)
-    for rank, chunks in enumerate(stage_chunks(cfg)):
+    loss_rank = layout.loss_stage
+    for rank, chunks in enumerate(stage_chunks(cfg, layout.pipeline)):
         # ``last``: the rank with the final norm, output layer and loss (the first under ZBV's V).
         first, last = rank == 0, rank == loss_rank
         # Parameters on this rank.
@@ -611,7 +602,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
         params = dense + expert
         weights, grads = _sharded_weights_and_grads(strategy, dense, expert, dense_shard, expert_shard, w_bytes,
                                                     g_bytes)
-        if strategy == "optim_grads_params":  # the running unit's and the prefetched unit's gathered weights
+        if shards_weights(strategy):  # the running unit's and the prefetched unit's gathered weights
             unit = max(layer_sizes, default=0.0)
             weights += 2 * unit * w_bytes
             # Backward sums each unit's gradients whole before its reduce-scatter (sharded_grads._accumulate):

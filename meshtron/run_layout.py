@@ -18,6 +18,10 @@ from meshtron.pipeline.partition import PipelineLayout, partition_layers
 
 #: The compute dtypes by name (the torch dtype of the same name), so that this module needs no torch.
 BF16, FP32 = "bfloat16", "float32"
+#: Bytes of one element of each compute dtype.
+DTYPE_BYTES = {BF16: 2, FP32: 4}
+#: The sharding strategies that keep only this rank's shard of the reduced gradients (ZeRO-2 and ZeRO-3).
+SHARDED_GRADIENT_STRATEGIES = ("optim_grads", "optim_grads_params")
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,29 @@ def sharding_strategy(cfg) -> str:
     return "optim" if p.use_distributed_optimizer else "no_shard"
 
 
+def shards_state(strategy: str) -> bool:
+    """Whether ``strategy`` splits the optimizer state over the DP x CP ranks (all but ``no_shard``)."""
+    return strategy != "no_shard"
+
+
+def shards_gradients(strategy: str) -> bool:
+    """Whether ``strategy`` reduce-scatters every micro-batch's gradients and keeps only this rank's shard."""
+    return strategy in SHARDED_GRADIENT_STRATEGIES
+
+
+def shards_weights(strategy: str) -> bool:
+    """Whether ``strategy`` keeps only a shard of the weights, gathering each unit's before it runs (ZeRO-3)."""
+    return strategy == "optim_grads_params"
+
+
 def compute_dtype_name(cfg: MeshtronConfig) -> str:
-    """The dtype of weights and activations of a resolved configuration: bf16 with ``--bf16`` (FP8 runs keep
-    bf16 weights), else fp32."""
-    return BF16 if cfg.train.bf16 else FP32
+    """The dtype of weights and activations: bf16 with ``--bf16`` (FP8 runs keep bf16 weights), fp32 with
+    ``--fp32``. A configuration not yet resolved (neither given; the planner's) gets what validation would give
+    it: fp32 on CPU, else bf16, the GPU default."""
+    t = cfg.train
+    if t.bf16 or t.fp8_format:
+        return BF16
+    return FP32 if t.fp32 or t.device == "cpu" else BF16
 
 
 def resolve_layout(cfg: MeshtronConfig, world_size: int) -> RunLayout:

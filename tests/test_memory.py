@@ -386,7 +386,8 @@ def test_loss_memory_fused_and_unfused_and_fp32_doubles_activations():
 
 
 def test_world_size_must_fit_the_layout():
-    with pytest.raises(ValueError, match="TP x CP x PP"):
+    # The layout's own rule (meshtron.parallel.layout.data_parallel_size_of), which names the flags.
+    with pytest.raises(ValueError, match=r"not divisible by TP\(2\) x CP\(1\) x PP\(1\)"):
         estimate_memory(config("tiny", tensor_model_parallel_size=2), 4096, world_size=3)
 
 

@@ -16,29 +16,26 @@ import torch.distributed as dist
 
 from meshtron.parallel.context import ParallelContext
 
-_GROUP_KEY = "_checkpoint_group"
-
-
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def checkpoint_group(ctx: Optional[ParallelContext]) -> Optional[dist.ProcessGroup]:
-    """The checkpoint gloo group over all ranks (created on first use, cached on ``ctx``).
+    """The checkpoint gloo group over all ranks (created on first use, kept in ``ctx.later_groups``).
 
     Creating it is collective: every rank must reach the first save/load together, which
     the train loop guarantees. Returns None in a one-process run.
     """
     if not is_distributed():
         return None
-    cache = ctx.__dict__ if ctx is not None else None
-    if cache is not None and cache.get(_GROUP_KEY) is not None:
-        return cache[_GROUP_KEY]
+    later = getattr(ctx, "later_groups", None)
+    if later is not None and later.checkpoint is not None:
+        return later.checkpoint
     # The job's collective timeout (--distributed-timeout-minutes), so that a stuck save is bounded like training.
     timeout = getattr(ctx, "timeout", None) or datetime.timedelta(minutes=10)
     group = dist.new_group(backend="gloo", timeout=timeout)
-    if cache is not None:
-        cache[_GROUP_KEY] = group
+    if later is not None:
+        later.checkpoint = group
     return group
 
 

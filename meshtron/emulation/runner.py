@@ -124,7 +124,7 @@ def _spans_nodes(ctx, gpus_per_node: int) -> dict:
         group = getattr(planned, f"{name}_group")
         if group is not None:
             spans[name] = len({m // gpus_per_node for m in group.members}) > 1
-    for size, group in planned.__dict__.get("_tp_subgroups", {}).items():
+    for size, group in planned.later_groups.tp.items():
         if group is not None:
             spans[f"tp_sub{size}"] = len({m // gpus_per_node for m in group.members}) > 1
     spans["world"] = ctx.world_size > gpus_per_node

@@ -92,7 +92,8 @@ def group_names(ctx) -> dict[str, str]:
         group = getattr(ctx, f"{field}_group", None)
         if group is not None:
             names.setdefault(group.group_name, field)
-    for size, group in ctx.__dict__.get("_tp_subgroups", {}).items():
+    later = getattr(ctx, "later_groups", None)
+    for size, group in (later.tp if later is not None else {}).items():
         if group is not None:
             names.setdefault(group.group_name, f"tp_sub{size}")
     if dist.is_initialized():

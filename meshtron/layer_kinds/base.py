@@ -29,6 +29,18 @@ class Counts:
 
 
 @dataclass(frozen=True)
+class Matrix:
+    """One 2-D weight of a layer part with its canonical shape: ``name`` relative to the part (``q.weight`` of
+    ``attention.``), ``rows`` x ``cols`` as the model holds it (out x in), ``expert`` when it is one routed
+    expert's (split over expert parallelism). What Muon orthogonalises and costs is read from these."""
+
+    name: str
+    rows: int
+    cols: int
+    expert: bool = False
+
+
+@dataclass(frozen=True)
 class RankParameters:
     """Parameters of one part of one layer held by one rank: ``dense`` (split over TP or replicated) and
     ``expert`` (split over EP and the expert TP size)."""
@@ -160,6 +172,10 @@ class Kind:
         """Why ``m`` cannot have a layer of this kind (a one-line message), or None."""
         return None
 
+    def matrices(self, m: ModelConfig) -> list[Matrix]:
+        """Its 2-D weights with their canonical shapes (biases, norms and other vectors left out)."""
+        raise NotImplementedError(f"layer kind {self.name!r} does not describe its matrices")
+
 
 class MixerKind(Kind):
     """A token mixer: attention of some kind, or (later) a recurrent mixer with its own state."""
@@ -275,6 +291,15 @@ def mlp_rank_parameters(m: ModelConfig, width: int, tp: int) -> float:
     weights = (m.hidden_size * fan_in + width * m.hidden_size) / tp
     biases = 0 if m.disable_bias_linear else fan_in / tp + m.hidden_size
     return weights + biases
+
+
+def mlp_matrices(m: ModelConfig, width: int, prefix: str = "", expert: bool = False) -> list[Matrix]:
+    """The matrices of one (dense, expert or shared) MLP of inner ``width``, named under ``prefix``: gate and up
+    (up alone without SwiGLU), then down."""
+    fc1 = ["gate", "up"] if m.swiglu else ["up"]
+    H = m.hidden_size
+    return ([Matrix(f"{prefix}{name}.weight", width, H, expert) for name in fc1]
+            + [Matrix(f"{prefix}down.weight", H, width, expert)])
 
 
 def mlp_weights(m: ModelConfig, width: int) -> int:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from meshtron.config import ModelConfig, ffn_size
-from meshtron.layer_kinds.base import (Counts, MLPKind, RankParameters, SavedBytes, StepInputs, StepWork,
-                                        mlp_saves, mlp_rank_parameters, mlp_weights)
+from meshtron.layer_kinds.base import (Counts, Matrix, MLPKind, RankParameters, SavedBytes, StepInputs, StepWork,
+                                        mlp_matrices, mlp_saves, mlp_rank_parameters, mlp_weights)
 
 
 class DenseMLP(MLPKind):
@@ -26,6 +26,9 @@ class DenseMLP(MLPKind):
 
     def rank_parameters(self, m: ModelConfig, tp: int, ep: int, expert_tp: int) -> RankParameters:
         return RankParameters(dense=mlp_rank_parameters(m, ffn_size(m), tp))
+
+    def matrices(self, m: ModelConfig) -> list[Matrix]:
+        return mlp_matrices(m, ffn_size(m))
 
     def add_saved_bytes(self, m: ModelConfig, s: SavedBytes) -> None:
         if "norm" not in s.selective and not s.rowwise_fp8:

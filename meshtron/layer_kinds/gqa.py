@@ -6,7 +6,7 @@ import math
 from typing import Optional
 
 from meshtron.config import ModelConfig, head_dim, num_kv_heads
-from meshtron.layer_kinds.base import Counts, MixerKind, SavedBytes, add_attention_kernel_saves
+from meshtron.layer_kinds.base import Counts, Matrix, MixerKind, SavedBytes, add_attention_kernel_saves
 
 
 class GroupedQueryAttention(MixerKind):
@@ -54,6 +54,12 @@ class GroupedQueryAttention(MixerKind):
         if m.qk_layernorm:
             dense += 2 * (1 if m.normalization == "RMSNorm" else 2) * d  # the head norms (replicated)
         return dense
+
+    def matrices(self, m: ModelConfig) -> list[Matrix]:
+        H, d = m.hidden_size, head_dim(m)
+        q, kv = m.num_attention_heads * d, num_kv_heads(m) * d
+        return [Matrix("q.weight", q, H), Matrix("k.weight", kv, H), Matrix("v.weight", kv, H),
+                Matrix("o.weight", H, q)]
 
     def rope_dim(self, m: ModelConfig) -> int:
         return head_dim(m)  # the whole head rotates

@@ -10,7 +10,7 @@ import math
 from typing import Optional
 
 from meshtron.config import ModelConfig, head_dim, num_kv_heads
-from meshtron.layer_kinds.base import Counts, MixerKind, SavedBytes, add_attention_kernel_saves
+from meshtron.layer_kinds.base import Counts, Matrix, MixerKind, SavedBytes, add_attention_kernel_saves
 
 
 class MultiLatentAttention(MixerKind):
@@ -60,6 +60,16 @@ class MultiLatentAttention(MixerKind):
         dq, dkv, dv = m.qk_head_dim + m.qk_pos_emb_head_dim, m.qk_head_dim + m.v_head_dim, m.v_head_dim
         per_head = n * (dq * rq if rq else dq * H) + n * dkv * m.kv_lora_rank + H * n * dv  # split over TP
         return total - per_head + per_head / tp
+
+    def matrices(self, m: ModelConfig) -> list[Matrix]:
+        """With --q-lora-rank the queries go through a latent (q_down, q_up), else one projection (q)."""
+        H, n, rq, rkv = m.hidden_size, m.num_attention_heads, m.q_lora_rank, m.kv_lora_rank
+        dq = m.qk_head_dim + m.qk_pos_emb_head_dim
+        queries = ([Matrix("q_down.weight", rq, H), Matrix("q_up.weight", n * dq, rq)] if rq
+                   else [Matrix("q.weight", n * dq, H)])
+        return queries + [Matrix("kv_down.weight", rkv + m.qk_pos_emb_head_dim, H),
+                          Matrix("kv_up.weight", n * (m.qk_head_dim + m.v_head_dim), rkv),
+                          Matrix("o.weight", H, n * m.v_head_dim)]
 
     def rope_dim(self, m: ModelConfig) -> int:
         return m.qk_pos_emb_head_dim  # the positional part of each head

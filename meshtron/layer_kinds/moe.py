@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 from meshtron.config import ModelConfig, ffn_size
-from meshtron.layer_kinds.base import (Counts, MLPKind, RankParameters, SavedBytes, StepInputs, StepWork,
-                                        mlp_saves, mlp_rank_parameters, mlp_weights)
+from meshtron.layer_kinds.base import (Counts, Matrix, MLPKind, RankParameters, SavedBytes, StepInputs, StepWork,
+                                        mlp_matrices, mlp_saves, mlp_rank_parameters, mlp_weights)
 
 
 class MixtureOfExperts(MLPKind):
@@ -44,6 +44,16 @@ class MixtureOfExperts(MLPKind):
         if m.moe_shared_expert_intermediate_size:
             dense += mlp_rank_parameters(m, m.moe_shared_expert_intermediate_size, tp)
         return RankParameters(dense=dense, expert=m.num_experts / ep * mlp_rank_parameters(m, fe, expert_tp))
+
+    def matrices(self, m: ModelConfig) -> list[Matrix]:
+        """The router, every routed expert's MLP (split over EP) and the shared expert's (replicated)."""
+        fe = m.moe_ffn_hidden_size or ffn_size(m)
+        out = [Matrix("router.weight", m.num_experts, m.hidden_size)]
+        for i in range(m.num_experts):
+            out += mlp_matrices(m, fe, f"experts.{i}.", expert=True)
+        if m.moe_shared_expert_intermediate_size:
+            out += mlp_matrices(m, m.moe_shared_expert_intermediate_size, "shared_experts.")
+        return out
 
     def add_saved_bytes(self, m: ModelConfig, s: SavedBytes) -> None:
         e, h, etp = s.e, s.h, s.expert_tp

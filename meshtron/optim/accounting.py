@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from meshtron.config import SHARDING_STRATEGIES
 from meshtron.run_layout import sharding_strategy  # noqa: F401 (re-exported: the rule lives in run_layout)
+from meshtron.run_layout import shards_gradients, shards_state, shards_weights
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def bytes_per_parameter(weight_bytes: int = 2, grad_bytes: int = 4, state_shards
 def releases_gradients(name: str, release_grad_buffer: bool) -> bool:
     """Whether strategy ``name`` frees its gradient buffer between steps (``--release-grad-buffer``; the
     strategies with a full gradient buffer, ``no_shard`` and ``optim``)."""
-    return release_grad_buffer and name in ("no_shard", "optim")
+    return release_grad_buffer and not shards_gradients(name)
 
 
 def strategy_bytes_per_parameter(strategy: str, weight_bytes: int = 2, grad_bytes: int = 4, dp: int = 1,
@@ -57,9 +58,9 @@ def strategy_bytes_per_parameter(strategy: str, weight_bytes: int = 2, grad_byte
     weights are gathered while it runs)."""
     if strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"unknown sharding strategy {strategy!r} (valid: {', '.join(SHARDING_STRATEGIES)})")
-    shards = 1 if strategy == "no_shard" else dp
+    shards = dp if shards_state(strategy) else 1
     base = bytes_per_parameter(weight_bytes, grad_bytes, shards, offload_fraction, moment_bytes)
-    if strategy in ("no_shard", "optim"):
+    if not shards_gradients(strategy):
         return base
-    weights = weight_bytes / dp if strategy == "optim_grads_params" else weight_bytes * (1.0 + 1.0 / dp)
+    weights = weight_bytes / dp if shards_weights(strategy) else weight_bytes * (1.0 + 1.0 / dp)
     return BytesPerParameter(float(weights), 4.0 / dp, base.optimizer_device, base.optimizer_host)

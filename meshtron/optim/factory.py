@@ -20,7 +20,7 @@ from meshtron.optim.registry import kind_of, param_state_bytes, whole_layout
 from meshtron.optim.sharded_params import unit_layout
 from meshtron.optim.strategy import DataParallelStrategy, TrainingOptimizer, build_strategy
 from meshtron.parallel.context import ParallelContext
-from meshtron.run_layout import sharding_strategy
+from meshtron.run_layout import sharding_strategy, shards_weights
 
 
 @dataclass
@@ -97,7 +97,7 @@ def buffer_layout(cfg: MeshtronConfig, ctx: ParallelContext, model_chunks: Seque
     params = [p for ps in chunk_params for p in ps]
     isolate = _isolate_tied_embedding(model_chunks, params, ctx)
     whole = whole_layout(cfg)
-    if sharding_strategy(cfg) == "optim_grads_params":
+    if shards_weights(sharding_strategy(cfg)):
         return unit_layout(model_chunks, ctx, isolate=isolate, whole=whole)
     bucket_size = cfg.parallel.ddp_bucket_size or default_bucket_size(ctx.dp * ctx.cp)
     return build_layout(chunk_params, ctx, bucket_size, isolate=isolate, whole=whole)

@@ -16,12 +16,14 @@ STATES = ("master", "momentum_buffer")
 
 
 # ------------------------------------------------------------------------------------------------ the rule
-def _adamw_tensor(name: str) -> bool:
+def updates_matrix(name: str) -> bool:
+    """Whether Muon updates the canonical 2-D tensor ``name`` (a model name, or one relative to a layer): every
+    matrix but the embeddings, the output layer and the routers."""
     parts = name.split(".")
-    return parts[0] in ("embedding", "output") or "router" in parts
+    return parts[0] not in ("embedding", "output") and "router" not in parts
 
 
 def uses_muon(pieces: Sequence) -> bool:
     """Whether a parameter cut from ``pieces`` is updated by Muon: every piece a hidden matrix (2-D, not an
     embedding, output layer or router)."""
-    return bool(pieces) and all(len(p.full_shape) == 2 and not _adamw_tensor(p.name) for p in pieces)
+    return bool(pieces) and all(len(p.full_shape) == 2 and updates_matrix(p.name) for p in pieces)

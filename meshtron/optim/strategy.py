@@ -37,6 +37,7 @@ from meshtron.optim.shards import CompactShards
 from meshtron.optim.sharded_grads import ShardedGradients
 from meshtron.optim.sharded_params import ShardedParams
 from meshtron.parallel.context import ParallelContext
+from meshtron.run_layout import shards_gradients, shards_state, shards_weights
 
 #: ``--data-parallel-sharding-strategy`` values, from least to most sharded (the schema's one list).
 STRATEGIES = SHARDING_STRATEGIES
@@ -259,12 +260,12 @@ def build_strategy(name: str, model_chunks: Sequence[nn.Module], layout: BufferL
                    grad_dtype: torch.dtype, overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                    flat_weights: bool = False, release_grad_buffer: bool = False) -> DataParallelStrategy:
     """The strategy ``name`` (one of :data:`STRATEGIES`) for ``layout``'s parameters."""
-    if name in ("no_shard", "optim"):
-        return ReplicatedGradients(model_chunks, layout, ctx, grad_dtype, shard=name == "optim",
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown data-parallel sharding strategy {name!r} (valid: {', '.join(STRATEGIES)})")
+    if not shards_gradients(name):
+        return ReplicatedGradients(model_chunks, layout, ctx, grad_dtype, shard=shards_state(name),
                                    overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                                   flat_weights=flat_weights or name == "optim",
+                                   flat_weights=flat_weights or shards_state(name),
                                    release_grads=releases_gradients(name, release_grad_buffer))
-    if name in ("optim_grads", "optim_grads_params"):
-        return ShardedGradStrategy(model_chunks, layout, ctx, grad_dtype, shard_params=name == "optim_grads_params",
-                                   overlap_param_gather=overlap_param_gather)
-    raise ValueError(f"unknown data-parallel sharding strategy {name!r} (valid: {', '.join(STRATEGIES)})")
+    return ShardedGradStrategy(model_chunks, layout, ctx, grad_dtype, shard_params=shards_weights(name),
+                               overlap_param_gather=overlap_param_gather)

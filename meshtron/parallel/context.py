@@ -15,9 +15,9 @@ consecutive ranks (neighbours: inside a node), over which the sharded strategies
 replica groups of R ranks (the same position in each shard group), over which the reduced
 shards are summed.
 
-The context is created once and passed explicitly; a process without
-torch.distributed gets the trivial context (every size 1, no groups), so every
-code path also runs in one plain Python process.
+The context is created once, with every group, and passed explicitly; it is frozen (the groups
+made later, on first use, live in its own small :class:`LaterGroups`). A process without torch.distributed gets the trivial context (every size 1, no
+groups), so every code path also runs in one plain Python process.
 """
 
 from __future__ import annotations
@@ -40,8 +40,21 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class LaterGroups:
+    """Groups made after the context, on first use (every rank in the same order): the TP subgroups of
+    replicated key/value heads by size (:func:`tp_subgroup`), hierarchical CP's (all-to-all, ring) groups by
+    all-to-all size (:func:`meshtron.parallel.context_parallel.attention.cp_subgroups`) and the checkpoint's
+    gloo group (:func:`meshtron.checkpoint.coordination.checkpoint_group`)."""
+
+    tp: dict = field(default_factory=dict)
+    cp: dict = field(default_factory=dict)
+    checkpoint: Optional[dist.ProcessGroup] = None
+
+
+@dataclass(frozen=True)
 class ParallelContext:
-    """Process groups and coordinates of this rank. Groups are None when their size is 1."""
+    """Process groups and coordinates of this rank, fixed at construction. Groups are None when their size
+    is 1."""
 
     tp: int = 1
     cp: int = 1
@@ -78,6 +91,8 @@ class ParallelContext:
     # construction from the run's layout (meshtron.run_layout), never changed after
     # Every group's collective timeout (--distributed-timeout-minutes), also for groups created later.
     timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+    # The groups made on first use: the one mutable part, shared by dataclasses.replace copies (same groups).
+    later_groups: LaterGroups = field(default_factory=LaterGroups, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -219,36 +234,32 @@ def build_groups(tp: int, cp: int, pp: int, ep: int, device: torch.device, backe
     pp_rank, dp_rank, cp_rank, tp_rank = (int(i) for i in np.argwhere(grid == rank)[0])
 
     PP, DP, CP, TP = 0, 1, 2, 3
-    ctx = ParallelContext(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank, device=device,
-                          tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank, timeout=timeout,
-                          loss_stage=loss_stage)
-    ctx.tp_group = _new_groups(_groups_varying(grid, (TP,)), rank, backend, timeout)
-    ctx.cp_group = _new_groups(_groups_varying(grid, (CP,)), rank, backend, timeout)
-    ctx.dp_group = _new_groups(_groups_varying(grid, (DP,)), rank, backend, timeout)
+
+    def new(groups: list[list[int]]) -> Optional[dist.ProcessGroup]:
+        return _new_groups(groups, rank, backend, timeout)
+
+    # Every rank creates every group, in this order (new_group is collective).
+    groups = dict(tp_group=new(_groups_varying(grid, (TP,))), cp_group=new(_groups_varying(grid, (CP,))),
+                  dp_group=new(_groups_varying(grid, (DP,))))
     pp_groups = _groups_varying(grid, (PP,))
-    ctx.pp_group = _new_groups(pp_groups, rank, backend, timeout)
-    ctx.pp_ranks = tuple(next(g for g in pp_groups if rank in g))
-    ctx.dp_cp_group = _new_groups(_groups_varying(grid, (DP, CP)), rank, backend, timeout)
-    ctx.tp_cp_group = _new_groups(_groups_varying(grid, (CP, TP)), rank, backend, timeout)
-    ctx.model_parallel_group = _new_groups(_groups_varying(grid, (PP, TP)), rank, backend, timeout)
-    embedding_groups = [[g[0], g[-1]] for g in pp_groups] if pp > 1 else []
-    ctx.embedding_group = _new_groups(embedding_groups, rank, backend, timeout)
+    groups.update(pp_group=new(pp_groups), dp_cp_group=new(_groups_varying(grid, (DP, CP))),
+                  tp_cp_group=new(_groups_varying(grid, (CP, TP))),
+                  model_parallel_group=new(_groups_varying(grid, (PP, TP))),
+                  embedding_group=new([[g[0], g[-1]] for g in pp_groups] if pp > 1 else []))
     ep_groups, edp_groups = _expert_groups(tp, cp, dp, pp, ep)
-    ctx.ep_group = _new_groups(ep_groups, rank, backend, timeout)
-    ctx.expert_dp_group = _new_groups(edp_groups, rank, backend, timeout)
+    groups.update(ep_group=new(ep_groups), expert_dp_group=new(edp_groups))
     dpcp_index = dp_rank * cp + cp_rank
-    ctx.ep_rank = dpcp_index % ep
-    ctx.expert_dp_rank = dpcp_index // ep
-    ctx.dp_cp_replicas = replicas
-    if replicas > 1:  # every rank creates every group, in the same order
+    shard = (dp * cp) // replicas
+    if replicas > 1:
         shard_groups, replica_groups = hybrid_groups(tp, cp, dp, pp, replicas)
-        ctx.dp_cp_shard_group = _new_groups(shard_groups, rank, backend, timeout)
-        ctx.dp_cp_replica_group = _new_groups(replica_groups, rank, backend, timeout)
-        ctx.dp_cp_shard_rank = dpcp_index % ctx.dp_cp_shard
-        ctx.dp_cp_replica_rank = dpcp_index // ctx.dp_cp_shard
-    else:
-        ctx.dp_cp_shard_rank = dpcp_index
-    return ctx
+        groups.update(dp_cp_shard_group=new(shard_groups), dp_cp_replica_group=new(replica_groups))
+    return ParallelContext(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank, device=device,
+                           tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
+                           ep_rank=dpcp_index % ep, expert_dp_rank=dpcp_index // ep,
+                           dp_cp_replicas=replicas, dp_cp_shard_rank=dpcp_index % shard,
+                           dp_cp_replica_rank=dpcp_index // shard,
+                           pp_ranks=tuple(next(g for g in pp_groups if rank in g)), loss_stage=loss_stage,
+                           timeout=timeout, **groups)
 
 
 def destroy_process_groups(timeout_s: float) -> bool:
@@ -276,14 +287,14 @@ def destroy_process_groups(timeout_s: float) -> bool:
 
 
 def tp_subgroup(ctx: ParallelContext, size: int) -> Optional[dist.ProcessGroup]:
-    """This rank's group of ``size`` consecutive ranks inside its TP group (cached on the context).
+    """This rank's group of ``size`` consecutive ranks inside its TP group (cached in ``ctx.later_groups``).
 
     Used for key/value heads replicated over TP ranks when TP exceeds the number of
     query groups. Every rank must call this with the same sizes in the same order.
     """
     if size == 1 or ctx.tp == 1:
         return None
-    cache = ctx.__dict__.setdefault("_tp_subgroups", {})
+    cache = ctx.later_groups.tp
     if size not in cache:
         grid = rank_grid(ctx.tp, ctx.cp, ctx.dp, ctx.pp)
         groups = [g[i:i + size] for g in _groups_varying(grid, (3,)) for i in range(0, ctx.tp, size)]

@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from meshtron.parallel.context import ParallelContext, rank_grid
+from meshtron.parallel.context import LaterGroups, ParallelContext, rank_grid
 from meshtron.parallel.layout import check_expert_ranks, data_parallel_size_of
 
 
@@ -65,48 +65,46 @@ def planned_context(world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: in
     grid = rank_grid(tp, cp, dp, pp)
     pp_rank, dp_rank, cp_rank, tp_rank = (int(i) for i in np.argwhere(grid == rank)[0])
     PP, DP, CP, TP = 0, 1, 2, 3
-    ctx = ParallelContext(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank, device=torch.device(device),
-                          tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank)
-    ctx.tp_group = _group("tp", _members(grid, rank, (TP,)), rank)
-    ctx.cp_group = _group("cp", _members(grid, rank, (CP,)), rank)
-    ctx.dp_group = _group("dp", _members(grid, rank, (DP,)), rank)
     pipeline = _members(grid, rank, (PP,))
-    ctx.pp_group = _group("pp", pipeline, rank)
-    ctx.pp_ranks = tuple(pipeline)
-    ctx.dp_cp_group = _group("dp_cp", _members(grid, rank, (DP, CP)), rank)
-    ctx.tp_cp_group = _group("tp_cp", _members(grid, rank, (CP, TP)), rank)
-    ctx.model_parallel_group = _group("model_parallel", _members(grid, rank, (PP, TP)), rank)
+    groups = dict(tp_group=_group("tp", _members(grid, rank, (TP,)), rank),
+                  cp_group=_group("cp", _members(grid, rank, (CP,)), rank),
+                  dp_group=_group("dp", _members(grid, rank, (DP,)), rank),
+                  pp_group=_group("pp", pipeline, rank),
+                  dp_cp_group=_group("dp_cp", _members(grid, rank, (DP, CP)), rank),
+                  tp_cp_group=_group("tp_cp", _members(grid, rank, (CP, TP)), rank),
+                  model_parallel_group=_group("model_parallel", _members(grid, rank, (PP, TP)), rank))
     if pp > 1 and rank in (pipeline[0], pipeline[-1]):
-        ctx.embedding_group = _group("embedding", [pipeline[0], pipeline[-1]], rank)
+        groups["embedding_group"] = _group("embedding", [pipeline[0], pipeline[-1]], rank)
     # EP splits this stage's DP x CP ranks (index dp_rank * CP + cp_rank) as (expert_dp, ep), ep fastest.
     dpcp = _members(grid, rank, (DP, CP))
     index = dp_rank * cp + cp_rank
-    ctx.ep_rank, ctx.expert_dp_rank = index % ep, index // ep
-    ctx.ep_group = _group("ep", [dpcp[ctx.expert_dp_rank * ep + e] for e in range(ep)], rank)
-    ctx.expert_dp_group = _group("expert_dp", [dpcp[j * ep + ctx.ep_rank] for j in range(dp * cp // ep)], rank)
+    ep_rank, expert_dp_rank = index % ep, index // ep
+    groups["ep_group"] = _group("ep", [dpcp[expert_dp_rank * ep + e] for e in range(ep)], rank)
+    groups["expert_dp_group"] = _group("expert_dp", [dpcp[j * ep + ep_rank] for j in range(dp * cp // ep)], rank)
     # Hybrid sharding: R shard groups of S consecutive DP x CP ranks, replica groups across them.
-    ctx.dp_cp_replicas = replicas
     shard = dp * cp // replicas
-    ctx.dp_cp_shard_rank, ctx.dp_cp_replica_rank = index % shard, index // shard
+    shard_rank, replica_rank = index % shard, index // shard
     if replicas > 1:
-        ctx.dp_cp_shard_group = _group("dp_cp_shard", dpcp[ctx.dp_cp_replica_rank * shard:][:shard], rank)
-        ctx.dp_cp_replica_group = _group("dp_cp_replica", dpcp[ctx.dp_cp_shard_rank::shard], rank)
+        groups["dp_cp_shard_group"] = _group("dp_cp_shard", dpcp[replica_rank * shard:][:shard], rank)
+        groups["dp_cp_replica_group"] = _group("dp_cp_replica", dpcp[shard_rank::shard], rank)
     # Key/value replica subgroups (GQA with TP > query groups) are made on demand by
     # meshtron.parallel.context.tp_subgroup through this cache: fill it so that no group is created.
     tp_members = _members(grid, rank, (TP,))
-    ctx.__dict__["_tp_subgroups"] = {
-        size: _group(f"tp_sub{size}", tp_members[tp_rank // size * size:(tp_rank // size + 1) * size], rank)
-        for size in range(1, tp + 1) if tp % size == 0}
-    return ctx
+    subgroups = {size: _group(f"tp_sub{size}", tp_members[tp_rank // size * size:(tp_rank // size + 1) * size], rank)
+                 for size in range(1, tp + 1) if tp % size == 0}
+    return ParallelContext(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank, device=torch.device(device),
+                           tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank, ep_rank=ep_rank,
+                           expert_dp_rank=expert_dp_rank, dp_cp_replicas=replicas, dp_cp_shard_rank=shard_rank,
+                           dp_cp_replica_rank=replica_rank, pp_ranks=tuple(pipeline),
+                           later_groups=LaterGroups(tp=subgroups),
+                           **groups)
 
 
 def without_data_parallel_groups(ctx: ParallelContext) -> ParallelContext:
     """A copy whose DP x CP and expert-DP groups are None (sizes kept), for the bucket layout code, which
     asks torch.distributed for this rank's index in them (the planner sets that index itself)."""
-    copy = dataclasses.replace(ctx, dp_cp_group=None, expert_dp_group=None, dp_cp_shard_group=None,
+    return dataclasses.replace(ctx, dp_cp_group=None, expert_dp_group=None, dp_cp_shard_group=None,
                                dp_cp_replica_group=None)
-    copy.__dict__["_tp_subgroups"] = ctx.__dict__.get("_tp_subgroups", {})
-    return copy
 
 
 def group_rank(group: Optional[PlannedGroup]) -> int:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from meshtron.config import MeshtronConfig, ffn_size, head_dim, padded_vocab_size
 from meshtron.layer_kinds.base import StepInputs
 from meshtron.layer_kinds.pattern import layer_at
+from meshtron.parallel.layout import sequence_parallel_in_effect
 from meshtron.pipeline.partition import SPLIT_BACKWARD
 from meshtron.planning.profiles import DeviceProfile
+from meshtron.run_layout import BF16, compute_dtype_name
 
 #: Revision of what a layer keeps for backward, so that rows measured at earlier code are compared with
 #: the model of that code: 0 = the values a view of the fused QKV output (which stayed whole), SwiGLU's
@@ -51,7 +53,7 @@ def fc2_recomputes_product(cfg: MeshtronConfig, saves: int = LAYER_SAVES) -> boo
         return False
     if not t.fp8_format:
         return True
-    sequence_parallel = p.sequence_parallel and p.tensor_model_parallel_size > 1
+    sequence_parallel = sequence_parallel_in_effect(p.sequence_parallel, p.tensor_model_parallel_size)
     fused_block = saves >= 6 and m.disable_bias_linear  # meshtron.layers.linear.fuses_fp8_swiglu
     return t.fp8_recipe == "tensorwise" and not sequence_parallel and (_layers_compiled(cfg) or fused_block)
 
@@ -138,7 +140,7 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
     kinds = layer_at(m, layer)
     tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
     etp = p.expert_tensor_parallel_size or tp
-    sp = p.sequence_parallel and tp > 1
+    sp = sequence_parallel_in_effect(p.sequence_parallel, tp)
     fp8 = bool(t.fp8_format)
     e = 2
     h, d = m.hidden_size, head_dim(m)
@@ -157,7 +159,7 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
     fwd_gemm = sum(gemm_seconds(f, profile, fp8) for f in kinds.mixer.forward_gemms(m, tokens, tp))
     wgrad = fwd_gemm
     work = kinds.mlp.step_work(m, StepInputs(tokens=tokens, tp=tp, ep=ep, expert_tp=etp, rep_div=rep_div, e=e,
-                                             fp8=fp8, bf16=bool(t.bf16), saves=saves,
+                                             fp8=fp8, bf16=compute_dtype_name(cfg) == BF16, saves=saves,
                                              fc2_recomputes=fc2_recomputes_product(cfg, saves), gemm=gemm))
     fwd_gemm += work.fwd_gemm
     wgrad += work.wgrad

@@ -56,10 +56,8 @@ from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import spec_of
 from meshtron.planning.fake_context import group_rank, planned_context, without_data_parallel_groups
 from meshtron.planning.transient_memory import gathered_weight_bytes, reduction_bucket_bytes
-from meshtron.run_layout import compute_dtype_name, sharding_strategy
-
-#: The strategies that keep gradient shards instead of a full gradient buffer.
-SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
+from meshtron.run_layout import (DTYPE_BYTES, compute_dtype_name, sharding_strategy, shards_gradients, shards_state,
+                                 shards_weights)
 
 
 def build_stage(cfg: MeshtronConfig, ctx: ParallelContext, vocab_size: int) -> list[nn.Module]:
@@ -166,7 +164,7 @@ def _segment_state(cfg: MeshtronConfig, layout: BufferLayout, segments: Sequence
 def optimizer_state(cfg: MeshtronConfig, layout: BufferLayout, weights_fp32: bool, grad_bytes: int,
                     weight_bytes: int) -> OptimizerState:
     """The optimizer state ``meshtron.optim.factory.build_optimization`` creates for ``layout``'s rank."""
-    opt, shard = cfg.optim, sharding_strategy(cfg) != "no_shard"
+    opt, shard = cfg.optim, shards_state(sharding_strategy(cfg))
     offload = opt.optimizer_offload_fraction if opt.optimizer_cpu_offload else 0.0
     kind = kind_of(cfg)
     numel: dict[str, int] = {name: 0 for p in layout.params for name in param_state_names(kind, p)}
@@ -191,7 +189,7 @@ def pipeline_message_bytes(cfg: MeshtronConfig, ctx: ParallelContext) -> int:
     from meshtron.pipeline.p2p import activation_shape
 
     seq, batch, hidden = activation_shape(cfg, ctx)
-    return seq * batch * hidden * (2 if cfg.train.bf16 else 4)
+    return seq * batch * hidden * DTYPE_BYTES[compute_dtype_name(cfg)]
 
 
 def plan_config(cfg: MeshtronConfig) -> MeshtronConfig:
@@ -215,19 +213,23 @@ def rank_memory(cfg: MeshtronConfig, vocab_size: int, world_size: int, rank: int
     chunks = build_stage(planned, ctx, vocab_size)
     layout = _with_group_ranks(buffer_layout(planned, without_data_parallel_groups(ctx), chunks), ctx)
     params = layout.params
-    weight_bytes = params[0].element_size() if params else (2 if cfg.train.bf16 else 4)
+    weight_bytes = params[0].element_size() if params else DTYPE_BYTES[compute_dtype_name(cfg)]
     weights_fp32 = bool(params) and params[0].dtype == torch.float32
     grad_bytes = 2 if p.grad_reduce_in_bf16 else 4
     numel = sum(q.numel() for q in params)
     expert = sum(q.numel() for q in params if spec_of(q).expert)
     strategy = sharding_strategy(cfg)
-    flat_weights = strategy != "no_shard" or (cfg.optim.optimizer_cpu_offload
+    flat_weights = shards_state(strategy) or (cfg.optim.optimizer_cpu_offload
                                               and cfg.optim.optimizer_offload_fraction > 0.0)
     # The sharded strategies (meshtron.optim.strategy) keep this rank's shard of every bucket compactly.
     shard_numel = sum(b.shard_size for b in layout.buckets)
-    sharded = strategy in SHARDED_GRADIENTS
-    weights_numel = {"optim_grads": layout.numel + shard_numel, "optim_grads_params": shard_numel}.get(
-        strategy, layout.numel if flat_weights else numel)
+    sharded = shards_gradients(strategy)
+    if shards_weights(strategy):
+        weights_numel = shard_numel
+    elif sharded:  # ZeRO-2: the full flat weights and the compact shard the optimizer writes
+        weights_numel = layout.numel + shard_numel
+    else:
+        weights_numel = layout.numel if flat_weights else numel
     grad_numel = shard_numel if sharded else layout.numel
     grad_bytes_kept = 4 if sharded else grad_bytes  # fp32 shards
     buffers = sum(b.numel() * b.element_size() for chunk in chunks for b in chunk.buffers())
@@ -238,11 +240,11 @@ def rank_memory(cfg: MeshtronConfig, vocab_size: int, world_size: int, rank: int
         rank=rank, coordinates=coordinates, parameters=numel, expert_parameters=expert,
         weights=weights_numel * weight_bytes,
         # ZeRO-3 has no flat weight buffer: each bucket's full tensor is empty between uses.
-        param_buffer_numel=layout.numel if flat_weights and strategy != "optim_grads_params" else None,
+        param_buffer_numel=layout.numel if flat_weights and not shards_weights(strategy) else None,
         grad_buffer_numel=grad_numel, gradients=grad_numel * grad_bytes_kept,
         optimizer=optimizer_state(cfg, layout, weights_fp32, grad_bytes, weight_bytes),
         model_buffers=buffers, pipeline_message=pipeline_message_bytes(cfg, ctx), buckets=len(layout.buckets),
         strategy=strategy, layout_numel=layout.numel, weight_shard_numel=shard_numel if sharded else None,
         gathered_weights=(gathered_weight_bytes(layout, chunks, weight_bytes)
-                          if strategy == "optim_grads_params" else 0),
+                          if shards_weights(strategy) else 0),
         reduction_buckets=(reduction_bucket_bytes(layout, chunks, grad_bytes, micro_batches) if sharded else 0))

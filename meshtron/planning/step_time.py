@@ -55,10 +55,11 @@ from typing import Optional
 from meshtron.config import MeshtronConfig, padded_vocab_size
 from meshtron.layer_kinds.pattern import layer_at
 from meshtron.memory import layer_parameters, stage_chunks, stage_estimates
-from meshtron.pipeline.partition import SPLIT_BACKWARD, loss_stage_of
+from meshtron.pipeline.partition import SPLIT_BACKWARD
 from meshtron.planning.layer_costs import (ATTENTION_BACKWARD_FLOPS, LAYER_SAVES, LayerCost, Links, _overlapped,
                                            _ring, attention_rate, cp_a2a_size, gemm_seconds, head_cost, layer_cost)
 from meshtron.planning.profiles import DeviceProfile
+from meshtron.run_layout import RunLayout, resolve_layout, shards_gradients, shards_state, shards_weights
 
 # The per-layer costs live in meshtron.planning.layer_costs (the memory model needs them too); these names are
 # kept here for the callers that time GEMMs and attention through this module.
@@ -155,20 +156,21 @@ def _rank_parameters(cfg: MeshtronConfig, layers: list[int], first: bool, last: 
 
 
 def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, vocab_size: Optional[int] = None,
-                 links: Links = Links(), saves: int = LAYER_SAVES) -> StepPrediction:
+                 links: Links = Links(), saves: int = LAYER_SAVES,
+                 layout: Optional[RunLayout] = None) -> StepPrediction:
     """Predicted step time of a resolved configuration on ``world_size`` GPUs (see the module docstring;
-    ``saves``: for rows measured at earlier layer code, see :func:`meshtron.planning.layer_costs.layer_cost`)."""
+    ``saves``: for rows measured at earlier layer code, see :func:`meshtron.planning.layer_costs.layer_cost`;
+    ``layout``: ``cfg``'s :class:`~meshtron.run_layout.RunLayout` on ``world_size`` ranks, else resolved here)."""
     from meshtron.training.metrics import flops_per_token
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    layout = layout if layout is not None else resolve_layout(cfg, world_size)
     vocab = vocab_size or m.vocab_size
-    tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
-    ep = p.expert_model_parallel_size
+    tp, cp, pp, ep, dp = layout.tp, layout.cp, layout.pp, layout.ep, layout.dp
     etp = p.expert_tensor_parallel_size or tp
-    dp = world_size // (tp * cp * pp)
     gbs = t.global_batch_size or t.micro_batch_size * dp
     micro = max(1, gbs // (t.micro_batch_size * dp))
-    chunks = stage_chunks(cfg)
+    chunks = stage_chunks(cfg, layout.pipeline)
     virtual = len(chunks[0])
     latency = profile.collective_latency_us * 1e-6
     loss, embed = head_cost(cfg, vocab, profile)
@@ -191,7 +193,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     kinds = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "dp": 0.0, "pp": 0.0}
     slowest_kind: dict = {}
     params_by_stage = []
-    loss_rank = loss_stage_of(p.pipeline_schedule, pp)
+    loss_rank = layout.loss_stage
     for rank, rank_chunks in enumerate(chunks):
         layers = [i for c in rank_chunks for i in c]
         costs = [cost(i, recomputed(pos)) for pos, i in enumerate(layers)]
@@ -209,7 +211,8 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         params_by_stage.append(_rank_parameters(cfg, layers, rank == 0, rank == loss_rank, vocab))
     if t.offload_activations:
         # The backward's waits for the host copies the side stream has not finished (memory.offload_timeline).
-        for rank, est in enumerate(stage_estimates(cfg, vocab, world_size=world_size, profile=profile)):
+        for rank, est in enumerate(stage_estimates(cfg, vocab, world_size=world_size, profile=profile,
+                                                   layout=layout)):
             stage_times[rank] += est.offload_stall_s
     slowest = max(range(pp), key=lambda r: stage_times[r])
     per_micro = stage_times[slowest]
@@ -226,11 +229,9 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     # micro-batch's gradients (behind its backward) and gathers once; optim_grads_params reduce-scatters
     # every micro-batch's and all-gathers each layer's weights before its forward and again before its
     # backward, prefetched one layer ahead (so all but the first layer's gather run behind compute).
-    from meshtron.optim.accounting import sharding_strategy
-
-    strategy = sharding_strategy(cfg)
+    strategy = layout.sharding_strategy
     dense, expert = max(params_by_stage, key=lambda de: de[0] + de[1])
-    sharded = strategy != "no_shard"
+    sharded = shards_state(strategy)
     # Hybrid sharding (--num-distributed-optimizer-instances R): everything below runs inside a shard group of
     # S = DP x CP / R consecutive ranks (a node's, where S x TP fits in it), then the reduced shards (1/S of the
     # gradients) are all-reduced over the R replicas (ranks S x TP apart: across nodes), once per step, after
@@ -251,7 +252,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     bucket = max(40_000_000, 1_000_000 * dp) if p.ddp_bucket_size is None else p.ddp_bucket_size
     share = min(1.0, bucket / max(1.0, dense + expert))
     last_backward = per_micro - stage_fwd[slowest]
-    if strategy in ("optim_grads", "optim_grads_params"):
+    if shards_gradients(strategy):
         # Every micro-batch's reduce-scatter runs behind its own backward; the last bucket of the last one is exposed.
         grad_exposed = grad_comm * share + micro * _overlapped(grad_comm * (1 - share), last_backward, profile)
     elif p.overlap_grad_reduce and grad_comm > 0:
@@ -259,7 +260,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     else:
         grad_exposed = grad_comm
     gather = (_ring(dense * 2, n_dense, dp_bw, latency) + _ring(expert * 2, n_expert, ep_bw, latency))
-    if strategy == "optim_grads_params":
+    if shards_weights(strategy):
         # Per micro-batch, two passes (forward, backward) each gather the stage's weights layer by layer.
         first = gather / max(1, stage_layers[slowest])
         passes = (_overlapped(gather - first, stage_fwd[slowest], profile)
@@ -274,7 +275,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
 
     if pp > 1 and not p.overlap_p2p_comm:
         bw = links.bandwidth(profile, 2, tp * cp * dp)
-        msg = t.micro_batch_size * m.seq_length / cp * m.hidden_size * 2 / (tp if p.sequence_parallel else 1)
+        msg = t.micro_batch_size * m.seq_length / cp * m.hidden_size * 2 / (tp if layout.sequence_parallel else 1)
         kinds["pp"] = micro * virtual * 2 * (msg / bw + latency)
 
     # Optimizer: this rank's shard of the master weights, moments and gradients.

@@ -55,7 +55,7 @@ CONTEXT_GROUPS: tuple[tuple[str, str], ...] = (
     ("dp_cp_group", "dp_cp"), ("tp_cp_group", "tp_cp"), ("ep_group", "ep"),
     ("expert_dp_group", "expert_dp"), ("dp_cp_shard_group", "dp_cp_shard"),
     ("dp_cp_replica_group", "dp_cp_replica"), ("embedding_group", "embedding"),
-    ("model_parallel_group", "model_parallel"), ("_checkpoint_group", "checkpoint"),
+    ("model_parallel_group", "model_parallel"),
 )
 _STORE_PREFIX = "meshtron/hang"
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
@@ -95,7 +95,10 @@ def named_groups(ctx: Any) -> list[tuple[str, dist.ProcessGroup]]:
         group = attributes.get(attribute)
         if group is not None:
             out.append((name, group))
-    for size, group in sorted((attributes.get("_tp_subgroups") or {}).items()):
+    later = attributes.get("later_groups")  # made on first use (meshtron.parallel.context.LaterGroups)
+    if later is not None and later.checkpoint is not None:
+        out.append(("checkpoint", later.checkpoint))
+    for size, group in sorted((later.tp if later is not None else {}).items()):
         if group is not None:
             out.append((f"tp_sub{size}", group))
     return out

@@ -44,7 +44,7 @@ from meshtron.resilience.rerun import RerunGuard, local_nonfinite, nonfinite_on_
 from meshtron.resilience.restart import restart_count, restart_event, resume_candidates
 from meshtron.resilience.straggler import StragglerDetector
 from meshtron.resilience.weight_hash import WeightHashCheck, mismatch_message
-from meshtron.run_layout import RunLayout, resolve_layout
+from meshtron.run_layout import RunLayout, resolve_layout, shards_gradients
 from meshtron.training.gc_control import ManualGC
 from meshtron.training.metrics import compute_throughput, flops_per_token, peak_memory_stats, peak_tflops
 from meshtron.training.step_profiler import StepProfiler
@@ -83,10 +83,6 @@ def device_label(device: torch.device) -> str:
     return "GPU" if device.type == "cuda" else device.type.upper()
 
 
-#: Strategies whose gradients are reduced as backward produces them and kept as this rank's shard.
-SHARDED_GRAD_STRATEGIES = ("optim_grads", "optim_grads_params")
-
-
 class Trainer:
     """Owns the model, optimizer, data and logging of one run on this rank."""
 
@@ -119,7 +115,7 @@ class Trainer:
         self.dp_strategy, self.optimizer = self.optim.strategy, self.optim.optimizer
         # ZeRO-2/3 keep only reduced shards, and the norm sums only the parts it counts: with
         # --check-for-nan-in-loss-and-grad every rank's shard and own loss are checked as well.
-        self.grads_sharded = self.dp_strategy.name in SHARDED_GRAD_STRATEGIES
+        self.grads_sharded = shards_gradients(self.dp_strategy.name)
         self.check_shards = self.grads_sharded and t.check_for_nan_in_loss_and_grad
         self.schedule = get_schedule(cfg, ctx, gpt_forward_step, self.layout)
         # Router-loss weighting, expert-bias updates and MoE metrics (None for dense models).

@@ -53,7 +53,6 @@ def test_shards_split_buckets_evenly_and_partition_parameters():
             assert b.numel % (dp * 4) == 0
             lo, hi = b.shard_range(rank)
             assert hi - lo == b.numel // dp
-        ctx.dp_rank = rank
         for b in layout.buckets:
             b.reduce.rank = rank
         for seg in owned_segments(layout, shard=True):

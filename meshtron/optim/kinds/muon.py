@@ -34,9 +34,18 @@ imports no torch.
 from __future__ import annotations
 
 import math
+from collections import Counter
+from dataclasses import replace
 
-from meshtron.optim.muon_rule import STATES, uses_muon
+from meshtron.layer_kinds.base import Matrix
+from meshtron.layer_kinds.pattern import LayerKinds, layer_kinds
+from meshtron.optim.muon_rule import STATES, updates_matrix, uses_muon
 from meshtron.optim.registry import WHOLE, OptimizerKind, StepWork
+
+#: The names of a layer's two parts (``TransformerLayer.attention`` and ``.mlp``), which its matrices' names
+#: begin with.
+MIXER_PART, MLP_PART = "attention.", "mlp."
+
 
 def _states(pieces) -> tuple[str, ...]:
     from meshtron.optim.optimizer import STATES as ADAMW_STATES
@@ -66,24 +75,12 @@ def _check(cfg) -> None:
         raise ConfigError(f"--muon-extra-scale-factor must be positive, got {o.muon_extra_scale_factor}")
 
 
-def layer_matrices(m) -> list[tuple[int, int, bool]]:
-    """(rows, cols, expert) of one transformer layer's canonical matrices that Muon updates (dense
-    attention and MLP; with experts, every expert's), from the model config."""
-    from meshtron.config import ffn_size, head_dim, num_kv_heads
-
-    H, d = m.hidden_size, head_dim(m)
-    q, kv = m.num_attention_heads * d, num_kv_heads(m) * d
-    out = [(q, H, False), (kv, H, False), (kv, H, False), (H, q, False)]
-    mlp = lambda f, expert: ([(f, H, expert)] * (2 if m.swiglu else 1)) + [(H, f, expert)]  # noqa: E731
-    if m.num_experts:
-        fe = m.moe_ffn_hidden_size or ffn_size(m)
-        for _ in range(m.num_experts):
-            out += mlp(fe, True)
-        if m.moe_shared_expert_intermediate_size:
-            out += mlp(m.moe_shared_expert_intermediate_size, False)
-    else:
-        out += mlp(ffn_size(m), False)
-    return out
+def layer_matrices(m, kinds: LayerKinds) -> list[Matrix]:
+    """The canonical matrices Muon updates of one layer of ``kinds``, as its mixer and MLP kinds describe them,
+    named relative to the layer (``attention.q.weight``; routers left to AdamW)."""
+    described = ([replace(x, name=MIXER_PART + x.name) for x in kinds.mixer.matrices(m)]
+                 + [replace(x, name=MLP_PART + x.name) for x in kinds.mlp.matrices(m)])
+    return [x for x in described if updates_matrix(x.name)]
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> float:
@@ -97,14 +94,15 @@ def _step_work(cfg, tp: int, dp: int, pp: int, ep: int = 1) -> StepWork:
     their owners (DP x CP ranks; experts over EP too), each orthogonalised whole on every rank of its TP group
     (duplicated: TP does not divide the work) after an all-gather of fp32 momentum of (TP - 1) / TP of it."""
     m, o = cfg.model, cfg.optim
-    layers = m.num_layers / max(1, pp)
     flops = gathered = count = 0.0
-    for rows, cols, expert in layer_matrices(m):
-        owners = dp * (ep if expert else 1)
-        flops += ns_flops(rows, cols, o.muon_num_ns_steps) * layers / owners
-        if tp > 1 and o.muon_tp_mode == "duplicated":
-            gathered += 4.0 * rows * cols * layers / owners
-            count += layers / owners
+    for kinds, n in Counter(layer_kinds(m)).items():  # the layers of each kind, a stage's share of them
+        layers = n / max(1, pp)
+        for x in layer_matrices(m, kinds):
+            owners = dp * (ep if x.expert else 1)
+            flops += ns_flops(x.rows, x.cols, o.muon_num_ns_steps) * layers / owners
+            if tp > 1 and o.muon_tp_mode == "duplicated":
+                gathered += 4.0 * x.rows * x.cols * layers / owners
+                count += layers / owners
     if tp > 1 and o.muon_tp_mode == "blockwise":
         flops /= tp
     return StepWork(matmul_flops=flops, gather_bytes=gathered, gathers=int(math.ceil(count)))

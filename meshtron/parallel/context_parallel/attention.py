@@ -179,7 +179,7 @@ def cp_subgroups(ctx: ParallelContext, a2a_size: int) -> tuple[dist.ProcessGroup
     consecutive CP ranks: CP rank ``r`` is member ``r % A`` of all-to-all group ``r // A`` and member ``r // A``
     of ring ``r % A``. Created once (cached on the context); every rank must call this in the same order, so
     the model calls it when it is built."""
-    cache = ctx.__dict__.setdefault("_cp_subgroups", {})
+    cache = ctx.later_groups.cp
     if a2a_size not in cache:
         from meshtron.parallel.context import _groups_varying, _new_groups, rank_grid
 
