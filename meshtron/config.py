@@ -57,7 +57,8 @@ class ModelConfig:
                                      "With no preset and no shape flags, the 'tiny' preset is used.", metavar="PRESET")
     num_layers: int = opt(2, "Number of transformer layers.")
     layer_pattern: Optional[str] = opt(None, "Each layer's token mixer and MLP kind, as comma-separated MIXER+MLP "
-                                             "entries, each optionally *N (mixers: gqa, mla; MLPs: dense, moe), "
+                                             "entries, each optionally *N (mixers: gqa, mla, sink, sink_window; MLPs: "
+                                             "dense, moe, oss_moe), "
                                              "e.g. gqa+dense*3,gqa+moe*29 (docs/layer-kinds.md). Default: "
                                              "derived from --multi-latent-attention, --num-experts, "
                                              "--moe-layer-freq and --moe-first-dense-layers.")
@@ -106,6 +107,13 @@ class ModelConfig:
     yarn_original_max_position_embeddings: int = opt(4096, "YaRN: context length the model was first trained at.")
     yarn_beta_fast: float = opt(32.0, "YaRN: rotations below which frequencies are interpolated fully.")
     yarn_beta_slow: float = opt(1.0, "YaRN: rotations above which frequencies are kept.")
+    yarn_truncate: bool = opt(True, "YaRN: round the ramp's ends to whole frequency indices (DeepSeek); "
+                                    "--no-yarn-truncate keeps them fractional (gpt-oss).")
+    # gpt-oss (docs/models.md): attention with sinks, sliding-window layers, clamped SwiGLU experts.
+    sliding_window_size: Optional[int] = opt(None, "Keys each query of a sink_window layer (--layer-pattern) sees: "
+                                                   "itself and the previous N-1 (gpt-oss: 128).")
+    swiglu_clamp_limit: float = opt(7.0, "oss_moe experts: gate clamped to at most this, up to +-this.")
+    swiglu_clamp_alpha: float = opt(1.702, "oss_moe experts: activation out = (up + 1) * gate * sigmoid(alpha * gate).")
     hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.")
     attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
     init_method_std: float = opt(0.02, "Std of the normal weight initialisation (output projections are scaled by 1/sqrt(2*layers)).")

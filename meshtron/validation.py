@@ -349,9 +349,9 @@ def _check_model(m: ModelConfig) -> None:
 
 
 def _check_multi_latent_attention(m: ModelConfig) -> None:
-    """MLA's head dims and ranks, and the RoPE variants that go with it (YaRN is implemented for MLA only)."""
-    if m.rope_type == "yarn" and not m.multi_latent_attention:
-        raise ConfigError("--rope-type yarn is implemented with --multi-latent-attention only")
+    """MLA's head dims and ranks, and the RoPE variants that go with it."""
+    if m.rope_type == "yarn" and m.position_embedding_type != "rope":
+        raise ConfigError("--rope-type yarn needs --position-embedding-type rope")
     if not m.multi_latent_attention:
         return
     _positive([("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_head_dim),

@@ -68,6 +68,9 @@ HF_SHAPES = {
                                        num_attention_heads=32, moe_intermediate_size=768)),
     "qwen3-235b-a22b": ("Qwen3Moe", dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
                                          num_attention_heads=64, moe_intermediate_size=1536)),
+    # the class defaults are gpt-oss-20b's, but for the published router loss coefficient
+    "gpt-oss-20b": ("GptOss", dict(num_hidden_layers=24, num_local_experts=32, router_aux_loss_coef=0.9)),
+    "gpt-oss-120b": ("GptOss", dict(num_hidden_layers=36, num_local_experts=128, router_aux_loss_coef=0.9)),
 }
 #: the ModelConfig fields a preset must share with the model converted from its Hugging Face config
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
@@ -78,7 +81,9 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_
                  "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
                  "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_num_groups",
                  "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
-                 "moe_first_dense_layers", "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
+                 "moe_first_dense_layers", "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+                 "layer_pattern", "disable_bias_linear", "sliding_window_size", "yarn_truncate", "yarn_beta_fast",
+                 "yarn_beta_slow", "swiglu_clamp_limit", "swiglu_clamp_alpha")
 
 
 @pytest.mark.parametrize("name", sorted(HF_SHAPES))

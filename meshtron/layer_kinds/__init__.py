@@ -13,11 +13,13 @@ from meshtron.layer_kinds.dense import DENSE
 from meshtron.layer_kinds.gqa import GQA
 from meshtron.layer_kinds.mla import MLA
 from meshtron.layer_kinds.moe import MOE
+from meshtron.layer_kinds.oss_moe import OSS_MOE
+from meshtron.layer_kinds.sink import SINK, SINK_WINDOW
 
 #: Token-mixer kinds by their name in ``--layer-pattern``.
-MIXERS: dict[str, MixerKind] = {kind.name: kind for kind in (GQA, MLA)}
+MIXERS: dict[str, MixerKind] = {kind.name: kind for kind in (GQA, MLA, SINK, SINK_WINDOW)}
 #: MLP kinds by their name in ``--layer-pattern``.
-MLPS: dict[str, MLPKind] = {kind.name: kind for kind in (DENSE, MOE)}
+MLPS: dict[str, MLPKind] = {kind.name: kind for kind in (DENSE, MOE, OSS_MOE)}
 
 
 def mixer_kind(name: str) -> MixerKind:

@@ -17,7 +17,7 @@ import torch
 from meshtron.build import built_parameter_count
 from meshtron.config import ConfigError, MeshtronConfig, ModelConfig
 from meshtron.layer_kinds import MIXERS, MLPS
-from meshtron.layer_kinds.pattern import layer_kinds, resolved_pattern
+from meshtron.layer_kinds.pattern import layer_kinds, parse_pattern, resolved_pattern
 from meshtron.memory import layer_parameters
 from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
@@ -46,6 +46,10 @@ MIXED = {
     "mla-moe": _small(**_MOE, **_MLA, layer_pattern="mla+dense,mla+moe*3"),
     "mla-moe-biases": _small(**_MOE, **_MLA, disable_bias_linear=False, normalization="LayerNorm",
                              layer_pattern="mla+moe,mla+dense,mla+moe*2"),
+    "gpt-oss": _small(**_MOE, disable_bias_linear=False, sliding_window_size=4,
+                      layer_pattern="sink_window+oss_moe,sink+oss_moe,sink_window+oss_moe,sink+oss_moe"),
+    "sinks-with-others": _small(**_MOE, sliding_window_size=4,
+                                layer_pattern="sink_window+dense,gqa+oss_moe,sink+moe,gqa+dense"),
 }
 
 
@@ -87,9 +91,10 @@ def _numel(module: torch.nn.Module) -> int:
 
 def _split_cases():
     cases = []
-    for name in ("llama3-8b", "qwen3-0.6b", "gpt2-small", "mixtral-8x7b", "deepseek-v2-lite"):
+    for name in ("llama3-8b", "qwen3-0.6b", "gpt2-small", "mixtral-8x7b", "deepseek-v2-lite", "gpt-oss-20b"):
         m = _preset(name)
-        m = dataclasses.replace(m, num_layers=min(m.num_layers, 2), layer_pattern=None,
+        first_two = [f"{mixer}+{mlp}" for mixer, mlp in parse_pattern(m.layer_pattern)][:2] if m.layer_pattern else None
+        m = dataclasses.replace(m, num_layers=min(m.num_layers, 2), layer_pattern=first_two and ",".join(first_two),
                                 moe_first_dense_layers=min(m.moe_first_dense_layers, 1))
         cases.append((name, m))
     cases += [(name, m) for name, m in MIXED.items()]
