@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from meshtron.config import ModelConfig
 from meshtron.layer_kinds.base import norm_parameters
-from meshtron.layer_kinds.pattern import layer_kinds
+from meshtron.layer_kinds.pattern import format_pattern, layer_kinds
 
 _GPT2 = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
              vocab_size=50257, seq_length=1024, max_position_embeddings=1024, norm_epsilon=1e-5,
@@ -48,6 +48,19 @@ _GPT_OSS = dict(_LLAMA, disable_bias_linear=False, vocab_size=201088, hidden_siz
 def _gpt_oss_pattern(num_layers: int) -> str:
     """gpt-oss's layer_types: sliding-window attention on even layers, full attention on odd ones."""
     return ",".join(("sink_window" if i % 2 == 0 else "sink") + "+oss_moe" for i in range(num_layers))
+
+
+# Qwen3.5: three gated DeltaNet layers, then one gated attention layer (partial RoPE, 0.25 of each 256-wide
+# head), zero-centred norms; the MoE's experts with a sigmoid-gated shared expert.
+_QWEN35 = dict(_LLAMA, zero_centred_norm=True, rotary_percent=0.25, kv_channels=256, vocab_size=248320,
+               seq_length=4096, max_position_embeddings=32768, rotary_base=10000.0, norm_epsilon=1e-6,
+               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+               linear_conv_kernel_dim=4)
+
+
+def _qwen35_pattern(num_layers: int, mlp: str) -> str:
+    """Qwen3.5's layer_types: full attention on every fourth layer, gated DeltaNet on the others."""
+    return format_pattern([f"{'gated_attn' if (i + 1) % 4 == 0 else 'gdn'}+{mlp}" for i in range(num_layers)])
 
 
 #: name -> (ModelConfig fields, published parameter count, where the number comes from)
@@ -142,6 +155,13 @@ PRESETS: dict[str, tuple[dict, int | None, str]] = {
                     20_914_757_184, "gpt-oss-20b: 20.9B, 3.6B activated"),
     "gpt-oss-120b": (dict(_GPT_OSS, num_layers=36, num_experts=128, layer_pattern=_gpt_oss_pattern(36)),
                      116_829_156_672, "gpt-oss-120b: 116.8B, 5.1B activated"),
+    # 256 experts of 512 (top-8, softmax renormalised over the 8) and a gated shared expert of 512. Shapes:
+    # transformers' Qwen3_5MoeTextConfig defaults, documented as Qwen/Qwen3.5-35B-A3B's.
+    "qwen3.5-35b-a3b": (dict(_QWEN35, num_layers=40, hidden_size=2048, num_attention_heads=16, num_query_groups=2,
+                             ffn_hidden_size=512, num_experts=256, moe_ffn_hidden_size=512, moe_router_topk=8,
+                             moe_shared_expert_intermediate_size=512, moe_aux_loss_coeff=0.001,
+                             layer_pattern=_qwen35_pattern(40, "moe_gated_shared")),
+                        34_660_610_688, "Qwen3.5-35B-A3B: 35B, 3B activated"),
 }
 
 #: Activated parameters as the model cards publish them (rounded), and whether that figure counts the input
@@ -151,7 +171,7 @@ PUBLISHED_ACTIVE: dict[str, tuple[int, bool]] = {
     "deepseek-moe-16b": (2_800_000_000, True), "deepseek-v2-lite": (2_400_000_000, False),
     "deepseek-v3": (37_000_000_000, False), "qwen3-30b-a3b": (3_300_000_000, True),
     "qwen3-235b-a22b": (22_000_000_000, True), "gpt-oss-20b": (3_600_000_000, False),
-    "gpt-oss-120b": (5_100_000_000, False),
+    "gpt-oss-120b": (5_100_000_000, False), "qwen3.5-35b-a3b": (3_000_000_000, False),
 }
 
 

@@ -291,6 +291,8 @@ def _check_model(m: ModelConfig) -> None:
     if m.no_position_embedding and m.position_embedding_type != "rope":
         raise ConfigError("--no-position-embedding leaves the model without positions: use it with "
                           "--position-embedding-type rope (or --use-rotary-position-embeddings)")
+    if m.zero_centred_norm and m.normalization != "RMSNorm":
+        raise ConfigError("--zero-centred-norm scales an RMSNorm: it needs --normalization RMSNorm")
     _positive([("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
                ("--ffn-hidden-size", m.ffn_hidden_size), ("--num-query-groups", m.num_query_groups),

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from meshtron.checkpoint import hf_gpt_oss, hf_moe
+from meshtron.checkpoint import hf_gpt_oss, hf_moe, hf_qwen3_5
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
 from meshtron.layer_kinds import MIXERS, MLPS, MixerKind
@@ -45,12 +45,14 @@ from meshtron.layers.mtp import HF_MTP_NAMES, mtp_depths
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 _NAMES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-          "qwen3_moe": "Qwen3-MoE", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss"}
+          "qwen3_moe": "Qwen3-MoE", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss",
+          "qwen3_5_text": "Qwen3.5", "qwen3_5_moe_text": "Qwen3.5-MoE"}
 #: Families whose layers are kinds of their own, converted by a module each (``config_from_hf``, ``claims``,
-#: ``tensors_from_hf``, ``tensors_to_hf``, ``check_exportable``, ``hf_config``), by model_type.
-FAMILIES = {"gpt_oss": hf_gpt_oss}
+#: ``architecture``, ``tensors_from_hf``, ``tensors_to_hf``, ``check_exportable``, ``hf_config``), by model_type.
+FAMILIES = {"gpt_oss": hf_gpt_oss, "qwen3_5_text": hf_qwen3_5, "qwen3_5_moe_text": hf_qwen3_5}
 
 
 def _family(m: Optional[ModelConfig]):
@@ -400,10 +402,10 @@ def default_architecture(m: ModelConfig) -> str:
     """The Hugging Face architecture to export to when none is named: for multi-latent attention
     deepseek_v2 with softmax routing and deepseek_v3 otherwise; for MoE qwen3_moe with query/key head
     norms, else mixtral; dense: qwen3 with query/key head norms, qwen2 with query/key/value biases,
-    else llama; a family of its own (gpt-oss) by its layer kinds."""
+    else llama; a family of its own (gpt-oss, Qwen3.5) by its layer kinds."""
     family = _family(m)
     if family is not None:
-        return family.ARCHITECTURE
+        return family.architecture(m)
     if m.multi_latent_attention:
         return "deepseek_v2" if m.num_experts and m.moe_router_score_function == "softmax" else "deepseek_v3"
     if m.num_experts:
@@ -420,9 +422,9 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
         raise CheckpointError(f"--hf-architecture {architecture!r} is not one of {', '.join(ARCHITECTURES)}")
     family = _family(m)
     if architecture in FAMILIES or family is not None:
-        if family is not FAMILIES.get(architecture):
+        if family is None or architecture != family.architecture(m):
             problems.append(f"--layer-pattern {resolved_pattern(m)} (export with --hf-architecture "
-                            f"{family.ARCHITECTURE if family else default_architecture(m)})")
+                            f"{default_architecture(m)})")
         else:
             problems += family.check_exportable(m)
         if problems:

@@ -33,6 +33,11 @@ _OURS_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)\
 _OURS_ROUTER = re.compile(r"^layers\.(\d+)\.mlp\.router\.(weight|bias)$")
 
 
+def architecture(m: ModelConfig) -> str:
+    """The Hugging Face architecture of a gpt-oss model: gpt_oss."""
+    return ARCHITECTURE
+
+
 def claims(m: ModelConfig) -> bool:
     """Whether ``m`` is a gpt-oss model (a layer with a sink mixer or an ``oss_moe`` MLP)."""
     return any(k.mixer.name in _LAYER_TYPES or k.mlp.name == "oss_moe" for k in layer_kinds(m))
