@@ -2,7 +2,8 @@
 RoPE; the MoE's sigmoid-gated shared expert): tensor parallelism with sequence parallelism, pipeline parallelism
 (stages of DeltaNet and attention layers), data parallelism with the distributed optimizer and, for the MoE,
 expert parallelism each log the one-process losses and gradient norms (and router losses and expert load),
-iteration by iteration; context parallelism is refused in one line."""
+iteration by iteration; context parallelism is refused in one line with gdn layers, and runs (and logs the
+one-process values) with gated attention layers alone."""
 
 from __future__ import annotations
 
@@ -95,3 +96,29 @@ def test_context_parallelism_is_refused_in_one_line(tmp_path):
         validate_config(cfg, 2)
     text = str(err.value)
     assert "\n" not in text and "--context-parallel-size 2" in text and "gdn" in text
+
+
+def _train_gated_only(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[list[float]]:
+    from meshtron.training.trainer import run_training
+
+    out = []
+    for path, layout in runs:
+        cfg = qwen3_5_tiny(path)
+        cfg.model.layer_pattern = "gated_attn+dense*4"
+        cfg.parallel.context_parallel_size = layout["cp"]
+        out.append(run_training(cfg).train_losses)
+    return out
+
+
+@pytest.mark.slow
+def test_gated_attention_alone_runs_under_context_parallelism(tmp_path):
+    """gated_attn layers keep gqa's context-parallel attention (with their partial RoPE and output gate)."""
+    from meshtron.training.trainer import run_training
+
+    os.environ.pop("WORLD_SIZE", None)
+    cfg = qwen3_5_tiny(str(tmp_path / "ref.jsonl"))
+    cfg.model.layer_pattern = "gated_attn+dense*4"
+    ref = run_training(cfg)
+    records = train_records(str(tmp_path / "ref.jsonl"))
+    assert_layouts_log_the_reference(_train_gated_only, {"cp2": dict(cp=2)}, tmp_path, ref.train_losses, records,
+                                     KEYS, world=2)
