@@ -41,8 +41,8 @@ class GatedDeltaNetKind(MixerKind):
         sizes = (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
                  m.linear_conv_kernel_dim)
         if min(sizes) < 1:
-            return "gdn layers need positive --linear-num-key-heads, --linear-num-value-heads, --linear-key-head-dim, " \
-                   "--linear-value-head-dim and --linear-conv-kernel-dim"
+            return ("gdn layers need positive --linear-num-key-heads, --linear-num-value-heads, "
+                    "--linear-key-head-dim, --linear-value-head-dim and --linear-conv-kernel-dim")
         if m.linear_num_value_heads % m.linear_num_key_heads:
             return (f"gdn layers need --linear-num-value-heads ({m.linear_num_value_heads}) to be a multiple of "
                     f"--linear-num-key-heads ({m.linear_num_key_heads})")

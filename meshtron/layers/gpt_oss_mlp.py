@@ -143,5 +143,6 @@ class ClampedSwiGLUMoE(MoELayer):
                                        cfg.init_method_std, coeff)
         self.experts = ClampedSwiGLUExperts(
             ctx, f"{prefix}.experts", cfg.hidden_size, cfg.moe_ffn_hidden_size or ffn_size(cfg),
-            ctx.ep_rank * self.num_local, self.num_local, not cfg.disable_bias_linear, cfg.swiglu_clamp_alpha, cfg.swiglu_clamp_limit,
+            ctx.ep_rank * self.num_local, self.num_local, not cfg.disable_bias_linear, cfg.swiglu_clamp_alpha,
+            cfg.swiglu_clamp_limit,
             cfg.init_method_std, scaled_std(cfg.init_method_std, cfg.num_layers), grouped_gemm)

@@ -29,7 +29,8 @@ class Norm(nn.Module):
         self.eps = eps
         self.hidden = hidden
         sync = "tp" if sequence_parallel else None
-        self.weight = new_param(ShardSpec((whole(f"{name}.weight", (hidden,), "zeros" if self.zero_centred else "ones"),), tp_replicated=True,
+        init = "zeros" if self.zero_centred else "ones"
+        self.weight = new_param(ShardSpec((whole(f"{name}.weight", (hidden,), init),), tp_replicated=True,
                                           grad_sync=sync))
         self.bias = (new_param(ShardSpec((whole(f"{name}.bias", (hidden,), "zeros"),), tp_replicated=True,
                                          grad_sync=sync)) if kind == "LayerNorm" else None)

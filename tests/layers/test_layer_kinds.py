@@ -99,7 +99,8 @@ def _split_cases():
     for name in ("llama3-8b", "qwen3-0.6b", "gpt2-small", "mixtral-8x7b", "deepseek-v2-lite", "gpt-oss-20b",
                  "qwen3.5-35b-a3b"):
         m = _preset(name)
-        first_two = [f"{mixer}+{mlp}" for mixer, mlp in parse_pattern(m.layer_pattern)][:2] if m.layer_pattern else None
+        entries = parse_pattern(m.layer_pattern) if m.layer_pattern else []
+        first_two = [f"{mixer}+{mlp}" for mixer, mlp in entries[:2]] or None
         m = dataclasses.replace(m, num_layers=min(m.num_layers, 2), layer_pattern=first_two and ",".join(first_two),
                                 moe_first_dense_layers=min(m.moe_first_dense_layers, 1))
         cases.append((name, m))
