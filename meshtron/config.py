@@ -57,7 +57,8 @@ class ModelConfig:
                                      "With no preset and no shape flags, the 'tiny' preset is used.", metavar="PRESET")
     num_layers: int = opt(2, "Number of transformer layers.")
     layer_pattern: Optional[str] = opt(None, "Each layer's token mixer and MLP kind, as comma-separated MIXER+MLP "
-                                             "entries, each optionally *N (mixers: gqa, mla; MLPs: dense, moe), "
+                                             "entries, each optionally *N (mixers: gqa, mla, sink, sink_window, gdn, "
+                                             "gated_attn; MLPs: dense, moe, oss_moe, moe_gated_shared), "
                                              "e.g. gqa+dense*3,gqa+moe*29 (docs/layer-kinds.md). Default: "
                                              "derived from --multi-latent-attention, --num-experts, "
                                              "--moe-layer-freq and --moe-first-dense-layers.")
@@ -71,6 +72,8 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = opt(None, "Maximum positions (learned positions table size; default --seq-length).")
     normalization: str = opt("LayerNorm", "Normalisation layer.", choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = opt(1e-5, "Epsilon of the normalisation layers.")
+    zero_centred_norm: bool = opt(False, "RMSNorm layer norms scale by 1 + weight, the weight starting at 0, in "
+                                         "fp32 (Qwen3.5).")
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU.")
     position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=("learned_absolute", "rope"))
     use_rotary_position_embeddings: bool = opt(False, "Megatron's older spelling of --position-embedding-type rope.")
@@ -106,6 +109,21 @@ class ModelConfig:
     yarn_original_max_position_embeddings: int = opt(4096, "YaRN: context length the model was first trained at.")
     yarn_beta_fast: float = opt(32.0, "YaRN: rotations below which frequencies are interpolated fully.")
     yarn_beta_slow: float = opt(1.0, "YaRN: rotations above which frequencies are kept.")
+    yarn_truncate: bool = opt(True, "YaRN: round the ramp's ends to whole frequency indices (DeepSeek); "
+                                    "--no-yarn-truncate keeps them fractional (gpt-oss).")
+    rotary_percent: float = opt(1.0, "Fraction of each head's dimensions that RoPE turns in gated_attn layers "
+                                     "(Qwen3.5: 0.25).")
+    # Gated DeltaNet (gdn layers of --layer-pattern; Qwen3.5, docs/models.md).
+    linear_num_key_heads: int = opt(16, "gdn layers: query/key heads.")
+    linear_num_value_heads: int = opt(32, "gdn layers: value heads (a multiple of the key heads).")
+    linear_key_head_dim: int = opt(128, "gdn layers: query/key head dimension.")
+    linear_value_head_dim: int = opt(128, "gdn layers: value head dimension.")
+    linear_conv_kernel_dim: int = opt(4, "gdn layers: width of the causal convolution over q, k and v.")
+    # gpt-oss (docs/models.md): attention with sinks, sliding-window layers, clamped SwiGLU experts.
+    sliding_window_size: Optional[int] = opt(None, "Keys each query of a sink_window layer (--layer-pattern) sees: "
+                                                   "itself and the previous N-1 (gpt-oss: 128).")
+    swiglu_clamp_limit: float = opt(7.0, "oss_moe experts: gate clamped to at most this, up to +-this.")
+    swiglu_clamp_alpha: float = opt(1.702, "oss_moe experts: activation out = (up + 1) * gate * sigmoid(alpha * gate).")
     hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.")
     attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
     init_method_std: float = opt(0.02, "Std of the normal weight initialisation (output projections are scaled by 1/sqrt(2*layers)).")

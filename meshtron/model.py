@@ -48,12 +48,12 @@ class TransformerLayer(nn.Module):
         prefix = prefix or f"layers.{index}"  # a multi-token prediction depth's layer has its own name
         self.sequence_parallel = sequence_parallel
         self.input_norm = Norm(f"{prefix}.input_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon,
-                               sequence_parallel)
+                               sequence_parallel, cfg.zero_centred_norm)
         kinds = layer_at(cfg, index)
         self.mixer_kind = kinds.mixer  # its description: what it is, and its decode state
         self.attention = kinds.mixer.build(cfg, ctx, f"{prefix}.attention", sequence_parallel)
         self.post_attention_norm = Norm(f"{prefix}.post_attention_norm", cfg.hidden_size, cfg.normalization,
-                                        cfg.norm_epsilon, sequence_parallel)
+                                        cfg.norm_epsilon, sequence_parallel, cfg.zero_centred_norm)
         self.mlp = mlp if mlp is not None else kinds.mlp.build(cfg, ctx, index, f"{prefix}.mlp", sequence_parallel)
         self.hidden_dropout = cfg.hidden_dropout
         self.tracker: Optional[RNGTracker] = None
@@ -130,7 +130,8 @@ class GPTModel(nn.Module):
             # torch.compile's CUDA graph trees (the memory of the previous step's graphs may be reused).
             self.cuda_graph_layers = False
             if post_process:
-                self.final_norm = Norm("final_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sp)
+                self.final_norm = Norm("final_norm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, sp,
+                                       cfg.zero_centred_norm)
                 tied = not cfg.untie_embeddings_and_output_weights
                 if not (tied and pre_process):
                     name = "embedding.word_embeddings.weight" if tied else "output.weight"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from meshtron.config import ModelConfig
 from meshtron.layer_kinds.base import norm_parameters
-from meshtron.layer_kinds.pattern import layer_kinds
+from meshtron.layer_kinds.pattern import format_pattern, layer_kinds
 
 _GPT2 = dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
              vocab_size=50257, seq_length=1024, max_position_embeddings=1024, norm_epsilon=1e-5,
@@ -33,6 +33,35 @@ _DEEPSEEK = dict(_LLAMA, group_query_attention=False, multi_latent_attention=Tru
                  rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0,
                  yarn_original_max_position_embeddings=4096, seq_length=4096, max_position_embeddings=163840,
                  norm_epsilon=1e-6)
+
+# gpt-oss: attention with sinks and biases, sliding-window (128) and full layers alternating, 64 heads of 64
+# over 8 key/value heads, experts of 2880 with biases and the clamped SwiGLU (top-4), YaRN x32 over 4096
+# (fractional ramp). Shapes: openai/gpt-oss-20b and openai/gpt-oss-120b config.json.
+_GPT_OSS = dict(_LLAMA, disable_bias_linear=False, vocab_size=201088, hidden_size=2880, ffn_hidden_size=2880,
+                num_attention_heads=64, num_query_groups=8, kv_channels=64, moe_ffn_hidden_size=2880,
+                moe_router_topk=4, moe_aux_loss_coeff=0.9, sliding_window_size=128, rope_type="yarn",
+                rotary_base=150000.0, rotary_scaling_factor=32.0, mscale=1.0, mscale_all_dim=0.0,
+                yarn_original_max_position_embeddings=4096, yarn_truncate=False, seq_length=4096,
+                max_position_embeddings=131072, norm_epsilon=1e-5)
+
+
+def _gpt_oss_pattern(num_layers: int) -> str:
+    """gpt-oss's layer_types: sliding-window attention on even layers, full attention on odd ones."""
+    return ",".join(("sink_window" if i % 2 == 0 else "sink") + "+oss_moe" for i in range(num_layers))
+
+
+# Qwen3.5: three gated DeltaNet layers, then one gated attention layer (partial RoPE, 0.25 of each 256-wide
+# head), zero-centred norms; the MoE's experts with a sigmoid-gated shared expert.
+_QWEN35 = dict(_LLAMA, zero_centred_norm=True, rotary_percent=0.25, kv_channels=256, vocab_size=248320,
+               seq_length=4096, max_position_embeddings=32768, rotary_base=10000.0, norm_epsilon=1e-6,
+               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+               linear_conv_kernel_dim=4)
+
+
+def _qwen35_pattern(num_layers: int, mlp: str) -> str:
+    """Qwen3.5's layer_types: full attention on every fourth layer, gated DeltaNet on the others."""
+    return format_pattern([f"{'gated_attn' if (i + 1) % 4 == 0 else 'gdn'}+{mlp}" for i in range(num_layers)])
+
 
 #: name -> (ModelConfig fields, published parameter count, where the number comes from)
 PRESETS: dict[str, tuple[dict, int | None, str]] = {
@@ -122,15 +151,27 @@ PRESETS: dict[str, tuple[dict, int | None, str]] = {
     "qwen3-235b-a22b": (dict(_QWEN3, num_layers=94, hidden_size=4096, num_attention_heads=64, num_query_groups=4,
                              ffn_hidden_size=12288, num_experts=128, moe_ffn_hidden_size=1536, moe_router_topk=8,
                              moe_aux_loss_coeff=0.001), 235_093_634_560, "Qwen3-235B-A22B: 235B, 22B activated"),
+    "gpt-oss-20b": (dict(_GPT_OSS, num_layers=24, num_experts=32, layer_pattern=_gpt_oss_pattern(24)),
+                    20_914_757_184, "gpt-oss-20b: 20.9B, 3.6B activated"),
+    "gpt-oss-120b": (dict(_GPT_OSS, num_layers=36, num_experts=128, layer_pattern=_gpt_oss_pattern(36)),
+                     116_829_156_672, "gpt-oss-120b: 116.8B, 5.1B activated"),
+    # 256 experts of 512 (top-8, softmax renormalised over the 8) and a gated shared expert of 512. Shapes:
+    # transformers' Qwen3_5MoeTextConfig defaults, documented as Qwen/Qwen3.5-35B-A3B's.
+    "qwen3.5-35b-a3b": (dict(_QWEN35, num_layers=40, hidden_size=2048, num_attention_heads=16, num_query_groups=2,
+                             ffn_hidden_size=512, num_experts=256, moe_ffn_hidden_size=512, moe_router_topk=8,
+                             moe_shared_expert_intermediate_size=512, moe_aux_loss_coeff=0.001,
+                             layer_pattern=_qwen35_pattern(40, "moe_gated_shared")),
+                        34_660_610_688, "Qwen3.5-35B-A3B: 35B, 3B activated"),
 }
 
 #: Activated parameters as the model cards publish them (rounded), and whether that figure counts the input
-#: embedding: DeepSeek-V2/V3's figures leave it out (DeepSeek-V2-Lite: 2.66B with it, 2.45B without), the
+#: embedding: DeepSeek-V2/V3's and gpt-oss's figures leave it out (DeepSeek-V2-Lite: 2.66B with it, 2.45B without), the
 #: DeepSeekMoE and Qwen3 figures count it. ``count_parameters(...)["active"]`` always counts it.
 PUBLISHED_ACTIVE: dict[str, tuple[int, bool]] = {
     "deepseek-moe-16b": (2_800_000_000, True), "deepseek-v2-lite": (2_400_000_000, False),
     "deepseek-v3": (37_000_000_000, False), "qwen3-30b-a3b": (3_300_000_000, True),
-    "qwen3-235b-a22b": (22_000_000_000, True),
+    "qwen3-235b-a22b": (22_000_000_000, True), "gpt-oss-20b": (3_600_000_000, False),
+    "gpt-oss-120b": (5_100_000_000, False), "qwen3.5-35b-a3b": (3_000_000_000, False),
 }
 
 

@@ -291,6 +291,8 @@ def _check_model(m: ModelConfig) -> None:
     if m.no_position_embedding and m.position_embedding_type != "rope":
         raise ConfigError("--no-position-embedding leaves the model without positions: use it with "
                           "--position-embedding-type rope (or --use-rotary-position-embeddings)")
+    if m.zero_centred_norm and m.normalization != "RMSNorm":
+        raise ConfigError("--zero-centred-norm scales an RMSNorm: it needs --normalization RMSNorm")
     _positive([("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
                ("--ffn-hidden-size", m.ffn_hidden_size), ("--num-query-groups", m.num_query_groups),
@@ -349,9 +351,9 @@ def _check_model(m: ModelConfig) -> None:
 
 
 def _check_multi_latent_attention(m: ModelConfig) -> None:
-    """MLA's head dims and ranks, and the RoPE variants that go with it (YaRN is implemented for MLA only)."""
-    if m.rope_type == "yarn" and not m.multi_latent_attention:
-        raise ConfigError("--rope-type yarn is implemented with --multi-latent-attention only")
+    """MLA's head dims and ranks, and the RoPE variants that go with it."""
+    if m.rope_type == "yarn" and m.position_embedding_type != "rope":
+        raise ConfigError("--rope-type yarn needs --position-embedding-type rope")
     if not m.multi_latent_attention:
         return
     _positive([("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_head_dim),

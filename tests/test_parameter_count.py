@@ -68,7 +68,13 @@ HF_SHAPES = {
                                        num_attention_heads=32, moe_intermediate_size=768)),
     "qwen3-235b-a22b": ("Qwen3Moe", dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
                                          num_attention_heads=64, moe_intermediate_size=1536)),
+    # the class defaults are gpt-oss-20b's, but for the published router loss coefficient
+    "gpt-oss-20b": ("GptOss", dict(num_hidden_layers=24, num_local_experts=32, router_aux_loss_coef=0.9)),
+    "gpt-oss-120b": ("GptOss", dict(num_hidden_layers=36, num_local_experts=128, router_aux_loss_coef=0.9)),
+    "qwen3.5-35b-a3b": ("Qwen3_5Moe", {}),  # the text config's defaults are Qwen3.5-35B-A3B's
 }
+#: families whose config class is not ``<family>Config`` (Qwen3.5's is the multimodal one; its text config's)
+_CONFIG_CLASS = {"Qwen3_5Moe": "Qwen3_5MoeTextConfig"}
 #: the ModelConfig fields a preset must share with the model converted from its Hugging Face config
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
                  "kv_channels", "vocab_size", "norm_epsilon", "rotary_base", "max_position_embeddings",
@@ -78,7 +84,11 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_
                  "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
                  "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_num_groups",
                  "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
-                 "moe_first_dense_layers", "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
+                 "moe_first_dense_layers", "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+                 "layer_pattern", "disable_bias_linear", "sliding_window_size", "yarn_truncate", "yarn_beta_fast",
+                 "yarn_beta_slow", "swiglu_clamp_limit", "swiglu_clamp_alpha", "zero_centred_norm", "rotary_percent",
+                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
 
 
 @pytest.mark.parametrize("name", sorted(HF_SHAPES))
@@ -91,12 +101,12 @@ def test_moe_preset_equals_the_hugging_face_model(name):
     from meshtron.checkpoint.hf import config_from_hf
 
     family, values = HF_SHAPES[name]
-    hf_cfg = getattr(transformers, f"{family}Config")(**values)
+    hf_cfg = getattr(transformers, _CONFIG_CLASS.get(family, f"{family}Config"))(**values)
     converted = config_from_hf(hf_cfg.to_dict(), []).model
     m = ModelConfig()
     apply_preset(m, name)
     assert {f: getattr(m, f) for f in _SHAPE_FIELDS} == {f: getattr(converted, f) for f in _SHAPE_FIELDS}
-    if name.startswith("qwen3"):
+    if name.startswith("qwen3-"):
         assert num_kv_heads(m) == num_kv_heads(converted) == 4
     with torch.device("meta"):
         hf_model = getattr(transformers, f"{family}ForCausalLM")(hf_cfg)

@@ -73,7 +73,8 @@ def test_flags_override_preset_fields() -> None:
 #: count_parameters(...)["active"] of the MoE presets, exactly (HF config shapes; tests/test_parameter_count.py
 #: checks the totals against transformers' models)
 ACTIVE = {"deepseek-moe-16b": 2_828_650_496, "deepseek-v2-lite": 2_661_150_208, "deepseek-v3": 37_552_282_624,
-          "qwen3-30b-a3b": 3_353_032_704, "qwen3-235b-a22b": 22_190_763_520}
+          "qwen3-30b-a3b": 3_353_032_704, "qwen3-235b-a22b": 22_190_763_520, "gpt-oss-20b": 4_187_440_704,
+          "gpt-oss-120b": 5_711_982_912, "qwen3.5-35b-a3b": 3_454_988_928}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE))

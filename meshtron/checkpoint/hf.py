@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from meshtron.checkpoint import hf_moe
+from meshtron.checkpoint import hf_gpt_oss, hf_moe, hf_qwen3_5
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads
 from meshtron.layer_kinds import MIXERS, MLPS, MixerKind
@@ -44,9 +44,21 @@ from meshtron.layers.mtp import HF_MTP_NAMES, mtp_depths
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 _NAMES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-          "qwen3_moe": "Qwen3-MoE", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}
+          "qwen3_moe": "Qwen3-MoE", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss",
+          "qwen3_5_text": "Qwen3.5", "qwen3_5_moe_text": "Qwen3.5-MoE"}
+#: Families whose layers are kinds of their own, converted by a module each (``config_from_hf``, ``claims``,
+#: ``architecture``, ``tensors_from_hf``, ``tensors_to_hf``, ``check_exportable``, ``hf_config``), by model_type.
+FAMILIES = {"gpt_oss": hf_gpt_oss, "qwen3_5_text": hf_qwen3_5, "qwen3_5_moe_text": hf_qwen3_5}
+
+
+def _family(m: Optional[ModelConfig]):
+    """The family module whose model ``m`` is (None: a Llama-style or DeepSeek model, converted here)."""
+    return next((module for module in FAMILIES.values() if m is not None and module.claims(m)), None)
+
 
 def _kind_names(kinds, hf_part: str, our_part: str) -> dict[str, str]:
     """The layer-relative names of every registered kind of one part (they agree where they overlap)."""
@@ -141,6 +153,10 @@ def hf_to_meshtron_tensors(name: str, tensor: torch.Tensor, model: Optional[Mode
     transformers 5's fused expert tensors. Multi-latent attention tensors need ``model`` (their
     shapes) and ``rope_interleave`` (DeepSeek's interleaved rotary rows, see :mod:`meshtron.layers.mla_hf`).
     """
+    family = _family(model)
+    pairs = family.tensors_from_hf(name, tensor) if family is not None else None
+    if pairs is not None:
+        return pairs
     m = _HF_LAYER.match(name)
     if m and model is not None and mtp_depths(model) and int(m.group(1)) >= model.num_layers:
         return _mtp_from_hf(name, int(m.group(1)) - model.num_layers, m.group(2), tensor, model, rope_interleave)
@@ -243,6 +259,8 @@ def meshtron_to_hf_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig,
     rotary rows interleaved; a zero ``e_score_correction_bias`` where a V3 router has no expert bias;
     DeepSeek-V3's multi-token prediction depths as ``model.layers.{num_layers + k}``, each with copies of the
     embedding and output layer, as the released checkpoints hold them)."""
+    if architecture in FAMILIES:
+        return FAMILIES[architecture].tensors_to_hf(tensors, lambda name: meshtron_to_hf_name(name, architecture))
     out = {}
     for name, t in tensors.items():
         canonical = name
@@ -297,6 +315,8 @@ def _rope_settings(hf: dict) -> tuple[float, Optional[dict]]:
 def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
     """A meshtron configuration of the model that a Hugging Face ``config.json`` describes."""
     kind = hf.get("model_type")
+    if kind in FAMILIES:
+        return FAMILIES[kind].config_from_hf(hf, notices)
     if kind not in ARCHITECTURES:
         raise CheckpointError(f"config.json: model_type {kind!r} is not supported (supported: "
                               f"{', '.join(ARCHITECTURES)})")
@@ -382,7 +402,10 @@ def default_architecture(m: ModelConfig) -> str:
     """The Hugging Face architecture to export to when none is named: for multi-latent attention
     deepseek_v2 with softmax routing and deepseek_v3 otherwise; for MoE qwen3_moe with query/key head
     norms, else mixtral; dense: qwen3 with query/key head norms, qwen2 with query/key/value biases,
-    else llama."""
+    else llama; a family of its own (gpt-oss, Qwen3.5) by its layer kinds."""
+    family = _family(m)
+    if family is not None:
+        return family.architecture(m)
     if m.multi_latent_attention:
         return "deepseek_v2" if m.num_experts and m.moe_router_score_function == "softmax" else "deepseek_v3"
     if m.num_experts:
@@ -397,6 +420,17 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
     problems = []
     if architecture not in ARCHITECTURES:
         raise CheckpointError(f"--hf-architecture {architecture!r} is not one of {', '.join(ARCHITECTURES)}")
+    family = _family(m)
+    if architecture in FAMILIES or family is not None:
+        if family is None or architecture != family.architecture(m):
+            problems.append(f"--layer-pattern {resolved_pattern(m)} (export with --hf-architecture "
+                            f"{default_architecture(m)})")
+        else:
+            problems += family.check_exportable(m)
+        if problems:
+            raise CheckpointError(f"this checkpoint cannot be written as a Hugging Face "
+                                  f"{_NAMES.get(architecture, architecture)} model", problems)
+        return
     if m.normalization != "RMSNorm":
         problems.append(f"--normalization {m.normalization} (Llama uses RMSNorm)")
     if not m.swiglu:
@@ -444,6 +478,8 @@ def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: st
               eos_id: Optional[int], bos_id: Optional[int]) -> dict:
     """A ``config.json`` for the Hugging Face ``architecture`` (a key of :data:`ARCHITECTURES`; read by
     transformers 4 and 5, the DeepSeek and Qwen3-MoE ones by transformers 5)."""
+    if architecture in FAMILIES:
+        return FAMILIES[architecture].hf_config(m, vocab_size, dtype_name, eos_id, bos_id)
     theta = float(m.rotary_base)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     rope_scaling = None

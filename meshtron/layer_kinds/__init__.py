@@ -10,14 +10,19 @@ from __future__ import annotations
 
 from meshtron.layer_kinds.base import Counts, MixerKind, MLPKind, RankParameters
 from meshtron.layer_kinds.dense import DENSE
+from meshtron.layer_kinds.gated_attention import GATED_ATTN
+from meshtron.layer_kinds.gated_deltanet import GDN
+from meshtron.layer_kinds.gated_shared_moe import GATED_SHARED_MOE
 from meshtron.layer_kinds.gqa import GQA
 from meshtron.layer_kinds.mla import MLA
 from meshtron.layer_kinds.moe import MOE
+from meshtron.layer_kinds.oss_moe import OSS_MOE
+from meshtron.layer_kinds.sink import SINK, SINK_WINDOW
 
 #: Token-mixer kinds by their name in ``--layer-pattern``.
-MIXERS: dict[str, MixerKind] = {kind.name: kind for kind in (GQA, MLA)}
+MIXERS: dict[str, MixerKind] = {kind.name: kind for kind in (GQA, MLA, SINK, SINK_WINDOW, GDN, GATED_ATTN)}
 #: MLP kinds by their name in ``--layer-pattern``.
-MLPS: dict[str, MLPKind] = {kind.name: kind for kind in (DENSE, MOE)}
+MLPS: dict[str, MLPKind] = {kind.name: kind for kind in (DENSE, MOE, OSS_MOE, GATED_SHARED_MOE)}
 
 
 def mixer_kind(name: str) -> MixerKind:

@@ -105,3 +105,11 @@ class GatedAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         out = self.attend(q, k, v, mask, 0.0).permute(2, 0, 1, 3)  # [s, b, heads, d]
         return self.o((out * torch.sigmoid(gate)).reshape(s, b, nq * d))
+
+
+class NoDecodeState:
+    """The decode state of a gated attention layer: none yet (generation refuses it in one line)."""
+
+    def __init__(self) -> None:
+        raise NotImplementedError("generation with gated_attn layers (--layer-pattern) is not implemented: gated "
+                                  "attention has no key/value cache yet")

@@ -313,3 +313,11 @@ class GatedDeltaNet(nn.Module):
         out, _ = gated_delta_rule(q, k, v.reshape(b, s, nv, dv), g, beta, self.kernel, segments=segments)
         out = gated_rms_norm(out, z.reshape(b, s, nv, dv), self.norm_weight, self.eps)
         return self.out_proj(out.reshape(b, s, nv * dv).transpose(0, 1))
+
+
+class NoDecodeState:
+    """The decode state of a gated DeltaNet layer: none yet (generation refuses it in one line)."""
+
+    def __init__(self) -> None:
+        raise NotImplementedError("generation with gdn layers (--layer-pattern) is not implemented: gated DeltaNet "
+                                  "keeps no recurrent or convolution state between calls yet")

@@ -23,12 +23,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshtron.config import ffn_size
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.layers.moe.aux_losses import load_balancing_loss
 from meshtron.layers.moe.experts import GroupedExperts
+from meshtron.layers.moe.layer import MoELayer
 from meshtron.layers.moe.router import Routing, select_experts
 from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.sharding import Piece, ShardSpec, new_param, shard, whole
+from meshtron.parallel.sharding import Piece, ShardSpec, new_param, scaled_std, shard, whole
 
 ALPHA = 1.702
 LIMIT = 7.0
@@ -108,10 +110,13 @@ class BiasedTopKRouter(nn.Module):
                                           tp_replicated=True))
         self.bias = new_param(ShardSpec((whole(f"{prefix}.bias", (num_experts,), "zeros"),), tp_replicated=True))
 
+    expert_bias = None  # no aux-loss-free balancing (meshtron.layers.moe.training reads it)
+
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.linear(tokens.float(), self.weight.float(), self.bias.float())
 
-    def forward(self, tokens: torch.Tensor) -> Routing:
+    def forward(self, tokens: torch.Tensor, batch: Optional[int] = None) -> Routing:
+        """``batch`` (the MoE layer passes it, for sequence-level losses) is not needed."""
         logits = self.logits(tokens)
         probs, indices = select_experts(logits, self.topk)  # top-k logits, softmax over them
         tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
@@ -120,3 +125,24 @@ class BiasedTopKRouter(nn.Module):
             routing.aux_loss = load_balancing_loss(torch.softmax(logits, -1), tokens_per_expert, self.topk,
                                                    self.aux_coeff, None)
         return routing
+
+
+class ClampedSwiGLUMoE(MoELayer):
+    """gpt-oss's MoE block (the ``oss_moe`` layer kind): :class:`~meshtron.layers.moe.layer.MoELayer`'s
+    dispatch, expert parallelism and load statistics with :class:`BiasedTopKRouter` (aux loss at
+    --moe-aux-loss-coeff with --moe-router-load-balancing-type aux_loss) and :class:`ClampedSwiGLUExperts`
+    (--swiglu-clamp-limit, --swiglu-clamp-alpha, biases unless --disable-bias-linear)."""
+
+    def __init__(self, cfg, ctx: ParallelContext, layer_index: int, sequence_parallel: bool,
+                 grouped_gemm: Optional[bool] = None, prefix: Optional[str] = None):
+        super().__init__(cfg, ctx, layer_index, sequence_parallel, grouped_gemm, prefix)
+        prefix = prefix or f"layers.{layer_index}.mlp"
+        coeff = cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type == "aux_loss" else 0.0
+        # MoELayer's own router and experts (made on the meta device) give way to gpt-oss's.
+        self.router = BiasedTopKRouter(f"{prefix}.router", cfg.hidden_size, cfg.num_experts, cfg.moe_router_topk,
+                                       cfg.init_method_std, coeff)
+        self.experts = ClampedSwiGLUExperts(
+            ctx, f"{prefix}.experts", cfg.hidden_size, cfg.moe_ffn_hidden_size or ffn_size(cfg),
+            ctx.ep_rank * self.num_local, self.num_local, not cfg.disable_bias_linear, cfg.swiglu_clamp_alpha,
+            cfg.swiglu_clamp_limit,
+            cfg.init_method_std, scaled_std(cfg.init_method_std, cfg.num_layers), grouped_gemm)

@@ -51,8 +51,11 @@ def _yarn(inv: torch.Tensor, dim: int, base: float, cfg: ModelConfig) -> torch.T
     """YaRN (arXiv 2309.00071): high frequencies (many rotations within the original context) are kept,
     low ones divided by the factor, and a linear ramp between --yarn-beta-fast and --yarn-beta-slow."""
     factor, context = cfg.rotary_scaling_factor, cfg.yarn_original_max_position_embeddings
-    low = max(math.floor(_yarn_correction_dim(cfg.yarn_beta_fast, dim, base, context)), 0)
-    high = min(math.ceil(_yarn_correction_dim(cfg.yarn_beta_slow, dim, base, context)), dim - 1)
+    low = _yarn_correction_dim(cfg.yarn_beta_fast, dim, base, context)
+    high = _yarn_correction_dim(cfg.yarn_beta_slow, dim, base, context)
+    if cfg.yarn_truncate:  # DeepSeek rounds the ramp's ends outwards; gpt-oss keeps them fractional
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a one-step ramp
     ramp = ((torch.arange(dim // 2, device=inv.device, dtype=inv.dtype) - low) / (high - low)).clamp(0, 1)

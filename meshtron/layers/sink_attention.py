@@ -184,3 +184,11 @@ class SinkAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         out = sink_attention(q, k, v, self.sinks, self.window, mask)
         return self.o(out.permute(2, 0, 1, 3).reshape(s, b, nq * d))
+
+
+class NoDecodeState:
+    """The decode state of a sink attention layer: none yet (generation refuses it in one line)."""
+
+    def __init__(self) -> None:
+        raise NotImplementedError("generation with sink/sink_window layers (--layer-pattern) is not implemented: "
+                                  "sink attention has no key/value cache")

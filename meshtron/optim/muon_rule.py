@@ -18,9 +18,10 @@ STATES = ("master", "momentum_buffer")
 # ------------------------------------------------------------------------------------------------ the rule
 def updates_matrix(name: str) -> bool:
     """Whether Muon updates the canonical 2-D tensor ``name`` (a model name, or one relative to a layer): every
-    matrix but the embeddings, the output layer and the routers."""
+    matrix but the embeddings, the output layer, the routers and depthwise convolution filters (``conv1d``:
+    one kernel per channel, not a linear map; Megatron and Hugging Face hold it 3-D, where AdamW takes it)."""
     parts = name.split(".")
-    return parts[0] not in ("embedding", "output") and "router" not in parts
+    return parts[0] not in ("embedding", "output") and "router" not in parts and "conv1d" not in parts
 
 
 def uses_muon(pieces: Sequence) -> bool:

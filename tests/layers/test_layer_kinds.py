@@ -17,7 +17,7 @@ import torch
 from meshtron.build import built_parameter_count
 from meshtron.config import ConfigError, MeshtronConfig, ModelConfig
 from meshtron.layer_kinds import MIXERS, MLPS
-from meshtron.layer_kinds.pattern import layer_kinds, resolved_pattern
+from meshtron.layer_kinds.pattern import layer_kinds, parse_pattern, resolved_pattern
 from meshtron.memory import layer_parameters
 from meshtron.model import GPTModel
 from meshtron.parallel.context import ParallelContext
@@ -40,12 +40,21 @@ def _small(**kw) -> ModelConfig:
 _MOE = dict(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2)
 _MLA = dict(multi_latent_attention=True, group_query_attention=False, num_query_groups=None, q_lora_rank=12,
             kv_lora_rank=16, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=8)
+_GDN = dict(zero_centred_norm=True, rotary_percent=0.5, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=6)
 MIXED = {
     "dense-moe-alternating": _small(**_MOE, layer_pattern="gqa+dense,gqa+moe,gqa+dense,gqa+moe"),
     "moe-then-dense": _small(**_MOE, moe_shared_expert_intermediate_size=16, layer_pattern="gqa+moe*3,gqa+dense"),
     "mla-moe": _small(**_MOE, **_MLA, layer_pattern="mla+dense,mla+moe*3"),
     "mla-moe-biases": _small(**_MOE, **_MLA, disable_bias_linear=False, normalization="LayerNorm",
                              layer_pattern="mla+moe,mla+dense,mla+moe*2"),
+    "gpt-oss": _small(**_MOE, disable_bias_linear=False, sliding_window_size=4,
+                      layer_pattern="sink_window+oss_moe,sink+oss_moe,sink_window+oss_moe,sink+oss_moe"),
+    "sinks-with-others": _small(**_MOE, sliding_window_size=4,
+                                layer_pattern="sink_window+dense,gqa+oss_moe,sink+moe,gqa+dense"),
+    "qwen3.5": _small(**_GDN, layer_pattern="gdn+dense*3,gated_attn+dense"),
+    "qwen3.5-moe": _small(**_MOE, **_GDN, moe_shared_expert_intermediate_size=16,
+                          layer_pattern="gdn+moe_gated_shared,gated_attn+moe_gated_shared,gdn+moe,gated_attn+dense"),
 }
 
 
@@ -87,9 +96,12 @@ def _numel(module: torch.nn.Module) -> int:
 
 def _split_cases():
     cases = []
-    for name in ("llama3-8b", "qwen3-0.6b", "gpt2-small", "mixtral-8x7b", "deepseek-v2-lite"):
+    for name in ("llama3-8b", "qwen3-0.6b", "gpt2-small", "mixtral-8x7b", "deepseek-v2-lite", "gpt-oss-20b",
+                 "qwen3.5-35b-a3b"):
         m = _preset(name)
-        m = dataclasses.replace(m, num_layers=min(m.num_layers, 2), layer_pattern=None,
+        entries = parse_pattern(m.layer_pattern) if m.layer_pattern else []
+        first_two = [f"{mixer}+{mlp}" for mixer, mlp in entries[:2]] or None
+        m = dataclasses.replace(m, num_layers=min(m.num_layers, 2), layer_pattern=first_two and ",".join(first_two),
                                 moe_first_dense_layers=min(m.moe_first_dense_layers, 1))
         cases.append((name, m))
     cases += [(name, m) for name, m in MIXED.items()]

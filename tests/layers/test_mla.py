@@ -269,7 +269,7 @@ def test_train_command_runs_mla_and_reports_its_flops(tmp_path, monkeypatch):
     (dict(kv_lora_rank=0), "--kv-lora-rank"),
     (dict(q_lora_rank=0), "--q-lora-rank"),
     (dict(qk_layernorm=True), "--qk-layernorm"),
-    (dict(multi_latent_attention=False, rope_type="yarn"), "--rope-type"),
+    (dict(multi_latent_attention=False, rope_type="yarn", position_embedding_type="learned_absolute"), "--rope-type"),
     (dict(use_rope_scaling=True), "--use-rope-scaling"),
 ])
 def test_bad_mla_settings_name_the_flag(change, flag):

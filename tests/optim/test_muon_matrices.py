@@ -13,7 +13,7 @@ import pytest
 
 from meshtron.build import build_stage
 from meshtron.config import MeshtronConfig
-from meshtron.layer_kinds.pattern import layer_at
+from meshtron.layer_kinds.pattern import layer_at, parse_pattern
 from meshtron.optim.kinds.muon import MIXER_PART, MLP_PART, layer_matrices
 from meshtron.optim.muon_rule import uses_muon
 from meshtron.parallel.context import ParallelContext
@@ -37,6 +37,9 @@ def _config(preset: str, **fields) -> MeshtronConfig:
     cfg = MeshtronConfig()
     apply_preset(cfg.model, preset)
     cfg.model.num_layers = min(cfg.model.num_layers, LAYERS)
+    if cfg.model.layer_pattern:  # a preset's own pattern (gpt-oss, Qwen3.5), cut to the layers kept
+        kept = parse_pattern(cfg.model.layer_pattern)[:LAYERS]
+        cfg.model.layer_pattern = ",".join(f"{mixer}+{mlp}" for mixer, mlp in kept)
     cfg.model.mtp_num_layers = None
     for key, value in fields.items():
         setattr(cfg.model, key, value)

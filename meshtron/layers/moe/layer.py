@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtron.config import ConfigError, MeshtronConfig, ModelConfig, ffn_size
-from meshtron.layer_kinds.pattern import is_moe_layer
+from meshtron.layer_kinds.pattern import is_moe_layer, layer_at
 from meshtron.layers.mlp import MLP
 from meshtron.layers.moe.aux_losses import attach_aux_loss
 from meshtron.layers.moe.buffers import Fp32BufferModule
@@ -152,12 +152,13 @@ class MoELayer(Fp32BufferModule):
 
 def make_moe_mlp(cfg: ModelConfig, ctx: ParallelContext, layer_index: int, sequence_parallel: bool,
                  prefix: Optional[str] = None) -> Optional[nn.Module]:
-    """The ``make_mlp`` hook of :class:`meshtron.model.GPTModel`: an MoE layer where
+    """The ``make_mlp`` hook of :class:`meshtron.model.GPTModel`: the MoE layer of the layer's MLP kind where
     :func:`meshtron.layer_kinds.pattern.is_moe_layer` says so, else None (the dense MLP). ``prefix`` names its
     parameters (default ``layers.{layer_index}.mlp``)."""
     if not is_moe_layer(cfg, layer_index):
         return None
-    return MoELayer(cfg, ctx, layer_index, sequence_parallel, prefix=prefix)
+    return layer_at(cfg, layer_index).mlp.build(cfg, ctx, layer_index, prefix or f"layers.{layer_index}.mlp",
+                                                sequence_parallel)
 
 
 def moe_mlp_factory(cfg: MeshtronConfig) -> Optional[MakeMLP]:

@@ -1,0 +1,116 @@
+"""The gated DeltaNet token mixer (Qwen3.5's linear attention): ``GatedDeltaNet``'s numbers and Hugging Face
+names.
+
+No key/value heads and no attention scores: each value head keeps a [dk, dv] state that every token decays
+and corrects (:mod:`meshtron.layers.gated_deltanet`). Its sequence work is linear in the sequence, so its
+FLOPs per token do not grow with it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from meshtron.config import ModelConfig
+from meshtron.layer_kinds.base import Counts, Matrix, MixerKind, SavedBytes
+
+
+def _widths(m: ModelConfig) -> tuple[int, int, int]:
+    """(q + k + v width, the output gate z's width, value heads) of the input projection."""
+    kd, vd = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
+    return 2 * kd + vd, vd, m.linear_num_value_heads
+
+
+class GatedDeltaNetKind(MixerKind):
+    """``gdn``: one input projection (q, k, v, the gate z, and the per-head beta and decay logits), a causal
+    depthwise convolution of --linear-conv-kernel-dim over q, k and v, the gated delta rule over
+    --linear-num-value-heads heads of --linear-value-head-dim (keys: --linear-num-key-heads of
+    --linear-key-head-dim), a gated RMSNorm and the output projection. Context parallelism and generation are
+    refused (no sequence split of the recurrence, no decode state yet)."""
+
+    name = "gdn"
+    module = "meshtron.layers.gated_deltanet:GatedDeltaNet"
+    supports_context_parallel = False
+    decode_state = "meshtron.layers.gated_deltanet:NoDecodeState"
+    #: Hugging Face ``linear_attn.<name>`` -> meshtron ``attention.<name>`` (Qwen3.5; ``conv1d.weight`` loses
+    #: its middle dimension of 1, :mod:`meshtron.checkpoint.hf_qwen3_5`).
+    hf_names = {n: n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                               "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")}
+    hf_part = "linear_attn"
+
+    def check(self, m: ModelConfig) -> Optional[str]:
+        sizes = (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
+                 m.linear_conv_kernel_dim)
+        if min(sizes) < 1:
+            return ("gdn layers need positive --linear-num-key-heads, --linear-num-value-heads, "
+                    "--linear-key-head-dim, --linear-value-head-dim and --linear-conv-kernel-dim")
+        if m.linear_num_value_heads % m.linear_num_key_heads:
+            return (f"gdn layers need --linear-num-value-heads ({m.linear_num_value_heads}) to be a multiple of "
+                    f"--linear-num-key-heads ({m.linear_num_key_heads})")
+        return None
+
+    def build(self, cfg: ModelConfig, ctx, prefix: str, sequence_parallel: bool):
+        from meshtron.parallel.sharding import scaled_std
+
+        return self.module_class()(ctx, prefix, cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
+                                   cfg.norm_epsilon, sequence_parallel, cfg.init_method_std,
+                                   scaled_std(cfg.init_method_std, cfg.num_layers))
+
+    def _weights(self, m: ModelConfig) -> tuple[int, int]:
+        """(input projection, output projection) weights."""
+        qkv, z, nv = _widths(m)
+        return m.hidden_size * (qkv + z + 2 * nv), z * m.hidden_size
+
+    def matrices(self, m: ModelConfig) -> list[Matrix]:
+        qkv, z, nv = _widths(m)
+        H = m.hidden_size
+        return [Matrix("in_proj_qkv.weight", qkv, H), Matrix("in_proj_z.weight", z, H),
+                Matrix("in_proj_b.weight", nv, H), Matrix("in_proj_a.weight", nv, H),
+                Matrix("conv1d.weight", qkv, m.linear_conv_kernel_dim), Matrix("out_proj.weight", H, z)]
+
+    def parameters(self, m: ModelConfig) -> Counts:
+        qkv, _, nv = _widths(m)
+        w_in, w_out = self._weights(m)
+        others = qkv * m.linear_conv_kernel_dim + 2 * nv + m.linear_value_head_dim  # conv, A_log, dt_bias, norm
+        return Counts(total=w_in + w_out + others, matmul=w_in + w_out)
+
+    def rank_parameters(self, m: ModelConfig, tp: int) -> float:
+        qkv, _, nv = _widths(m)
+        split = sum(self._weights(m)) + qkv * m.linear_conv_kernel_dim + 2 * nv  # by heads over TP
+        return split / tp + m.linear_value_head_dim  # the gated norm's weight: replicated
+
+    def fp8_weight_elements(self, m: ModelConfig, tp: int) -> float:
+        return sum(self._weights(m)) / tp
+
+    def sequence_flops_per_token(self, m: ModelConfig, seq: int) -> int:
+        # Not growing with the sequence: per value head the state's read-out, correction and rank-1 update
+        # (2 dk dv each) and its decay, and the convolution.
+        qkv, _, nv = _widths(m)
+        return 7 * nv * m.linear_key_head_dim * m.linear_value_head_dim + 2 * m.linear_conv_kernel_dim * qkv
+
+    def projection_widths(self, m: ModelConfig, tp: int) -> tuple[int, int]:
+        kd = m.linear_num_key_heads * m.linear_key_head_dim
+        return kd // tp, (kd + m.linear_num_value_heads * m.linear_value_head_dim) // tp
+
+    def cp_exchange_heads(self, m: ModelConfig, tp: int) -> int:
+        return 0  # no context parallelism
+
+    def forward_gemms(self, m: ModelConfig, tokens: float, tp: int) -> list[float]:
+        w_in, w_out = self._weights(m)
+        return [2 * tokens * w_in / tp, 2 * tokens * w_out / tp]
+
+    def add_saved_bytes(self, m: ModelConfig, s: SavedBytes) -> None:
+        qkv, z, nv = (w / s.tp for w in _widths(m))
+        dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+        if "norm" not in s.selective:
+            s.rep += s.lin * s.h  # the first norm's output (the input projection's input)
+            s.part += s.gathered
+        # The projection's output (the convolution's input) and the convolution's output; q and k normalised
+        # in fp32 and repeated to the value heads, the fp32 decay and beta; the chunked rule's per-chunk
+        # states are O(1/64) per token and left out; its output in fp32 (the gated norm's input) and the
+        # norm's output (the output projection's input).
+        s.part += s.e * (qkv + z + 2 * nv) + s.e * qkv + 4 * 2 * nv * dk + 8 * nv
+        s.part += 4 * nv * dv + s.lin * nv * dv + s.stats * nv
+
+
+GDN = GatedDeltaNetKind()

@@ -1,0 +1,124 @@
+"""Tiny Qwen3.5 models through the trainer (gated DeltaNet and gated attention layers, zero-centred norms, partial
+RoPE; the MoE's sigmoid-gated shared expert): tensor parallelism with sequence parallelism, pipeline parallelism
+(stages of DeltaNet and attention layers), data parallelism with the distributed optimizer and, for the MoE,
+expert parallelism each log the one-process losses and gradient norms (and router losses and expert load),
+iteration by iteration; context parallelism is refused in one line with gdn layers, and runs (and logs the
+one-process values) with gated attention layers alone."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.validation import validate_config
+from tests.moe.trainer_runs import assert_layouts_log_the_reference, train_records
+
+KEYS = ("loss", "grad_norm")
+MOE_KEYS = KEYS + ("aux_loss", "expert_load_min", "expert_load_max")
+
+
+def qwen3_5_tiny(metrics_file: str, moe: bool = False, tp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
+                 dist_opt: bool = False) -> MeshtronConfig:
+    cfg = MeshtronConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 4, 32, 4, 16
+    m.group_query_attention, m.num_query_groups, m.kv_channels, m.ffn_hidden_size = True, 2, 16, 48
+    m.vocab_size, m.make_vocab_size_divisible_by, m.hidden_dropout, m.attention_dropout = 96, 8, 0.0, 0.0
+    m.normalization, m.swiglu, m.position_embedding_type, m.disable_bias_linear = "RMSNorm", True, "rope", True
+    m.untie_embeddings_and_output_weights, m.zero_centred_norm, m.rotary_percent = True, True, 0.25
+    m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim = 2, 4, 8, 6
+    mlp = "moe_gated_shared" if moe else "dense"
+    m.layer_pattern = f"gdn+{mlp},gated_attn+{mlp},gdn+{mlp},gated_attn+{mlp}"
+    if moe:
+        m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk = 4, 12, 2
+        m.moe_shared_expert_intermediate_size, m.moe_aux_loss_coeff = 16, 1e-2
+    p = cfg.parallel
+    p.tensor_model_parallel_size, p.expert_model_parallel_size, p.pipeline_model_parallel_size = tp, ep, pp
+    p.sequence_parallel, p.use_distributed_optimizer = sp, dist_opt
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size, t.train_iters, t.seed, t.device = 1, 4, 3, 5, "cpu"
+    t.eval_interval, t.compile, t.generate_sample = 0, False, False
+    cfg.data.mock_data, cfg.data.num_workers = True, 0
+    cfg.optim.lr, cfg.optim.lr_warmup_iters, cfg.optim.adam_eps = 1e-2, 0, 1e-5
+    cfg.optim.clip_grad, cfg.optim.weight_decay = 1.0, 0.1
+    log = cfg.log
+    log.log_interval, log.quiet, log.progress_bar, log.metrics_file = 1, True, False, metrics_file
+    return cfg
+
+
+def _train(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[list[float]]:
+    from meshtron.training.trainer import run_training
+
+    return [run_training(qwen3_5_tiny(path, **layout)).train_losses for path, layout in runs]
+
+
+def _reference(tmp_path, moe: bool):
+    from meshtron.training.trainer import run_training
+
+    os.environ.pop("WORLD_SIZE", None)
+    ref_path = str(tmp_path / "ref.jsonl")
+    ref = run_training(qwen3_5_tiny(ref_path, moe=moe))
+    records = train_records(ref_path)
+    assert sorted(records) == [1, 2, 3]
+    return ref.train_losses, records
+
+
+def test_qwen3_5_under_tensor_and_sequence_parallelism_logs_the_one_process_values(tmp_path):
+    losses, records = _reference(tmp_path, moe=False)
+    assert_layouts_log_the_reference(_train, {"tp2-sp": dict(tp=2, sp=True)}, tmp_path, losses, records, KEYS,
+                                     world=2)
+
+
+@pytest.mark.slow
+def test_qwen3_5_under_pipeline_and_data_parallelism_logs_the_one_process_values(tmp_path):
+    losses, records = _reference(tmp_path, moe=False)
+    layouts = {"pp2-dp2": dict(pp=2), "dp4-distopt": dict(dist_opt=True)}
+    assert_layouts_log_the_reference(_train, layouts, tmp_path, losses, records, KEYS)
+
+
+@pytest.mark.slow
+def test_qwen3_5_moe_under_every_layout_logs_the_one_process_values(tmp_path):
+    losses, records = _reference(tmp_path, moe=True)
+    layouts = {
+        "tp2-ep2-sp": dict(moe=True, tp=2, ep=2, sp=True),
+        "pp2-dp2": dict(moe=True, pp=2),
+        "ep2-edp2-distopt": dict(moe=True, ep=2, dist_opt=True),
+    }
+    assert_layouts_log_the_reference(_train, layouts, tmp_path, losses, records, MOE_KEYS)
+
+
+def test_context_parallelism_is_refused_in_one_line(tmp_path):
+    cfg = qwen3_5_tiny(str(tmp_path / "m.jsonl"))
+    cfg.parallel.context_parallel_size = 2
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, 2)
+    text = str(err.value)
+    assert "\n" not in text and "--context-parallel-size 2" in text and "gdn" in text
+
+
+def _train_gated_only(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[list[float]]:
+    from meshtron.training.trainer import run_training
+
+    out = []
+    for path, layout in runs:
+        cfg = qwen3_5_tiny(path)
+        cfg.model.layer_pattern = "gated_attn+dense*4"
+        cfg.parallel.context_parallel_size = layout["cp"]
+        out.append(run_training(cfg).train_losses)
+    return out
+
+
+@pytest.mark.slow
+def test_gated_attention_alone_runs_under_context_parallelism(tmp_path):
+    """gated_attn layers keep gqa's context-parallel attention (with their partial RoPE and output gate)."""
+    from meshtron.training.trainer import run_training
+
+    os.environ.pop("WORLD_SIZE", None)
+    cfg = qwen3_5_tiny(str(tmp_path / "ref.jsonl"))
+    cfg.model.layer_pattern = "gated_attn+dense*4"
+    ref = run_training(cfg)
+    records = train_records(str(tmp_path / "ref.jsonl"))
+    assert_layouts_log_the_reference(_train_gated_only, {"cp2": dict(cp=2)}, tmp_path, ref.train_losses, records,
+                                     KEYS, world=2)
