@@ -11,6 +11,7 @@ again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from meshtron.config import MeshtronConfig
 from meshtron.parallel.layout import check_expert_ranks, data_parallel_size_of, sequence_parallel_in_effect
@@ -84,14 +85,15 @@ def shards_weights(strategy: str) -> bool:
     return strategy == "optim_grads_params"
 
 
-def compute_dtype_name(cfg: MeshtronConfig) -> str:
+def compute_dtype_name(cfg: MeshtronConfig, device: Optional[str] = None) -> str:
     """The dtype of weights and activations: bf16 with ``--bf16`` (FP8 runs keep bf16 weights), fp32 with
     ``--fp32``. A configuration not yet resolved (neither given; the planner's) gets what validation would give
-    it: fp32 on CPU, else bf16, the GPU default."""
+    it: fp32 on CPU, else bf16, the GPU default; ``device`` ("cpu", "cuda") is the one it runs on where
+    ``--device`` does not say."""
     t = cfg.train
     if t.bf16 or t.fp8_format:
         return BF16
-    return FP32 if t.fp32 or t.device == "cpu" else BF16
+    return FP32 if t.fp32 or (t.device or device) == "cpu" else BF16
 
 
 def resolve_layout(cfg: MeshtronConfig, world_size: int) -> RunLayout:

@@ -72,7 +72,7 @@ def get_schedule(cfg: MeshtronConfig, ctx: ParallelContext, forward_step: Forwar
     t = cfg.train
     if t.global_batch_size is not None:
         check_micro_batches(t.global_batch_size // (t.micro_batch_size * ctx.dp), ctx.pp, stages.virtual_stages)
-    dtype = getattr(torch, layout.compute_dtype if layout is not None else compute_dtype_name(cfg))
+    dtype = getattr(torch, layout.compute_dtype if layout is not None else compute_dtype_name(cfg, ctx.device.type))
     p2p = PipelineP2P(ctx, activation_shape(cfg, ctx), dtype, ctx.device)
     schedule = cfg.parallel.pipeline_schedule
     extra = {}

@@ -18,7 +18,7 @@ from meshtron.parallel.random import RNGTracker
 from meshtron.parallel.sharding import gather_canonical, iter_pieces
 from meshtron.pipeline import ScheduleStats, get_schedule
 from meshtron.pipeline.batches import broadcast_from_loss_stage, empty_micro_batches
-from meshtron.run_layout import resolve_layout
+from meshtron.run_layout import FP32, resolve_layout
 from tests.distributed.late_gather import land_gathers_at_wait
 from tests.distributed.launch import rank_device
 
@@ -102,7 +102,8 @@ def train_and_collect(cfg: MeshtronConfig, ctx: ParallelContext, iterations: int
     the first iteration and the canonical parameters after the last step (gathered over the world),
     the evaluation loss, this rank's schedule statistics of the first iteration, and its tied pieces.
     """
-    layout = resolve_layout(cfg, ctx.world_size)
+    # These runs build fp32 chunks, FP8 ones too (FP8 matmuls on fp32 weights, unvalidated): stages exchange fp32.
+    layout = dataclasses.replace(resolve_layout(cfg, ctx.world_size), compute_dtype=FP32)
     # The groups were built without the run's layout: the same groups with its loss stage (ZBV: the first stage).
     ctx = dataclasses.replace(ctx, loss_stage=layout.loss_stage)
     tracker = RNGTracker(cfg.train.seed, ctx.tp_rank, ctx.pp_rank, ctx.device)
