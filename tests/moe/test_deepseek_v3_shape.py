@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from meshtron.config import MeshtronConfig
-from tests.moe.trainer_runs import assert_layouts_log_the_reference, train_records
+from tests.moe.trainer_runs import assert_layouts_log_the_reference, set_tiny_run, train_records
 
 KEYS = ("loss", "grad_norm", "mtp_loss", "aux_loss", "expert_load_min", "expert_load_max")
 
@@ -32,17 +32,7 @@ def deepseek_v3_tiny(metrics_file: str, tp: int = 1, ep: int = 1, sp: bool = Fal
     m.moe_router_topk_scaling_factor, m.moe_shared_expert_intermediate_size = 2.5, 8
     m.moe_router_load_balancing_type, m.moe_aux_loss_coeff = "seq_aux_loss", 1e-2
     m.mtp_num_layers, m.mtp_loss_scaling_factor = 1, 0.3
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.expert_model_parallel_size = tp, ep
-    p.sequence_parallel, p.use_distributed_optimizer = sp, dist_opt
-    t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.train_iters, t.seed, t.device = 1, 4, 3, 5, "cpu"
-    t.eval_interval, t.compile, t.generate_sample = 0, False, False
-    cfg.data.mock_data, cfg.data.num_workers = True, 0
-    cfg.optim.lr, cfg.optim.lr_warmup_iters, cfg.optim.adam_eps = 1e-2, 0, 1e-5
-    cfg.optim.clip_grad, cfg.optim.weight_decay = 1.0, 0.1
-    log = cfg.log
-    log.log_interval, log.quiet, log.progress_bar, log.metrics_file = 1, True, False, metrics_file
+    set_tiny_run(cfg, metrics_file, tp, ep, sp=sp, dist_opt=dist_opt)
     return cfg
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from meshtron.config import ConfigError, MeshtronConfig
 from meshtron.validation import validate_config
-from tests.moe.trainer_runs import assert_layouts_log_the_reference, train_records
+from tests.moe.trainer_runs import assert_layouts_log_the_reference, set_tiny_run, train_records
 
 KEYS = ("loss", "grad_norm")
 MOE_KEYS = KEYS + ("aux_loss", "expert_load_min", "expert_load_max")
@@ -34,17 +34,7 @@ def qwen3_5_tiny(metrics_file: str, moe: bool = False, tp: int = 1, ep: int = 1,
     if moe:
         m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk = 4, 12, 2
         m.moe_shared_expert_intermediate_size, m.moe_aux_loss_coeff = 16, 1e-2
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.expert_model_parallel_size, p.pipeline_model_parallel_size = tp, ep, pp
-    p.sequence_parallel, p.use_distributed_optimizer = sp, dist_opt
-    t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.train_iters, t.seed, t.device = 1, 4, 3, 5, "cpu"
-    t.eval_interval, t.compile, t.generate_sample = 0, False, False
-    cfg.data.mock_data, cfg.data.num_workers = True, 0
-    cfg.optim.lr, cfg.optim.lr_warmup_iters, cfg.optim.adam_eps = 1e-2, 0, 1e-5
-    cfg.optim.clip_grad, cfg.optim.weight_decay = 1.0, 0.1
-    log = cfg.log
-    log.log_interval, log.quiet, log.progress_bar, log.metrics_file = 1, True, False, metrics_file
+    set_tiny_run(cfg, metrics_file, tp, ep, pp, sp, dist_opt)
     return cfg
 
 
