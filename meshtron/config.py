@@ -472,6 +472,8 @@ class DataConfig:
     tokenizer_type: Optional[str] = opt(None, "Tokenizer kind.", choices=(
         "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer", "ByteTokenizer",
         "NullTokenizer"))
+    null_tokenizer_eod_id: Optional[int] = opt(None, "End-of-document id of --tokenizer-type NullTokenizer "
+                                                     "(default --vocab-size - 1, as Megatron-Core 0.18+).")
     tokenizer_model: Optional[str] = opt(None, "Tokenizer file or directory (tokenizer.json, HF directory, .model, tiktoken file).")
     vocab_file: Optional[str] = opt(None, "GPT-2 BPE vocabulary (vocab.json).")
     merge_file: Optional[str] = opt(None, "GPT-2 BPE merges (merges.txt).")

@@ -918,6 +918,14 @@ def _check_tokenizer(d: DataConfig, m: ModelConfig) -> None:
         raise ConfigError(f"--tokenizer-type {kind} needs --tokenizer-model")
     if kind == "NullTokenizer" and not m.vocab_size:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+    eod = d.null_tokenizer_eod_id
+    if eod is not None:
+        if kind != "NullTokenizer":
+            raise ConfigError("--null-tokenizer-eod-id is for --tokenizer-type NullTokenizer, not "
+                              f"{kind or 'the tokenizer of --data-path'}")
+        if not 0 <= eod < m.vocab_size:
+            raise ConfigError(f"--null-tokenizer-eod-id {eod} must be in 0..{m.vocab_size - 1} (--vocab-size "
+                              f"{m.vocab_size})")
     path = d.tokenizer_model
     if path and not os.path.exists(path) and not (kind == "HuggingFaceTokenizer" and _looks_like_hub_id(path)):
         raise ConfigError(f"--tokenizer-model: {path} does not exist")
@@ -929,7 +937,7 @@ def check_vocab_size(m: ModelConfig, tokenizer_vocab: int, tokenizer_kind: str) 
 
     Called by the data pipeline once the tokenizer is loaded (its size is not known before). Passes: no
     ``--vocab-size``, the ``--model`` preset's own size (a published shape, which the tokenizer replaces), and
-    NullTokenizer, whose vocabulary is ``--vocab-size`` plus its end-of-document id.
+    NullTokenizer, whose vocabulary is ``--vocab-size``.
     """
     from meshtron.presets import PRESETS  # presets import the accounting code: only when a tokenizer is loaded
 

@@ -65,3 +65,12 @@ def dataset_modules():
         except ImportError as err:
             pytest.skip(f"megatron-core's dataset code does not import here (compiled helpers?): {err}")
     return gpt, builder, helpers
+
+
+def null_tokenizer_class():
+    """megatron-core's NullTokenizer (``megatron.core.tokenizers.text.libraries.null_tokenizer``), or skip."""
+    _core_package()
+    try:
+        return importlib.import_module("megatron.core.tokenizers.text.libraries.null_tokenizer").NullTokenizer
+    except ImportError as err:
+        pytest.skip(f"megatron-core's NullTokenizer does not import here: {err}")

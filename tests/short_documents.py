@@ -16,6 +16,6 @@ def write_short_documents(directory: Path) -> str:
     docs = [" ".join(str(x) for x in rng.integers(0, 50, rng.integers(3, 30))) for _ in range(300)]
     src = directory / "d.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    preprocess([str(src)], str(directory / "d"), TokenizerArgs("NullTokenizer", vocab_size=50), append_eod=True,
+    preprocess([str(src)], str(directory / "d"), TokenizerArgs("NullTokenizer", vocab_size=51), append_eod=True,
                progress=False)
     return str(directory / "d_text_document")

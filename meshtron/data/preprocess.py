@@ -75,10 +75,11 @@ class TokenizerArgs:
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     vocab_size: Optional[int] = None
+    null_eod_id: Optional[int] = None
 
     def build(self) -> Tokenizer:
         return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file,
-                               self.vocab_size)
+                               self.vocab_size, self.null_eod_id)
 
 
 @dataclass
@@ -320,6 +321,8 @@ def _parser() -> argparse.ArgumentParser:
     tk.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
     tk.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")
     tk.add_argument("--vocab-size", type=int, help="Vocabulary size for --tokenizer-type NullTokenizer.")
+    tk.add_argument("--null-tokenizer-eod-id", type=int,
+                    help="End-of-document id of NullTokenizer (default --vocab-size - 1, as Megatron-Core 0.18+).")
     tk.add_argument("--append-eod", action="store_true", help="Append the end-of-document token to every document.")
     run = p.add_argument_group("run")
     run.add_argument("--workers", type=int, default=1, help="Tokenizer processes (default 1).")
@@ -356,7 +359,7 @@ def preprocess_main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.input:
             return _error("--input is required (or --merge PREFIX ... to concatenate datasets)")
         targs = TokenizerArgs(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
-                              args.vocab_size)
+                              args.vocab_size, args.null_tokenizer_eod_id)
         summary = preprocess(args.input, args.output_prefix, targs, json_keys=args.json_keys, workers=args.workers,
                              append_eod=args.append_eod, txt_unit=args.txt_unit,
                              chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))), progress=not args.no_progress,

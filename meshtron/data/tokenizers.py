@@ -124,22 +124,32 @@ def _is_int(text: str) -> bool:
 
 
 class NullTokenizer(Tokenizer):
-    """Pre-tokenized text: space-separated integer ids below ``vocab_size``; end-of-document is ``vocab_size``."""
+    """Pre-tokenized text: space-separated integer ids ``0 .. vocab_size - 1``.
+
+    As Megatron-Core 0.18 and later: the vocabulary is ``--vocab-size`` ids and the end-of-document id is the last
+    of them unless ``--null-tokenizer-eod-id`` names another. (Megatron-Core 0.17 and earlier added one id for
+    the end of document: ``--vocab-size N+1 --null-tokenizer-eod-id N`` gives that vocabulary.)
+    """
 
     kind = "NullTokenizer"
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, eod_id: Optional[int] = None) -> None:
         if vocab_size is None or vocab_size <= 0:
-            raise DataError("--tokenizer-type NullTokenizer needs --vocab-size N (ids are 0..N-1, end-of-document N)")
+            raise DataError("--tokenizer-type NullTokenizer needs --vocab-size N (ids are 0..N-1, end-of-document "
+                            "N-1 unless --null-tokenizer-eod-id says otherwise)")
         self._n = int(vocab_size)
+        self._eod = self._n - 1 if eod_id is None else int(eod_id)
+        if not 0 <= self._eod < self._n:
+            raise DataError(f"--null-tokenizer-eod-id {self._eod} is outside the vocabulary 0..{self._n - 1} "
+                            f"(--vocab-size {self._n})")
 
     @property
     def vocab_size(self) -> int:
-        return self._n + 1
+        return self._n
 
     @property
     def eod(self) -> int:
-        return self._n
+        return self._eod
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -148,17 +158,16 @@ class NullTokenizer(Tokenizer):
             bad = next((t for t in text.split() if not _is_int(t)), text)
             raise DataError(f"NullTokenizer: {bad[:40]!r} is not a token id (its text must be space-separated "
                             f"integers below --vocab-size {self._n})") from None
-        if ids and (min(ids) < 0 or max(ids) > self._n):
+        if ids and (min(ids) < 0 or max(ids) >= self._n):
             bad_id = min(ids) if min(ids) < 0 else max(ids)
-            raise DataError(f"NullTokenizer: token id {bad_id} is outside 0..{self._n} (--vocab-size {self._n}, "
-                            f"end-of-document {self._n})")
+            raise DataError(f"NullTokenizer: token id {bad_id} is outside 0..{self._n - 1} (--vocab-size {self._n})")
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
 
     def _save_files(self, out: Path) -> dict[str, Any]:
-        return {"vocab_size": self._n}
+        return {"vocab_size": self._n, "eod_id": self._eod}
 
 
 def _hf_encode_batch(tok: Any, texts: Sequence[str]) -> list[list[int]]:
@@ -523,8 +532,10 @@ def _infer_type(tokenizer_model: Optional[str], vocab_file: Optional[str], merge
 
 def build_tokenizer(tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    vocab_size: Optional[int] = None) -> Tokenizer:
-    """A tokenizer from Megatron-style flags; the kind is inferred from the files when not given."""
+                    vocab_size: Optional[int] = None, null_eod_id: Optional[int] = None) -> Tokenizer:
+    """A tokenizer from Megatron-style flags; the kind is inferred from the files when not given.
+
+    ``vocab_size`` and ``null_eod_id`` (``--null-tokenizer-eod-id``) size NullTokenizer only."""
     kind = tokenizer_type or _infer_type(tokenizer_model, vocab_file, merge_file)
     if kind is None:
         raise DataError("no tokenizer: give --tokenizer-type (one of " + ", ".join(TOKENIZER_TYPES) + ") with "
@@ -532,7 +543,7 @@ def build_tokenizer(tokenizer_type: Optional[str] = None, tokenizer_model: Optio
     if kind == "ByteTokenizer":
         return ByteTokenizer()
     if kind == "NullTokenizer":
-        return NullTokenizer(vocab_size)
+        return NullTokenizer(vocab_size, null_eod_id)
     if kind == "HuggingFaceTokenizer":
         if not tokenizer_model:
             raise DataError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json or a "
@@ -558,19 +569,23 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     if kind not in TOKENIZER_TYPES:
         raise DataError(f"{meta_file}: tokenizer_type is {kind!r}; valid: {', '.join(TOKENIZER_TYPES)}")
     files = {k: meta.get(k) for k in ("tokenizer_model", "path", "vocab_file", "merge_file")}
-    vocab_size = meta.get("vocab_size")
-    if any(v is not None and not isinstance(v, str) for v in files.values()) or not (
-            vocab_size is None or (isinstance(vocab_size, int) and not isinstance(vocab_size, bool))):
-        raise DataError(f"{meta_file} is corrupt: file names must be strings and vocab_size an integer")
+    vocab_size, eod_id = meta.get("vocab_size"), meta.get("eod_id")
+    if any(v is not None and not isinstance(v, str) for v in files.values()) or not all(
+            v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (vocab_size, eod_id)):
+        raise DataError(f"{meta_file} is corrupt: file names must be strings, vocab_size and eod_id integers")
+    if kind == "NullTokenizer" and eod_id is None and vocab_size is not None:
+        # Saved before the end-of-document id was recorded: then the vocabulary was vocab_size ids plus it.
+        vocab_size, eod_id = vocab_size + 1, vocab_size
 
     def rel(key: str) -> Optional[str]:
         return str(d / files[key]) if files[key] is not None else None
 
     return build_tokenizer(kind, tokenizer_model=rel("tokenizer_model") or rel("path"),
-                           vocab_file=rel("vocab_file"), merge_file=rel("merge_file"), vocab_size=vocab_size)
+                           vocab_file=rel("vocab_file"), merge_file=rel("merge_file"), vocab_size=vocab_size,
+                           null_eod_id=eod_id)
 
 
 def tokenizer_from_config(data_cfg: Any, vocab_size: Optional[int] = None) -> Tokenizer:
     """A tokenizer from a :class:`meshtron.config.DataConfig` (``vocab_size`` for NullTokenizer)."""
     return build_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_model, data_cfg.vocab_file,
-                           data_cfg.merge_file, vocab_size)
+                           data_cfg.merge_file, vocab_size, data_cfg.null_tokenizer_eod_id)

@@ -32,7 +32,7 @@ def train(tmp: Path, data: str, name: str, nproc: int, *flags: str) -> list[tupl
     """(loss, grad norm) of every iteration of one ``meshtron train`` run on ``nproc`` CPU processes."""
     metrics = tmp / f"{name}.jsonl"
     argv = [sys.executable, "-m", "meshtron", "train", "--device", "cpu", "--data-path", data,
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--split", "98,2,0", "--num-workers", "0",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "51", "--split", "98,2,0", "--num-workers", "0",
             "--data-cache-path", str(tmp / f"cache-{name}"), "--metrics-file", str(metrics), *MODEL, *flags]
     if nproc > 1:
         argv += ["--nproc-per-node", str(nproc), "--master-port", str(free_port())]

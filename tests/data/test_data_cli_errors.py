@@ -46,7 +46,7 @@ def _corrupt_pointer(prefix: str, entry: int, value: int) -> None:
 def test_bad_data_exits_2_with_one_line(tmp_path, capsys, monkeypatch, dataset, case, expected):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("MESHTRON_CACHE", str(tmp_path / "cache"))
-    data = ["--data-path", dataset, "--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
+    data = ["--data-path", dataset, "--tokenizer-type", "NullTokenizer", "--vocab-size", "51"]
     flags = []
     if case == "impossible_request":
         flags = ["--train-iters", "1000000000000"]
@@ -59,9 +59,9 @@ def test_bad_data_exits_2_with_one_line(tmp_path, capsys, monkeypatch, dataset, 
         raw = open(dataset + ".idx", "rb").read()
         open(dataset + ".idx", "wb").write(b"NOTMAGIC\x00" + raw[9:])
     elif case == "negative_weight":
-        data = ["--data-path", "1", dataset, "-1", dataset, "--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
+        data = ["--data-path", "1", dataset, "-1", dataset, "--tokenizer-type", "NullTokenizer", "--vocab-size", "51"]
     elif case == "weight_not_a_number":
-        data = ["--data-path", "1", dataset, "x", dataset, "--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
+        data = ["--data-path", "1", dataset, "x", dataset, "--tokenizer-type", "NullTokenizer", "--vocab-size", "51"]
     elif case == "tokenizer_config":
         tok = tmp_path / "tok"
         tok.mkdir()

@@ -18,7 +18,7 @@ def _ranks_build_data(rank: int, world: int, prefixes: list, cache: str, corpus_
 
     corpus = ensure_default_corpus(cache_root=Path(cache) / "corpus", vocab_size=300, root=Path(corpus_root))
     cfg = small_config(data_path=["0.6", prefixes[0], "0.4", prefixes[1]], tokenizer_type="NullTokenizer",
-                       vocab_size=50, data_cache_path=str(Path(cache) / "indices"))
+                       vocab_size=51, data_cache_path=str(Path(cache) / "indices"))
     # Data-parallel over all 4 ranks: each takes a quarter of every global batch.
     bundle = build_data(cfg, rank, world)
     batches = [torch.cat([mb["tokens"] for mb in it]).numpy() for it in bundle.train_batches(0)]
@@ -33,7 +33,7 @@ def _dataset(tmp_path: Path, name: str, n: int, seed: int) -> str:
     rng = np.random.default_rng(seed)
     docs = [" ".join(str(x) for x in rng.integers(0, 50, rng.integers(3, 30))) for _ in range(n)]
     src = write_jsonl(tmp_path / f"{name}.jsonl", [{"text": d} for d in docs])
-    preprocess([str(src)], str(tmp_path / name), TokenizerArgs("NullTokenizer", vocab_size=50), append_eod=True,
+    preprocess([str(src)], str(tmp_path / name), TokenizerArgs("NullTokenizer", vocab_size=51), append_eod=True,
                progress=False)
     return str(tmp_path / f"{name}_text_document")
 
@@ -52,7 +52,7 @@ def test_four_ranks_build_indices_once_and_split_each_global_batch(tmp_path):
     from meshtron.data import build_data
 
     cfg = small_config(data_path=["0.6", prefixes[0], "0.4", prefixes[1]], tokenizer_type="NullTokenizer",
-                       vocab_size=50, data_cache_path=str(cache / "indices"))
+                       vocab_size=51, data_cache_path=str(cache / "indices"))
     single = [torch.cat([mb["tokens"] for mb in it]).numpy() for it in build_data(cfg, 0, 1).train_batches(0)]
     assert len(single) == 20
     for i in range(20):

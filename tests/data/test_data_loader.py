@@ -99,14 +99,14 @@ def _make_dataset(tmp_path, name: str, n: int, seed: int) -> str:
     rng = np.random.default_rng(seed)
     docs = [" ".join(str(x) for x in rng.integers(0, 50, rng.integers(3, 40))) for _ in range(n)]
     src = write_jsonl(tmp_path / f"{name}.jsonl", [{"text": d} for d in docs])
-    preprocess([str(src)], str(tmp_path / name), TokenizerArgs("NullTokenizer", vocab_size=50), append_eod=True,
+    preprocess([str(src)], str(tmp_path / name), TokenizerArgs("NullTokenizer", vocab_size=51), append_eod=True,
                progress=False)
     return str(tmp_path / f"{name}_text_document")
 
 
 def test_build_data_from_files_blend_split_and_document_ids(tmp_path):
     a, b = _make_dataset(tmp_path, "a", 200, 1), _make_dataset(tmp_path, "b", 100, 2)
-    cfg = small_config(data_path=["0.7", a, "0.3", b], tokenizer_type="NullTokenizer", vocab_size=50,
+    cfg = small_config(data_path=["0.7", a, "0.3", b], tokenizer_type="NullTokenizer", vocab_size=51,
                        split="90,10,0", reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True,
                        data_cache_path=str(tmp_path / "idx-cache"))
     bundle = build_data(cfg, 0, 1)
@@ -127,17 +127,17 @@ def test_build_data_from_files_blend_split_and_document_ids(tmp_path):
 
 def test_build_data_separate_paths_and_errors(tmp_path):
     a, b = _make_dataset(tmp_path, "a", 60, 1), _make_dataset(tmp_path, "b", 30, 2)
-    cfg = small_config(train_data_path=[a], valid_data_path=[b], tokenizer_type="NullTokenizer", vocab_size=50)
+    cfg = small_config(train_data_path=[a], valid_data_path=[b], tokenizer_type="NullTokenizer", vocab_size=51)
     bundle = build_data(cfg, 0, 1)
     assert bundle.train.indexed.prefix == a and bundle.valid.indexed.prefix == b and bundle.test is None
     with pytest.raises(DataError, match="not both"):
         build_data(small_config(data_path=[a], train_data_path=[b], tokenizer_type="NullTokenizer",
-                                vocab_size=50), 0, 1)
+                                vocab_size=51), 0, 1)
     with pytest.raises(DataError, match="pairs"):
-        build_data(small_config(data_path=["0.5", a, "0.5"], tokenizer_type="NullTokenizer", vocab_size=50), 0, 1)
+        build_data(small_config(data_path=["0.5", a, "0.5"], tokenizer_type="NullTokenizer", vocab_size=51), 0, 1)
     with pytest.raises(DataError, match="not found"):
         build_data(small_config(data_path=[str(tmp_path / "nope")], tokenizer_type="NullTokenizer",
-                                vocab_size=50), 0, 1)
+                                vocab_size=51), 0, 1)
     # Data made with ids up to 50, read with a 10-token vocabulary: refused on the first batch.
     wrong = build_data(small_config(data_path=[a], tokenizer_type="NullTokenizer", vocab_size=10), 0, 1)
     with pytest.raises(DataError, match="another tokenizer"):
@@ -161,7 +161,7 @@ def test_a_longer_run_serves_the_shorter_runs_samples_first(tmp_path, blend):
     with one dataset and with a blend, also once the longer run needs more epochs than the shorter."""
     a, b = _make_dataset(tmp_path, "a", 30, 1), _make_dataset(tmp_path, "b", 20, 2)
     paths = ["0.6", a, "0.4", b] if blend else [a]
-    common = dict(data_path=paths, tokenizer_type="NullTokenizer", vocab_size=50, split="100,0,0",
+    common = dict(data_path=paths, tokenizer_type="NullTokenizer", vocab_size=51, split="100,0,0",
                   data_cache_path=str(tmp_path / "idx"))
     short = build_data(small_config(train_iters=6, **common), 0, 1)
     long = build_data(small_config(train_iters=60, **common), 0, 1)
@@ -173,7 +173,7 @@ def test_a_longer_run_serves_the_shorter_runs_samples_first(tmp_path, blend):
 
 def test_an_impossible_request_names_the_flags(tmp_path):
     a = _make_dataset(tmp_path, "a", 30, 1)
-    cfg = small_config(data_path=[a], tokenizer_type="NullTokenizer", vocab_size=50, train_iters=10**12)
+    cfg = small_config(data_path=[a], tokenizer_type="NullTokenizer", vocab_size=51, train_iters=10**12)
     with pytest.raises(DataError, match=r"--train-iters 1000000000000 x --global-batch-size 8 = 8,000,000,000,000 "
                                         r"train samples .* GiB of index arrays, more than"):
         build_data(cfg, 0, 1)
@@ -190,7 +190,7 @@ def test_an_impossible_request_names_the_flags(tmp_path):
 ])
 def test_bad_data_path_weights(tmp_path, paths, message):
     a = _make_dataset(tmp_path, "a", 30, 1)
-    cfg = small_config(data_path=[p.replace("{a}", a) for p in paths], tokenizer_type="NullTokenizer", vocab_size=50)
+    cfg = small_config(data_path=[p.replace("{a}", a) for p in paths], tokenizer_type="NullTokenizer", vocab_size=51)
     with pytest.raises(DataError, match="--data-path: " + message):
         build_data(cfg, 0, 1)
 
@@ -198,7 +198,7 @@ def test_bad_data_path_weights(tmp_path, paths, message):
 def test_weights_in_one_string_and_zero_weights(tmp_path):
     """``--data-path "0.7 A 0.3 B"`` (one YAML string) is a blend; a dataset of weight 0 is left out."""
     a, b = _make_dataset(tmp_path, "a", 30, 1), _make_dataset(tmp_path, "b", 20, 2)
-    common = dict(tokenizer_type="NullTokenizer", vocab_size=50, split="100,0,0")
+    common = dict(tokenizer_type="NullTokenizer", vocab_size=51, split="100,0,0")
     one_string = build_data(small_config(data_path=[f"0.7 {a} 0.3 {b}"], **common), 0, 1)
     separate = build_data(small_config(data_path=["0.7", a, "0.3", b], **common), 0, 1)
     assert all(torch.equal(x, y) for x, y in zip(_train_tokens(one_string, 3), _train_tokens(separate, 3)))

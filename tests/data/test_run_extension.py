@@ -17,7 +17,7 @@ from meshtron.data.preprocess import TokenizerArgs, preprocess
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
-        "--lr-decay-iters", "12", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--device", "cpu",
+        "--lr-decay-iters", "12", "--tokenizer-type", "NullTokenizer", "--vocab-size", "51", "--device", "cpu",
         "--log-interval", "1", "--eval-iters", "0", "--split", "100,0,0", "--seed", "7"]
 
 
@@ -39,7 +39,7 @@ def test_resuming_with_more_train_iters_gives_the_losses_of_the_longer_plan(tmp_
     rng = np.random.default_rng(0)
     docs = [" ".join(str(x) for x in rng.integers(0, 50, rng.integers(3, 40))) for _ in range(20)]
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs])
-    preprocess([str(src)], str(tmp_path / "d"), TokenizerArgs("NullTokenizer", vocab_size=50), append_eod=True,
+    preprocess([str(src)], str(tmp_path / "d"), TokenizerArgs("NullTokenizer", vocab_size=51), append_eod=True,
                progress=False)
     data = str(tmp_path / "d_text_document")  # about 28 samples per epoch: 12 iterations of 4 take two epochs
 

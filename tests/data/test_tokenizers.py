@@ -107,12 +107,38 @@ def test_expected_special_ids(tokenizers):
 
 
 def test_null_tokenizer():
+    """Megatron-Core 0.18+'s NullTokenizer: --vocab-size ids, the last one the end of document by default."""
     tok = NullTokenizer(100)
     assert tok.encode("3 14 15") == [3, 14, 15]
     assert tok.decode([3, 14]) == "3 14"
-    assert (tok.vocab_size, tok.eod) == (101, 100)
+    assert (tok.vocab_size, tok.eod) == (100, 99)
+    assert NullTokenizer(101, eod_id=100).eod == 100  # Megatron-Core <= 0.17's vocabulary, spelt out
+    with pytest.raises(DataError, match="token id 100 is outside 0..99"):
+        tok.encode("3 100")
+    with pytest.raises(DataError, match="--null-tokenizer-eod-id 100 is outside"):
+        NullTokenizer(100, eod_id=100)
     with pytest.raises(DataError, match="--vocab-size"):
         build_tokenizer("NullTokenizer")
+
+
+def test_null_tokenizer_equals_megatron_core():
+    from tests.megatron_oracle import null_tokenizer_class  # noqa: PLC0415 (skips without megatron-core)
+
+    megatron_null = null_tokenizer_class()
+    for size, eod in ((100, None), (2048, None), (101, 100), (64, 0)):
+        ours, theirs = NullTokenizer(size, eod), megatron_null(size, eod_id=eod)
+        assert (ours.vocab_size, ours.eod) == (theirs.vocab_size, theirs.eod)
+        assert ours.encode("0 7 63") == theirs.text_to_ids("0 7 63")
+
+
+def test_null_tokenizer_saved_without_its_eod_id_keeps_its_old_vocabulary(tmp_path):
+    """A NullTokenizer saved before the end-of-document id was recorded had vocab_size + 1 ids."""
+    (tmp_path / "meshtron_tokenizer.json").write_text('{"tokenizer_type": "NullTokenizer", "vocab_size": 100}')
+    old = load_tokenizer(tmp_path)
+    assert (old.vocab_size, old.eod) == (101, 100)
+    NullTokenizer(100, eod_id=7).save(tmp_path / "new")
+    new = load_tokenizer(tmp_path / "new")
+    assert (new.vocab_size, new.eod) == (100, 7)
 
 
 def test_kind_is_inferred_from_files(bpe_dir, tiktoken_file, sentencepiece_model):
@@ -261,11 +287,11 @@ def test_corrupt_tokenizer_files_give_one_line_errors(bpe_dir, tmp_path, case, m
 
 def test_null_tokenizer_refuses_text_that_is_not_ids():
     tok = NullTokenizer(10)
-    assert tok.encode(" 1 2\n10 ") == [1, 2, 10]
+    assert tok.encode(" 1 2\n9 ") == [1, 2, 9]
     with pytest.raises(DataError, match="'x' is not a token id"):
         tok.encode("1 2 x")
-    with pytest.raises(DataError, match="token id 11 is outside 0..10"):
-        tok.encode("1 11")
+    with pytest.raises(DataError, match="token id 10 is outside 0..9"):
+        tok.encode("1 10")
     with pytest.raises(DataError, match="token id -1 is outside"):
         tok.encode("-1 3")
 

@@ -26,7 +26,7 @@ def dataset(tmp_path_factory) -> str:
 def _train(tmp: Path, data: str, path: str, nproc: int, extra: list[str]) -> list[float]:
     metrics = tmp / f"{path}-{nproc}.jsonl"
     argv = [sys.executable, "-m", "meshtron", "train", "--device", "cpu", "--data-path", data,
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--split", "98,2,0",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "51", "--split", "98,2,0",
             "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
             "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
             "--num-query-groups", "2", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",

@@ -1,0 +1,84 @@
+# Migration proof on one GPU: Megatron-LM (core_v0.19.0's pretrain_gpt.py, local layer spec, no Transformer Engine
+# or apex) and meshtron continue each other's checkpoints, and the losses of the iterations after the hand-over are
+# compared with those of the run that did not change hands.
+#
+#   Megatron trains 20 iterations and saves at 10   ->  meshtron loads iteration 10 and trains 11-20
+#     dense: torch_dist with the distributed optimizer's default buckets (dp_reshardable), torch_dist fully
+#            reshardable (--dist-ckpt-optim-fully-reshardable), legacy (--ckpt-format torch: distrib_optim.pt)
+#     MoE (4 experts, top-2, aux loss): torch_dist fully reshardable
+#   meshtron trains 10 iterations, saves and exports (--export-megatron)  ->  Megatron loads and trains 11-20,
+#     beside meshtron continuing from its own checkpoint.
+#
+# Both read the same .bin/.idx (meshtron's default corpus through NullTokenizer ids) in Megatron's sample order
+# (--data-order megatron), dropout 0, bf16. Independent runs share the GPU (tiny models) to fit one device call.
+#
+# Needs Megatron-LM's source in .mlm/ (ignored by git; carry it): from the repository at tag core_v0.19.0,
+#   git archive core_v0.19.0 megatron pretrain_gpt.py gpt_builders.py model_provider.py | tar -x -C .mlm
+# plus megatron/core/datasets/helpers_cpp.cpython-312-x86_64-linux-gnu.so from the megatron-core 0.19.2 wheel
+# (the same helpers.cpp), so that nothing is compiled there.
+#   run: OUT=$OUT bash benchmarks/megatron_continuation.sh        (carry: .mlm)
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+W=/tmp/migration; rm -rf "$W"; mkdir -p "$W"
+MLM=$PWD/.mlm
+[ -f "$MLM/pretrain_gpt.py" ] || { echo "no Megatron-LM source in .mlm (see the header)"; exit 2; }
+if ! command -v make >/dev/null; then  # Megatron runs `make` on its dataset helpers: already built, nothing to do
+  mkdir -p /tmp/shim && printf '#!/bin/sh\nexit 0\n' >/tmp/shim/make && chmod +x /tmp/shim/make
+  export PATH=/tmp/shim:$PATH
+fi
+touch "$MLM"/megatron/core/datasets/helpers_cpp*.so
+nvidia-smi --query-gpu=name --format=csv,noheader
+PREFIX=$(python3 -c "from meshtron.data.default_corpus import ensure_default_corpus as e; print(e().prefix)") || exit 1
+
+MODEL="--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 --group-query-attention
+  --num-query-groups 2 --seq-length 512 --max-position-embeddings 512 --position-embedding-type rope
+  --rotary-base 10000 --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --untie-embeddings-and-output-weights
+  --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
+  --tokenizer-type NullTokenizer --vocab-size 2048 --make-vocab-size-divisible-by 128"
+MOE="--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 352 --moe-token-dispatcher-type alltoall
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
+TRAIN="--micro-batch-size 4 --global-batch-size 16 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine
+  --lr-warmup-iters 4 --lr-decay-iters 20 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+  --bf16 --seed 1234 --data-path $PREFIX --split 98,2,0 --eval-iters 0 --eval-interval 1000 --log-interval 1"
+MEGATRON_ONLY="--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+  --no-rope-fusion --no-persist-layer-norm --no-bias-swiglu-fusion --use-distributed-optimizer
+  --data-cache-path $W/megatron_cache"
+port=29600
+megatron() {  # name, then flags
+  local name=$1; shift; port=$((port + 1))
+  (cd "$MLM" && timeout 420 torchrun --nproc-per-node 1 --master-port $port pretrain_gpt.py $MODEL $TRAIN \
+    $MEGATRON_ONLY "$@") >"$W/$name.log" 2>&1
+  echo "megatron $name: exit $? ($(grep -c 'lm loss' "$W/$name.log") iterations logged)"
+}
+meshtron() {  # name, then flags
+  local name=$1; shift
+  timeout 300 python3 -m meshtron train $MODEL $TRAIN --data-order megatron --metrics-file "$W/$name.jsonl" \
+    "$@" >"$W/$name.log" 2>&1
+  echo "meshtron $name: exit $?"
+}
+
+echo "== phase 1: Megatron saves at 10 (and runs on to 20); meshtron trains 10 and exports"
+megatron mg_dense_dist --train-iters 20 --save "$W/mg_dense_dist" --save-interval 10 --ckpt-format torch_dist &
+megatron mg_dense_full --train-iters 20 --save "$W/mg_dense_full" --save-interval 10 --ckpt-format torch_dist \
+  --dist-ckpt-optim-fully-reshardable &
+megatron mg_dense_legacy --train-iters 20 --save "$W/mg_dense_legacy" --save-interval 10 --ckpt-format torch &
+megatron mg_moe_full $MOE --train-iters 20 --save "$W/mg_moe_full" --save-interval 10 --ckpt-format torch_dist \
+  --dist-ckpt-optim-fully-reshardable &
+meshtron ms_dense_first --train-iters 10 --save "$W/ms_dense" --export-megatron "$W/ms_to_mg" &
+wait
+
+echo "== phase 2: each continues the other's iteration 10"
+for kind in dense_dist dense_full dense_legacy; do
+  meshtron ms_from_$kind --train-iters 20 --load "$W/mg_$kind/iter_0000010" &
+done
+meshtron ms_from_moe_full $MOE --train-iters 20 --load "$W/mg_moe_full/iter_0000010" &
+megatron mg_from_ms --train-iters 20 --load "$W/ms_to_mg" --ckpt-format torch_dist --no-load-rng &
+meshtron ms_dense_self --train-iters 20 --load "$W/ms_dense" &
+wait
+
+echo "== losses of iterations 11-20"
+python3 benchmarks/megatron_continuation_compare.py "$W" --out "$OUT/megatron_continuation.jsonl"
+cp "$W"/*.log "$W"/*.jsonl "$OUT"/ 2>/dev/null
+for f in "$W"/*.log; do grep -q "Traceback\|error" "$f" && { echo "--- $(basename "$f")"; grep -B2 -A12 "Traceback\|rror" "$f" | tail -25; }; done
+exit 0
