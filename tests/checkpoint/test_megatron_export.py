@@ -218,13 +218,13 @@ def test_model_megatron_cannot_express_is_refused_in_one_line(sources, tmp_path,
     shutil.copytree(ckpt.parent, copy)
     config = next(copy.rglob("config.yaml"))
     values = yaml.safe_load(config.read_text())  # flat: one key per flag
-    values["mtp_num_layers"] = 1
+    values["mtp_num_layers"] = 2  # megatron-core passes a depth's normed output on: not meshtron's model
     config.write_text(yaml.safe_dump(values, sort_keys=False))
     code = convert_main(["--to", "megatron", "--input", str(copy), "--output", str(tmp_path / "mg"),
                          "--no-verify-checkpoint"])
     assert code == 2
     line = _one_line_error(capsys)
-    assert "--mtp-num-layers 1" in line and "cannot be written as a Megatron-LM checkpoint" in line
+    assert "--mtp-num-layers 2" in line and "cannot be written as a Megatron-LM checkpoint" in line
     assert not (tmp_path / "mg").exists()
 
 
