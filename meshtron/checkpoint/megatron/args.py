@@ -71,6 +71,8 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
     if not out.get("mtp_num_layers"):  # 0 or unset: no prediction depths (their loss weight then means nothing)
         out.pop("mtp_num_layers", None)
         out.pop("mtp_loss_scaling_factor", None)
+    else:  # megatron-core's depths read the hidden states after the final norms
+        out["mtp_normed_hidden_states"] = True
     out["disable_bias_linear"] = not bool(_get(args, "add_bias_linear", True))
     if out.get("add_qkv_bias") is None:
         out["add_qkv_bias"] = False
@@ -94,10 +96,6 @@ def mtp_unsupported(args: Any) -> list[str]:
     if not depths:
         return []
     out = []
-    if depths > 1:
-        out.append(f"--mtp-num-layers {depths} (megatron-core passes each depth's output after its final "
-                   "layernorm on to the next depth, meshtron the output before it, as DeepSeek-V3 defines it: the "
-                   "two agree for one depth only)")
     if _get(args, "mtp_use_repeated_layer"):
         out.append("--mtp-use-repeated-layer (one prediction layer applied at every depth; meshtron's depths have "
                    "layers of their own)")
@@ -154,6 +152,7 @@ _CHECKED = {
     "layer_pattern": resolved_pattern,  # each layer's kinds (where the experts are)
     "multi_latent_attention": lambda m: bool(m.multi_latent_attention),
     "mtp_num_layers": lambda m: m.mtp_num_layers or None,
+    "mtp_normed_hidden_states": lambda m: bool(m.mtp_normed_hidden_states) if m.mtp_num_layers else None,
     **{k: (lambda name: lambda m: getattr(m, name) if m.multi_latent_attention else None)(k)
        for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")},
 }

@@ -48,9 +48,6 @@ def unsupported(m: ModelConfig) -> list[str]:
     if m.multi_latent_attention and (m.rope_type or "rope") != "rope":
         out.append(f"--multi-latent-attention with --rope-type {m.rope_type} (only --rope-type rope is written and "
                    "read back yet)")
-    if (m.mtp_num_layers or 0) > 1:
-        out.append(f"--mtp-num-layers {m.mtp_num_layers} (megatron-core passes each depth's output after its final "
-                   "layernorm on to the next depth, meshtron the output before it: the two agree for one depth only)")
     if m.mtp_num_layers and m.position_embedding_type == "learned_absolute":
         out.append("--mtp-num-layers with learned absolute position embeddings (megatron-core adds the shifted "
                    "position's embedding to a depth's token embedding; meshtron looks up the word embedding alone)")
@@ -360,6 +357,10 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
     if problems:
         raise CheckpointError(f"{ckpt_dir}: this model cannot be written as a Megatron-LM checkpoint: "
                               f"{'; '.join(problems)}")
+    if m.mtp_num_layers and not m.mtp_normed_hidden_states:
+        notices.append(f"{ckpt_dir} was trained without --mtp-normed-hidden-states: megatron-core's prediction "
+                       "depths read the hidden states after the final norms, this model's before them, so their "
+                       "loss differs until trained on (the main model computes the same)")
     iteration = int(meta.get("iteration", 0))
     files.check_destination(out, iteration, add_to_existing)
     layout = dict(meta.get("layout") or {}, **(layout or {}))
