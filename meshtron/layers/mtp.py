@@ -1,8 +1,8 @@
 """Multi-token prediction (DeepSeek-V3 section 2.2; Megatron-Core's ``--mtp-num-layers``).
 
 Depth ``k = 1..D`` predicts token ``t_{i+k+1}`` at position ``i``. It combines the previous depth's
-hidden states ``h^{k-1}`` (``h^0``: the main model's last-layer output, before the final norm) with
-the embedding of token ``t_{i+k}`` (the shared input embedding)::
+hidden states ``h^{k-1}`` (``h^0``: the main model's last-layer output, before the final norm; see below for
+``--mtp-normed-hidden-states``) with the embedding of token ``t_{i+k}`` (the shared input embedding)::
 
     h'^k = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1})])        # [2H -> H], no bias
     h^k  = transformer_layer(h'^k)                               # the main model's layer kind
