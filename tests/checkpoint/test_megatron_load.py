@@ -73,6 +73,27 @@ def test_converted_mtp_losses_equal_megatron_core(name, tmp_path, reference):
     assert abs(float(depths[0] - depths[1])) > 1e-3  # two depths that differ: each compared
 
 
+def test_converted_depths_keep_megatron_cores_computation(tmp_path):
+    """The converted checkpoint records --mtp-normed-hidden-states in its model signature: a run of the same
+    shapes whose depths would read the hidden states before the norms is refused, naming the flag."""
+    from meshtron.checkpoint import load_checkpoint
+    from meshtron.checkpoint.metadata import read_config
+    from meshtron.model import GPTModel
+    from meshtron.parallel.context import ParallelContext
+    from meshtron.parallel.sharding import initialize_parameters
+
+    assert convert_main(["--from", "megatron", "--input", str(FIXTURES / "mtp_tp2pp2"), "--output",
+                         str(tmp_path / "c"), "--no-optimizer"]) == 0
+    cfg = read_config(next((tmp_path / "c").glob("iter_*")))
+    cfg.model.mtp_normed_hidden_states = False
+    model = GPTModel(cfg.model, ParallelContext(), cfg.model.vocab_size)
+    initialize_parameters(model, 1, torch.device("cpu"), torch.float32)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(str(tmp_path / "c"), [model], None, ParallelContext(), cfg)
+    assert any("--mtp-normed-hidden-states" in d and "checkpoint True, this run False" in d
+               for d in err.value.differences), err.value.differences
+
+
 def test_mtp_names_and_flags():
     """megatron-core saves each depth under its own number (not stacked like the decoder's layers): enorm, hnorm,
     eh_proj [H, 2H] (column-parallel: TP=2 shards merged by rows), the transformer layer's tensors and
