@@ -172,6 +172,11 @@ class ModelConfig:
                                               "(each one transformer layer sharing the embedding and output layer).")
     mtp_loss_scaling_factor: float = opt(0.1, "Weight of the multi-token prediction loss: the objective adds this "
                                               "times the mean over depths of their losses.")
+    mtp_normed_hidden_states: bool = opt(False, "Multi-token prediction: each depth reads the hidden states after "
+                                                "their final norm (the main model's for the first depth, the "
+                                                "previous depth's own after that), as Megatron-Core computes them; "
+                                                "without it, before that norm (DeepSeek-V3's h^k). Reading a "
+                                                "Megatron-LM checkpoint with prediction depths sets it.")
 
 
 @dataclass

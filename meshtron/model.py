@@ -243,7 +243,9 @@ class GPTModel(nn.Module):
         out = self.output(x, labels, loss_weight)
         if mtp_labels is None or labels is None or not hasattr(self, "mtp"):
             return out  # generation and evaluation ignore the prediction depths
-        per_depth = self.mtp(x, mtp_tokens, mtp_labels, mtp_loss_weight, self.input_embedding_weight, self._head,
+        # h^0: the last layer's output, or (--mtp-normed-hidden-states, Megatron-Core's) after the final norm
+        h0 = self.final_norm(x) if self.mtp.normed_hidden else x
+        per_depth = self.mtp(h0, mtp_tokens, mtp_labels, mtp_loss_weight, self.input_embedding_weight, self._head,
                              rope, mask)
         total, losses = out
         return attach_loss(total, self.mtp.objective(per_depth)), losses

@@ -71,6 +71,8 @@ def model_signature(m: ModelConfig, vocab_size: Optional[int]) -> dict[str, Any]
     pattern = _pattern_signature(m)
     if pattern:
         sig["layer_pattern"] = pattern
+    if m.mtp_num_layers and m.mtp_normed_hidden_states:  # depths trained on normed hidden states compute so
+        sig["mtp_normed_hidden_states"] = True
     return sig
 
 
@@ -85,7 +87,7 @@ _ROUTING_FIELDS = ("moe_first_dense_layers", "moe_router_score_function", "moe_r
                    "moe_router_topk_scaling_factor")
 #: signature fields written only when they differ from these values (older checkpoints lack them)
 _OMITTED_DEFAULTS = {"qk_layernorm": False, "multi_latent_attention": False, "layer_pattern": None,
-                     **{key: getattr(ModelConfig(), key) for key in _ROUTING_FIELDS}}
+                     "mtp_normed_hidden_states": False, **{key: getattr(ModelConfig(), key) for key in _ROUTING_FIELDS}}
 
 
 def _routing_signature(m: ModelConfig) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Multi-token prediction (DeepSeek-V3 section 2.2; Megatron-Core's ``--mtp-num-layers``).
 
 Depth ``k = 1..D`` predicts token ``t_{i+k+1}`` at position ``i``. It combines the previous depth's
-hidden states ``h^{k-1}`` (``h^0``: the main model's last-layer output, before the final norm) with
-the embedding of token ``t_{i+k}`` (the shared input embedding)::
+hidden states ``h^{k-1}`` (``h^0``: the main model's last-layer output, before the final norm; see below for
+``--mtp-normed-hidden-states``) with the embedding of token ``t_{i+k}`` (the shared input embedding)::
 
     h'^k = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1})])        # [2H -> H], no bias
     h^k  = transformer_layer(h'^k)                               # the main model's layer kind
@@ -15,7 +15,9 @@ sources differ (docs/models.md says more):
   the inference engines use it (the paper's equation writes the hidden states first);
 * each depth has its own final norm (the checkpoint's ``shared_head.norm``, Megatron's per-layer
   ``final_layernorm``); the next depth receives ``h^k`` before that norm, as the paper's ``h^k`` and
-  as ``h^0`` is taken (Megatron passes the normed states on: the same for D = 1);
+  as ``h^0`` is taken. Megatron-Core normalises both: its first depth reads the main model's output after
+  the final norm, each next depth the previous one's after its own. ``--mtp-normed-hidden-states``
+  computes that (the two differ for every D; reading a Megatron-LM checkpoint sets it);
 * ``L_k`` is the mean cross-entropy over the valid positions of the whole global batch (a position
   is valid when its target lies inside the sequence and the loss mask keeps it), normalised like the
   main loss across micro-batches and data-parallel ranks (Megatron normalises per micro-batch);
@@ -160,6 +162,9 @@ class MTPBlock(nn.Module):
         super().__init__()
         self.depths = mtp_depths(cfg)
         self.scale = cfg.mtp_loss_scaling_factor / self.depths
+        #: --mtp-normed-hidden-states: a depth passes its output after its final norm on (Megatron-Core's);
+        #: the caller then gives ``h^0`` after the main final norm too
+        self.normed_hidden = bool(cfg.mtp_normed_hidden_states)
         self.ctx = ctx
         self.sequence_parallel = sequence_parallel
         self.layers = nn.ModuleList([MTPLayer(cfg, ctx, k, sequence_parallel, make_layer(k))
@@ -169,15 +174,19 @@ class MTPBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor,
                 embedding_weight: torch.Tensor, head: Head, rope, mask) -> torch.Tensor:
         """This rank's share of every depth's loss ``L_k`` [D] (``tokens``/``labels``/``loss_weight``:
-        [batch, seq, D], this CP rank's part; ``hidden``: ``h^0``)."""
+        [batch, seq, D], this CP rank's part; ``hidden``: ``h^0``, after the main final norm with
+        ``normed_hidden``)."""
         vocab_start = self.ctx.tp_rank * embedding_weight.shape[0]
         losses = []
         for k, layer in enumerate(self.layers):
             embedded = vocab_parallel_lookup(tokens[..., k], embedding_weight, vocab_start, self.ctx.tp_group,
                               self.sequence_parallel)
             hidden = layer(hidden, embedded, rope, mask)
-            total, _ = head(layer.final_norm(hidden), labels[..., k], loss_weight[..., k])
+            normed = layer.final_norm(hidden)
+            total, _ = head(normed, labels[..., k], loss_weight[..., k])
             losses.append(total)
+            if self.normed_hidden:
+                hidden = normed
         per_depth = torch.stack(losses)
         if self.training:
             detached = per_depth.detach().float()

@@ -147,3 +147,27 @@ def assert_same_state(got: dict, ref: dict, atol: float = 0.0) -> None:
 
 # Multi-process runner: the shared gloo launcher (a hang fails the test after ``timeout`` seconds).
 run_ranks = run_distributed
+
+
+def mtp_losses(model: GPTModel, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main loss, each prediction depth's loss [D]) of a one-stage model with multi-token prediction on ``batch``
+    (``tokens``, ``labels``, ``loss_mask`` [b, s]; the main loss averaged over the mask, depth k's over its shifted
+    mask, as megatron-core's ``MTPLossLoggingHelper`` records them), in evaluation mode (no dropout)."""
+    from meshtron.build import gpt_forward_step
+    from meshtron.layers.mtp import add_mtp_inputs
+
+    mask = batch["loss_mask"].float()
+    mb = add_mtp_inputs({"tokens": batch["tokens"], "labels": batch["labels"], "loss_mask": mask},
+                        model.mtp.depths)
+    depth_mask = mb.pop("mtp_loss_mask")
+    mb["loss_weight"] = mb.pop("loss_mask") / mask.sum()
+    mb["mtp_loss_weight"] = depth_mask / depth_mask.sum(dim=(0, 1))
+    seen: list[torch.Tensor] = []
+    hook = model.mtp.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, loss = gpt_forward_step(model, mb, None)
+    finally:
+        hook.remove()
+    return loss.detach(), seen[0]

@@ -34,6 +34,8 @@ sys.path.insert(0, str(FIXTURES))
 import exported  # noqa: E402
 from make_exported_reference import fingerprint  # noqa: E402
 
+from tests.checkpoint.ckpt_helpers import mtp_losses  # noqa: E402
+
 CASES = tuple(exported.CASES)
 
 
@@ -133,10 +135,11 @@ def test_logits_equal_megatron_cores(case, sources, reference):
     mine = _logits(sources[case], tokens)
     torch.testing.assert_close(ref["logits"][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
     assert torch.count_nonzero(ref["logits"][..., exported.VOCAB:]) == 0
-    # moe: the default --megatron-spec transformer_engine too, loaded under its names; dense: loaded at TP=2 x PP=2,
-    # saved again by megatron-core and loaded at TP=1
-    other = {"moe": "te_names_logits", "dense": "tp2pp2_resaved_logits"}[case]
-    torch.testing.assert_close(ref[other][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
+    # moe: the default --megatron-spec transformer_engine too, loaded under its names; dense and mtp: loaded at
+    # TP=2 x PP=2, saved again by megatron-core and loaded at TP=1
+    other = {"moe": "te_names_logits", "dense": "tp2pp2_resaved_logits", "mtp": "tp2pp2_resaved_logits"}.get(case)
+    if other:
+        torch.testing.assert_close(ref[other][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -159,7 +162,120 @@ def test_megatron_core_read_the_optimizer_state_and_common_state(case, sources, 
                            "padded_vocab_size": 96, "consumed_train_samples": exported.CONSUMED}
 
 
-@pytest.mark.parametrize("which", ["dense", "moe", "moe_ep2"])
+@pytest.mark.parametrize("case", ["mtp", "moe_mtp"])
+def test_mtp_losses_equal_megatron_cores(case, sources, reference, tmp_path):
+    """Prediction depths written under megatron-core's names (two dense depths; one mixture-of-experts depth, its
+    experts stacked [experts, ...]): its model (TP=1, and for ``mtp`` at TP=2 x PP=2 with the depths on the last
+    stage, saved again and reloaded) computes the main loss and each depth's loss that meshtron computes from the
+    export read back (the same weights, test_round_trip_through_meshtrons_reader; both with Megatron's padded
+    vocabulary, whose zero rows take some probability)."""
+    ref = reference["cases"][case]
+    out = _export(sources[case], tmp_path / "mg")
+    assert convert_main(["--from", "megatron", "--input", str(out), "--output", str(tmp_path / "back")]) == 0
+    model, _ = load_for_inference(tmp_path / "back", "cpu", torch.float32)
+    main, depths = mtp_losses(model, ref["mtp_batch"])
+    for got in (ref["mtp_losses"], ref.get("tp2pp2_resaved_mtp_losses", ref["mtp_losses"])):
+        torch.testing.assert_close(got["loss"], main, rtol=0, atol=2e-5)
+        torch.testing.assert_close(got["depths"], depths, rtol=0, atol=2e-5)
+    assert depths.shape == (exported.CASES[case]["mtp_num_layers"],)
+
+
+def test_mtp_layout_as_megatron_core_saves_it(sources, tmp_path):
+    """Each depth under its own number (not stacked over depths, as megatron-core saves them), the transformer layer
+    as ``transformer_layer``, eh_proj [H, 2H], Transformer Engine's entries of its linears, and the flags in args."""
+    out = _export(sources["mtp"], tmp_path / "mg")
+    d = out / "iter_0000003"
+    md = read_index(d)
+    shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    for k in (0, 1):
+        base = f"mtp.layers.{k}"
+        assert shapes[f"{base}.eh_proj.weight"] == (16, 32)
+        for n in ("enorm.weight", "hnorm.weight", "final_layernorm.weight",
+                  "transformer_layer.self_attention.linear_qkv.layer_norm_weight",
+                  "transformer_layer.mlp.linear_fc1.layer_norm_weight"):
+            assert shapes[f"{base}.{n}"] == (16,), n
+        assert shapes[f"{base}.transformer_layer.self_attention.linear_qkv.weight"] == (32, 16)
+        assert shapes[f"{base}.transformer_layer.mlp.linear_fc1.weight"] == (64, 16)
+        assert f"optimizer.state.exp_avg.{base}.eh_proj.weight" in shapes
+        assert f"{base}.eh_proj._extra_state/shard_0_1" in md.state_dict_metadata
+        assert f"{base}.transformer_layer.mlp.linear_fc2._extra_state/shard_0_1" in md.state_dict_metadata
+    assert not any(k.startswith("mtp.layers.transformer_layer") for k in shapes)
+    args = read_common_state(find_megatron_checkpoint(out))["args"]
+    assert (args.mtp_num_layers, args.mtp_loss_scaling_factor) == (2, 0.3)
+
+
+def test_mixture_of_experts_depth_as_megatron_core_saves_it(sources, tmp_path):
+    """A depth whose layer has experts: stacked [experts, ...] without a layer axis, one Transformer Engine entry
+    per expert, the router and its expert bias, the shared expert; the pre-MLP norm under Transformer Engine's own
+    module name, as in the decoder's mixture-of-experts layers."""
+    out = _export(sources["moe_mtp"], tmp_path / "mg")
+    md = read_index(out / "iter_0000003")
+    shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    base = "mtp.layers.0.transformer_layer"
+    assert shapes[f"{base}.mlp.experts.experts.linear_fc1.weight"] == (4, 24, 16)
+    assert shapes[f"{base}.mlp.experts.experts.linear_fc2.weight"] == (4, 16, 12)
+    assert shapes[f"{base}.mlp.router.expert_bias"] == (4,) and shapes[f"{base}.mlp.router.weight"] == (4, 16)
+    assert shapes[f"{base}.mlp.shared_experts.linear_fc1.weight"] == (16, 16)
+    assert shapes[f"{base}.pre_mlp_layernorm.weight"] == (16,)
+    assert f"{base}.mlp.experts.experts.linear_fc1._extra_state/shard_3_4" in md.state_dict_metadata
+    assert "output_layer.weight" not in shapes  # tied
+
+
+def test_mtp_without_normed_hidden_states_is_written_with_a_notice(sources, tmp_path, capsys):
+    """A model whose depths read the hidden states before the final norms (meshtron's default): its weights are
+    written all the same, with a notice that megatron-core's depths compute from the normed ones."""
+    ckpt = resolve_checkpoint(sources["mtp"])
+    copy = tmp_path / "src"
+    shutil.copytree(ckpt.parent, copy)
+    config = next(copy.rglob("config.yaml"))
+    values = yaml.safe_load(config.read_text())
+    values["mtp_normed_hidden_states"] = False
+    config.write_text(yaml.safe_dump(values, sort_keys=False))
+    notices: list[str] = []
+    meshtron_to_megatron(copy, tmp_path / "mg", notices=notices, verify=False)
+    assert any("--mtp-normed-hidden-states" in n and "loss differs" in n for n in notices), notices
+    state = read_megatron(find_megatron_checkpoint(tmp_path / "mg"), vocab_size=exported.VOCAB, optimizer=False)
+    assert all(torch.equal(t, state.model[k]) for k, t in read_canonical(ckpt, "model.").items())
+
+
+@pytest.mark.parametrize("kind,expected", [("HuggingFaceTokenizer", "HuggingFaceTokenizer"),
+                                           ("GPT2BPETokenizer", "GPT2BPETokenizer"),
+                                           ("SentencePieceTokenizer", "SentencePieceTokenizer"),
+                                           ("TikTokenizer", "TikTokenizer"), ("NullTokenizer", "NullTokenizer"),
+                                           ("ByteTokenizer", None), (None, None)])
+def test_args_name_the_tokenizer(kind, expected, sources, tmp_path):
+    """args.tokenizer_type: Megatron-LM's name of the run's tokenizer (the same names), with the tokenizer's file;
+    left out for meshtron's byte tokenizer (no Megatron-LM counterpart; a notice says so) and without a tokenizer."""
+    ckpt = resolve_checkpoint(sources["dense"])
+    copy = tmp_path / "src"
+    shutil.copytree(ckpt.parent, copy)
+    config = next(copy.rglob("config.yaml"))
+    values = yaml.safe_load(config.read_text())
+    values.update(tokenizer_type=kind, tokenizer_model="/data/tok" if kind else None)
+    config.write_text(yaml.safe_dump(values, sort_keys=False))
+    notices: list[str] = []
+    meshtron_to_megatron(copy, tmp_path / "mg", notices=notices, verify=False)
+    args = read_common_state(find_megatron_checkpoint(tmp_path / "mg"))["args"]
+    assert getattr(args, "tokenizer_type", None) == expected
+    assert getattr(args, "tokenizer_model", None) == ("/data/tok" if expected else None)
+    assert any("ByteTokenizer has no Megatron-LM counterpart" in n for n in notices) == (kind == "ByteTokenizer")
+
+
+def test_tokenizer_kind_from_the_saved_tokenizer(tmp_path):
+    """Without --tokenizer-type, the kind of the tokenizer saved in the checkpoint (GPT-2 BPE from its files)."""
+    from meshtron.checkpoint.megatron.export import tokenizer_kind
+    from meshtron.config import MeshtronConfig
+
+    cfg = MeshtronConfig()
+    assert tokenizer_kind(cfg, tmp_path) is None
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "meshtron_tokenizer.json").write_text('{"tokenizer_type": "TikTokenizer"}')
+    assert tokenizer_kind(cfg, tmp_path) == "TikTokenizer"
+    cfg.data.vocab_file, cfg.data.merge_file = "vocab.json", "merges.txt"
+    assert tokenizer_kind(cfg, tmp_path) == "GPT2BPETokenizer"
+
+
+@pytest.mark.parametrize("which", ["dense", "moe", "moe_ep2", "mtp", "moe_mtp"])
 def test_megatron_cores_distributed_optimizer_took_the_state(which, sources, reference, tmp_path):
     """megatron-core's DistributedOptimizer (Megatron-LM's parameter groups; experts chained at expert-parallel 2)
     loaded the export with ``optimizer.load_state_dict`` and saved it again: what it saved is what meshtron wrote,
@@ -193,9 +309,18 @@ def test_megatron_core_loads_the_export_live(tmp_path):
     fresh = torch.load(out, weights_only=True)
     recorded = torch.load(FIXTURES / "exported_reference.pt", weights_only=True)
     for case in CASES:
-        mine = _logits(exported.write_meshtron_checkpoint(tmp_path / case, case), fresh["tokens"])
+        source = exported.write_meshtron_checkpoint(tmp_path / case, case)
+        mine = _logits(source, fresh["tokens"])
         got = fresh["cases"][case]
         torch.testing.assert_close(got["logits"][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
+        if "mtp_losses" in got:  # the export read back: Megatron's padded vocabulary, as megatron-core's model
+            back = tmp_path / f"{case}_back"
+            megatron = meshtron_to_megatron(source, tmp_path / f"{case}_mg", spec="local").parent
+            assert convert_main(["--from", "megatron", "--input", str(megatron), "--output", str(back)]) == 0
+            model, _ = load_for_inference(back, "cpu", torch.float32)
+            main, depths = mtp_losses(model, got["mtp_batch"])
+            torch.testing.assert_close(got["mtp_losses"]["loss"], main, rtol=0, atol=2e-5)
+            torch.testing.assert_close(got["mtp_losses"]["depths"], depths, rtol=0, atol=2e-5)
         assert got["distributed_optimizer"]["steps"] == [exported.ITERATION] * 2
         for key, value in recorded["cases"][case]["distributed_optimizer"]["optimizer"].items():
             torch.testing.assert_close(got["distributed_optimizer"]["optimizer"][key], value, rtol=1e-9, atol=1e-7)
@@ -218,13 +343,15 @@ def test_model_megatron_cannot_express_is_refused_in_one_line(sources, tmp_path,
     shutil.copytree(ckpt.parent, copy)
     config = next(copy.rglob("config.yaml"))
     values = yaml.safe_load(config.read_text())  # flat: one key per flag
-    values["mtp_num_layers"] = 1
+    # megatron-core adds the shifted position's embedding to a prediction depth's input: not meshtron's model
+    values.update(mtp_num_layers=1, position_embedding_type="learned_absolute")
     config.write_text(yaml.safe_dump(values, sort_keys=False))
     code = convert_main(["--to", "megatron", "--input", str(copy), "--output", str(tmp_path / "mg"),
                          "--no-verify-checkpoint"])
     assert code == 2
     line = _one_line_error(capsys)
-    assert "--mtp-num-layers 1" in line and "cannot be written as a Megatron-LM checkpoint" in line
+    assert "--mtp-num-layers with learned absolute position embeddings" in line
+    assert "cannot be written as a Megatron-LM checkpoint" in line
     assert not (tmp_path / "mg").exists()
 
 

@@ -2,9 +2,11 @@
 
 The fixtures under tests/fixtures/megatron/ were written by megatron-core 0.19.2 itself
 (tests/fixtures/megatron/make_checkpoints.py): TP=2 x PP=2 torch_dist with fully reshardable optimizer state,
-the same with ``common.pt``, the same model in the legacy format, an expert-parallel MoE model, and a model with
-multi-latent attention (DeepSeek's, with latent norms: ``--qk-layernorm``; its rotary rows reordered on reading).
-``reference.pt`` holds megatron-core's logits of each after it loaded the checkpoint into a TP=1, PP=1 model.
+the same with ``common.pt``, the same model in the legacy format, an expert-parallel MoE model, a model with
+multi-latent attention (DeepSeek's, with latent norms: ``--qk-layernorm``; its rotary rows reordered on reading),
+and a model with two multi-token prediction depths at TP=2 x PP=2 in torch_dist and legacy.
+``reference.pt`` holds megatron-core's logits of each after it loaded the checkpoint into a TP=1, PP=1 model, and
+for the multi-token prediction models its main and depth losses on one batch.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from meshtron.checkpoint.megatron.args import check_model
 from meshtron.checkpoint.megatron.reader import read_megatron
 from meshtron.checkpoint.megatron.unpickler import load_pickled
 from meshtron.config import ModelConfig
+from tests.checkpoint.ckpt_helpers import mtp_losses
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
-CASES = ("dense_tp2pp2", "dense_tp2pp2_common_pt", "legacy_tp2pp2", "moe_ep2", "mla")
+MTP_CASES = ("mtp_tp2pp2", "legacy_mtp_tp2pp2")
+CASES = ("dense_tp2pp2", "dense_tp2pp2_common_pt", "legacy_tp2pp2", "moe_ep2", "mla") + MTP_CASES
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +55,91 @@ def test_converted_logits_equal_megatron_core(name, tmp_path, reference, capsys)
     torch.testing.assert_close(logits, reference["logits"][name], rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", MTP_CASES)
+def test_converted_mtp_losses_equal_megatron_core(name, tmp_path, reference):
+    """Two prediction depths (TP=2 x PP=2, on the last stage beside the embedding's copy): converted, the model's
+    main loss and each depth's loss are megatron-core's (fp32), with its flags: --mtp-num-layers 2, the loss weight
+    0.3 and --mtp-normed-hidden-states (megatron-core's depths read the hidden states after the final norms)."""
+    from meshtron.checkpoint.metadata import read_config
+
+    assert convert_main(["--from", "megatron", "--input", str(FIXTURES / name), "--output", str(tmp_path / "c")]) == 0
+    m = read_config(next((tmp_path / "c").glob("iter_*"))).model
+    assert (m.mtp_num_layers, m.mtp_loss_scaling_factor, m.mtp_normed_hidden_states) == (2, 0.3, True)
+    model, _ = load_for_inference(tmp_path / "c", "cpu", torch.float32)
+    main, depths = mtp_losses(model, reference["mtp_batch"])
+    want = reference["mtp_losses"][name]
+    torch.testing.assert_close(main, want["loss"], rtol=0, atol=2e-5)
+    torch.testing.assert_close(depths, want["depths"], rtol=0, atol=2e-5)
+    assert abs(float(depths[0] - depths[1])) > 1e-3  # two depths that differ: each compared
+
+
+def test_converted_depths_keep_megatron_cores_computation(tmp_path):
+    """The converted checkpoint records --mtp-normed-hidden-states in its model signature: a run of the same
+    shapes whose depths would read the hidden states before the norms is refused, naming the flag."""
+    from meshtron.checkpoint import load_checkpoint
+    from meshtron.checkpoint.metadata import read_config
+    from meshtron.model import GPTModel
+    from meshtron.parallel.context import ParallelContext
+    from meshtron.parallel.sharding import initialize_parameters
+
+    assert convert_main(["--from", "megatron", "--input", str(FIXTURES / "mtp_tp2pp2"), "--output",
+                         str(tmp_path / "c"), "--no-optimizer"]) == 0
+    cfg = read_config(next((tmp_path / "c").glob("iter_*")))
+    cfg.model.mtp_normed_hidden_states = False
+    model = GPTModel(cfg.model, ParallelContext(), cfg.model.vocab_size)
+    initialize_parameters(model, 1, torch.device("cpu"), torch.float32)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(str(tmp_path / "c"), [model], None, ParallelContext(), cfg)
+    assert any("--mtp-normed-hidden-states" in d and "checkpoint True, this run False" in d
+               for d in err.value.differences), err.value.differences
+
+
+def test_mtp_names_and_flags():
+    """megatron-core saves each depth under its own number (not stacked like the decoder's layers): enorm, hnorm,
+    eh_proj [H, 2H] (column-parallel: TP=2 shards merged by rows), the transformer layer's tensors and
+    final_layernorm become meshtron's mtp.layers.k.*; a run is checked against the checkpoint's depths."""
+    state = _state("mtp_tp2pp2", optimizer=False)
+    names = {k for k in state.model if k.startswith("mtp.")}
+    for k in (0, 1):
+        for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_norm.weight",
+                  "transformer_layer.attention.q.weight", "transformer_layer.mlp.gate.weight",
+                  "transformer_layer.input_norm.weight", "transformer_layer.post_attention_norm.weight"):
+            assert f"mtp.layers.{k}.{n}" in names, n
+    assert state.model["mtp.layers.1.eh_proj.weight"].shape == (16, 32)
+    raw = {"mtp.layers.1.eh_proj.weight": torch.empty(16, 32)}
+    dcp.load(raw, checkpoint_id=str(FIXTURES / "mtp_tp2pp2" / "iter_0000007"), no_dist=True)
+    assert torch.equal(state.model["mtp.layers.1.eh_proj.weight"], raw["mtp.layers.1.eh_proj.weight"])
+    assert state.settings["mtp_num_layers"] == 2 and state.settings["mtp_normed_hidden_states"]
+    from meshtron.checkpoint.megatron.args import apply_settings
+
+    run = apply_settings(ModelConfig(), {k: v for k, v in state.settings.items() if not k.startswith("mtp_")})
+    with pytest.raises(CheckpointError) as err:
+        check_model(state.settings, run, "Megatron-LM checkpoint X")
+    assert err.value.differences == ["--mtp-num-layers: checkpoint 2, this run None",
+                                     "--mtp-normed-hidden-states: checkpoint True, this run None"]
+    run.mtp_num_layers, run.mtp_normed_hidden_states = 2, True
+    check_model(state.settings, run, "Megatron-LM checkpoint X")  # the loss weight (0.3 there) is the run's choice
+
+
+def test_mtp_refusals_named():
+    """What meshtron's depths do not compute as megatron-core's: refused, flag by flag."""
+    import copy
+
+    from meshtron.checkpoint.megatron.args import model_settings
+    from meshtron.checkpoint.megatron.reader import read_common_state
+
+    args = read_common_state(find_megatron_checkpoint(FIXTURES / "mtp_tp2pp2"))["args"]
+    for change, flag in (({"mtp_use_repeated_layer": True}, "--mtp-use-repeated-layer"),
+                         ({"mtp_detach_heads": True}, "--mtp-detach-heads"),
+                         ({"position_embedding_type": "learned_absolute"}, "learned absolute position")):
+        bad = copy.copy(args)
+        for k, v in change.items():
+            setattr(bad, k, v)
+        with pytest.raises(CheckpointError) as err:
+            model_settings(bad, "Megatron-LM checkpoint X")
+        assert any(flag in line for line in err.value.differences), err.value.differences
+
+
 def test_detection_and_format():
     ckpt = find_megatron_checkpoint(FIXTURES / "dense_tp2pp2")
     assert (ckpt.iteration, ckpt.format) == (7, "torch_dist")
@@ -59,11 +148,12 @@ def test_detection_and_format():
     assert not looks_like_megatron(FIXTURES)
 
 
-def test_legacy_shards_merge_to_the_torch_dist_tensors():
+@pytest.mark.parametrize("pair", [("dense_tp2pp2", "legacy_tp2pp2"), MTP_CASES])
+def test_legacy_shards_merge_to_the_torch_dist_tensors(pair):
     """The same megatron-core model saved TP=2 x PP=2 both ways: the legacy per-rank shards, merged, equal
     torch_dist's whole tensors (QKV per query group, SwiGLU [gate; up] per rank, row-parallel columns,
-    layers renumbered by stage)."""
-    a, b = _state("dense_tp2pp2"), _state("legacy_tp2pp2")
+    layers renumbered by stage; prediction depths under ``mtp_model_layer``, their ``eh_proj`` by rows)."""
+    a, b = _state(pair[0]), _state(pair[1])
     assert set(a.model) == set(b.model)
     for k in a.model:
         assert torch.equal(a.model[k], b.model[k]), k

@@ -8,7 +8,10 @@ Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_c
 * ``legacy_tp2pp2_dp2_distrib_optim``: the same optimizer in the legacy format (``distrib_optim.pt`` by
   ``DistributedOptimizer.save_parameter_state``, ``optimizer.state_dict()`` in ``model_optim_rng.pt``);
 * ``legacy_tp2_bf16_optim``: a bf16 model (2 layers, TP=2) with Megatron's non-distributed optimizer
-  (``Float16OptimizerWithFloat16Params``: fp32 masters), legacy format.
+  (``Float16OptimizerWithFloat16Params``: fp32 masters), legacy format;
+* ``mtp_tp2pp2_dp_reshardable`` and ``legacy_mtp_tp2pp2_distrib_optim``: a model with a multi-token prediction
+  depth, its ``DistributedOptimizer`` at TP=2 x PP=2 in both formats (the depth's parameters in the last stage's
+  buffer, the word embedding and the last stage's copy of it in buckets of their own).
 
 ``reference_optimizer.pt`` holds megatron-core's own per-tensor state of each, as it was in memory: per
 model-parallel rank and parameter name, the masters and moments (the distributed optimizer's pieces put together
@@ -33,6 +36,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
 CASE = "dense_tp2pp2_dp2_dp_reshardable"
 LEGACY = "legacy_tp2pp2_dp2_distrib_optim"
 BF16 = "legacy_tp2_bf16_optim"
+MTP = "mtp_tp2pp2_dp_reshardable"
+MTP_LEGACY = "legacy_mtp_tp2pp2_distrib_optim"
 
 
 def _read(name: str):
@@ -51,8 +56,10 @@ def _reference(references: dict, name: str, settings: dict) -> dict[str, dict[st
     entry = references[entry["same_as"]] if "same_as" in entry else entry
     shape = reader._shape_info(settings)
     parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for (tp, _), by_name in entry["per_rank"].items():
+    for (tp, pp), by_name in entry["per_rank"].items():
         for pname, tensors in by_name.items():
+            if pname == "embedding.word_embeddings.weight" and pp > 0:
+                continue  # the prediction depths' copy on the last stage: the first stage's state is the one kept
             for key, t in tensors.items():
                 parts.setdefault((key, pname), {})[tp] = t
     saved = {f"optimizer.state.{key}.{pname}": buckets.merge_shards(pname, [p[t] for t in sorted(p)], shape["swiglu"])
@@ -66,7 +73,7 @@ def _reference(references: dict, name: str, settings: dict) -> dict[str, dict[st
     return out
 
 
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
@@ -81,10 +88,11 @@ def test_optimizer_state_is_megatron_cores(name, references):
         assert torch.equal(state.optim["master"][k].to(t.dtype), t), k
 
 
-def test_the_same_optimizer_in_both_formats():
+@pytest.mark.parametrize("pair", [(CASE, LEGACY), (MTP, MTP_LEGACY)])
+def test_the_same_optimizer_in_both_formats(pair):
     """The same model and optimizer saved as torch_dist dp_reshardable and as legacy distrib_optim.pt read the
     same: weights, masters (an fp32 model's: its weights) and moments."""
-    a, b = _read(CASE), _read(LEGACY)
+    a, b = _read(pair[0]), _read(pair[1])
     assert set(a.model) == set(b.model)
     for k, t in a.model.items():
         assert torch.equal(b.model[k], t), k
@@ -168,8 +176,38 @@ def test_tied_embedding_gets_a_bucket_of_its_own():
     assert lengths == [32, 4]
 
 
+def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
+    """Multi-token prediction on the last of two stages: megatron-core's order there is its copy of the word
+    embedding, the stage's layers, the final norm, each depth (enorm, hnorm, eh_proj, its transformer layer,
+    final_layernorm), the output layer; both copies of the embedding get buckets of their own."""
+    model = {"embedding.word_embeddings.weight": torch.zeros(8, 4),
+             "decoder.layers.0.input_layernorm.weight": torch.zeros(4),
+             "decoder.layers.1.input_layernorm.weight": torch.zeros(4),
+             "decoder.final_layernorm.weight": torch.zeros(4),
+             "mtp.layers.0.final_layernorm.weight": torch.zeros(4),
+             "mtp.layers.0.transformer_layer.mlp.linear_fc2.weight": torch.zeros(4, 6),
+             "mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight": torch.zeros(4),
+             "mtp.layers.0.eh_proj.weight": torch.zeros(4, 8),
+             "mtp.layers.0.hnorm.weight": torch.zeros(4),
+             "mtp.layers.0.enorm.weight": torch.zeros(4),
+             "output_layer.weight": torch.zeros(8, 4)}
+    last = buckets.rank_params(model, 0, 1, 1, 2, 2, "local", False, tied=False)
+    assert [n for n, _ in last.params] == [
+        buckets.EMBEDDING_COPY, "decoder.layers.1.input_layernorm.weight", "decoder.final_layernorm.weight",
+        "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+        "mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight",
+        "mtp.layers.0.transformer_layer.mlp.linear_fc2.weight", "mtp.layers.0.final_layernorm.weight",
+        "output_layer.weight"]
+    places, lengths = buckets.layout(last, bucket_size=None)
+    assert (places[-1].name, places[-1].bucket, places[-1].start) == (buckets.EMBEDDING_COPY, 1, 0)
+    assert lengths[1] == 32
+    first = buckets.rank_params(model, 0, 0, 1, 2, 2, "local", False, tied=False)
+    assert first.shared_embedding == {"embedding.word_embeddings.weight"}
+    assert not any(n.startswith("mtp.") for n, _ in first.params)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""

@@ -56,8 +56,11 @@ def _batch(seed: int, n: int = 2):
     return seq[:, :-1], seq[:, 1:], mask
 
 
-def test_objective_is_the_main_loss_plus_the_scaled_mean_of_the_depth_losses():
-    cfg = MeshtronConfig(model=mtp_model(tied=False))
+@pytest.mark.parametrize("normed", [False, True])
+def test_objective_is_the_main_loss_plus_the_scaled_mean_of_the_depth_losses(normed):
+    """``normed`` (--mtp-normed-hidden-states, Megatron-Core's): h(0) after the final norm, each depth's output
+    passed on after its own final norm."""
+    cfg = MeshtronConfig(model=mtp_model(tied=False, mtp_normed_hidden_states=normed))
     model = build_stage(cfg, ParallelContext(), VOCAB)
     initialize_parameters(model, 3, torch.device("cpu"), torch.float32)
     tokens, labels, mask = _batch(0)
@@ -78,7 +81,7 @@ def test_objective_is_the_main_loss_plus_the_scaled_mean_of_the_depth_losses():
     logits = (model.final_norm(x) @ model.output_weight.t()).transpose(0, 1)  # [b, s, V]
     ce = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none").view_as(mask)
     main = (ce * mask).sum() / mask.sum()
-    h, depth_losses = x, []
+    h, depth_losses = (model.final_norm(x) if normed else x), []
     for k, depth in enumerate(model.mtp.layers, start=1):
         ahead = torch.zeros_like(tokens)
         ahead[:, :SEQ - k] = tokens[:, k:]
@@ -86,6 +89,7 @@ def test_objective_is_the_main_loss_plus_the_scaled_mean_of_the_depth_losses():
         proj = torch.cat([depth.enorm(e), depth.hnorm(h)], dim=-1) @ depth.eh_proj.weight.t()
         h = depth.transformer_layer(proj, rope, None)
         logits_k = (depth.final_norm(h) @ model.output_weight.t()).transpose(0, 1)
+        h = depth.final_norm(h) if normed else h
         total, count = 0.0, 0.0
         for i in range(SEQ - k):
             w = mask[:, i + k]

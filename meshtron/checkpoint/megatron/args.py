@@ -30,7 +30,7 @@ SAME_NAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_score_function",
              "moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
              "moe_aux_loss_coeff", "moe_router_load_balancing_type", "hidden_dropout", "attention_dropout",
-             "init_method_std")
+             "init_method_std", "mtp_num_layers", "mtp_loss_scaling_factor")
 
 
 def _get(args: Any, name: str, default: Any = None) -> Any:
@@ -51,8 +51,7 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
     if mla and (_get(args, "rope_type") or "yarn") != "rope":  # unset: megatron-core's MLA takes YaRN
         unsupported.append(f"--rope-type {_get(args, 'rope_type') or 'yarn (unset)'} with multi-latent attention "
                            "(only --rope-type rope is read yet)")
-    if _get(args, "mtp_num_layers"):
-        unsupported.append(f"--mtp-num-layers {args.mtp_num_layers} (multi-token prediction is not read yet)")
+    unsupported += mtp_unsupported(args)
     if float(_get(args, "rotary_percent", 1.0) or 1.0) != 1.0:
         unsupported.append(f"--rotary-percent {args.rotary_percent} (meshtron rotates the whole head)")
     if _get(args, "rotary_interleaved"):
@@ -69,6 +68,11 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
     if unsupported:
         raise CheckpointError(f"{where}: this Megatron-LM model cannot be loaded by meshtron", unsupported)
     out = {name: _get(args, name) for name in SAME_NAME if _get(args, name) is not None}
+    if not out.get("mtp_num_layers"):  # 0 or unset: no prediction depths (their loss weight then means nothing)
+        out.pop("mtp_num_layers", None)
+        out.pop("mtp_loss_scaling_factor", None)
+    else:  # megatron-core's depths read the hidden states after the final norms
+        out["mtp_normed_hidden_states"] = True
     out["disable_bias_linear"] = not bool(_get(args, "add_bias_linear", True))
     if out.get("add_qkv_bias") is None:
         out["add_qkv_bias"] = False
@@ -82,6 +86,27 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
     if not out.get("group_query_attention"):
         out["num_query_groups"] = None
     out["vocab_size"] = int(_get(args, "padded_vocab_size") or 0) or None
+    return out
+
+
+def mtp_unsupported(args: Any) -> list[str]:
+    """What of a checkpoint's multi-token prediction (``--mtp-num-layers``) meshtron does not compute as
+    megatron-core does (empty: nothing, or no prediction depths)."""
+    depths = int(_get(args, "mtp_num_layers") or 0)
+    if not depths:
+        return []
+    out = []
+    if _get(args, "mtp_use_repeated_layer"):
+        out.append("--mtp-use-repeated-layer (one prediction layer applied at every depth; meshtron's depths have "
+                   "layers of their own)")
+    if _get(args, "mtp_detach_heads"):
+        out.append("--mtp-detach-heads (meshtron's prediction depths train the embedding, the output layer and "
+                   "the main model's hidden states)")
+    if _get(args, "mtp_hybrid_override_pattern"):
+        out.append(f"--mtp-hybrid-override-pattern {args.mtp_hybrid_override_pattern} (hybrid prediction layers)")
+    if (_get(args, "position_embedding_type") or "learned_absolute") == "learned_absolute":
+        out.append("--mtp-num-layers with learned absolute position embeddings (megatron-core adds the shifted "
+                   "position's embedding to a depth's token embedding; meshtron looks up the word embedding alone)")
     return out
 
 
@@ -126,6 +151,8 @@ _CHECKED = {
     "moe_router_pre_softmax": lambda m: bool(m.moe_router_pre_softmax) if m.num_experts else None,
     "layer_pattern": resolved_pattern,  # each layer's kinds (where the experts are)
     "multi_latent_attention": lambda m: bool(m.multi_latent_attention),
+    "mtp_num_layers": lambda m: m.mtp_num_layers or None,
+    "mtp_normed_hidden_states": lambda m: bool(m.mtp_normed_hidden_states) if m.mtp_num_layers else None,
     **{k: (lambda name: lambda m: getattr(m, name) if m.multi_latent_attention else None)(k)
        for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")},
 }

@@ -4,10 +4,14 @@ megatron-core's ``DistributedOptimizer`` keeps each model-parallel rank's fp32 m
 as flat buffers laid out like its gradient buffer (``_compute_per_buffer_param_layout``):
 
 * the rank's parameters in *reverse* ``named_parameters()`` order (backward order), each starting on a
-  64-element boundary (zeros in between);
+  64-element boundary (zeros in between); with multi-token prediction the last stage's order is its layers, the
+  final layernorm, each prediction depth (``enorm``, ``hnorm``, ``eh_proj``, its transformer layer,
+  ``final_layernorm``), then the output layer, and, with more than one stage, the copy of the word embedding the
+  depths read comes first;
 * cut into buckets: a bucket closes after the parameter that brings it to ``bucket_size`` elements
   (only with ``--overlap-grad-reduce``, ``--ddp-bucket-size`` or max(4e7, 1e6 x DP), and only on the first
-  pipeline stage); a tied embedding or output layer off a one-stage pipeline gets a bucket of its own;
+  pipeline stage); a tied embedding or output layer off a one-stage pipeline gets a bucket of its own, as do
+  both copies of the word embedding that prediction depths on another stage read;
 * a bucket's saved length is its *unpadded* size (up to the end of its last parameter).
 
 The ``torch_dist`` format ``dp_reshardable`` (Megatron-LM's default for the distributed optimizer) saves each
@@ -29,6 +33,7 @@ from typing import Optional
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 #: one layer's parameters in megatron-core's ``named_parameters()`` order (the local layer spec's modules:
 #: TransformerLayer builds input_layernorm, self_attention (linear_proj, then linear_qkv, q/k layernorm),
 #: pre_mlp_layernorm, mlp); Transformer Engine fuses the input norm into linear_qkv, after linear_proj.
@@ -48,15 +53,20 @@ _TE_ORDER = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bi
              "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
 _BEFORE_LAYERS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _AFTER_LAYERS = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+#: a prediction depth's own parameters around its transformer layer (``None``), in ``named_parameters()`` order
+_MTP_ORDER = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_proj.weight", None,
+              "final_layernorm.weight", "final_layernorm.bias")
 #: the fused spellings (Transformer Engine, and every torch_dist checkpoint) of the layer norms
 _FUSED = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
           "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
           "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
           "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
 _COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias)|word_embeddings\.weight|"
-                     r"^output_layer\.weight)$")
+                     r"^output_layer\.weight|^mtp\.layers\.\d+\.eh_proj\.weight)$")
 _ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight)$")
 _ALIGN = 64  # every parameter starts on a 64-element boundary
+#: the last stage's copy of the word embedding that prediction depths read (its state is the first stage's)
+EMBEDDING_COPY = "mtp:embedding.word_embeddings.weight"
 
 
 class LayoutMismatch(Exception):
@@ -109,14 +119,28 @@ def merge_shards(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.T
     return shards[0]
 
 
+def _mtp_sort_key(rest: str, order: dict[str, int]) -> tuple[int, int]:
+    """Where a prediction depth's tensor (after ``mtp.layers.k.``) comes in its ``named_parameters()``."""
+    inner = rest.split(".", 1)[1] if rest.startswith(("transformer_layer.", "mtp_model_layer.")) else None
+    if inner is not None:
+        key = _layer_key(inner)
+        if key not in order:
+            raise LayoutMismatch(f"mtp layer tensor {rest} has no known place in megatron-core's layer")
+        return _MTP_ORDER.index(None), order[key]
+    if rest not in _MTP_ORDER:
+        raise LayoutMismatch(f"mtp layer tensor {rest} has no known place in megatron-core's prediction layer")
+    return _MTP_ORDER.index(rest), 0
+
+
 def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, pp_size: int, num_layers: int,
                 spec: str, swiglu: bool, tied: bool) -> Rank:
     """Rank (tp, pp)'s parameters from Megatron's whole per-layer tensors ``model`` (layers split evenly over
-    the stages; the fused norm spellings accepted)."""
+    the stages, prediction depths on the last; the fused norm spellings accepted)."""
     per_stage = num_layers // pp_size
     order = {k: i for i, k in enumerate(_TE_ORDER if spec == "transformer_engine" else _LOCAL_ORDER)}
     first, last = pp == 0, pp == pp_size - 1
     layers: dict[int, list[tuple[int, str]]] = {}
+    depths: dict[int, list[tuple[tuple[int, int], str]]] = {}
     for name in model:
         m = _LAYER.match(name)
         if m:
@@ -125,21 +149,31 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
                 raise LayoutMismatch(f"{name} has no known place in megatron-core's layer")
             if pp * per_stage <= n < (pp + 1) * per_stage:
                 layers.setdefault(n, []).append((order[rest], name))
+        m = _MTP.match(name)
+        if m and last:
+            depths.setdefault(int(m.group(1)), []).append((_mtp_sort_key(m.group(2), order), name))
+    mtp_copy = bool(depths) and pp_size > 1  # the last stage's copy of the embedding the depths read
     names = [n for n in _BEFORE_LAYERS if first and n in model]
+    shared = set()
+    if mtp_copy:
+        names.insert(0, EMBEDDING_COPY)
+        shared.add(EMBEDDING_COPY)
     for n in sorted(layers):
         names += [name for _, name in sorted(layers[n])]
     names += [n for n in _AFTER_LAYERS[:2] if last and n in model]
-    shared = set()
+    for k in sorted(depths):
+        names += [name for _, name in sorted(depths[k])]
     if last and (not tied and "output_layer.weight" in model):
         names.append("output_layer.weight")
-    elif last and tied and pp_size > 1:  # the last stage's copy of the tied embedding
+    elif last and tied and pp_size > 1 and not mtp_copy:  # the last stage's copy of the tied embedding
         names.append("output_layer.weight")
         shared.add("output_layer.weight")
-    if tied and pp_size > 1 and first:
+    if (tied or any(_MTP.match(n) for n in model)) and pp_size > 1 and first:
         shared.add("embedding.word_embeddings.weight")
     params = []
     for name in names:
-        source = "embedding.word_embeddings.weight" if name == "output_layer.weight" and tied else name
+        copy = name == EMBEDDING_COPY or (tied and name == "output_layer.weight")
+        source = "embedding.word_embeddings.weight" if copy else name
         params.append((name, local_shard(source, model[source], tp, tp_size, swiglu)))
     return Rank(tp, pp, params, first, shared)
 
@@ -233,7 +267,7 @@ def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[
     out: dict[str, dict[str, torch.Tensor]] = {}
     for state, by_name in shards.items():
         for name, parts in by_name.items():
-            if tied and name == "output_layer.weight":
-                continue  # the tied copy: the embedding's own state is the one kept
+            if (tied and name == "output_layer.weight") or name == EMBEDDING_COPY:
+                continue  # a copy of the embedding: the first stage's own state is the one kept
             out.setdefault(state, {})[name] = merge_shards(name, parts, swiglu).clone()
     return out

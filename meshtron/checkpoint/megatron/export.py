@@ -4,11 +4,14 @@ What megatron-core 0.19's ``load_checkpoint`` (``--ckpt-format torch_dist``) rea
 (:func:`.names.from_canonical`, :func:`.names.stack_for_torch_dist`):
 
 * the model's tensors, the vocabulary padded to ``--make-vocab-size-divisible-by`` x tensor-parallel size with
-  zero rows (as Megatron pads it; the tied output layer is the embedding and is not written);
+  zero rows (as Megatron pads it; the tied output layer is the embedding and is not written); a multi-token
+  prediction depth (``--mtp-num-layers 1``) under ``mtp.layers.0.*``, not stacked (megatron-core saves each depth
+  under its own number);
 * with the optimizer (AdamW's fp32 masters and moments), the distributed optimizer's ``fully_reshardable``
   format: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, and parameter groups carrying the step
   count (loaded by a run with ``--use-distributed-optimizer`` in any parallel layout);
-* the common state: ``args`` (the model flags, the parallel sizes of the saving run, consumed samples),
+* the common state: ``args`` (the model flags, the tokenizer's kind where Megatron-LM has it, the parallel
+  sizes of the saving run, consumed samples),
   ``iteration``, ``checkpoint_version`` 3.0, ``opt_param_scheduler`` (meshtron's schedule is Megatron's; its
   position in samples), ``content_metadata``. RNG states are not written (``args.no_save_rng``: Megatron then
   keeps its own), nor is the rerun state machine.
@@ -45,8 +48,9 @@ def unsupported(m: ModelConfig) -> list[str]:
     if m.multi_latent_attention and (m.rope_type or "rope") != "rope":
         out.append(f"--multi-latent-attention with --rope-type {m.rope_type} (only --rope-type rope is written and "
                    "read back yet)")
-    if m.mtp_num_layers:
-        out.append(f"--mtp-num-layers {m.mtp_num_layers} (multi-token prediction layers are not written yet)")
+    if m.mtp_num_layers and m.position_embedding_type == "learned_absolute":
+        out.append("--mtp-num-layers with learned absolute position embeddings (megatron-core adds the shifted "
+                   "position's embedding to a depth's token embedding; meshtron looks up the word embedding alone)")
     if m.num_experts and any(not is_moe_layer(m, i) for i in range(m.num_layers)):
         out.append(f"--moe-layer-freq {m.moe_layer_freq} / --moe-first-dense-layers {m.moe_first_dense_layers} "
                    "(dense and mixture-of-experts layers mixed: not written yet)")
@@ -71,7 +75,7 @@ def megatron_tensors(canonical: dict[str, torch.Tensor], m: ModelConfig, padded_
         -> dict[str, torch.Tensor]:
     """megatron-core's torch_dist tensors of a set of canonical tensors (weights or one optimizer state)."""
     moe = {i for i in range(m.num_layers) if is_moe_layer(m, i)}
-    per_layer = names.from_canonical(canonical, shape_info(m), moe, spec)
+    per_layer = names.from_canonical(canonical, shape_info(m), moe, spec, mtp_moe=(m.num_layers - 1) in moe)
     for n in (names.WORD_EMBEDDING, "output_layer.weight"):
         if n in per_layer:
             per_layer[n] = _pad_rows(per_layer[n], padded_vocab)
@@ -94,6 +98,14 @@ def extra_states(m: ModelConfig) -> dict[str, None]:
         for lin in names.EXPERT_LINEARS if m.num_experts else ():
             for e in range(m.num_experts):
                 out[files.object_key(f"decoder.layers.{lin}._extra_state", (layer, e), (L, m.num_experts))] = None
+    for k in range(m.mtp_num_layers or 0):  # each prediction depth under its own number: no layer axis
+        base = f"mtp.layers.{k}"
+        out[files.object_key(f"{base}.eh_proj._extra_state", (0,), (1,))] = None
+        for lin in linears:
+            out[files.object_key(f"{base}.transformer_layer.{lin}._extra_state", (0,), (1,))] = None
+        for lin in names.EXPERT_LINEARS if m.num_experts else ():
+            for e in range(m.num_experts):
+                out[files.object_key(f"{base}.transformer_layer.{lin}._extra_state", (e,), (m.num_experts,))] = None
     return out
 
 
@@ -160,9 +172,55 @@ def mla_args(m: ModelConfig) -> dict[str, Any]:
                 group_query_attention=False, num_query_groups=m.num_attention_heads)
 
 
+#: meshtron's ``--tokenizer-type`` kinds that Megatron-LM has under the same name (its ``args.tokenizer_type``).
+#: ``ByteTokenizer`` (UTF-8 bytes) has no Megatron-LM counterpart.
+MEGATRON_TOKENIZERS = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer",
+                       "NullTokenizer")
+
+
+def tokenizer_kind(cfg: MeshtronConfig, ckpt_dir: Optional[Path] = None) -> Optional[str]:
+    """The checkpoint's tokenizer kind: its ``--tokenizer-type`` (GPT-2 BPE for ``--vocab-file`` with
+    ``--merge-file``), else the kind of the tokenizer saved in the checkpoint; None without either."""
+    import json
+
+    from meshtron.checkpoint.metadata import TOKENIZER_DIR
+    from meshtron.data.tokenizers import META_FILE
+
+    d = cfg.data
+    if d.tokenizer_type:
+        return d.tokenizer_type
+    if d.vocab_file and d.merge_file:
+        return "GPT2BPETokenizer"
+    saved = ckpt_dir / TOKENIZER_DIR / META_FILE if ckpt_dir is not None else None
+    if saved is not None and saved.is_file():
+        try:
+            kind = json.loads(saved.read_text()).get("tokenizer_type")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return kind if isinstance(kind, str) else None
+    return None
+
+
+def tokenizer_args(cfg: MeshtronConfig, kind: Optional[str], notices: Optional[list[str]] = None) -> dict[str, Any]:
+    """Megatron-LM's tokenizer flags for ``kind`` (its ``--use-checkpoint-args`` takes ``tokenizer_type`` with
+    ``tokenizer_model``): the same name, the files as the meshtron run named them. Left out, with a notice,
+    for a kind Megatron-LM has not; left out silently without a tokenizer (``--mock-data``)."""
+    if kind is None:
+        return {}
+    if kind not in MEGATRON_TOKENIZERS:
+        if notices is not None:
+            notices.append(f"args.tokenizer_type is left out: meshtron's {kind} has no Megatron-LM counterpart "
+                           "(give Megatron-LM its own --tokenizer-type)")
+        return {}
+    d = cfg.data
+    return {"tokenizer_type": kind, "tokenizer_model": d.tokenizer_model, "vocab_file": d.vocab_file,
+            "merge_file": d.merge_file}
+
+
 def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, iteration: int, consumed: int,
-                  with_optimizer: bool, spec: str) -> argparse.Namespace:
-    """Megatron-LM's ``args`` for this model: the flags its ``--use-checkpoint-args`` and checks read."""
+                  with_optimizer: bool, spec: str, tokenizer: Optional[dict[str, Any]] = None) -> argparse.Namespace:
+    """Megatron-LM's ``args`` for this model: the flags its ``--use-checkpoint-args`` and checks read
+    (``tokenizer``: :func:`tokenizer_args`)."""
     m, o, t = cfg.model, cfg.optim, cfg.train
     rope = m.position_embedding_type == "rope"
     moe = bool(m.num_experts)
@@ -179,7 +237,7 @@ def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, it
         apply_layernorm_1p=False, normalization=m.normalization, norm_epsilon=float(m.norm_epsilon),
         qk_layernorm=bool(m.qk_layernorm), attention_dropout=float(m.attention_dropout),
         hidden_dropout=float(m.hidden_dropout), init_method_std=float(m.init_method_std),
-        mtp_num_layers=None,
+        mtp_num_layers=m.mtp_num_layers or None, mtp_loss_scaling_factor=float(m.mtp_loss_scaling_factor),
         num_experts=m.num_experts if moe else None, moe_layer_freq=1,
         moe_ffn_hidden_size=(m.moe_ffn_hidden_size or ffn_size(m)) if moe else None,
         moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=bool(m.moe_router_pre_softmax),
@@ -205,6 +263,7 @@ def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, it
         use_distributed_optimizer=with_optimizer, dist_ckpt_optim_fully_reshardable=with_optimizer,
         no_save_optim=not with_optimizer, no_save_rng=True, params_dtype=torch.float32)
     values.update(mla_args(m))
+    values.update(tokenizer or {})
     return argparse.Namespace(**values)
 
 
@@ -254,13 +313,13 @@ def _optimizer_tensors(ckpt_dir: Path, meta: dict, m: ModelConfig, padded: int, 
 
 
 def _common_state(cfg: MeshtronConfig, meta: dict, layout: dict, vocab: int, padded: int, spec: str,
-                  with_optimizer: bool) -> dict[str, Any]:
+                  with_optimizer: bool, tokenizer: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """What Megatron-LM's save keeps beside the tensors (``common_state``)."""
     progress = meta.get("training_state") or {}
     iteration = int(meta.get("iteration", 0))
     consumed = int(progress.get("consumed_samples", 0))
     common: dict[str, Any] = {
-        "args": megatron_args(cfg, layout, vocab, padded, iteration, consumed, with_optimizer, spec),
+        "args": megatron_args(cfg, layout, vocab, padded, iteration, consumed, with_optimizer, spec, tokenizer),
         "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
         "opt_param_scheduler": scheduler_state(cfg, iteration, int(progress.get("skipped_iterations", 0)),
                                                global_batch_size(cfg, layout)),
@@ -298,6 +357,10 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
     if problems:
         raise CheckpointError(f"{ckpt_dir}: this model cannot be written as a Megatron-LM checkpoint: "
                               f"{'; '.join(problems)}")
+    if m.mtp_num_layers and not m.mtp_normed_hidden_states:
+        notices.append(f"{ckpt_dir} was trained without --mtp-normed-hidden-states: megatron-core's prediction "
+                       "depths read the hidden states after the final norms, this model's before them, so their "
+                       "loss differs until trained on (the main model computes the same)")
     iteration = int(meta.get("iteration", 0))
     files.check_destination(out, iteration, add_to_existing)
     layout = dict(meta.get("layout") or {}, **(layout or {}))
@@ -311,7 +374,8 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
     tensors = megatron_tensors(weights, m, padded, spec)
     optim = _optimizer_tensors(ckpt_dir, meta, m, padded, spec, notices) if optimizer else {}
     tensors.update(optim)
-    common = _common_state(cfg, meta, layout, vocab, padded, spec, bool(optim))
+    common = _common_state(cfg, meta, layout, vocab, padded, spec, bool(optim),
+                           tokenizer_args(cfg, tokenizer_kind(cfg, ckpt_dir), notices))
     if padded > vocab:
         notices.append(f"the vocabulary of {vocab} is padded to {padded} rows (--make-vocab-size-divisible-by "
                        f"{m.make_vocab_size_divisible_by} x tensor-parallel size {layout.get('tp', 1)}) with zeros")

@@ -5,13 +5,17 @@ virtual pipeline stages) beside ``args``, ``iteration``, ``opt_param_scheduler``
 numbers are local to a pipeline stage (and model chunk); experts local to an expert-parallel rank. The shards
 are merged here into Megatron's whole per-layer tensors:
 
-* column-parallel weights (``linear_qkv``, ``linear_fc1``, word embeddings, ``output_layer``) along rows, SwiGLU's
-  ``linear_fc1`` as ``[gate of every rank; up of every rank]`` (each rank holds ``[gate_r; up_r]``);
+* column-parallel weights (``linear_qkv``, ``linear_fc1``, a prediction depth's ``eh_proj``, word embeddings,
+  ``output_layer``) along rows, SwiGLU's ``linear_fc1`` as ``[gate of every rank; up of every rank]`` (each rank
+  holds ``[gate_r; up_r]``);
 * row-parallel weights (``linear_proj``, ``linear_fc2``) along columns;
 * everything else (norms, router, biases of row-parallel layers) is replicated: tensor-parallel rank 0's copy.
 
 Layers are numbered by stage in Megatron's order (virtual chunk, then pipeline stage), from the number of
-layers each file holds, so uneven first/last stages merge too.
+layers each file holds, so uneven first/last stages merge too. Multi-token prediction depths
+(``mtp.layers.k.*``, their transformer layer ``mtp_model_layer``) sit on the last stage under their own numbers;
+the last stage's copy of the word embedding that they read (with more than one stage) is the first stage's
+tensor, kept equal by Megatron: the first stage's is taken.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from meshtron.checkpoint.megatron.detect import LEGACY_FILE, RANK_DIR
 from meshtron.checkpoint.megatron.unpickler import load_pickled
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.(?:mtp_model_layer|transformer_layer)\.)(.+)$")
 _LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 _GROUPED_EXPERT = re.compile(r"^(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 _COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias)\d*|word_embeddings\.weight|"
-                     r"^output_layer\.weight)$")
+                     r"^output_layer\.weight|^mtp\.layers\.\d+\.eh_proj\.weight)$")
 _ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight\d*)$")
 _FC1 = re.compile(r"linear_fc1\.(weight|bias)\d*$")
 
@@ -81,7 +86,6 @@ def merge(directory: Path, swiglu: bool) -> tuple[dict[str, torch.Tensor], dict[
     files = rank_files(directory)
     tp = 1 + max(k[0] for k in files)
     pp = 1 + max(k[1] for k in files)
-    ep = 1 + max(k[2] for k in files)
     states = {k: read_rank(f) for k, f in files.items()}
     first = states[(0, 0, 0)]
     vp = len(_chunks(first))
@@ -99,7 +103,7 @@ def merge(directory: Path, swiglu: bool) -> tuple[dict[str, torch.Tensor], dict[
                 if not isinstance(value, torch.Tensor) or key.endswith("_extra_state"):
                     continue
                 name = key
-                m = _LAYER.match(key)
+                m = _LAYER.match(key) or _MTP_LAYER.match(key)
                 if m:
                     rest = m.group(2)
                     em = _LOCAL_EXPERT.match(rest) or _GROUPED_EXPERT.match(rest)
@@ -111,9 +115,12 @@ def merge(directory: Path, swiglu: bool) -> tuple[dict[str, torch.Tensor], dict[
                                 else f"{em.group(1)}{idx}")
                     elif e > 0:
                         continue  # non-expert tensors repeat on every expert-parallel rank
-                    name = f"decoder.layers.{int(m.group(1)) + offsets[(v, p)]}.{rest}"
+                    name = (f"decoder.layers.{int(m.group(1)) + offsets[(v, p)]}.{rest}" if m.re is _LAYER
+                            else f"{m.group(1)}{rest}")
                 elif e > 0:
                     continue
+                elif key == "embedding.word_embeddings.weight" and (p, v) != (0, 0):
+                    continue  # the prediction depths' copy on the last stage: the first stage's is kept
                 shards.setdefault(name, {})[t] = value
     merged = {name: _merge_tp(name, parts, tp, swiglu) for name, parts in shards.items()}
     return merged, states, []
@@ -122,7 +129,7 @@ def merge(directory: Path, swiglu: bool) -> tuple[dict[str, torch.Tensor], dict[
 def _local_expert_count(sd: dict) -> int:
     ids = set()
     for k in sd:
-        m = _LAYER.match(k)
+        m = _LAYER.match(k) or _MTP_LAYER.match(k)
         if m:
             em = _LOCAL_EXPERT.match(m.group(2)) or _GROUPED_EXPERT.match(m.group(2))
             if em:

@@ -121,7 +121,7 @@ def local_state(states: dict[tuple[int, int, int], dict], model: dict[str, torch
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key, by_name in shards.items():
         for name, parts in by_name.items():
-            if tied and name == "output_layer.weight":
-                continue
+            if (tied and name == "output_layer.weight") or name == buckets.EMBEDDING_COPY:
+                continue  # a copy of the embedding: the first stage's own state is the one kept
             out.setdefault(key, {})[name] = buckets.merge_shards(name, parts, swiglu).clone()
     return out

@@ -29,7 +29,16 @@ multi-latent attention (``args.multi_latent_attention``):    ``layers.N.attentio
 ``linear_{q,kv}_up_proj.layer_norm_weight``)
 ``decoder.final_layernorm.{weight,bias}``                    ``final_norm.{weight,bias}``
 ``output_layer.weight`` (absent or ignored when tied)        ``output.weight``
+multi-token prediction depth k (``args.mtp_num_layers``):    ``mtp.layers.k.``
+``mtp.layers.k.{enorm,hnorm}.{weight,bias}``                 ``{enorm,hnorm}.{weight,bias}``
+``mtp.layers.k.eh_proj.weight`` [H, 2H]                      ``eh_proj.weight``
+``mtp.layers.k.final_layernorm.{weight,bias}``               ``final_norm.{weight,bias}``
+``mtp.layers.k.transformer_layer.*`` (torch_dist; the        ``transformer_layer.*``: the rows above,
+legacy format's ``mtp_model_layer.*``)                         as for ``decoder.layers.N.*``
 ===========================================================  ==========================================
+
+torch_dist stacks the decoder's layers (``decoder.layers.X`` [num_layers, ...]) but not the prediction depths:
+megatron-core saves each depth under its own number, its experts stacked [experts, ...].
 
 Transformer Engine's ``_extra_state`` entries and RoPE's ``inv_freq`` carry no weights and are skipped.
 
@@ -47,6 +56,16 @@ import torch
 from meshtron.checkpoint.errors import CheckpointError
 
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+#: a multi-token prediction depth's tensors; its transformer layer is ``transformer_layer`` in torch_dist and
+#: ``mtp_model_layer`` (the module's own name) in the legacy format's state dicts
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^(?:transformer_layer|mtp_model_layer)\.(.+)$")
+_MTP_SIMPLE = {
+    "enorm.weight": "enorm.weight", "enorm.bias": "enorm.bias",
+    "hnorm.weight": "hnorm.weight", "hnorm.bias": "hnorm.bias",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "final_norm.weight", "final_layernorm.bias": "final_norm.bias",
+}
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
 # Expert weights: legacy per expert, TE grouped (legacy weightN), torch_dist sequential and grouped stacks.
 _EXPERT_LOCAL = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")
@@ -117,18 +136,20 @@ def expert_name(rest: str, tensor: torch.Tensor) -> Optional[list[tuple[str, tor
     return None
 
 
-def _split_qkv(layer: str, kind: str, t: torch.Tensor, heads: int, groups: int, d: int) -> list[tuple[str, torch.Tensor]]:
+def _split_qkv(where: str, base: str, kind: str, t: torch.Tensor, heads: int, groups: int,
+               d: int) -> list[tuple[str, torch.Tensor]]:
+    """``where``: the Megatron layer (``decoder.layers.N``), ``base``: meshtron's (``layers.N``)."""
     per_group = heads // groups
     rows = groups * (per_group + 2) * d
     if t.shape[0] != rows:
-        raise CheckpointError(f"Megatron-LM tensor decoder.layers.{layer}.self_attention.linear_qkv.{kind}: "
+        raise CheckpointError(f"Megatron-LM tensor {where}.self_attention.linear_qkv.{kind}: "
                               f"{t.shape[0]} rows, but {groups} query groups x ({per_group} query heads + 2) x "
                               f"head dim {d} = {rows} (args num_attention_heads/num_query_groups/kv_channels)")
     g = t.reshape(groups, (per_group + 2) * d, *t.shape[1:])
     q = g[:, :per_group * d].reshape(heads * d, *t.shape[1:])
     k = g[:, per_group * d:(per_group + 1) * d].reshape(groups * d, *t.shape[1:])
     v = g[:, (per_group + 1) * d:].reshape(groups * d, *t.shape[1:])
-    base = f"layers.{layer}.attention"
+    base = f"{base}.attention"
     return [(f"{base}.q.{kind}", q), (f"{base}.k.{kind}", k), (f"{base}.v.{kind}", v)]
 
 
@@ -171,6 +192,35 @@ def _mla_rows(rest: str, t: torch.Tensor, mla: dict, inverse: bool = False) -> t
     return t
 
 
+def _layer_to_canonical(where: str, base: str, rest: str, t: torch.Tensor,
+                        shape: dict) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """One transformer layer's tensor ``rest`` (Megatron's name after the layer's prefix ``where``) as meshtron's
+    under ``base`` (``layers.N`` or a prediction depth's ``mtp.layers.k.transformer_layer``); None: unknown."""
+    rest = _NORM_ALIASES.get(rest, rest)
+    if shape.get("mla") and rest in _MLA:
+        return [(f"{base}.{_MLA[rest]}", _mla_rows(rest, t, shape["mla"]))]
+    if rest in _LAYER_SIMPLE:
+        return [(f"{base}.{_LAYER_SIMPLE[rest]}", t)]
+    if rest.startswith("self_attention.linear_qkv."):
+        return _split_qkv(where, base, rest.rsplit(".", 1)[1], t, shape["heads"], shape["groups"], shape["head_dim"])
+    if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
+        return _split_fc1(f"{base}.mlp", rest.rsplit(".", 1)[1], t, shape["swiglu"])
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        return _split_fc1(f"{base}.mlp.shared_experts", "weight", t, shape["swiglu"])
+    experts = expert_name(rest, t)
+    if experts is None:
+        return None
+    out = []
+    for ename, et in experts:
+        e, part = ename.split(".")[2], ename.split(".", 3)[3]
+        prefix = f"{base}.mlp.experts.{e}"
+        if part.startswith("linear_fc1."):
+            out += _split_fc1(prefix, part.rsplit(".", 1)[1], et, shape["swiglu"])
+        else:
+            out.append((f"{prefix}.down.{part.rsplit('.', 1)[1]}", et))
+    return out
+
+
 def to_canonical(name: str, t: torch.Tensor, shape: dict) -> list[tuple[str, torch.Tensor]]:
     """meshtron (canonical name, tensor) pairs of one per-layer Megatron tensor; ``shape`` holds ``heads``,
     ``groups``, ``head_dim``, ``swiglu`` and ``tied`` (from the checkpoint's args). Unknown names raise."""
@@ -180,33 +230,23 @@ def to_canonical(name: str, t: torch.Tensor, shape: dict) -> list[tuple[str, tor
         if name == "output_layer.weight" and shape["tied"]:
             return []  # the tied output layer is the embedding
         return [(_GLOBAL[name], t)]
+    out = None
     m = _PER_LAYER.match(name)
     if m:
-        layer, rest = m.group(1), _NORM_ALIASES.get(m.group(2), m.group(2))
-        if shape.get("mla") and rest in _MLA:
-            return [(f"layers.{layer}.{_MLA[rest]}", _mla_rows(rest, t, shape["mla"]))]
-        if rest in _LAYER_SIMPLE:
-            return [(f"layers.{layer}.{_LAYER_SIMPLE[rest]}", t)]
-        if rest.startswith("self_attention.linear_qkv."):
-            return _split_qkv(layer, rest.rsplit(".", 1)[1], t, shape["heads"], shape["groups"], shape["head_dim"])
-        if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
-            return _split_fc1(f"layers.{layer}.mlp", rest.rsplit(".", 1)[1], t, shape["swiglu"])
-        if rest == "mlp.shared_experts.linear_fc1.weight":
-            return _split_fc1(f"layers.{layer}.mlp.shared_experts", "weight", t, shape["swiglu"])
-        experts = expert_name(rest, t)
-        if experts is not None:
-            out = []
-            for ename, et in experts:
-                e, part = ename.split(".")[2], ename.split(".", 3)[3]
-                prefix = f"layers.{layer}.mlp.experts.{e}"
-                if part.startswith("linear_fc1."):
-                    out += _split_fc1(prefix, part.rsplit(".", 1)[1], et, shape["swiglu"])
-                else:
-                    out.append((f"{prefix}.down.{part.rsplit('.', 1)[1]}", et))
-            return out
+        out = _layer_to_canonical(f"decoder.layers.{m.group(1)}", f"layers.{m.group(1)}", m.group(2), t, shape)
+    m = _MTP.match(name)
+    if m:
+        depth, rest = m.group(1), m.group(2)
+        inner = _MTP_LAYER.match(rest)
+        if rest in _MTP_SIMPLE:
+            out = [(f"mtp.layers.{depth}.{_MTP_SIMPLE[rest]}", t)]
+        elif inner:
+            out = _layer_to_canonical(f"mtp.layers.{depth}.transformer_layer",
+                                      f"mtp.layers.{depth}.transformer_layer", inner.group(1), t, shape)
+    if out is not None:
+        return out
     raise CheckpointError(f"Megatron-LM tensor {name} has no meshtron equivalent (supported: dense GPT/Llama, "
-                          "mixture-of-experts and multi-latent attention layers; multi-token prediction is not read "
-                          "yet)")
+                          "mixture-of-experts and multi-latent attention layers, multi-token prediction depths)")
 
 
 def fit_vocab(t: torch.Tensor, vocab: int, name: str) -> torch.Tensor:
@@ -270,10 +310,41 @@ def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, gro
     return blocks.reshape(groups * (per_group + 2) * d, *tail)
 
 
+_FROM_MTP = {v: k for k, v in _MTP_SIMPLE.items()}
+
+
+def _layer_from_canonical(base: str, rest: str, t: torch.Tensor, moe: bool, spec: str, shape: dict,
+                          out: dict[str, torch.Tensor], fused: dict[str, dict[str, torch.Tensor]]) -> bool:
+    """One transformer layer's canonical tensor ``rest`` (after ``layers.N.``) into ``out`` under Megatron's layer
+    prefix ``base`` (or into ``fused``, the parts of a fused tensor); False: no Megatron name."""
+    if shape.get("mla") and rest in _FROM_MLA[spec]:
+        mname = _FROM_MLA[spec][rest]
+        out[f"{base}.{mname}"] = _mla_rows(mname, t, shape["mla"], inverse=True)
+        return True
+    if rest in _FROM_LAYER:
+        out[f"{base}.{_megatron_layer_name(rest, moe, spec, bool(shape.get('mla')))}"] = t
+        return True
+    parts = re.match(r"^attention\.([qkv])\.(weight|bias)$", rest)
+    if parts:
+        fused.setdefault(f"{base}.self_attention.linear_qkv.{parts.group(2)}", {})[parts.group(1)] = t
+        return True
+    parts = re.match(r"^mlp\.(?:(shared_experts|experts\.\d+)\.)?(gate|up|down)\.(weight|bias)$", rest)
+    if parts:
+        owner = parts.group(1)
+        prefix = f"{base}.mlp" + (f".{owner}" if owner else "")
+        if parts.group(2) == "down":
+            out[f"{prefix}.linear_fc2.{parts.group(3)}"] = t
+        else:
+            fused.setdefault(f"{prefix}.linear_fc1.{parts.group(3)}", {})[parts.group(2)] = t
+        return True
+    return False
+
+
 def from_canonical(tensors: dict[str, torch.Tensor], shape: dict, moe_layers: set[int],
-                   spec: str = "transformer_engine") -> dict[str, torch.Tensor]:
-    """Megatron's per-layer tensors (``decoder.layers.N.*``, global names) of meshtron's canonical ones; ``shape``
-    as for :func:`to_canonical`, ``moe_layers`` the layers with experts. Experts come out as
+                   spec: str = "transformer_engine", mtp_moe: bool = False) -> dict[str, torch.Tensor]:
+    """Megatron's per-layer tensors (``decoder.layers.N.*``, ``mtp.layers.k.*``, global names) of meshtron's
+    canonical ones; ``shape`` as for :func:`to_canonical`, ``moe_layers`` the layers with experts, ``mtp_moe``
+    whether the prediction depths' layers have experts. Experts come out as
     ``decoder.layers.N.mlp.experts.E.linear_fcK.weight`` (stacked over E by :func:`stack_for_torch_dist`)."""
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[str, torch.Tensor]] = {}  # Megatron name -> parts by canonical role (q/k/v, gate/up)
@@ -283,33 +354,25 @@ def from_canonical(tensors: dict[str, torch.Tensor], shape: dict, moe_layers: se
                 continue  # the tied output layer is the embedding
             out[_FROM_GLOBAL[name]] = t
             continue
+        done = False
         m = re.match(r"^layers\.(\d+)\.(.+)$", name)
-        if not m:
-            raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent")
-        layer, rest = int(m.group(1)), m.group(2)
-        base = f"decoder.layers.{layer}"
-        if shape.get("mla") and rest in _FROM_MLA[spec]:
-            mname = _FROM_MLA[spec][rest]
-            out[f"{base}.{mname}"] = _mla_rows(mname, t, shape["mla"], inverse=True)
-            continue
-        if rest in _FROM_LAYER:
-            out[f"{base}.{_megatron_layer_name(rest, layer in moe_layers, spec, bool(shape.get('mla')))}"] = t
-            continue
-        parts = re.match(r"^attention\.([qkv])\.(weight|bias)$", rest)
-        if parts:
-            fused.setdefault(f"{base}.self_attention.linear_qkv.{parts.group(2)}", {})[parts.group(1)] = t
-            continue
-        parts = re.match(r"^mlp\.(?:(shared_experts|experts\.\d+)\.)?(gate|up|down)\.(weight|bias)$", rest)
-        if parts:
-            owner = parts.group(1)
-            prefix = f"{base}.mlp" + (f".{owner}" if owner else "")
-            if parts.group(2) == "down":
-                out[f"{prefix}.linear_fc2.{parts.group(3)}"] = t
-            else:
-                fused.setdefault(f"{prefix}.linear_fc1.{parts.group(3)}", {})[parts.group(2)] = t
-            continue
-        raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent (supported: dense GPT/Llama, "
-                              "mixture-of-experts and multi-latent attention layers)")
+        if m:
+            layer = int(m.group(1))
+            done = _layer_from_canonical(f"decoder.layers.{layer}", m.group(2), t, layer in moe_layers, spec, shape,
+                                         out, fused)
+        m = _MTP.match(name)
+        if m:
+            depth, rest = m.group(1), m.group(2)
+            if rest in _FROM_MTP:
+                out[f"mtp.layers.{depth}.{_FROM_MTP[rest]}"] = t
+                done = True
+            elif rest.startswith("transformer_layer."):
+                done = _layer_from_canonical(f"mtp.layers.{depth}.transformer_layer", rest[len("transformer_layer."):],
+                                             t, mtp_moe, spec, shape, out, fused)
+        if not done:
+            raise CheckpointError(f"meshtron tensor {name} has no Megatron-LM equivalent (supported: dense "
+                                  "GPT/Llama, mixture-of-experts and multi-latent attention layers, multi-token "
+                                  "prediction depths)")
     for mname, roles in fused.items():
         if mname.endswith(("linear_qkv.weight", "linear_qkv.bias")):
             qkv = [roles.get(r) for r in "qkv"]
@@ -322,18 +385,28 @@ def from_canonical(tensors: dict[str, torch.Tensor], shape: dict, moe_layers: se
     return out
 
 
+_MTP_EXPERT = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.mlp\.experts)\.(\d+)\.(.+)$")
+
+
 def stack_for_torch_dist(per_layer: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """megatron-core's torch_dist tensors: ``decoder.layers.N.X`` stacked as ``decoder.layers.X``
     [num_layers, ...], experts ``mlp.experts.E.Y`` as ``mlp.experts.experts.Y`` [num_layers, experts, ...]
-    (the layout of its sequential and grouped experts alike). Every layer must hold the same tensors."""
+    (the layout of its sequential and grouped experts alike). Every layer must hold the same tensors. A
+    prediction depth's tensors stay its own (``mtp.layers.k.*``), its experts stacked [experts, ...]."""
     by_rest: dict[str, dict[int, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
+    mtp_experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in per_layer.items():
         m = _PER_LAYER.match(name)
+        e = _MTP_EXPERT.match(name)
         if m:
             by_rest.setdefault(m.group(2), {})[int(m.group(1))] = t
+        elif e:
+            mtp_experts.setdefault(f"{e.group(1)}.experts.{e.group(3)}", {})[int(e.group(2))] = t
         else:
             out[name] = t
+    for name, by_expert in mtp_experts.items():
+        out[name] = torch.stack([by_expert[i] for i in range(len(by_expert))])
     experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
     for rest, layers in by_rest.items():
         if sorted(layers) != list(range(num_layers)):
