@@ -206,6 +206,9 @@ LAYOUTS = {
     "pp2-untied": (mtp_model(tied=False), dict(pp=2)),
     "pp2-untied-interleaved": (mtp_model(tied=False), dict(pp=2, vpp=2)),
     "moe-tp2-sp": (moe_mtp_model(), dict(tp=2, sp=True)),
+    # Megatron-Core's depths (--mtp-normed-hidden-states): normed hidden states across TP+SP and the stage cut.
+    "tp2-sp-normed": (mtp_model(mtp_normed_hidden_states=True), dict(tp=2, sp=True)),
+    "pp2-untied-normed": (mtp_model(tied=False, mtp_normed_hidden_states=True), dict(pp=2)),
 }
 if HAS_CXX:
     LAYOUTS["tp2-sp-compiled"] = (mtp_model(tied=False), dict(tp=2, sp=True, compile=True))
