@@ -17,7 +17,7 @@ Context parallelism (:func:`meshtron.parallel.context_parallel.attention.context
 ``sinks`` and ``window``): under ``p2p`` and ``allgather`` the key blocks are merged through their
 log-sum-exp as for plain attention, the window checked at the sequence positions of the load-balanced split,
 and the sink then joins each row's log-sum-exp once, as a key with a zero value (``out * exp(lse -
-logaddexp(lse, sink))``, the same factor as above); under ``a2a`` each rank runs the kernel here on the whole
+logaddexp(lse, sink))``, the same factor as above); under ``a2a`` each rank runs that kernel on the whole
 sequence of its share of the heads, whose sinks it keeps; ``a2a+p2p`` rings across its groups on those heads.
 """
 
@@ -44,10 +44,10 @@ class SinkAttention(nn.Module):
     Called as ``attn(x, rope, mask)`` on ``x`` [s, b, hidden] with ``rope`` meshtron's (cos, sin) tables
     (:func:`meshtron.layers.rotary.rope_tables`, YaRN's scale folded in) and ``mask`` None (causal),
     a one-device :class:`~meshtron.layers.documents.DocumentMask`, or under context parallelism the model's
-    :class:`~meshtron.parallel.context_parallel.attention.ContextParallelInputs` (``x`` this rank's tokens). Canonical tensors: ``q``, ``k``,
-    ``v``, ``o`` ``.weight``/``.bias`` (as :class:`~meshtron.layers.attention.SelfAttention`) and ``sinks``
-    [heads]. Query and key/value heads are split over TP (key/value heads must divide by TP); the
-    sinks follow their heads.
+    :class:`~meshtron.parallel.context_parallel.attention.ContextParallelInputs` (``x`` this rank's tokens).
+    Canonical tensors: ``q``, ``k``, ``v``, ``o`` ``.weight``/``.bias`` (as
+    :class:`~meshtron.layers.attention.SelfAttention`) and ``sinks`` [heads]. Query and key/value heads are
+    split over TP (key/value heads must divide by TP); the sinks follow their heads.
     """
 
     supports_context_parallel: ClassVar[bool] = True

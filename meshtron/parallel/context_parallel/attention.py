@@ -33,6 +33,12 @@ integer per token) and each block gets its :class:`~meshtron.layers.documents.Do
 block runs flex attention with that block mask (:class:`~meshtron.parallel.context_parallel.kernels.FlexKernel`,
 no mask tensor), elsewhere (or with ``MESHTRON_DOCUMENT_ATTENTION=dense``) the mask is expanded for the kernel.
 
+Attention with sinks (gpt-oss, ``sinks`` and ``window`` of :func:`context_parallel_attention`): the ring's and
+the all-gather's blocks merge as above, each block masked by the sliding window at the split's sequence
+positions (a :class:`~meshtron.layers.documents.DocumentMask` with a window; blocks it hides entirely are
+skipped), and the sink joins each row's merged log-sum-exp once as a key of value zero; ``a2a`` slices the
+sinks with the heads and calls the one-device sink kernel.
+
 Which blocks a rank computes is decided by :func:`ring_plan` / :func:`allgather_plan`
 (also used by the tests to check that the causal work is balanced).
 """
