@@ -12,6 +12,9 @@ position, O((S / block)^2) integers, with no S x S tensor; it is exact for any d
 (an interval test can only call a block partial where it is empty, and partial blocks evaluate
 the rule per pair).
 
+A mask may also hold a sliding window (``window``: a query sees only the latest ``window`` positions, its own
+included), with or without documents; context-parallel attention with sinks builds its windowed blocks so.
+
 Paths (``MESHTRON_DOCUMENT_ATTENTION``, an internal switch read once per mask):
 
 * ``blocks`` (default): on CUDA, ``torch.nn.attention.flex_attention`` with the block table as a
