@@ -6,7 +6,9 @@ so that it crosses chunk and rank boundaries; with CP 4 whole blocks fall outsid
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from meshtron.parallel.context_parallel.attention import context_parallel_attent
 from meshtron.parallel.context_parallel.split import gather_sequence, split_sequence
 from tests.context_parallel import cp_cases
 from tests.distributed.launch import run_distributed
+from tests.layers.test_documents import flex_backward_on_cpu
 from tests.layers.test_sink_attention import allowed_pairs, dense_reference
 
 B, HEADS, GROUPS, DIM, SEQ = 2, 4, 2, 8, cp_cases.SEQ  # 32 tokens: chunks of 8 (CP 2) or 4 (CP 4)
@@ -41,26 +44,48 @@ def attention_reference(window, documents: bool):
     return (out.detach(),) + tuple(t.grad for t in inputs)
 
 
-def _attention_case(ctx: ParallelContext, comm_type: str, window, documents: bool):
+@contextlib.contextmanager
+def _kernel(name: str):
+    """The blocks' kernel: ``math`` (what the CPU selects) or ``flex`` (CUDA's for masked blocks, here its eager
+    implementation with torch's CPU check on its backward lifted: the same block masks and backward recipe)."""
+    if name == "math":
+        yield
+        return
+    from meshtron.parallel.context_parallel import attention, kernels
+
+    saved = attention.select_kernel
+    attention.select_kernel = lambda q, masked, *a: kernels.FLEX if masked else kernels.MATH
+    try:
+        with flex_backward_on_cpu(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex attention without torch.compile
+            yield
+    finally:
+        attention.select_kernel = saved
+
+
+def _attention_case(ctx: ParallelContext, comm_type: str, window, documents: bool, kernel: str = "math"):
     q, k, v, sinks, dout, docs = _tensors(documents)
     split = lambda t: split_sequence(t, ctx.cp, ctx.cp_rank, dim=2)  # noqa: E731
     q, k, v = (split(t).clone().requires_grad_() for t in (q, k, v))
     sinks = sinks.clone().requires_grad_()
     local_docs = None if docs is None else split_sequence(docs, ctx.cp, ctx.cp_rank, dim=1)
     inputs = context_parallel_inputs(ctx, comm_type, local_docs, 2 if comm_type == "a2a+p2p" else None)
-    out = context_parallel_attention(q, k, v, inputs, sinks=sinks, window=window)
-    out.backward(split(dout))
+    with _kernel(kernel):
+        out = context_parallel_attention(q, k, v, inputs, sinks=sinks, window=window)
+        out.backward(split(dout))
     full = lambda t: gather_sequence(t.detach(), ctx.cp_group, dim=2)  # noqa: E731
     dsinks = sinks.grad.clone()
     torch.distributed.all_reduce(dsinks, group=ctx.cp_group)  # each rank's queries' share
     return full(out), full(q.grad), full(k.grad), full(v.grad), dsinks
 
 
-# (comm type, window, documents) by CP size
+# (comm type, window, documents[, kernel]) by CP size
 ATTENTION_CASES = {
     2: [(c, w, False) for c in ("p2p", "allgather", "a2a") for w in (None, 8, 5)]
     + [("p2p", 5, True), ("allgather", 8, True), ("a2a", 5, True)],
-    4: [(c, w, d) for c in ("p2p", "allgather", "a2a+p2p") for w, d in ((None, False), (5, False), (3, True))],
+    # flex attention's eager CPU implementation takes seconds a call: with the slow world only
+    4: [(c, w, d) for c in ("p2p", "allgather", "a2a+p2p") for w, d in ((None, False), (5, False), (3, True))]
+    + [("p2p", 3, False, "flex"), ("allgather", 5, True, "flex")],
 }
 
 
@@ -143,12 +168,16 @@ def _close(got, want, what: str, rtol=1e-5, atol=1e-5):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
+def _case_id(case) -> str:
+    return "-".join([case[0], f"window{case[1]}"] + ["documents"] * case[2] + list(case[3:]))
+
+
 def _check_attention(worlds, world: int, case) -> None:
-    comm, window, documents = case
+    comm, window, documents = case[:3]
     ref = attention_reference(window, documents)
     for rank, res in enumerate(_results(worlds, world)):
         for name, got, want in zip(("out", "dq", "dk", "dv", "dsinks"), res[("attention",) + case], ref):
-            _close(got, want, f"cp={world} rank {rank} {comm} window {window} {name}")
+            _close(got, want, f"cp={world} rank {rank} {case} {name}")
 
 
 def _check_model(worlds, world: int, case) -> None:
@@ -165,7 +194,7 @@ def _check_model(worlds, world: int, case) -> None:
             _close(grads[key], ref_grads[key], f"{name} rank {rank} grad {key}", atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ATTENTION_CASES[2], ids=lambda c: f"{c[0]}-window{c[1]}" + "-documents" * c[2])
+@pytest.mark.parametrize("case", ATTENTION_CASES[2], ids=_case_id)
 def test_cp2_sink_attention_matches_one_process(worlds, case):
     _check_attention(worlds, 2, case)
 
@@ -176,7 +205,7 @@ def test_cp2_gpt_oss_model_matches_one_process(worlds, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ATTENTION_CASES[4], ids=lambda c: f"{c[0]}-window{c[1]}" + "-documents" * c[2])
+@pytest.mark.parametrize("case", ATTENTION_CASES[4], ids=_case_id)
 def test_cp4_sink_attention_matches_one_process(worlds, case):
     _check_attention(worlds, 4, case)
 
