@@ -14,8 +14,8 @@ from meshtron.parallel.context_parallel.split import gather_sequence, split_sequ
 from tests.distributed.launch import rank_device, run_distributed
 from tests.layers.test_sink_attention import allowed_pairs, dense_reference
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (ranks share one GPU where there are fewer)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs CUDA (ranks share one GPU where there are fewer)")]
 
 B, SEQ, HEADS, GROUPS, DIM = 2, 2048, 8, 2, 64
 # (comm type, window, documents): the window (128, and 600 > a chunk of 512) crosses chunk and rank boundaries
@@ -60,7 +60,7 @@ def _reference(window, documents: bool):
     device = torch.device("cuda", 0)
     (q, k, v, dout), sinks, docs = _inputs(documents, device)
     inputs = [t.float().requires_grad_() for t in (q, k, v, sinks)]
-    out = dense_reference(*inputs, allowed_pairs(SEQ, window, docs).to(device))
+    out = dense_reference(*inputs, allowed_pairs(SEQ, window, None if docs is None else docs.cpu()).to(device))
     out.backward(dout.float())
     return [out.detach().cpu()] + [t.grad.cpu() for t in inputs]
 
