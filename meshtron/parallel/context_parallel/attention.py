@@ -59,7 +59,7 @@ from meshtron.layers.sdpa import core_attention
 from meshtron.layers.sink_kernel import sink_attention
 from meshtron.parallel.context_parallel.kernels import kernel_mask, select_kernel
 from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.context_parallel.split import chunk_owner, local_token_indices
+from meshtron.parallel.context_parallel.split import chunk_ids, chunk_owner, local_token_indices
 
 _KV_TAG, _DKV_TAG = 11, 12  # distinct tags: gloo matches messages between two ranks by tag
 
@@ -269,9 +269,12 @@ class _Masks:
         """Whether the window hides every key of ``b`` from every query of it (the block is skipped)."""
         if self.window is None:
             return False
-        q_rows, k_rows = _rows(b.q_rows, self.chunk), _rows(b.k_rows, self.chunk)
-        q_first = int(self.positions[self.rank][q_rows].min())
-        k_last = k_rows.stop - 1 if b.source is None else int(self.positions[b.source][k_rows].max())
+        c = self.chunk  # from the chunks' numbers (no device tensor is read)
+        q_first = min(chunk_ids(self.cp, self.rank)[i] for i in range(*b.q_rows)) * c
+        if b.source is None:  # global chunks
+            k_last = b.k_rows[1] * c - 1
+        else:
+            k_last = (max(chunk_ids(self.cp, b.source)[i] for i in range(*b.k_rows)) + 1) * c - 1
         return q_first - k_last >= self.window
 
     def block(self, b: Block) -> Optional[DocumentMask]:
