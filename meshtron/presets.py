@@ -155,6 +155,11 @@ PRESETS: dict[str, tuple[dict, int | None, str]] = {
                     20_914_757_184, "gpt-oss-20b: 20.9B, 3.6B activated"),
     "gpt-oss-120b": (dict(_GPT_OSS, num_layers=36, num_experts=128, layer_pattern=_gpt_oss_pattern(36)),
                      116_829_156_672, "gpt-oss-120b: 116.8B, 5.1B activated"),
+    # Dense: an MLP of 12288 on every layer. Shapes: transformers' Qwen3_5TextConfig defaults, documented there as
+    # the Qwen3.5-9B style configuration (the text model; the vision encoder is not counted).
+    "qwen3.5-9b": (dict(_QWEN35, num_layers=32, hidden_size=4096, num_attention_heads=16, num_query_groups=4,
+                        ffn_hidden_size=12288, layer_pattern=_qwen35_pattern(32, "dense")),
+                   8_953_803_264, "Qwen3.5-9B (text): 9.0B"),
     # 256 experts of 512 (top-8, softmax renormalised over the 8) and a gated shared expert of 512. Shapes:
     # transformers' Qwen3_5MoeTextConfig defaults, documented as Qwen/Qwen3.5-35B-A3B's.
     "qwen3.5-35b-a3b": (dict(_QWEN35, num_layers=40, hidden_size=2048, num_attention_heads=16, num_query_groups=2,

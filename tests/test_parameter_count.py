@@ -42,7 +42,7 @@ def test_multi_latent_attention_count_equals_the_built_model(model):
     assert count_parameters(model, 96)["total"] == built_parameter_count(cfg, 96)
 
 
-# ------------------------------------------------------------------ fine-grained MoE presets vs Hugging Face
+# ------------------------------------------------------------------ presets vs Hugging Face (MoE, Qwen3.5)
 def _yarn(mscale: float) -> dict:
     return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
             "mscale": mscale, "mscale_all_dim": mscale, "beta_fast": 32.0, "beta_slow": 1.0}
@@ -72,9 +72,10 @@ HF_SHAPES = {
     "gpt-oss-20b": ("GptOss", dict(num_hidden_layers=24, num_local_experts=32, router_aux_loss_coef=0.9)),
     "gpt-oss-120b": ("GptOss", dict(num_hidden_layers=36, num_local_experts=128, router_aux_loss_coef=0.9)),
     "qwen3.5-35b-a3b": ("Qwen3_5Moe", {}),  # the text config's defaults are Qwen3.5-35B-A3B's
+    "qwen3.5-9b": ("Qwen3_5", {}),  # the dense text config's defaults, documented as the Qwen3.5-9B style one
 }
 #: families whose config class is not ``<family>Config`` (Qwen3.5's is the multimodal one; its text config's)
-_CONFIG_CLASS = {"Qwen3_5Moe": "Qwen3_5MoeTextConfig"}
+_CONFIG_CLASS = {"Qwen3_5Moe": "Qwen3_5MoeTextConfig", "Qwen3_5": "Qwen3_5TextConfig"}
 #: the ModelConfig fields a preset must share with the model converted from its Hugging Face config
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
                  "kv_channels", "vocab_size", "norm_epsilon", "rotary_base", "max_position_embeddings",
@@ -92,7 +93,7 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_
 
 
 @pytest.mark.parametrize("name", sorted(HF_SHAPES))
-def test_moe_preset_equals_the_hugging_face_model(name):
+def test_preset_equals_the_hugging_face_model(name):
     """The preset is the published config.json converted (every shape and routing field), and its parameter count
     is that of transformers' model built from that config on the meta device (no memory)."""
     transformers = pytest.importorskip("transformers")

@@ -17,12 +17,12 @@ from meshtron.layer_kinds.gqa import GroupedQueryAttention
 
 class SinkAttentionKind(GroupedQueryAttention):
     """``sink``: grouped-query attention with biases on q, k, v and o (unless --disable-bias-linear) and one
-    learned sink logit per query head, over every earlier key. Its projections are those of ``gqa``; context
-    parallelism and generation are refused (the kernels have no sink term under CP, nor a KV cache)."""
+    learned sink logit per query head, over every earlier key. Its projections are those of ``gqa``, and so is
+    context parallelism, with every --cp-comm-type (the sink joins each row's merged log-sum-exp once; the
+    window is checked at the split's sequence positions); generation is refused (no KV cache)."""
 
     name = "sink"
     module = "meshtron.layers.sink_attention:SinkAttention"
-    supports_context_parallel = False
     decode_state = "meshtron.layers.sink_attention:NoDecodeState"
     #: Hugging Face ``self_attn.<name>`` -> meshtron ``attention.<name>`` (gpt-oss).
     hf_names = {**{f"{p}_proj.{w}": f"{p}.{w}" for p in "qkvo" for w in ("weight", "bias")}, "sinks": "sinks"}
@@ -65,9 +65,6 @@ class SinkAttentionKind(GroupedQueryAttention):
         keys = min(seq, window) if window else seq
         d = head_dim(m)
         return 2 * keys * m.num_attention_heads * 2 * d
-
-    def cp_kv_replicas(self, m: ModelConfig, tp: int, degree: int) -> int:
-        return 1  # no context parallelism
 
     def add_saved_bytes(self, m: ModelConfig, s: SavedBytes) -> None:
         super().add_saved_bytes(m, s)  # gqa's projections, rotated q/k, the attention output, the kernel's lse

@@ -12,6 +12,9 @@ position, O((S / block)^2) integers, with no S x S tensor; it is exact for any d
 (an interval test can only call a block partial where it is empty, and partial blocks evaluate
 the rule per pair).
 
+A mask may also hold a sliding window (``window``: a query sees only the latest ``window`` positions, its own
+included), with or without documents; context-parallel attention with sinks builds its windowed blocks so.
+
 Paths (``MESHTRON_DOCUMENT_ATTENTION``, an internal switch read once per mask):
 
 * ``blocks`` (default): on CUDA, ``torch.nn.attention.flex_attention`` with the block table as a
@@ -78,13 +81,16 @@ class DocumentMask:
 
     ``q_docs`` [b, sq] and ``k_docs`` [b, sk] are document ids (any integers); ``q_pos`` [sq] and
     ``k_pos`` [sk] the sequence positions of the queries and keys (None: ``arange``, the keys
-    being the queries).
+    being the queries). ``window``: a query also sees only the ``window`` latest positions, its own
+    included (``pos_q - pos_k < window``; sliding-window attention, one document of zeros where there
+    are no documents).
     """
 
     def __init__(self, q_docs: torch.Tensor, k_docs: Optional[torch.Tensor] = None,
                  q_pos: Optional[torch.Tensor] = None, k_pos: Optional[torch.Tensor] = None,
-                 block_size: Optional[int] = None, path: Optional[str] = None):
+                 block_size: Optional[int] = None, path: Optional[str] = None, window: Optional[int] = None):
         self.q_docs = q_docs
+        self.window = window
         self.k_docs = q_docs if k_docs is None else k_docs
         self.q_pos, self.k_pos = q_pos, k_pos
         self.device = q_docs.device
@@ -113,7 +119,10 @@ class DocumentMask:
         """The reference: boolean [b, 1, sq, sk] (True: attend)."""
         qp, kp = self._positions()
         same = self.q_docs[:, :, None] == self.k_docs[:, None, :]
-        return (same & (kp[None, None, :] <= qp[None, :, None]))[:, None]
+        keep = kp[None, :] <= qp[:, None]
+        if self.window is not None:
+            keep = keep & (qp[:, None] - kp[None, :] < self.window)
+        return (same & keep[None])[:, None]
 
     # ------------------------------------------------------------------ the block table
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +146,9 @@ class DocumentMask:
             if sk % B:
                 whole[:, -1] = False
             full = one_doc & (kp_hi[None, None, :] <= qp_lo[None, :, None]) & whole[None]
+            if self.window is not None:  # some pair inside the window; every pair inside it
+                any_pair = any_pair & (qp_lo[None, :, None] - kp_hi[None, None, :] < self.window)
+                full = full & (qp_hi[None, :, None] - kp_lo[None, None, :] < self.window)
             self._tables = (any_pair & ~full, full)
         return self._tables
 
@@ -166,15 +178,18 @@ class DocumentMask:
             nq, nk = partial.shape[1:]
             # The rule reads per-token tensors at padded indices: pad them to whole tiles.
             qd, kd = _pad(self.q_docs, nq * B), _pad(self.k_docs, nk * B)
+            window = self.window
             if self.q_pos is None and self.k_pos is None:
                 def mask_mod(b_, h, q_idx, kv_idx):
-                    return (q_idx >= kv_idx) & (qd[b_, q_idx] == kd[b_, kv_idx])
+                    keep = (q_idx >= kv_idx) & (qd[b_, q_idx] == kd[b_, kv_idx])
+                    return keep if window is None else keep & (q_idx - kv_idx < window)
             else:
                 qp, kp = self._positions()
                 qp, kp = _pad(qp, nq * B), _pad(kp, nk * B)
 
                 def mask_mod(b_, h, q_idx, kv_idx):
-                    return (kp[kv_idx] <= qp[q_idx]) & (qd[b_, q_idx] == kd[b_, kv_idx])
+                    keep = (kp[kv_idx] <= qp[q_idx]) & (qd[b_, q_idx] == kd[b_, kv_idx])
+                    return keep if window is None else keep & (qp[q_idx] - kp[kv_idx] < window)
             kv_num, kv_idx = _ordered(partial)
             full_num, full_idx = _ordered(full)
             self._block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=B,

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -100,12 +101,13 @@ class BiasedTopKRouter(nn.Module):
     logits and the softmax over them. Canonical tensors ``<prefix>.weight`` and ``<prefix>.bias``.
 
     ``forward(tokens [T, H])`` gives meshtron's :class:`~meshtron.layers.moe.router.Routing` (no capacity;
-    with ``aux_loss_coeff`` > 0, the load-balancing loss while training)."""
+    with ``aux_loss_coeff`` > 0, the load-balancing loss while training, its expert counts and token total
+    summed over ``cp_group`` under context parallelism, as :class:`~meshtron.layers.moe.router.TopKRouter`'s)."""
 
     def __init__(self, prefix: str, hidden_size: int, num_experts: int, topk: int, init_std: float = 0.02,
-                 aux_loss_coeff: float = 0.0):
+                 aux_loss_coeff: float = 0.0, cp_group: Optional[dist.ProcessGroup] = None):
         super().__init__()
-        self.num_experts, self.topk, self.aux_coeff = num_experts, topk, aux_loss_coeff
+        self.num_experts, self.topk, self.aux_coeff, self.cp_group = num_experts, topk, aux_loss_coeff, cp_group
         self.weight = new_param(ShardSpec((whole(f"{prefix}.weight", (num_experts, hidden_size), std=init_std),),
                                           tp_replicated=True))
         self.bias = new_param(ShardSpec((whole(f"{prefix}.bias", (num_experts,), "zeros"),), tp_replicated=True))
@@ -123,7 +125,7 @@ class BiasedTopKRouter(nn.Module):
         routing = Routing(probs, indices, None, tokens_per_expert)
         if self.aux_coeff > 0 and self.training and torch.is_grad_enabled():
             routing.aux_loss = load_balancing_loss(torch.softmax(logits, -1), tokens_per_expert, self.topk,
-                                                   self.aux_coeff, None)
+                                                   self.aux_coeff, self.cp_group)
         return routing
 
 
@@ -140,7 +142,7 @@ class ClampedSwiGLUMoE(MoELayer):
         coeff = cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type == "aux_loss" else 0.0
         # MoELayer's own router and experts (made on the meta device) give way to gpt-oss's.
         self.router = BiasedTopKRouter(f"{prefix}.router", cfg.hidden_size, cfg.num_experts, cfg.moe_router_topk,
-                                       cfg.init_method_std, coeff)
+                                       cfg.init_method_std, coeff, ctx.cp_group)
         self.experts = ClampedSwiGLUExperts(
             ctx, f"{prefix}.experts", cfg.hidden_size, cfg.moe_ffn_hidden_size or ffn_size(cfg),
             ctx.ep_rank * self.num_local, self.num_local, not cfg.disable_bias_linear, cfg.swiglu_clamp_alpha,

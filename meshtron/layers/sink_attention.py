@@ -10,15 +10,15 @@ so the sink costs one sigmoid per query and head on top of any attention kernel 
 log-sum-exp (gradients flow through ``lse`` too). A sliding window of ``W`` lets query ``i`` see keys
 ``i - W < j <= i``.
 
-Paths (:func:`sink_attention`):
+The kernel call, :func:`~meshtron.layers.sink_kernel.sink_attention` (flex attention on CUDA, SDPA with one
+extra key per head on the CPU), is in :mod:`meshtron.layers.sink_kernel`.
 
-* CUDA: flex attention (compiled, :func:`meshtron.layers.documents.flex`) with a ``BlockMask`` built
-  from a block table of O((S / 128)^2) entries (causal, window, and packed documents when a
-  :class:`~meshtron.layers.documents.DocumentMask` is given), never an S x S mask; the sink folded
-  through the returned log-sum-exp as above.
-* CPU (flex attention has no CPU backward): SDPA on queries and keys widened by one dimension and one
-  extra key per head whose score is exactly ``sink_h`` and whose value is zero, under a boolean mask
-  (dense, as meshtron's other CPU attention paths).
+Context parallelism (:func:`meshtron.parallel.context_parallel.attention.context_parallel_attention` with
+``sinks`` and ``window``): under ``p2p`` and ``allgather`` the key blocks are merged through their
+log-sum-exp as for plain attention, the window checked at the sequence positions of the load-balanced split,
+and the sink then joins each row's log-sum-exp once, as a key with a zero value (``out * exp(lse -
+logaddexp(lse, sink))``, the same factor as above); under ``a2a`` each rank runs that kernel on the whole
+sequence of its share of the heads, whose sinks it keeps; ``a2a+p2p`` rings across its groups on those heads.
 """
 
 from __future__ import annotations
@@ -27,123 +27,30 @@ from typing import ClassVar, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from meshtron.layers.documents import CPU_BLOCK, CUDA_BLOCK, DocumentMask, _ordered, _pad, flex
+from meshtron.layers.documents import DocumentMask
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.layers.rotary import apply_rope
+from meshtron.layers.sink_kernel import (dense_sink_mask, sink_attention, sink_block_mask,  # noqa: F401 (re-exported)
+                                         window_block_tables)
 from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.context_parallel.attention import ContextParallelInputs, context_parallel_attention
 from meshtron.parallel.sharding import Piece, ShardSpec, new_param
-
-
-# ---------------------------------------------------------------------------------------------- masks
-def window_block_tables(seq: int, window: Optional[int], block: int, device: torch.device
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial, full) boolean block tables [nb, nb] of causal attention within a window of ``window``
-    keys (None: no window) over tiles of ``block`` tokens."""
-    nb = -(-seq // block)
-    lo = torch.arange(nb, device=device) * block
-    hi = (lo + block - 1).clamp(max=seq - 1)
-    q_lo, q_hi, k_lo, k_hi = lo[:, None], hi[:, None], lo[None, :], hi[None, :]
-    visible = k_lo <= q_hi  # some key at or before some query
-    full = k_hi <= q_lo  # every key at or before every query
-    if window is not None:
-        visible = visible & (k_hi > q_lo - window)  # the union of the queries' windows reaches the tile
-        full = full & (q_hi - k_lo < window)  # the farthest pair is inside the window
-    if seq % block:  # a ragged last tile is never called full
-        full[-1] = False
-        full[:, -1] = False
-    return visible & ~full, full
-
-
-def sink_block_mask(seq: int, batch: int, window: Optional[int], device: torch.device,
-                    documents: Optional[DocumentMask] = None):
-    """flex attention's ``BlockMask``: causal, within ``window``, and within documents when given."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    if documents is not None:
-        B = documents.block
-    else:  # small tiles on the CPU, so that test-sized sequences have empty, full and partial tiles
-        B = CUDA_BLOCK if device.type == "cuda" else CPU_BLOCK
-    partial, full = (t[None] for t in window_block_tables(seq, window, B, device))
-    if documents is not None:
-        d_partial, d_full = documents.tables()
-        visible = (partial | full) & (d_partial | d_full)
-        full = full & d_full
-        partial = visible & ~full
-        docs = _pad(documents.q_docs, partial.shape[-1] * B)
-    else:
-        partial, full = partial.expand(batch, -1, -1), full.expand(batch, -1, -1)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = q_idx >= kv_idx
-        if window is not None:
-            keep = keep & (q_idx - kv_idx < window)
-        if documents is not None:
-            keep = keep & (docs[b, q_idx] == docs[b, kv_idx])
-        return keep
-
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=B, mask_mod=mask_mod,
-                                    seq_lengths=(seq, seq))
-
-
-def dense_sink_mask(seq: int, window: Optional[int], device: torch.device,
-                    documents: Optional[DocumentMask] = None) -> torch.Tensor:
-    """Boolean [b or 1, 1, seq, seq]: causal, within ``window``, within documents (the CPU path's mask)."""
-    i = torch.arange(seq, device=device)
-    keep = i[None, :] <= i[:, None]
-    if window is not None:
-        keep = keep & (i[:, None] - i[None, :] < window)
-    keep = keep[None, None]
-    return keep if documents is None else keep & documents.dense()
-
-
-# ---------------------------------------------------------------------------------------------- attention
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                   window: Optional[int] = None, documents: Optional[DocumentMask] = None,
-                   scale: Optional[float] = None, path: Optional[str] = None) -> torch.Tensor:
-    """Causal attention of [b, heads, s, d] tensors (keys/values may have fewer heads: GQA) with one sink
-    logit per query head (``sinks`` [heads]), optionally within a sliding window and packed documents.
-
-    ``path``: ``flex`` or ``sdpa`` (None: flex on CUDA, sdpa elsewhere; see the module docstring).
-    """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    path = path or ("flex" if q.is_cuda else "sdpa")
-    b, nq, s, _ = q.shape
-    if path == "flex":
-        block_mask = sink_block_mask(s, b, window, q.device, documents)
-        out, lse = flex(q, k, v, block_mask, scale, return_lse=True)
-        return out * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None].to(out.dtype)
-    if path != "sdpa":
-        raise ValueError(f"sink attention path must be flex or sdpa, got {path!r}")
-    # One extra key per head: widened queries [q, 1], keys [k, 0], and the sink key [0, sink/scale] so
-    # that its score (scale * q' . k') is exactly the sink; its value is zero.
-    rep = nq // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    q = torch.cat([q, q.new_ones(b, nq, s, 1)], dim=-1)
-    k = torch.cat([k, k.new_zeros(b, nq, s, 1)], dim=-1)
-    sink_key = torch.cat([k.new_zeros(nq, q.shape[-1] - 1), (sinks / scale).to(k.dtype)[:, None]], dim=-1)
-    k = torch.cat([k, sink_key[None, :, None].expand(b, nq, 1, -1)], dim=2)
-    v = torch.cat([v, v.new_zeros(b, nq, 1, v.shape[-1])], dim=2)
-    mask = dense_sink_mask(s, window, q.device, documents)
-    mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class SinkAttention(nn.Module):
     """gpt-oss's self-attention: GQA with biases on q, k, v and o, per-head sinks, optional sliding window.
 
     Called as ``attn(x, rope, mask)`` on ``x`` [s, b, hidden] with ``rope`` meshtron's (cos, sin) tables
-    (:func:`meshtron.layers.rotary.rope_tables`, YaRN's scale folded in) and ``mask`` None (causal) or
-    a one-device :class:`~meshtron.layers.documents.DocumentMask`. Canonical tensors: ``q``, ``k``,
-    ``v``, ``o`` ``.weight``/``.bias`` (as :class:`~meshtron.layers.attention.SelfAttention`) and ``sinks``
-    [heads]. Query and key/value heads are split over TP (key/value heads must divide by TP); the
-    sinks follow their heads.
+    (:func:`meshtron.layers.rotary.rope_tables`, YaRN's scale folded in) and ``mask`` None (causal),
+    a one-device :class:`~meshtron.layers.documents.DocumentMask`, or under context parallelism the model's
+    :class:`~meshtron.parallel.context_parallel.attention.ContextParallelInputs` (``x`` this rank's tokens).
+    Canonical tensors: ``q``, ``k``, ``v``, ``o`` ``.weight``/``.bias`` (as
+    :class:`~meshtron.layers.attention.SelfAttention`) and ``sinks`` [heads]. Query and key/value heads are
+    split over TP (key/value heads must divide by TP); the sinks follow their heads.
     """
 
-    supports_context_parallel: ClassVar[bool] = False
+    supports_context_parallel: ClassVar[bool] = True
 
     def __init__(self, ctx: ParallelContext, prefix: str, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, sliding_window: Optional[int] = None, bias: bool = True,
@@ -172,8 +79,9 @@ class SinkAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 mask: Optional[DocumentMask] = None, cache=None) -> torch.Tensor:
-        if cache is not None or not (mask is None or isinstance(mask, DocumentMask)):
-            raise NotImplementedError("sink attention: no KV cache, context parallelism or boolean masks")
+        cp = isinstance(mask, ContextParallelInputs)
+        if cache is not None or not (mask is None or cp or isinstance(mask, DocumentMask)):
+            raise NotImplementedError("sink attention: no KV cache or boolean masks")
         nq, ng, d = self.nq, self.ng, self.d
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
@@ -182,7 +90,10 @@ class SinkAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        out = sink_attention(q, k, v, self.sinks, self.window, mask)
+        if cp:
+            out = context_parallel_attention(q, k, v, mask, sinks=self.sinks, window=self.window)
+        else:
+            out = sink_attention(q, k, v, self.sinks, self.window, mask)
         return self.o(out.permute(2, 0, 1, 3).reshape(s, b, nq * d))
 
 

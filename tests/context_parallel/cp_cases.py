@@ -14,6 +14,7 @@ from meshtron.config import MeshtronConfig, ModelConfig
 from meshtron.layers.attention import attention_mask_from_documents
 from meshtron.parallel.context_parallel.attention import context_parallel_attention, context_parallel_inputs
 from meshtron.model import GPTModel
+from meshtron.optim.buckets import build_layout
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.grads import GradientSync
 from meshtron.parallel.context import ParallelContext, build_groups
@@ -114,9 +115,9 @@ def run_model(cfg: ModelConfig, ctx: ParallelContext, sp: bool, comm_type: str, 
     model = GPTModel(cfg, ctx, VOCAB, sequence_parallel=sp, cp_comm_type=comm_type,
                      cp_a2a_size=2 if comm_type == "a2a+p2p" else None)
     initialize_parameters(model, 7, torch.device("cpu"), torch.float32)
-    params = list(model.parameters())
-    buffer = GradBuffer(params)
-    sync = GradientSync([model], params, ctx, buffer)
+    layout = build_layout([list(model.parameters())], ctx, bucket_size=1 << 30)  # experts: their own reduce group
+    buffer = GradBuffer(layout.params, layout=layout)
+    sync = GradientSync([model], layout.params, ctx, buffer)
     full = model_batch(0, documents)
     mb = split_micro_batch(full, ctx.cp, ctx.cp_rank)
     extra = {k: mb.get(k) for k in ("position_ids", "document_ids")}

@@ -78,6 +78,36 @@ def test_shifted_positions_under_cp_blocks():
     assert torch.equal(m.allowed(), full_dense)
 
 
+@pytest.mark.parametrize("window", [1, 5, 8, 19])
+@pytest.mark.parametrize("positions", ["arange", "cp"])
+def test_window_rule_table_and_block_mask(window, positions):
+    """A sliding window (the query's own and the window - 1 before it) with and without documents, by index and at
+    the shifted positions of a CP block: the rule, the expanded table and flex's block mask all equal the dense
+    reference, and the table is tight (a tile is skipped iff it has no visible pair, full iff all are)."""
+    g = torch.Generator().manual_seed(window)
+    seq = 96
+    for docs in (documents(g, 2, seq, 0.05), torch.zeros(2, seq, dtype=torch.int32)):
+        i = torch.arange(seq)
+        ref = attention_mask_from_documents(docs) & (i[:, None] - i[None, :] < window)
+        if positions == "cp":
+            q_pos = torch.cat([torch.arange(0, 24), torch.arange(72, 96)])
+            k_pos = torch.arange(16, 80)
+            m = DocumentMask(docs[:, q_pos], docs[:, k_pos], q_pos, k_pos, block_size=8, window=window)
+            ref = ref[:, :, q_pos][:, :, :, k_pos]
+        else:
+            m = DocumentMask(docs, block_size=8, window=window)
+        assert torch.equal(m.dense(), ref) and torch.equal(m.allowed(), ref)
+        partial, full = m.tables()
+        d = ref[:, 0].unflatten(1, (-1, 8)).unflatten(3, (-1, 8))
+        assert torch.equal(partial | full, d.any(4).any(2)) and torch.equal(full, d.all(4).all(2))
+        tiles = m.block_mask().to_dense().bool().repeat_interleave(8, 2).repeat_interleave(8, 3)
+        assert torch.equal(tiles & m.dense(), ref)
+        if positions == "arange":  # flex's eager kernel evaluates the block mask's rule: the dense path's output
+            q, k, v = (t.detach() for t in _qkv(g, 2, 2, 2, seq, 8, 8))
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=ref)
+            torch.testing.assert_close(flex(q, k, v, m.block_mask(), None), want, rtol=1e-5, atol=1e-5)
+
+
 def _qkv(g, b, hq, hk, s, d, dv):
     q = torch.randn(b, hq, s, d, generator=g, requires_grad=True)
     k = torch.randn(b, hk, s, d, generator=g, requires_grad=True)

@@ -1,8 +1,8 @@
 """A tiny gpt-oss through the trainer (sliding-window and full sink attention layers, biases, clamped SwiGLU
 experts with a biased router, YaRN): tensor parallelism with sequence parallelism, pipeline parallelism
-(stages of sliding and full layers), data parallelism with the distributed optimizer and expert parallelism
-each log the one-process losses, gradient norms, router losses and expert load, iteration by iteration; and
-context parallelism is refused in one line."""
+(stages of sliding and full layers), data parallelism with the distributed optimizer, expert parallelism and
+context parallelism (the 5-key window crossing the split's chunks of 4 tokens) each log the one-process losses,
+gradient norms, router losses and expert load, iteration by iteration."""
 
 from __future__ import annotations
 
@@ -10,15 +10,14 @@ import os
 
 import pytest
 
-from meshtron.config import ConfigError, MeshtronConfig
-from meshtron.validation import validate_config
+from meshtron.config import MeshtronConfig
 from tests.moe.trainer_runs import assert_layouts_log_the_reference, set_tiny_run, train_records
 
 KEYS = ("loss", "grad_norm", "aux_loss", "expert_load_min", "expert_load_max")
 
 
 def gpt_oss_tiny(metrics_file: str, tp: int = 1, ep: int = 1, pp: int = 1, sp: bool = False,
-                 dist_opt: bool = False) -> MeshtronConfig:
+                 dist_opt: bool = False, cp: int = 1, cp_comm_type: str = "p2p") -> MeshtronConfig:
     cfg = MeshtronConfig()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 4, 32, 4, 16
@@ -32,6 +31,7 @@ def gpt_oss_tiny(metrics_file: str, tp: int = 1, ep: int = 1, pp: int = 1, sp: b
     m.num_experts, m.moe_ffn_hidden_size, m.ffn_hidden_size, m.moe_router_topk = 4, 16, 16, 2
     m.moe_aux_loss_coeff, m.swiglu_clamp_limit = 1e-2, 1.5  # a low limit: the clamps act at this scale
     set_tiny_run(cfg, metrics_file, tp, ep, pp, sp, dist_opt)
+    cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type = cp, cp_comm_type
     return cfg
 
 
@@ -52,10 +52,10 @@ def _reference(tmp_path):
     return ref.train_losses, records
 
 
-def test_gpt_oss_under_tensor_and_sequence_parallelism_logs_the_one_process_values(tmp_path):
+def test_gpt_oss_under_tensor_sequence_and_context_parallelism_logs_the_one_process_values(tmp_path):
     losses, records = _reference(tmp_path)
-    assert_layouts_log_the_reference(_train, {"tp2-sp": dict(tp=2, sp=True)}, tmp_path, losses, records, KEYS,
-                                     world=2)
+    layouts = {"tp2-sp": dict(tp=2, sp=True), "cp2-allgather": dict(cp=2, cp_comm_type="allgather")}
+    assert_layouts_log_the_reference(_train, layouts, tmp_path, losses, records, KEYS, world=2)
 
 
 @pytest.mark.slow
@@ -65,14 +65,7 @@ def test_gpt_oss_under_pipeline_data_and_expert_parallelism_logs_the_one_process
         "pp2-dp2": dict(pp=2),  # stages of a sliding and a full layer each
         "ep2-edp2-distopt": dict(ep=2, dist_opt=True),  # data parallel 4, experts over 2 with 2 replicas
         "tp2-ep2-sp": dict(tp=2, ep=2, sp=True),
+        "tp2-cp2-a2a": dict(tp=2, cp=2, cp_comm_type="a2a"),
+        "cp2-p2p-ep2": dict(cp=2, ep=2),
     }
     assert_layouts_log_the_reference(_train, layouts, tmp_path, losses, records, KEYS)
-
-
-def test_context_parallelism_is_refused_in_one_line(tmp_path):
-    cfg = gpt_oss_tiny(str(tmp_path / "m.jsonl"))
-    cfg.parallel.context_parallel_size = 2
-    with pytest.raises(ConfigError) as err:
-        validate_config(cfg, 2)
-    text = str(err.value)
-    assert "\n" not in text and "--context-parallel-size 2" in text and "sink_window" in text

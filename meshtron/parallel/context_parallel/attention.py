@@ -33,6 +33,12 @@ integer per token) and each block gets its :class:`~meshtron.layers.documents.Do
 block runs flex attention with that block mask (:class:`~meshtron.parallel.context_parallel.kernels.FlexKernel`,
 no mask tensor), elsewhere (or with ``MESHTRON_DOCUMENT_ATTENTION=dense``) the mask is expanded for the kernel.
 
+Attention with sinks (gpt-oss, ``sinks`` and ``window`` of :func:`context_parallel_attention`): the ring's and
+the all-gather's blocks merge as above, each block masked by the sliding window at the split's sequence
+positions (a :class:`~meshtron.layers.documents.DocumentMask` with a window; blocks it hides entirely are
+skipped), and the sink joins each row's merged log-sum-exp once as a key of value zero; ``a2a`` slices the
+sinks with the heads and calls the one-device sink kernel.
+
 Which blocks a rank computes is decided by :func:`ring_plan` / :func:`allgather_plan`
 (also used by the tests to check that the causal work is balanced).
 """
@@ -50,9 +56,10 @@ from meshtron.cp_comm_types import (COMM_TYPES, a2a_degree, a2a_kv_replicas,  # 
                                     check_a2a_heads, check_comm_type, single_comm_type)
 from meshtron.layers.documents import DocumentMask
 from meshtron.layers.sdpa import core_attention
+from meshtron.layers.sink_kernel import sink_attention
 from meshtron.parallel.context_parallel.kernels import kernel_mask, select_kernel
 from meshtron.parallel.context import ParallelContext
-from meshtron.parallel.context_parallel.split import chunk_owner, local_token_indices
+from meshtron.parallel.context_parallel.split import chunk_ids, chunk_owner, local_token_indices
 
 _KV_TAG, _DKV_TAG = 11, 12  # distinct tags: gloo matches messages between two ranks by tag
 
@@ -238,29 +245,52 @@ def _rank_order(full: torch.Tensor, cp: int) -> torch.Tensor:
 
 
 class _Masks:
-    """Document masks of the blocks (None everywhere without document ids)."""
+    """Masks of the blocks beyond causality: documents and a sliding window (None everywhere without either)."""
 
-    def __init__(self, inputs: ContextParallelInputs, seq_local: int, device: torch.device):
-        self.docs = inputs.document_ids
+    def __init__(self, inputs: ContextParallelInputs, seq_local: int, device: torch.device,
+                 window: Optional[int] = None, batch: int = 1):
+        self.docs, self.window, self.batch = inputs.document_ids, window, batch
         self.cp, self.rank, self.chunk = inputs.cp, inputs.rank, seq_local // 2
-        if self.docs is not None:
+        self.masked = self.docs is not None or window is not None
+        if self.masked:
             self.positions = [local_token_indices(seq_local, self.cp, j, device) for j in range(self.cp)]
-            self.global_docs = _global_order(self.docs)
+            self.global_docs = None if self.docs is None else _global_order(self.docs)
 
-    def block(self, b: Block) -> Optional[DocumentMask]:
-        """Same document and not in the future (by sequence index), as a :class:`DocumentMask` (the
-        kernel takes its flex block mask, or its boolean [batch, 1, sq, sk]: :func:`kernel_mask`)."""
-        if self.docs is None:
-            return None
-        q_rows = _rows(b.q_rows, self.chunk)
-        q_pos, q_doc = self.positions[self.rank][q_rows], self.docs[self.rank][:, q_rows]
-        k_rows = _rows(b.k_rows, self.chunk)
+    def _positions(self, b: Block) -> tuple[slice, torch.Tensor, slice, torch.Tensor]:
+        q_rows, k_rows = _rows(b.q_rows, self.chunk), _rows(b.k_rows, self.chunk)
+        q_pos = self.positions[self.rank][q_rows]
         if b.source is None:
             k_pos = torch.arange(k_rows.start, k_rows.stop, device=q_pos.device)
-            k_doc = self.global_docs[:, k_rows]
         else:
-            k_pos, k_doc = self.positions[b.source][k_rows], self.docs[b.source][:, k_rows]
-        return DocumentMask(q_doc, k_doc, q_pos, k_pos)
+            k_pos = self.positions[b.source][k_rows]
+        return q_rows, q_pos, k_rows, k_pos
+
+    def empty(self, b: Block) -> bool:
+        """Whether the window hides every key of ``b`` from every query of it (the block is skipped)."""
+        if self.window is None:
+            return False
+        c = self.chunk  # from the chunks' numbers (no device tensor is read)
+        q_first = min(chunk_ids(self.cp, self.rank)[i] for i in range(*b.q_rows)) * c
+        if b.source is None:  # global chunks
+            k_last = b.k_rows[1] * c - 1
+        else:
+            k_last = (max(chunk_ids(self.cp, b.source)[i] for i in range(*b.k_rows)) + 1) * c - 1
+        return q_first - k_last >= self.window
+
+    def block(self, b: Block) -> Optional[DocumentMask]:
+        """Same document, not in the future and within the window (by sequence index), as a
+        :class:`DocumentMask` (the kernel takes its flex block mask, or its boolean [batch, 1, sq, sk]:
+        :func:`kernel_mask`); without documents every token is of one document."""
+        if not self.masked:
+            return None
+        q_rows, q_pos, k_rows, k_pos = self._positions(b)
+        if self.docs is None:
+            q_doc = torch.zeros(self.batch, q_pos.numel(), dtype=torch.int32, device=q_pos.device)
+            k_doc = torch.zeros(self.batch, k_pos.numel(), dtype=torch.int32, device=q_pos.device)
+        else:
+            q_doc = self.docs[self.rank][:, q_rows]
+            k_doc = self.global_docs[:, k_rows] if b.source is None else self.docs[b.source][:, k_rows]
+        return DocumentMask(q_doc, k_doc, q_pos, k_pos, window=self.window)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
@@ -298,14 +328,15 @@ def _wait(works: list) -> None:
 
 class _Blocks:
     """One rank's block computations, shared by both communication types: its two query chunks,
-    their document masks, the attention kernel, and the per-block kernel states that backward reuses."""
+    their document and window masks, the attention kernel, and the per-block kernel states that backward
+    reuses. A block the window hides entirely is skipped (no visible pair: nothing to merge, no gradient)."""
 
     def __init__(self, q: torch.Tensor, layout: _KVLayout, inputs: ContextParallelInputs, dropout_p: float,
-                 scale: float):
+                 scale: float, window: Optional[int] = None):
         self.inputs, self.layout, self.dropout_p, self.scale = inputs, layout, dropout_p, scale
         self.c = q.shape[2] // 2
-        self.masks = _Masks(inputs, q.shape[2], q.device)
-        self.kernel = select_kernel(q, inputs.document_ids is not None, layout.dv, dropout_p)
+        self.masks = _Masks(inputs, q.shape[2], q.device, window, q.shape[0])
+        self.kernel = select_kernel(q, self.masks.masked, layout.dv, dropout_p)
         self.states: list = []
 
     def kv(self, source: torch.Tensor, block: Block):
@@ -314,6 +345,9 @@ class _Blocks:
 
     def forward(self, block: Block, q, kb, vb, out, lse) -> None:
         """Attend ``block``'s query rows to ``kb``/``vb`` and merge the result into ``out``/``lse``."""
+        if self.masks.empty(block):
+            self.states.append(None)
+            return
         rows = _rows(block.q_rows, self.c)
         o_b, lse_b, state = self.kernel.forward(q[:, :, rows], kb, vb, block.causal,
                                                 kernel_mask(self.kernel, self.masks.block(block)), self.dropout_p,
@@ -322,7 +356,10 @@ class _Blocks:
         self.states.append(state)
 
     def backward(self, step: int, block: Block, dout, q, kb, vb, out, lse, dq):
-        """Add ``block``'s query gradient into ``dq``; return (key rows, dk, dv) of the block."""
+        """Add ``block``'s query gradient into ``dq``; return (key rows, dk, dv) of the block (None when
+        the block was skipped)."""
+        if self.masks.empty(block):
+            return None
         rows = _rows(block.q_rows, self.c)
         dq_b, dk_b, dv_b = self.kernel.backward(dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
                                                 lse[:, :, rows], block.causal,
@@ -331,24 +368,54 @@ class _Blocks:
         return _rows(block.k_rows, self.c), dk_b, dv_b
 
 
-def _start_forward(q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
+def _start_forward(q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float,
+                   window: Optional[int] = None):
     """(blocks, this rank's keys and values packed in one buffer, zeroed output and log-sum-exp accumulators):
     what both schedules' forwards begin with."""
     layout = _KVLayout.of(k, v)
     out, lse = _accumulators(q, v.shape[-1])
-    return _Blocks(q, layout, inputs, dropout_p, scale), layout.pack(k, v), out, lse
+    return _Blocks(q, layout, inputs, dropout_p, scale, window), layout.pack(k, v), out, lse
 
 
-def _save_forward(ctx, blocks: _Blocks, q, kv, out, lse) -> torch.Tensor:
+def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Merge each head's sink logit into the rows once, as one more key whose value is zero: the output
+    scales by ``exp(lse - lse')`` with ``lse' = logaddexp(lse, sink)``, in place; returns ``lse'``.
+
+    The blocks' backward then takes ``lse'`` as the row's log-sum-exp, so their gradients are those of the
+    softmax with the sink in its denominator (see :func:`_sink_grad`)."""
+    if sinks is None:
+        return lse
+    total = torch.logaddexp(lse, sinks.float()[None, :, None])
+    out.mul_(torch.exp(lse - total).unsqueeze(-1))
+    return total
+
+
+def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Gradient of the sink logits: the sink key has probability ``p = exp(sink - lse')`` and a zero value, so
+    its score's gradient is ``-p rowsum(dout * out)``, summed over the batch and this rank's queries."""
+    delta = (dout.float() * out.float()).sum(-1)
+    return -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def _save_forward(ctx, blocks: _Blocks, q, kv, out, lse, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    lse = _fold_sinks(out, lse, sinks)
     out = out.to(q.dtype)
-    ctx.save_for_backward(q, kv, out, lse)
+    ctx.save_for_backward(q, kv, out, lse, *(() if sinks is None else (sinks,)))
     ctx.blocks = blocks
     return out
 
 
-def _add_kv_grad(target: torch.Tensor, layout: _KVLayout, k_rows: slice, dk_b: torch.Tensor,
-                 dv_b: torch.Tensor) -> None:
-    target[:, k_rows] += layout.pack(dk_b, dv_b)
+def _saved(ctx):
+    """(q, kv, out, lse, sinks or None) saved by :func:`_save_forward`."""
+    q, kv, out, lse, *sinks = ctx.saved_tensors
+    return q, kv, out, lse, (sinks[0] if sinks else None)
+
+
+def _add_kv_grad(target: torch.Tensor, layout: _KVLayout, grads) -> None:
+    """Add a block's (key rows, dk, dv) into a packed gradient (nothing for a skipped block: None)."""
+    if grads is not None:
+        k_rows, dk_b, dv_b = grads
+        target[:, k_rows] += layout.pack(dk_b, dv_b)
 
 
 def _unpack_grads(dkv: torch.Tensor, layout: _KVLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,8 +426,9 @@ def _unpack_grads(dkv: torch.Tensor, layout: _KVLayout, dtype: torch.dtype) -> t
 # ----------------------------------------------------------------------------------------------- ring
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
-        blocks, kv, out, lse = _start_forward(q, k, v, inputs, dropout_p, scale)
+    def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float,
+                sinks: Optional[torch.Tensor] = None, window: Optional[int] = None):
+        blocks, kv, out, lse = _start_forward(q, k, v, inputs, dropout_p, scale, window)
         cur = kv
         for step, block in enumerate(ring_plan(inputs.cp, inputs.rank)):
             nxt, works = None, []
@@ -370,11 +438,11 @@ class _RingAttention(torch.autograd.Function):
             blocks.forward(block, q, *blocks.kv(cur, block), out, lse)
             _wait(works)
             cur = nxt
-        return _save_forward(ctx, blocks, q, kv, out, lse)
+        return _save_forward(ctx, blocks, q, kv, out, lse, sinks)
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, out, lse, sinks = _saved(ctx)
         blocks: _Blocks = ctx.blocks
         inputs = blocks.inputs
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -390,9 +458,9 @@ class _RingAttention(torch.autograd.Function):
                 sends.append((dkv_out, _DKV_TAG))
                 recvs.append((dkv_in, _DKV_TAG))
             works = _exchange(inputs, sends, recvs)
-            k_rows, dk_b, dv_b = blocks.backward(step, block, dout, q, *blocks.kv(cur, block), out, lse, dq)
+            grads = blocks.backward(step, block, dout, q, *blocks.kv(cur, block), out, lse, dq)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            _add_kv_grad(dkv, blocks.layout, k_rows, dk_b, dv_b)
+            _add_kv_grad(dkv, blocks.layout, grads)
             _wait(works)
             if dkv_in is not None:
                 dkv += dkv_in
@@ -400,7 +468,8 @@ class _RingAttention(torch.autograd.Function):
         home = torch.empty_like(dkv_out)
         _wait(_exchange(inputs, [(dkv_out, _DKV_TAG)], [(home, _DKV_TAG)]))
         dk, dv = _unpack_grads(home, blocks.layout, kv.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        dsinks = None if sinks is None else _sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk, dv, None, None, None, dsinks, None
 
 
 # ----------------------------------------------------------------------------------------------- all-gather
@@ -412,8 +481,9 @@ def _gather_kv(kv: torch.Tensor, inputs: ContextParallelInputs):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float):
-        blocks, kv, out, lse = _start_forward(q, k, v, inputs, dropout_p, scale)
+    def forward(ctx, q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float,
+                sinks: Optional[torch.Tensor] = None, window: Optional[int] = None):
+        blocks, kv, out, lse = _start_forward(q, k, v, inputs, dropout_p, scale, window)
         gathered, work = _gather_kv(kv, inputs)
         full = None
         for block in allgather_plan(inputs.cp, inputs.rank):
@@ -421,11 +491,11 @@ class _AllGatherAttention(torch.autograd.Function):
                 work.wait()
                 full = _global_order(gathered)
             blocks.forward(block, q, *blocks.kv(kv if block.source is not None else full, block), out, lse)
-        return _save_forward(ctx, blocks, q, kv, out, lse)
+        return _save_forward(ctx, blocks, q, kv, out, lse, sinks)
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, out, lse, sinks = _saved(ctx)
         blocks: _Blocks = ctx.blocks
         inputs = blocks.inputs
         gathered, work = _gather_kv(kv, inputs)  # gathered again rather than kept: CP x less memory
@@ -438,16 +508,16 @@ class _AllGatherAttention(torch.autograd.Function):
                 full = _global_order(gathered)
                 d_full = torch.zeros(full.shape, dtype=torch.float32, device=full.device)
             local = block.source is not None
-            k_rows, dk_b, dv_b = blocks.backward(step, block, dout, q, *blocks.kv(kv if local else full, block),
-                                                 out, lse, dq)
-            _add_kv_grad(d_local if local else d_full, blocks.layout, k_rows, dk_b, dv_b)
+            grads = blocks.backward(step, block, dout, q, *blocks.kv(kv if local else full, block), out, lse, dq)
+            _add_kv_grad(d_local if local else d_full, blocks.layout, grads)
         if d_full is not None:
             shards = _rank_order(d_full, inputs.cp)
             mine = torch.empty_like(shards[0])
             dist.reduce_scatter_tensor(mine, shards.flatten(0, 1), group=inputs.group)
             d_local += mine
         dk, dv = _unpack_grads(d_local, blocks.layout, kv.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        dsinks = None if sinks is None else _sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk, dv, None, None, None, dsinks, None
 
 
 # ----------------------------------------------------------------------------------------------- all-to-all
@@ -504,12 +574,14 @@ def _heads_to_seq(y: torch.Tensor, inputs: ContextParallelInputs, back: torch.Te
     return x.permute(1, 0, 2, 3, 4).reshape(b, a * nl, full // a, d)
 
 
-def _a2a_attention(q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float) -> torch.Tensor:
+def _a2a_attention(q, k, v, inputs: ContextParallelInputs, dropout_p: float, scale: float,
+                   sinks: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """Ulysses: exchange heads for sequence inside the all-to-all group, attend, exchange back.
 
     ``a2a``: the full sequence of this rank's share of the heads, attended by the same SDPA call as without CP
-    (causal, or the document mask of the whole sequence). ``a2a+p2p``: the A x c-token chunks of the ring
-    across groups, attended by ring attention over the B groups."""
+    (causal, or the document mask of the whole sequence; with sinks, the same sink attention as without CP).
+    ``a2a+p2p``: the A x c-token chunks of the ring across groups, attended by ring attention over the B groups.
+    Sinks follow their heads: this member keeps those of its share."""
     heads, groups = q.shape[1], k.shape[1]
     check_a2a_heads(heads, groups, inputs.a2a_size, comm_type=inputs.comm_type)
     reps = a2a_kv_replicas(heads, groups, inputs.a2a_size)
@@ -519,26 +591,40 @@ def _a2a_attention(q, k, v, inputs: ContextParallelInputs, dropout_p: float, sca
     back = torch.empty_like(rows)
     back[rows] = torch.arange(rows.numel(), device=rows.device)
     qh, kh, vh = (_seq_to_heads(t, inputs, rows) for t in (q, k, v))
+    if sinks is not None:
+        share = heads // inputs.a2a_size
+        sinks = sinks[inputs.a2a_rank * share:(inputs.a2a_rank + 1) * share]
     if inputs.ring is None:
         mask = None
         if inputs.document_ids is not None:  # flex attention's block mask on CUDA, as without CP
             mask = DocumentMask.causal(_global_order(inputs.document_ids))
-        out = core_attention(qh, kh, vh, mask, dropout_p, scale)
+        if sinks is None:
+            out = core_attention(qh, kh, vh, mask, dropout_p, scale)
+        else:
+            out = sink_attention(qh, kh, vh, sinks, window, mask, scale)
     else:
-        out = _RingAttention.apply(qh, kh, vh, inputs.ring, dropout_p, scale)
+        out = _RingAttention.apply(qh, kh, vh, inputs.ring, dropout_p, scale, sinks, window)
     return _heads_to_seq(out, inputs, back)
 
 
 # ----------------------------------------------------------------------------------------------- entry point
 @torch.compiler.disable  # point-to-point communication inside: keep it out of compiled graphs
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: ContextParallelInputs,
-                               dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
+                               dropout_p: float = 0.0, scale: Optional[float] = None,
+                               sinks: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
     q [b, heads, s_local, d], k [b, groups, s_local, d] and v [b, groups, s_local, dv] in the
     local order of the load-balanced split (chunk r, then chunk 2CP-1-r); returns
     [b, heads, s_local, dv]. ``scale`` multiplies the scores (default 1/sqrt(d)).
+
+    ``sinks`` [heads]: attention with sinks (:mod:`meshtron.layers.sink_attention`): each head's logit joins
+    the softmax's denominator, once per query, after the blocks are merged. ``window``: a query sees the
+    ``window`` latest positions only, its own included (sequence positions of the load-balanced split);
+    only with ``sinks``.
     """
+    if window is not None and sinks is None:
+        raise ValueError("context-parallel attention takes a sliding window only with sinks (sink attention)")
     if not isinstance(inputs, ContextParallelInputs):
         raise TypeError("context-parallel attention needs the ContextParallelInputs that GPTModel builds; "
                         f"got {type(inputs).__name__}")
@@ -547,6 +633,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if inputs.comm_type in ("a2a", "a2a+p2p"):
-        return _a2a_attention(q, k, v, inputs, dropout_p, scale)
+        return _a2a_attention(q, k, v, inputs, dropout_p, scale, sinks, window)
     fn = _RingAttention if inputs.comm_type == "p2p" else _AllGatherAttention
-    return fn.apply(q, k, v, inputs, dropout_p, scale)
+    return fn.apply(q, k, v, inputs, dropout_p, scale, sinks, window)
