@@ -6,6 +6,8 @@
 #   bash benchmarks/pending_gpu_checks.sh documents   # packed documents: flex attention against causal, 8K-128K
 #   bash benchmarks/pending_gpu_checks.sh muon        # Muon against AdamW, quick-start size, 1,000 steps each
 #   bash benchmarks/pending_gpu_checks.sh blockwise   # FP8 blockwise: GPU tests, then its bench rows beside the others
+#   bash benchmarks/pending_gpu_checks.sh migration   # Megatron-LM and meshtron continue each other's checkpoints
+#                                                     # (carry .mlm: benchmarks/megatron_continuation.sh says how)
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -20,7 +22,7 @@ for phase in "$@"; do
         tests/context_parallel/test_cp_gpu.py -k "staged or zero3_prefetch or cast_before or cp_attention" \
         > "$OUT/gpu_tests.log" 2>&1
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/layers/test_new_layers_gpu.py \
-        tests/layers/test_documents.py >> "$OUT/gpu_tests.log" 2>&1
+        tests/layers/test_documents.py tests/context_parallel/test_cp_sink_gpu.py >> "$OUT/gpu_tests.log" 2>&1
       grep -E "passed|failed|^FAILED" "$OUT/gpu_tests.log" | tail -8 ;;
     accuracy)
       kind=nvidia-h100-x1; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && kind=nvidia-h200
@@ -54,6 +56,8 @@ for phase in "$@"; do
       grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_blockwise.log" | tail -12
       timeout 280 python3 -m meshtron bench --matrix benchmarks/fp8_blockwise_one_gpu.yaml --warmup 3 --steps 5 \
         --record "$OUT/measured_fp8_blockwise.jsonl" 2>&1 | tail -10 ;;
+    migration)
+      timeout 560 bash benchmarks/megatron_continuation.sh ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
