@@ -6,6 +6,7 @@
 #   bash benchmarks/pending_gpu_checks.sh documents   # packed documents: flex attention against causal, 8K-128K
 #   bash benchmarks/pending_gpu_checks.sh muon        # Muon against AdamW, quick-start size, 1,000 steps each
 #   bash benchmarks/pending_gpu_checks.sh blockwise   # FP8 blockwise: GPU tests, then its bench rows beside the others
+#   bash benchmarks/pending_gpu_checks.sh fp8moe      # FP8 expert GEMMs: GPU tests, then the MoE shapes bf16 / rowwise / blockwise
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -54,6 +55,12 @@ for phase in "$@"; do
       grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_blockwise.log" | tail -12
       timeout 280 python3 -m meshtron bench --matrix benchmarks/fp8_blockwise_one_gpu.yaml --warmup 3 --steps 5 \
         --record "$OUT/measured_fp8_blockwise.jsonl" 2>&1 | tail -10 ;;
+    fp8moe)
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/moe/test_fp8_experts_gpu.py \
+        > "$OUT/gpu_tests_fp8moe.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_fp8moe.log" | tail -12
+      timeout 300 python3 -m meshtron bench --matrix benchmarks/fp8_moe_one_gpu.yaml --warmup 3 --steps 5 --no-split \
+        --record "$OUT/measured_fp8_moe.jsonl" 2>&1 | tail -10 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
