@@ -86,7 +86,7 @@ def group_amax(x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
     index = groups.expert_of_row
     if x.shape[0] % GROUP_ALIGN == 0 and x.shape[0]:
         # Rows in chunks of 16 never cross a group's boundary: their maximum first, then 16 times fewer updates.
-        x = x.view(x.shape[0] // GROUP_ALIGN, GROUP_ALIGN, *x.shape[1:]).amax(dim=1)
+        x = x.reshape(x.shape[0] // GROUP_ALIGN, GROUP_ALIGN, *x.shape[1:]).amax(dim=1)
         index = index[::GROUP_ALIGN]
     out = torch.zeros((groups.num_groups,) + tuple(x.shape[1:]), dtype=torch.float32, device=x.device)
     if x.dim() == 2:
