@@ -380,3 +380,26 @@ def test_trainer_fp8_moe_under_expert_parallelism_follows_one_process(tmp_path):
         assert losses[1] == pytest.approx(ref[1], rel=1e-6)
         for it, want in ref.items():
             assert abs(losses[it] - want) <= 2e-3 * abs(want), (it, losses[it], want)
+
+
+def test_fp8_buffer_groups_start_on_16_rows_and_are_never_empty():
+    """The grouped FP8 kernel's weight gradient takes no empty group and wants 16-byte (16-row) group starts."""
+    counts = torch.tensor([0, 1, 16, 17, 0, 33])
+    offs, dest, expert_of_row, total = aligned_layout(counts, int(counts.sum()), GROUP_ALIGN, GROUP_ALIGN)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert (offs % 16 == 0).all() and (sizes >= 16).all() and int(offs[-1]) == total
+    assert sizes[:-1].tolist() == [16, 16, 16, 32, 16]
+    start = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
+    for e, c in enumerate(counts.tolist()):  # each expert's rows open its group, in order
+        first = int(counts[:e].sum())
+        assert dest[first:first + c].tolist() == list(range(int(start[e]), int(start[e]) + c))
+        assert (expert_of_row[int(start[e]):int(offs[e])] == e).all()
+
+
+def test_grouped_kernel_terms_are_checked_up_front():
+    from meshtron.layers.fp8.grouped import grouped_support_error
+
+    assert "multiples of 16" in grouped_support_error(64, 40, "rowwise")
+    assert "multiples of 16" in grouped_support_error(72, 48, "tensorwise")
+    assert grouped_support_error(64, 40, "blockwise") is None  # the dense blockwise matmul, per expert
+    assert grouped_support_error(64, 48, "rowwise") is None  # no GPU here to ask

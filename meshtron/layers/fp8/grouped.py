@@ -281,8 +281,8 @@ def grouped_support_error(hidden: int, expert_width: int, recipe: str) -> Option
     if recipe == "blockwise":
         return None  # the dense blockwise matmul, per expert (its own check covers it)
     if not hasattr(torch, "_scaled_grouped_mm"):
-        return (f"--fp8-recipe {recipe} with MoE experts needs torch._scaled_grouped_mm (torch 2.8 or later); this "
-                f"is torch {torch.__version__}")
+        return (f"--fp8-recipe {recipe} with MoE experts needs torch._scaled_grouped_mm, which this torch "
+                f"({torch.__version__}) lacks")
     if hidden % 16 or expert_width % 16:
         return (f"--fp8-recipe {recipe} with MoE experts needs the hidden size ({hidden}) and each expert's width per "
                 f"tensor-parallel rank ({expert_width}) to be multiples of 16 (torch._scaled_grouped_mm)")
