@@ -8,6 +8,7 @@
 #   bash benchmarks/pending_gpu_checks.sh blockwise   # FP8 blockwise: GPU tests, then its bench rows beside the others
 #   bash benchmarks/pending_gpu_checks.sh migration   # Megatron-LM and meshtron continue each other's checkpoints
 #                                                     # (carry .mlm: benchmarks/megatron_continuation.sh says how)
+#   bash benchmarks/pending_gpu_checks.sh fp8moe      # FP8 expert GEMMs: GPU tests, then the MoE shapes bf16 / rowwise / blockwise
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -58,6 +59,12 @@ for phase in "$@"; do
         --record "$OUT/measured_fp8_blockwise.jsonl" 2>&1 | tail -10 ;;
     migration)
       timeout 560 bash benchmarks/megatron_continuation.sh ;;
+    fp8moe)
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/moe/test_fp8_experts_gpu.py \
+        > "$OUT/gpu_tests_fp8moe.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_fp8moe.log" | tail -12
+      timeout 300 python3 -m meshtron bench --matrix benchmarks/fp8_moe_one_gpu.yaml --warmup 3 --steps 5 --no-split \
+        --record "$OUT/measured_fp8_moe.jsonl" 2>&1 | tail -10 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

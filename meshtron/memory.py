@@ -393,7 +393,7 @@ def fp8_weight_copy_bytes(m: ModelConfig, layer: int, tp: int = 1, fc2_recast: b
     Each FP8 linear cast its weight once per forward and kept the transposed FP8 copy for the
     backward's input-gradient GEMM: one byte per weight element of the
     attention projections, the dense MLP and a shared expert's fc1 (the router, the routed experts
-    and the shared expert's fc2 stay in bf16). ``fc2_recast``: the dense SwiGLU fc2 recasts its weight in
+    and the shared expert's fc2 ran in bf16 then). ``fc2_recast``: the dense SwiGLU fc2 recasts its weight in
     backward (``linear._swiglu_fp8_recomputed``) and keeps no copy.
     """
     kinds = layer_at(m, layer)

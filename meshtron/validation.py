@@ -714,6 +714,15 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
         problem = gpu_support_error()
         if problem:
             raise ConfigError(problem)
+    if t.fp8_format and cfg.model.num_experts and t.device == "cuda":
+        # The routed experts' GEMMs run FP8 too (meshtron.layers.fp8.grouped): torch's grouped FP8 kernel.
+        from meshtron.layers.fp8.grouped import grouped_support_error
+        m = cfg.model
+        expert_tp = cfg.parallel.expert_tensor_parallel_size or cfg.parallel.tensor_model_parallel_size
+        problem = grouped_support_error(m.hidden_size, (m.moe_ffn_hidden_size or ffn_size(m)) // expert_tp,
+                                        t.fp8_recipe)
+        if problem:
+            raise ConfigError(problem)
     if cfg.parallel.async_tensor_parallel and not (t.device == "cuda" and t.compile and cfg.parallel.sequence_parallel):
         raise ConfigError("--async-tensor-parallel needs --device cuda, compiled layers (not --no-compile) and "
                           "--sequence-parallel with --tensor-model-parallel-size > 1")

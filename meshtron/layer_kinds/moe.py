@@ -86,7 +86,7 @@ class MixtureOfExperts(MLPKind):
             s.part += k * e * inner / etp
         if m.moe_shared_expert_intermediate_size:
             fs = m.moe_shared_expert_intermediate_size
-            # its fc1's input (the normed tokens); fc2 runs in bf16
+            # its fc1's input (the normed tokens) and its MLP's saves as bf16 ones (not measured)
             s.part += s.lin * h + mlp_saves(m, s, fs, s.tp, False)
 
     def backward_working_bytes(self, m: ModelConfig, e: int, tp: int, expert_tp: int) -> float:
@@ -98,7 +98,8 @@ class MixtureOfExperts(MLPKind):
         return mlp
 
     def fp8_weight_elements(self, m: ModelConfig, tp: int, fc2_recast: bool) -> float:
-        # The router and the routed experts stay in bf16; a shared expert's fc1 runs FP8.
+        # Before revision 2 (what this counts): the router, the routed experts and a shared expert's fc2 ran in
+        # bf16, a shared expert's fc1 in FP8.
         fs = m.moe_shared_expert_intermediate_size or 0
         return m.hidden_size * (2 * fs if m.swiglu else fs) / tp
 
@@ -111,8 +112,9 @@ class MixtureOfExperts(MLPKind):
         fan_in = 2 * fe if m.swiglu else fe
         # One grouped GEMM per projection runs every local expert in one kernel: its rate is that of
         # the whole product (all local experts' rows), not of one expert's.
-        expert = (gemm(2 * local * per_expert_tokens * h * fan_in / etp, experts=True)
-                  + gemm(2 * local * per_expert_tokens * fe / etp * h, experts=True))
+        # With FP8 the expert GEMMs run FP8 too (meshtron.layers.fp8.grouped).
+        expert = (gemm(2 * local * per_expert_tokens * h * fan_in / etp, x.fp8, experts=True)
+                  + gemm(2 * local * per_expert_tokens * fe / etp * h, x.fp8, experts=True))
         router = gemm(2 * tokens * h * n_exp)
         shared = 0.0
         fs = m.moe_shared_expert_intermediate_size

@@ -337,14 +337,19 @@ def set_tp_comm_overlap(model: nn.Module, enabled: bool) -> None:
 
 
 def enable_fp8(model: nn.Module, fmt: str, recipe: str = "tensorwise") -> int:
-    """Switch every tensor-parallel linear of the transformer layers to FP8; returns how many.
+    """Switch every tensor-parallel linear of the transformer layers, and the MoE layers' routed experts, to FP8;
+    returns how many linears (the experts' modules not counted).
 
-    The output layer (fused with the loss) and the MoE router and experts stay in bf16. It lives here, beside the
-    linears it switches, so that the FP8 kernels below need not know the layer classes.
+    The output layer (fused with the loss) and the MoE router stay in higher precision. The experts
+    (:class:`meshtron.layers.moe.experts.GroupedExperts`) are found by their ``set_fp8`` method, so that this module
+    need not import the MoE package (which imports it). It lives here, beside the linears it switches, so that the
+    FP8 kernels below need not know the layer classes.
     """
     count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.fp8_format, module.fp8_recipe = fmt, recipe
             count += 1
+        elif callable(getattr(module, "set_fp8", None)):
+            module.set_fp8(fmt, recipe)
     return count

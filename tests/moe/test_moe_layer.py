@@ -333,14 +333,14 @@ def test_weighted_swiglu_backward_equals_autograd():
 def test_weighted_down_projection_gradient_comes_in_the_weights_layout():
     """The down projection's weight gradient is made in the weight's [El, H, F] layout (a transposed result
     would be copied with strides when accumulated)."""
-    from meshtron.layers.moe.experts import _WeightedSwiGLUDown
+    from meshtron.layers.moe.experts import _GroupedBf16Products, _WeightedSwiGLUDown
 
     g = torch.Generator().manual_seed(8)
     h = torch.randn(16, 2 * 8, generator=g, requires_grad=True)
     p = torch.rand(16, generator=g, requires_grad=True)
     w2 = torch.randn(2, 4, 8, generator=g, requires_grad=True)
     offs = torch.tensor([8, 16], dtype=torch.int32)
-    y = _WeightedSwiGLUDown.apply(h, p, w2, offs)
+    y = _WeightedSwiGLUDown.apply(h, p, w2, _GroupedBf16Products(offs))
     (grad_w2,) = torch.autograd.grad(y.square().sum(), [w2])
     assert grad_w2.is_contiguous()
     gate, up = h.detach().chunk(2, -1)

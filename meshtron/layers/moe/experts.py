@@ -28,6 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtron.config import ModelConfig
+from meshtron.layers.fp8.grouped import GROUP_ALIGN as FP8_GROUP_ALIGN
+from meshtron.layers.fp8.grouped import ExpertGroups, GroupedFP8Products, fp8_grouped_linear
 from meshtron.layers.fused import compiled_on_cuda
 from meshtron.layers.moe.slots import GatherToSlots, RowsAt, SumFromSlots
 from meshtron.parallel.context import ParallelContext
@@ -41,7 +43,8 @@ def grouped_mm_available() -> bool:
 class GroupedExperts(nn.Module):
     """Local experts ``first, ..., first + num_local - 1`` of ``prefix`` (e.g. ``layers.3.mlp.experts``).
 
-    ``grouped``: use ``torch._grouped_mm`` (None: on CUDA with bf16 inputs when the shapes allow).
+    ``grouped``: use ``torch._grouped_mm`` (None: on CUDA with bf16 inputs when the shapes allow). With FP8 on
+    (:meth:`set_fp8`) the experts always compute on the aligned buffer, in FP8, whatever ``grouped`` says.
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, prefix: str, first: int, num_local: int,
@@ -73,8 +76,21 @@ class GroupedExperts(nn.Module):
                 whole(f"{prefix}.{e}.down.bias", (H,), "zeros") for e in experts), 0, tp_replicated=True,
                 grad_sync="tp", expert=True))
         self._grouped_shapes_ok = H % 8 == 0 and (Fe // tp) % 8 == 0  # 16-byte strides for bf16 kernels
+        self.fp8_format: Optional[str] = None  # set by set_fp8
+        self.fp8_recipe: Optional[str] = None
+
+    def set_fp8(self, fmt: str, recipe: str = "tensorwise") -> None:
+        """Run the expert GEMMs in FP8 with ``recipe`` (``fmt``: the run's --fp8-format; the experts' output
+        gradients are e4m3 under either, see :mod:`meshtron.layers.fp8.grouped`)."""
+        self.fp8_format, self.fp8_recipe = fmt, recipe
+
+    def _layout(self) -> tuple[int, int]:
+        """(rows per group boundary, fewest rows of a group) of the aligned buffer."""
+        return (FP8_GROUP_ALIGN, FP8_GROUP_ALIGN) if self.fp8_recipe is not None else (GROUP_ALIGN, 0)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
+        if self.fp8_recipe is not None:
+            return True
         if self.grouped is not None:
             return self.grouped
         return (x.is_cuda and x.dtype == torch.bfloat16 and self._grouped_shapes_ok and grouped_mm_available())
@@ -109,15 +125,27 @@ class GroupedExperts(nn.Module):
 
     def _grouped_forward(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          tokens_per_expert: torch.Tensor, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        padded, offs, dest, expert_of_row = _aligned_groups(x, tokens_per_expert)
+        padded, offs, dest, expert_of_row = _aligned_groups(x, tokens_per_expert, *self._layout())
         if row_weights is not None:  # padding rows weigh 0
             row_weights = row_weights.new_zeros(padded.shape[0]).index_copy(0, dest, row_weights)
-        return RowsAt.apply(self._grouped_mlp(padded, w1, w2, offs, expert_of_row, row_weights), dest)
+        y = self._grouped_mlp(padded, w1, w2, offs, expert_of_row, row_weights, self._real_rows(dest, padded))
+        return RowsAt.apply(y, dest)
+
+    def _real_rows(self, rows: torch.Tensor, padded: torch.Tensor) -> Optional[torch.Tensor]:
+        """1 at the buffer's ``rows`` and 0 at its padding (fp32), where FP8 experts with an fc1 bias need it: the
+        padding rows' activation of the bias would otherwise count in the scales of fc2's input."""
+        if self.fp8_recipe is None or self.fc1_bias is None:
+            return None
+        return padded.new_zeros(padded.shape[0], dtype=torch.float32).index_fill_(0, rows, 1.0)
 
     def _grouped_mlp(self, padded: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
-                     expert_of_row: torch.Tensor, row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     expert_of_row: torch.Tensor, row_weights: Optional[torch.Tensor] = None,
+                     real_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The experts on the aligned buffer ``padded``. ``row_weights`` (fp32, one per row): each row's routing
-        weight, applied inside SwiGLU (None: 1, the combine weighs the outputs)."""
+        weight, applied inside SwiGLU (None: 1, the combine weighs the outputs). ``real_rows`` (FP8 with an fc1
+        bias): 1 on the rows that hold tokens, 0 on padding (:meth:`_real_rows`)."""
+        if self.fp8_recipe is not None:
+            return self._fp8_mlp(padded, w1, w2, ExpertGroups(offs, expert_of_row), row_weights, real_rows)
         h = torch._grouped_mm(padded, w1.transpose(1, 2), offs=offs)
         if self.fc1_bias is not None:
             h = add_expert_bias(h, self.fc1_bias.view(self.num_local, -1), expert_of_row)
@@ -126,11 +154,32 @@ class GroupedExperts(nn.Module):
             # nor the product stays for backward.
             if row_weights is None:
                 row_weights = h.new_ones(h.shape[0], dtype=torch.float32)
-            y = _WeightedSwiGLUDown.apply(h, row_weights, w2, offs)
+            y = _WeightedSwiGLUDown.apply(h, row_weights, w2, _GroupedBf16Products(offs))
         else:
             y = torch._grouped_mm(self._activation(h), w2.transpose(1, 2), offs=offs)
         if self.fc2_bias is not None:
             y = add_expert_bias(y, self.fc2_bias.view(self.num_local, -1), expert_of_row, self._bias_share)
+        return y
+
+    def _fp8_mlp(self, padded: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, groups: ExpertGroups,
+                 row_weights: Optional[torch.Tensor], real_rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """:meth:`_grouped_mlp` with both projections in FP8 (:mod:`meshtron.layers.fp8.grouped`); the activation
+        between them in the activations' dtype, SwiGLU fused with the down projection as in bf16."""
+        products = GroupedFP8Products(groups, self.fp8_recipe)
+        h = fp8_grouped_linear(padded, w1, products)
+        if self.fc1_bias is not None:
+            h = add_expert_bias(h, self.fc1_bias.view(self.num_local, -1), groups.expert_of_row)
+        if self.swiglu:
+            if row_weights is None:
+                row_weights = real_rows if real_rows is not None else h.new_ones(h.shape[0], dtype=torch.float32)
+            y = _WeightedSwiGLUDown.apply(h, row_weights, w2, products)
+        else:
+            a = self._activation(h)
+            if real_rows is not None:
+                a = a * real_rows[:, None].to(a.dtype)
+            y = fp8_grouped_linear(a, w2, products)
+        if self.fc2_bias is not None:
+            y = add_expert_bias(y, self.fc2_bias.view(self.num_local, -1), groups.expert_of_row, self._bias_share)
         return y
 
     def uses_grouped_gemm(self, x: torch.Tensor) -> bool:
@@ -146,10 +195,10 @@ class GroupedExperts(nn.Module):
         straight into the grouped GEMM's aligned buffer and the outputs straight out of it, one gather each
         way instead of a permutation, a padding copy and back (:func:`assignment_slots`)."""
         El, H = self.num_local, self.hidden
-        slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert)
+        slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert, *self._layout())
         padded = GatherToSlots.apply(tokens, slot, total, indices.shape[1])
         y = self._grouped_mlp(padded, self.fc1_weight.view(El, -1, H), self.fc2_weight.view(El, H, -1), offs,
-                              expert_of_row)
+                              expert_of_row, None, self._real_rows(slot, padded))
         return RowsAt.apply(y, slot)
 
     @property
@@ -175,7 +224,7 @@ class GroupedExperts(nn.Module):
         micro-batch, so it compiles once)."""
         El, H = self.num_local, self.hidden
         k = indices.shape[1]
-        slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert)
+        slot, offs, expert_of_row, total = assignment_slots(indices, tokens_per_expert, *self._layout())
         padded = GatherToSlots.apply(tokens, slot, total, k)
         row_probs = _row_weights(probs.float().reshape(-1), slot, total)  # padding rows weigh 0
         y = self._grouped_mlp(padded, self.fc1_weight.view(El, -1, H), self.fc2_weight.view(El, H, -1), offs,
@@ -189,15 +238,15 @@ class GroupedExperts(nn.Module):
         return F.gelu(h, approximate="tanh")
 
 
-def assignment_slots(indices: torch.Tensor, counts: torch.Tensor
+def assignment_slots(indices: torch.Tensor, counts: torch.Tensor, align: int = None, min_rows: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The row of the aligned grouped-GEMM buffer (:func:`aligned_layout`) of each assignment ``t * k + j``
-    (token t's j-th expert ``indices[t, j]``; ``counts``: the assignments of each expert), in expert order
-    and, within an expert, in assignment order; with the layout's group offsets, expert of each buffer row
-    and buffer size."""
+    """The row of the aligned grouped-GEMM buffer (:func:`aligned_layout`, with ``align`` and ``min_rows``) of each
+    assignment ``t * k + j`` (token t's j-th expert ``indices[t, j]``; ``counts``: the assignments of each expert),
+    in expert order and, within an expert, in assignment order; with the layout's group offsets, expert of each
+    buffer row and buffer size."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offs, dest, expert_of_row, total = aligned_layout(counts, flat.numel())
+    offs, dest, expert_of_row, total = aligned_layout(counts, flat.numel(), align, min_rows)
     slot = torch.empty_like(dest).index_copy_(0, order, dest)
     return slot, offs, expert_of_row, total
 
@@ -236,26 +285,46 @@ _weighted_swiglu_fused = compiled_on_cuda(_weighted_swiglu, dynamic=None)
 _weighted_swiglu_backward_fused = compiled_on_cuda(_weighted_swiglu_backward, dynamic=None)
 
 
+class _GroupedBf16Products:
+    """The grouped GEMM's three products of a projection ``y_r = a_r W_e^T`` (``w`` [El, out, in]) over the groups
+    ending at ``offs``, in the operands' dtype (the FP8 ones: :class:`meshtron.layers.fp8.grouped.GroupedFP8Products`)."""
+
+    def __init__(self, offs: torch.Tensor):
+        self.offs = offs
+
+    def forward(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=self.offs)
+
+    def input_grad(self, grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(grad, w, offs=self.offs)
+
+    def weight_grad(self, grad: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        # In the weight's own [El, H, F] layout: a transposed result would cost a strided copy of every
+        # expert's down projection when the gradient is accumulated (1.3 ms per layer on an H200 at the
+        # Qwen3-30B-A3B shape).
+        return torch._grouped_mm(grad.t(), a, offs=self.offs)
+
+
 class _WeightedSwiGLUDown(torch.autograd.Function):
     """``grouped_mm(silu(gate) * up * p, w2^T)`` per expert group, for fc1's output ``h`` = [gate, up] (rows
     of the aligned buffer) and each row's routing weight ``p`` (fp32). Backward recomputes the weighted
     product from ``h`` instead of keeping it (one fused pass that also yields the gradients of ``h`` and
-    ``p``), then runs the grouped GEMM's two gradient products."""
+    ``p``), then runs the grouped GEMM's two gradient products. ``products``: the grouped products, bf16
+    (:class:`_GroupedBf16Products`) or FP8 (:class:`meshtron.layers.fp8.grouped.GroupedFP8Products`)."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, p: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h, p, w2, offs)
-        return torch._grouped_mm(_weighted_swiglu_fused(h, p), w2.transpose(1, 2), offs=offs)
+    def forward(ctx, h: torch.Tensor, p: torch.Tensor, w2: torch.Tensor, products) -> torch.Tensor:
+        ctx.save_for_backward(h, p, w2)
+        ctx.products = products
+        return products.forward(_weighted_swiglu_fused(h, p), w2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h, p, w2, offs = ctx.saved_tensors
-        grad_a = torch._grouped_mm(grad, w2, offs=offs)
+        h, p, w2 = ctx.saved_tensors
+        products = ctx.products
+        grad_a = products.input_grad(grad, w2)
         a, grad_h, grad_p = _weighted_swiglu_backward_fused(h, p, grad_a)
-        # In the weight's own [El, H, F] layout: a transposed result would cost a strided copy of every
-        # expert's down projection when the gradient is accumulated (1.3 ms per layer on an H200 at the
-        # Qwen3-30B-A3B shape).
-        grad_w2 = torch._grouped_mm(grad.t(), a, offs=offs)
+        grad_w2 = products.weight_grad(grad, a).to(w2.dtype)
         return grad_h, grad_p, grad_w2, None
 
 
@@ -290,20 +359,25 @@ def add_expert_bias(rows: torch.Tensor, bias: torch.Tensor, expert_of_row: torch
 GROUP_ALIGN = 8
 
 
-def aligned_layout(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def aligned_layout(counts: torch.Tensor, rows: int, align: int = None, min_rows: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Where ``rows`` rows grouped by expert (``counts`` per group) go in a buffer whose groups each start
-    at a multiple of GROUP_ALIGN rows, without a host synchronisation.
+    at a multiple of ``align`` rows (default GROUP_ALIGN) and hold at least ``min_rows`` (a multiple of
+    ``align``; FP8 experts give every group rows), without a host synchronisation.
 
     Returns (int32 group end offsets, destination of each row, local expert of each buffer row, buffer
-    rows). The buffer has a static size (rows + (GROUP_ALIGN - 1) x groups, rounded up); the last group
-    absorbs the slack: zero rows whose outputs are never read.
+    rows). The buffer has a static size (rows + max(align - 1, min_rows) x groups, rounded up); the last
+    group absorbs the slack: zero rows whose outputs are never read.
     """
+    align = GROUP_ALIGN if align is None else align
     num_groups = counts.numel()
-    padded_counts = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    padded_counts = (counts + align - 1) // align * align
+    if min_rows:
+        padded_counts = padded_counts.clamp(min=min_rows)
     shift = (torch.cumsum(padded_counts, 0) - padded_counts) - (torch.cumsum(counts, 0) - counts)
     groups = torch.arange(num_groups, device=counts.device)
     dest = torch.arange(rows, device=counts.device) + shift[torch.repeat_interleave(groups, counts, output_size=rows)]
-    total = -(-(rows + (GROUP_ALIGN - 1) * num_groups) // GROUP_ALIGN) * GROUP_ALIGN
+    total = -(-(rows + max(align - 1, min_rows) * num_groups) // align) * align
     offs = torch.cumsum(padded_counts, 0).to(torch.int32)
     offs[-1] = total
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
@@ -311,11 +385,11 @@ def aligned_layout(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch
     return offs, dest, expert_of_row, total
 
 
-def _aligned_groups(x: torch.Tensor, counts: torch.Tensor):
-    """Copy the row groups of ``x`` into the zero buffer of :func:`aligned_layout`.
+def _aligned_groups(x: torch.Tensor, counts: torch.Tensor, align: int = None, min_rows: int = 0):
+    """Copy the row groups of ``x`` into the zero buffer of :func:`aligned_layout` (``align``, ``min_rows``).
 
     Returns (padded rows, int32 group end offsets, destination of each row of ``x``, local expert of
     each padded row)."""
-    offs, dest, expert_of_row, total = aligned_layout(counts, x.shape[0])
+    offs, dest, expert_of_row, total = aligned_layout(counts, x.shape[0], align, min_rows)
     padded = x.new_zeros((total, x.shape[1])).index_copy(0, dest, x)
     return padded, offs, dest, expert_of_row

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from meshtron.config import ConfigError, MeshtronConfig, ModelConfig, ffn_size
 from meshtron.layer_kinds.pattern import is_moe_layer, layer_at
+from meshtron.layers.fp8 import fp8_linear
 from meshtron.layers.mlp import MLP
 from meshtron.layers.moe.aux_losses import attach_aux_loss
 from meshtron.layers.moe.buffers import Fp32BufferModule
@@ -131,6 +132,8 @@ class MoELayer(Fp32BufferModule):
             hidden = F.silu(gate) * up
         else:
             hidden = F.gelu(hidden, approximate="tanh")
+        if mlp.fc2.fp8_format is not None:  # the recipe of the dense linears, as fc1 (its module call) takes it
+            return fp8_linear(hidden, mlp.fc2.weight, None, mlp.fc2.fp8_format, mlp.fc2.fp8_recipe)
         return F.linear(hidden, mlp.fc2.weight)
 
     def _attach_losses(self, y: torch.Tensor, routing) -> torch.Tensor:
