@@ -58,6 +58,10 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
     if mla and not _get(args, "qk_layernorm"):
         unsupported.append("--multi-latent-attention without --qk-layernorm (megatron-core's multi-latent attention "
                            "then has no latent norms; meshtron's, as DeepSeek's, has them)")
+    position = _get(args, "position_embedding_type") or "learned_absolute"
+    if position not in ("learned_absolute", "rope"):
+        unsupported.append(f"--position-embedding-type {position} (meshtron has learned_absolute and rope; YaRN "
+                           "is read with multi-latent attention: --rope-type yarn)")
     rope = _get(args, "rope_type") or ("yarn" if mla else "rope")  # unset: megatron-core's MLA takes YaRN
     percent = float(_get(args, "rotary_percent", 1.0) or 1.0)
     if mla:
