@@ -166,6 +166,12 @@ def test_run_flags_checked_against_the_checkpoint():
         with pytest.raises(CheckpointError) as err:
             check_model(settings, run, "Megatron-LM checkpoint X")
         assert any(line.startswith(flag) for line in err.value.differences), (flag, err.value.differences)
+    # YaRN at --rotary-scaling-factor 1 is plain RoPE: a run with meshtron's MLA default (YaRN, factor 1) loads
+    # the --rope-type rope checkpoint
+    settings = model_settings(_args("mla"), "X")
+    run = ModelConfig(**{k: v for k, v in settings.items() if k != "vocab_size"})
+    run.rope_type, run.mscale_all_dim = None, 1.0
+    check_model(settings, run, "X")
 
 
 # ---------------------------------------------------------------------------------------------

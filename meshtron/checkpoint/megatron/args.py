@@ -202,6 +202,12 @@ def apply_settings(m: ModelConfig, settings: dict[str, Any]) -> ModelConfig:
     return m
 
 
+def yarn_applies(m: ModelConfig) -> bool:
+    """Whether multi-latent attention's YaRN changes anything: at --rotary-scaling-factor 1 its frequencies,
+    tables and softmax scale are plain RoPE's (megatron-core's and meshtron's alike)."""
+    return bool(m.multi_latent_attention) and rope_kind(m) == "yarn" and float(m.rotary_scaling_factor) > 1
+
+
 #: (what is compared, how meshtron computes it) for the check of a run against a checkpoint.
 _CHECKED = {
     "num_layers": lambda m: m.num_layers,
@@ -230,12 +236,11 @@ _CHECKED = {
     "multi_latent_attention": lambda m: bool(m.multi_latent_attention),
     "rotary_percent": lambda m: (float(m.rotary_percent) if m.position_embedding_type == "rope"
                                  and not m.multi_latent_attention else None),
-    "rope_type": lambda m: rope_kind(m) if m.multi_latent_attention else None,
-    **{k: (lambda name: lambda m: float(getattr(m, name)) if m.multi_latent_attention and rope_kind(m) == "yarn"
-           else None)(k)
+    "rope_type": lambda m: ("yarn" if yarn_applies(m) else "rope") if m.multi_latent_attention else None,
+    **{k: (lambda name: lambda m: float(getattr(m, name)) if yarn_applies(m) else None)(k)
        for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
                  "yarn_beta_fast", "yarn_beta_slow")},
-    "yarn_truncate": lambda m: bool(m.yarn_truncate) if m.multi_latent_attention and rope_kind(m) == "yarn" else None,
+    "yarn_truncate": lambda m: bool(m.yarn_truncate) if yarn_applies(m) else None,
     "mtp_num_layers": lambda m: m.mtp_num_layers or None,
     "mtp_normed_hidden_states": lambda m: bool(m.mtp_normed_hidden_states) if m.mtp_num_layers else None,
     **{k: (lambda name: lambda m: getattr(m, name) if m.multi_latent_attention else None)(k)

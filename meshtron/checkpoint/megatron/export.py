@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.megatron import files, names
-from meshtron.checkpoint.megatron.args import MLA_FIELDS, YARN_CONFIG, YARN_FLAGS
+from meshtron.checkpoint.megatron.args import MLA_FIELDS, YARN_CONFIG, YARN_FLAGS, yarn_applies
 from meshtron.checkpoint.pieces import MODEL_PREFIX, OPTIM_PREFIX
 from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads,
                              padded_vocab_size)
@@ -50,17 +50,13 @@ CHECKPOINT_VERSION = 3.0
 def unsupported(m: ModelConfig) -> list[str]:
     """What of ``m`` this export cannot write (empty: everything)."""
     out = []
-    if m.multi_latent_attention and rope_kind(m) == "yarn":
+    if yarn_applies(m):
         for name, field, default in YARN_CONFIG:  # megatron-core's MLA values, which Megatron-LM cannot change
             if float(getattr(m, field)) != default:
                 out.append(f"{flag_name(field)} {getattr(m, field)} with multi-latent attention's YaRN (Megatron-LM "
                            f"has no flag for it: megatron-core's {name} is {default:g})")
         if not m.yarn_truncate:
             out.append("--no-yarn-truncate with multi-latent attention's YaRN (megatron-core rounds the ramp's ends)")
-    if m.multi_latent_attention and rope_kind(m) == "rope" and m.rotary_scaling_factor > 1 and m.mscale_all_dim:
-        out.append(f"--rope-type rope with --rotary-scaling-factor {m.rotary_scaling_factor} and --mscale-all-dim "
-                   f"{m.mscale_all_dim} (megatron-core's multi-latent attention would scale its softmax by YaRN's "
-                   "mscale; meshtron's does not without --rope-type yarn)")
     experts = {layer_at(m, i).mlp.name for i in range(m.num_layers) if is_moe_layer(m, i)}
     if len(experts) > 1 or experts - {MOE.name, GATED_SHARED_MOE.name}:
         out.append(f"--layer-pattern {resolved_pattern(m)} (Megatron-LM's mixture-of-experts layers are all of one "
@@ -203,8 +199,9 @@ def mla_args(m: ModelConfig) -> dict[str, Any]:
     rope = rope_kind(m)
     out = dict({k: getattr(m, k) for k in MLA_FIELDS}, rope_type=rope, qk_layernorm=True,
                group_query_attention=False, num_query_groups=m.num_attention_heads, rotary_percent=1.0)
-    if rope == "yarn":
-        out.update({k: float(getattr(m, k)) for k in YARN_FLAGS})
+    # YaRN's flags; with --rope-type rope Megatron-LM's defaults, under which its softmax scale is plain too
+    out.update({k: float(getattr(m, k)) for k in YARN_FLAGS} if rope == "yarn" else
+               {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0})
     return out
 
 
