@@ -111,8 +111,8 @@ class ModelConfig:
     yarn_beta_slow: float = opt(1.0, "YaRN: rotations above which frequencies are kept.")
     yarn_truncate: bool = opt(True, "YaRN: round the ramp's ends to whole frequency indices (DeepSeek); "
                                     "--no-yarn-truncate keeps them fractional (gpt-oss).")
-    rotary_percent: float = opt(1.0, "Fraction of each head's dimensions that RoPE turns in gated_attn layers "
-                                     "(Qwen3.5: 0.25).")
+    rotary_percent: float = opt(1.0, "Fraction of each head's dimensions that RoPE turns (its first ones) in gqa "
+                                     "and gated_attn layers (Qwen3.5: 0.25; Megatron's --rotary-percent).")
     # Gated DeltaNet (gdn layers of --layer-pattern; Qwen3.5, docs/models.md).
     linear_num_key_heads: int = opt(16, "gdn layers: query/key heads.")
     linear_num_value_heads: int = opt(32, "gdn layers: value heads (a multiple of the key heads).")

@@ -441,6 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --to megatron: the expert-parallel size to record in args (default: the checkpoint's "
                         "own). Megatron keeps experts in an optimizer of their own only above 1, so the optimizer "
                         "state is shaped for a run on the same side of 1")
+    p.add_argument("--megatron-rotary-interleaved", action="store_true",
+                   help="with --to megatron: for a Megatron-LM run with --rotary-interleaved, write each query/key "
+                        "head's rotated rows in its interleaved pairs and args.rotary_interleaved (the same "
+                        "attention; grouped-query attention only). Default: meshtron's rotate-half layout")
     p.add_argument("--add-to-existing", action="store_true",
                    help="with --to megatron: write into a non-empty Megatron-LM save directory (a new iter_NNNNNNN "
                         "beside the others, which latest_checkpointed_iteration.txt then names)")
@@ -474,7 +478,8 @@ def convert_main(argv: list[str]) -> int:
                                       "a size of 1 or more")
             path = meshtron_to_megatron(args.input, args.output, args.megatron_spec, args.add_to_existing,
                                         optimizer=not args.no_optimizer, dtype=dtype, notices=notices,
-                                        verify=not args.no_verify_checkpoint, layout=sizes)
+                                        verify=not args.no_verify_checkpoint, layout=sizes,
+                                        rotary_interleaved=args.megatron_rotary_interleaved)
         else:
             path = meshtron_to_hf(args.input, args.output, args.hf_architecture, dtype, args.max_shard_size, notices,
                                   verify=not args.no_verify_checkpoint, skip_mtp=args.skip_mtp)

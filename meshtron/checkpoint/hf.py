@@ -437,6 +437,8 @@ def check_exportable(m: ModelConfig, architecture: str = "llama") -> None:
         problems.append("no --swiglu (Llama's MLP is SwiGLU)")
     if m.position_embedding_type != "rope":
         problems.append(f"--position-embedding-type {m.position_embedding_type} (Llama uses rope)")
+    if not m.multi_latent_attention and m.rotary_percent != 1:
+        problems.append(f"--rotary-percent {m.rotary_percent} (these configs rotate the whole head)")
     if not m.disable_bias_linear:
         problems.append(f"linear biases ({_NAMES.get(architecture, architecture)} has none on its other "
                         "projections: --disable-bias-linear)")

@@ -10,8 +10,8 @@ from meshtron.layer_kinds.base import Counts, Matrix, MixerKind, SavedBytes, add
 
 
 class GroupedQueryAttention(MixerKind):
-    """``gqa``: fused-width q/k/v projections (optional biases and per-head q/k norms), RoPE over the whole head,
-    flash attention, an output projection."""
+    """``gqa``: fused-width q/k/v projections (optional biases and per-head q/k norms), RoPE over the whole head
+    (or its first --rotary-percent), flash attention, an output projection."""
 
     name = "gqa"
     module = "meshtron.layers.attention:SelfAttention"
@@ -31,6 +31,9 @@ class GroupedQueryAttention(MixerKind):
     def check(self, m: ModelConfig) -> Optional[str]:
         if m.multi_latent_attention:
             return "gqa layers cannot be mixed with --multi-latent-attention (one rotary table per model)"
+        if not 0 < m.rotary_percent <= 1 or self.rope_dim(m) % 2 or not self.rope_dim(m):
+            return (f"gqa layers need --rotary-percent in (0, 1] turning an even number of each head's "
+                    f"{head_dim(m)} dimensions, got {m.rotary_percent}")
         return None
 
     def parameters(self, m: ModelConfig) -> Counts:
@@ -62,7 +65,7 @@ class GroupedQueryAttention(MixerKind):
                 Matrix("o.weight", H, q)]
 
     def rope_dim(self, m: ModelConfig) -> int:
-        return head_dim(m)  # the whole head rotates
+        return int(head_dim(m) * m.rotary_percent)  # the whole head by default
 
     def head_dims(self, m: ModelConfig) -> tuple[int, int]:
         return head_dim(m), head_dim(m)

@@ -38,11 +38,16 @@ class SinkAttentionKind(GroupedQueryAttention):
             return f"{self.name} layers cannot be mixed with --multi-latent-attention (one rotary table per model)"
         if m.qk_layernorm:
             return f"{self.name} layers have no query/key head norms (--qk-layernorm)"
+        if m.rotary_percent != 1:
+            return f"{self.name} layers rotate the whole head (--rotary-percent {m.rotary_percent})"
         if num_kv_heads(m) > m.num_attention_heads or m.num_attention_heads % num_kv_heads(m):
             return f"{self.name} layers need --num-query-groups to divide --num-attention-heads"
         if m.add_qkv_bias and m.disable_bias_linear:
             return f"{self.name} layers have biases on all four projections or none (--add-qkv-bias)"
         return None
+
+    def rope_dim(self, m: ModelConfig) -> int:
+        return head_dim(m)  # the whole head rotates
 
     def build(self, cfg: ModelConfig, ctx, prefix: str, sequence_parallel: bool):
         from meshtron.parallel.sharding import scaled_std

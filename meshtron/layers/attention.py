@@ -16,7 +16,7 @@ import torch.nn as nn
 from meshtron.config import ModelConfig, head_dim, num_kv_heads
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.layers.norm import Norm
-from meshtron.layers.rotary import apply_rope
+from meshtron.layers.rotary import apply_partial_rope
 from meshtron.layers.sdpa import core_attention
 from meshtron.parallel.context_parallel.attention import context_parallel_attention
 from meshtron.parallel.context import ParallelContext, tp_subgroup
@@ -107,8 +107,8 @@ class SelfAttention(nn.Module):
 
     @staticmethod
     def rope_dim(cfg: ModelConfig) -> int:
-        """Width of the rotary tables: the whole head rotates."""
-        return head_dim(cfg)
+        """Width of the rotary tables: the first --rotary-percent of each head (by default the whole head)."""
+        return int(head_dim(cfg) * cfg.rotary_percent)
 
     @staticmethod
     def head_dims(cfg: ModelConfig) -> tuple[int, int]:
@@ -136,9 +136,9 @@ class SelfAttention(nn.Module):
             v = v.contiguous()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q = apply_rope(q, *rope)
-            k = apply_rope(k, *rope)
+        if rope is not None:  # the first rope-width dimensions of each head (--rotary-percent)
+            q = apply_partial_rope(q, *rope)
+            k = apply_partial_rope(k, *rope)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if cache is not None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from meshtron.layers.attention import core_attention
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
-from meshtron.layers.rotary import apply_rope
+from meshtron.layers.rotary import apply_partial_rope
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.context_parallel.attention import context_parallel_attention
 from meshtron.parallel.sharding import Piece, ShardSpec, new_param, whole
@@ -42,14 +42,6 @@ class ZeroCentredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return zero_centred_rms_norm(x, self.weight, self.eps)
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` dimensions of ``x`` [s, b, heads, d]; the rest pass unchanged."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return apply_rope(x, cos, sin)
-    return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
 
 class GatedAttention(nn.Module):

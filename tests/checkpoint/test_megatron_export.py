@@ -137,7 +137,9 @@ def test_logits_equal_megatron_cores(case, sources, reference):
     assert torch.count_nonzero(ref["logits"][..., exported.VOCAB:]) == 0
     # moe: the default --megatron-spec transformer_engine too, loaded under its names; dense and mtp: loaded at
     # TP=2 x PP=2, saved again by megatron-core and loaded at TP=1
-    other = {"moe": "te_names_logits", "dense": "tp2pp2_resaved_logits", "mtp": "tp2pp2_resaved_logits"}.get(case)
+    # rope_partial: also written with --megatron-rotary-interleaved, loaded into a model with --rotary-interleaved
+    other = {"moe": "te_names_logits", "dense": "tp2pp2_resaved_logits", "mtp": "tp2pp2_resaved_logits",
+             "rope_partial": "interleaved_logits"}.get(case)
     if other:
         torch.testing.assert_close(ref[other][..., :exported.VOCAB], mine, rtol=0, atol=2e-5)
 
@@ -158,8 +160,15 @@ def test_megatron_core_read_the_optimizer_state_and_common_state(case, sources, 
     assert (ref["iteration"], ref["checkpoint_version"], ref["step"]) == (3, 3.0, 3)
     assert ref["sharding_type"] == "fully_reshardable"
     assert ref["opt_param_scheduler"]["num_steps"] == 3 * 8 and ref["opt_param_scheduler"]["max_lr"] == 1e-2
-    assert ref["args"] == {"num_layers": 4, "hidden_size": 16, "ffn_hidden_size": 32, "num_query_groups": 2,
-                           "padded_vocab_size": 96, "consumed_train_samples": exported.CONSUMED}
+    expected = {"num_layers": 4, "hidden_size": 16, "ffn_hidden_size": 32,
+                "num_query_groups": 4 if case == "mla_yarn" else 2, "padded_vocab_size": 96,
+                "consumed_train_samples": exported.CONSUMED}
+    expected.update({"mla_yarn": {"multi_latent_attention": True, "rope_type": "yarn", "rotary_scaling_factor": 4.0,
+                                  "mscale": 1.0, "mscale_all_dim": 0.7},
+                     "moe_gate": {"moe_shared_expert_gate": True},
+                     "rope_partial": {"rotary_percent": 0.5, "rotary_interleaved": False, "kv_channels": 8,
+                                      "qk_layernorm": True}}.get(case, {}))
+    assert {k: ref["args"][k] for k in expected} == expected
 
 
 @pytest.mark.parametrize("case", ["mtp", "moe_mtp"])
@@ -275,7 +284,26 @@ def test_tokenizer_kind_from_the_saved_tokenizer(tmp_path):
     assert tokenizer_kind(cfg, tmp_path) == "GPT2BPETokenizer"
 
 
-@pytest.mark.parametrize("which", ["dense", "moe", "moe_ep2", "mtp", "moe_mtp"])
+def test_interleaved_export_as_megatron_core_loaded_it(sources, reference, tmp_path):
+    """--megatron-rotary-interleaved: args.rotary_interleaved, and the optimizer tensors megatron-core loaded into
+    its model with --rotary-interleaved are what meshtron wrote (the query/key rows reordered as the weights)."""
+    ref = reference["cases"]["rope_partial"]
+    assert ref["interleaved_args"]["rotary_interleaved"] and ref["interleaved_args"]["rotary_percent"] == 0.5
+    out = _export(sources["rope_partial"], tmp_path / "mg", "--megatron-spec", "local", "--megatron-rotary-interleaved")
+    assert read_common_state(find_megatron_checkpoint(out))["args"].rotary_interleaved
+    d = out / "iter_0000003"
+    md = read_index(d)
+    keys = [k for k in md.state_dict_metadata if k.startswith("optimizer.state.")]
+    assert sorted(keys) == sorted(ref["interleaved_optimizer"])
+    tensors, _ = read_entries(d, md, keys)
+    for key in keys:
+        torch.testing.assert_close(fingerprint(tensors[key]), ref["interleaved_optimizer"][key], rtol=1e-9, atol=1e-7)
+    qkv = "optimizer.state.param.decoder.layers.self_attention.linear_qkv.weight"
+    assert not torch.equal(ref["interleaved_optimizer"][qkv], ref["optimizer"][qkv])  # the rows did move
+
+
+@pytest.mark.parametrize("which", ["dense", "moe", "moe_ep2", "mtp", "moe_mtp", "mla_yarn", "moe_gate",
+                                   "rope_partial"])
 def test_megatron_cores_distributed_optimizer_took_the_state(which, sources, reference, tmp_path):
     """megatron-core's DistributedOptimizer (Megatron-LM's parameter groups; experts chained at expert-parallel 2)
     loaded the export with ``optimizer.load_state_dict`` and saved it again: what it saved is what meshtron wrote,

@@ -269,7 +269,8 @@ def test_train_continues_from_a_megatron_checkpoint(tmp_path):
 
 
 def test_mla_refusals_named():
-    """Multi-latent attention with megatron-core's default YaRN, or without its latent norms: refused, named."""
+    """Multi-latent attention without its latent norms, or with a RoPE type megatron-core does not have: refused,
+    named (YaRN, megatron-core's default, is read: test_megatron_variants.py)."""
     import copy
 
     from meshtron.checkpoint.megatron.args import model_settings
@@ -277,8 +278,9 @@ def test_mla_refusals_named():
 
     args = read_common_state(find_megatron_checkpoint(FIXTURES / "mla"))["args"]
     assert model_settings(args, "X")["multi_latent_attention"]
-    for change, flag in (({"rope_type": None}, "--rope-type yarn (unset)"), ({"qk_layernorm": False},
-                                                                             "without --qk-layernorm")):
+    assert model_settings(args, "X")["rope_type"] == "rope"
+    for change, flag in (({"rope_type": "mrope"}, "--rope-type mrope"), ({"qk_layernorm": False},
+                                                                         "without --qk-layernorm")):
         bad = copy.copy(args)
         for k, v in change.items():
             setattr(bad, k, v)

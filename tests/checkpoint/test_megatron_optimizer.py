@@ -11,7 +11,11 @@ Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_c
   (``Float16OptimizerWithFloat16Params``: fp32 masters), legacy format;
 * ``mtp_tp2pp2_dp_reshardable`` and ``legacy_mtp_tp2pp2_distrib_optim``: a model with a multi-token prediction
   depth, its ``DistributedOptimizer`` at TP=2 x PP=2 in both formats (the depth's parameters in the last stage's
-  buffer, the word embedding and the last stage's copy of it in buckets of their own).
+  buffer, the word embedding and the last stage's copy of it in buckets of their own);
+* ``rope_partial_interleaved_tp2_dp_reshardable``: grouped-query attention with ``--rotary-percent 0.5
+  --rotary-interleaved`` and query/key head norms, its ``DistributedOptimizer`` at TP=2 in ``dp_reshardable``
+  buckets of 600 elements (the bucket layout is the dense model's; the query/key rows are reordered afterwards,
+  as the weights are).
 
 ``reference_optimizer.pt`` holds megatron-core's own per-tensor state of each, as it was in memory: per
 model-parallel rank and parameter name, the masters and moments (the distributed optimizer's pieces put together
@@ -38,6 +42,7 @@ LEGACY = "legacy_tp2pp2_dp2_distrib_optim"
 BF16 = "legacy_tp2_bf16_optim"
 MTP = "mtp_tp2pp2_dp_reshardable"
 MTP_LEGACY = "legacy_mtp_tp2pp2_distrib_optim"
+ROPE = "rope_partial_interleaved_tp2_dp_reshardable"
 
 
 def _read(name: str):
@@ -49,12 +54,12 @@ def references():
     return torch.load(FIXTURES / "reference_optimizer.pt", weights_only=True)
 
 
-def _reference(references: dict, name: str, settings: dict) -> dict[str, dict[str, torch.Tensor]]:
+def _reference(references: dict, name: str, settings: dict, args=None) -> dict[str, dict[str, torch.Tensor]]:
     """megatron-core's own per-tensor optimizer state of ``name``, in meshtron's names (the per-rank shards of
     the non-distributed optimizer joined as Megatron's tensor parallelism splits them)."""
     entry = references[name]
     entry = references[entry["same_as"]] if "same_as" in entry else entry
-    shape = reader._shape_info(settings)
+    shape = reader._shape_info(settings, args)
     parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for (tp, pp), by_name in entry["per_rank"].items():
         for pname, tensors in by_name.items():
@@ -73,12 +78,12 @@ def _reference(references: dict, name: str, settings: dict) -> dict[str, dict[st
     return out
 
 
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
     assert set(state.optim) == {"master", "exp_avg", "exp_avg_sq"}
-    reference = _reference(references, name, state.settings)
+    reference = _reference(references, name, state.settings, state.args)
     assert set(reference) == {"master", "exp_avg", "exp_avg_sq"}
     for which in reference:
         assert set(state.optim[which]) == set(reference[which]) == set(state.model), which

@@ -41,3 +41,38 @@ def test_attention_factor_variants():
     assert yarn_attention_factor(1.0) == 1.0
     assert yarn_attention_factor(32.0, attention_factor=0.5) == 0.5
     assert yarn_attention_factor(40.0, mscale=1.0, mscale_all_dim=1.0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("factor,mscale,mscale_all_dim,dim", [(4.0, 1.0, 0.7, 8), (40.0, 1.0, 1.0, 64),
+                                                              (1.0, 1.0, 0.0, 64), (8.0, 0.9, 0.0, 16)])
+def test_mla_yarn_equals_megatron_cores(factor, mscale, mscale_all_dim, dim):
+    """Multi-latent attention's YaRN as megatron-core 0.19 computes it (``YarnRotaryEmbedding.get_emb``, its
+    concentration factor on cos/sin, MLA's softmax scale mscale(factor, mscale_all_dim)^2 / sqrt(head dim)):
+    meshtron's frequencies, table scale and softmax scale, at megatron-core's MLA defaults (original context
+    4096, betas 32/1, ramp ends rounded)."""
+    import math
+
+    from tests.megatron_oracle import _core_package
+
+    _core_package()  # skips without megatron-core
+    try:
+        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+    except ImportError as err:  # its imports need more than this machine has
+        pytest.skip(f"megatron-core's YaRN module does not import here: {err}")
+    from meshtron.config import ModelConfig
+    from meshtron.layers.mla import mla_softmax_scale
+    from meshtron.layers.rotary import inverse_frequencies, rope_table_scale
+
+    base = 10000.0
+    extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inter = 1.0 / (factor * base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    low, high = yarn._yarn_find_correction_range(32.0, 1.0, dim, base, 4096, True)
+    mask = 1.0 - yarn._yarn_linear_ramp_mask(low, high, dim // 2, torch.device("cpu"))
+    theirs = inter * (1 - mask) + extra * mask
+    m = ModelConfig(multi_latent_attention=True, rope_type="yarn", qk_pos_emb_head_dim=dim, qk_head_dim=16,
+                    rotary_scaling_factor=factor, mscale=mscale, mscale_all_dim=mscale_all_dim)
+    torch.testing.assert_close(inverse_frequencies(dim, base, torch.device("cpu"), m), theirs, rtol=1e-6, atol=0)
+    assert rope_table_scale(m) == pytest.approx(yarn._yarn_get_concentration_factor(factor, mscale, mscale_all_dim),
+                                                rel=1e-12)
+    softmax = yarn._yarn_get_mscale(factor, mscale_all_dim) ** 2 / math.sqrt(16 + dim)
+    assert mla_softmax_scale(m) == pytest.approx(softmax, rel=1e-12)

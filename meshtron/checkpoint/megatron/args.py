@@ -3,25 +3,35 @@ this run's model flags against them.
 
 Megatron-LM and meshtron share flag names, so most fields carry over by name; the differences are spelled
 out here (``add_bias_linear`` is ``--disable-bias-linear`` negated; ``padded_vocab_size`` is the embedding's
-row count). A run whose model flags differ from the checkpoint's is refused with every difference named,
-flag by flag, in one error.
+row count; multi-latent attention's YaRN takes megatron-core's ``MLATransformerConfig`` values for what
+Megatron-LM has no flag for; ``--moe-shared-expert-gate`` makes the MoE layers meshtron's ``moe_gated_shared``
+kind; ``--rotary-interleaved`` is a reordering of the query/key rows, :func:`rope_layout`). A run whose model
+flags differ from the checkpoint's is refused with every difference named, flag by flag, in one error.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.config import ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads
 from meshtron.layer_kinds.dense import DENSE
+from meshtron.layer_kinds.gated_shared_moe import GATED_SHARED_MOE
 from meshtron.layer_kinds.gqa import GQA
 from meshtron.layer_kinds.mla import MLA
 from meshtron.layer_kinds.moe import MOE
-from meshtron.layer_kinds.pattern import format_pattern, resolved_pattern
+from meshtron.layer_kinds.pattern import derived_entries, format_pattern, resolved_pattern
+from meshtron.layers.rotary import rope_kind, yarn_mscale
 
 #: multi-latent attention's fields, the same name in ``args`` and meshtron (with --multi-latent-attention).
 MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
               "v_head_dim", "rope_type")
+#: YaRN of multi-latent attention (--rope-type yarn): Megatron-LM's flags, the same name in meshtron.
+YARN_FLAGS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")
+#: YaRN of multi-latent attention that Megatron-LM has no flag for: megatron-core's ``MLATransformerConfig``
+#: field (read from ``args`` where a checkpoint has it), meshtron's field, megatron-core's default.
+YARN_CONFIG = (("original_max_position_embeddings", "yarn_original_max_position_embeddings", 4096),
+               ("beta_fast", "yarn_beta_fast", 32.0), ("beta_slow", "yarn_beta_slow", 1.0))
 #: meshtron model fields taken from ``args`` under the same name.
 SAME_NAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
              "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings", "normalization",
@@ -48,20 +58,26 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
     if mla and not _get(args, "qk_layernorm"):
         unsupported.append("--multi-latent-attention without --qk-layernorm (megatron-core's multi-latent attention "
                            "then has no latent norms; meshtron's, as DeepSeek's, has them)")
-    if mla and (_get(args, "rope_type") or "yarn") != "rope":  # unset: megatron-core's MLA takes YaRN
-        unsupported.append(f"--rope-type {_get(args, 'rope_type') or 'yarn (unset)'} with multi-latent attention "
-                           "(only --rope-type rope is read yet)")
+    position = _get(args, "position_embedding_type") or "learned_absolute"
+    if position not in ("learned_absolute", "rope"):
+        unsupported.append(f"--position-embedding-type {position} (meshtron has learned_absolute and rope; YaRN "
+                           "is read with multi-latent attention: --rope-type yarn)")
+    rope = _get(args, "rope_type") or ("yarn" if mla else "rope")  # unset: megatron-core's MLA takes YaRN
+    percent = float(_get(args, "rotary_percent", 1.0) or 1.0)
+    if mla:
+        unsupported += _mla_rope_unsupported(args, rope, percent)
+    elif _rotary(args):
+        rotated = int(_head_dim(args) * percent)
+        if not 0 < percent <= 1 or rotated % 2 or not rotated:
+            unsupported.append(f"--rotary-percent {percent} (rotates {rotated} of each head's {_head_dim(args)} "
+                               "dimensions: meshtron needs an even number, at least 2)")
     unsupported += mtp_unsupported(args)
-    if float(_get(args, "rotary_percent", 1.0) or 1.0) != 1.0:
-        unsupported.append(f"--rotary-percent {args.rotary_percent} (meshtron rotates the whole head)")
-    if _get(args, "rotary_interleaved"):
-        unsupported.append("--rotary-interleaved (meshtron uses the rotate-half convention)")
-    if _get(args, "moe_shared_expert_gate"):
-        unsupported.append("--moe-shared-expert-gate (the shared expert's gate has no meshtron equivalent)")
+    gated = bool(_get(args, "moe_shared_expert_gate")) and bool(_get(args, "num_experts")) and \
+        bool(_get(args, "moe_shared_expert_intermediate_size"))
     freq = _get(args, "moe_layer_freq", 1)
     pattern = None
     if _get(args, "num_experts") and not isinstance(freq, int):
-        pattern = _moe_pattern(freq, int(args.num_layers), mla)
+        pattern = _moe_pattern(freq, int(args.num_layers), mla, gated)
         if pattern is None:
             unsupported.append(f"--moe-layer-freq {freq} (a list of one 0 or 1 per layer is read as a "
                                "--layer-pattern; this is not one)")
@@ -80,13 +96,72 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
         out["layer_pattern"] = pattern  # Megatron's per-layer list: 1 for a MoE layer, 0 for a dense one
     elif _get(args, "num_experts"):
         out["moe_layer_freq"] = int(freq)
+        if gated:  # every MoE layer's shared expert gated: meshtron's moe_gated_shared layers
+            m = apply_settings(ModelConfig(), {k: out[k] for k in ("num_layers", "num_experts", "moe_layer_freq")})
+            m.multi_latent_attention = mla
+            out["layer_pattern"] = format_pattern([e.replace(f"+{MOE.name}", f"+{GATED_SHARED_MOE.name}")
+                                                   for e in derived_entries(m)])
     if mla:  # Megatron's --qk-layernorm is MLA's latent norms here, which meshtron's MLA always has
         out.update({k: _get(args, k) for k in MLA_FIELDS if _get(args, k) is not None}, qk_layernorm=False,
-                   group_query_attention=False, kv_channels=None)
+                   group_query_attention=False, kv_channels=None, rope_type=rope)
+        if rope == "yarn":
+            out.update(yarn_settings(args))
+    elif _rotary(args) and percent != 1.0:
+        out["rotary_percent"] = percent
     if not out.get("group_query_attention"):
         out["num_query_groups"] = None
     out["vocab_size"] = int(_get(args, "padded_vocab_size") or 0) or None
     return out
+
+
+def _rotary(args: Any) -> bool:
+    return _get(args, "position_embedding_type") == "rope" or bool(_get(args, "use_rotary_position_embeddings"))
+
+
+def _head_dim(args: Any) -> int:
+    return int(_get(args, "kv_channels") or args.hidden_size // args.num_attention_heads)
+
+
+def _mla_rope_unsupported(args: Any, rope: str, percent: float) -> list[str]:
+    """What of multi-latent attention's RoPE megatron-core computes otherwise than meshtron would."""
+    out = []
+    if rope not in ("rope", "yarn"):
+        out.append(f"--rope-type {rope} with multi-latent attention (rope and yarn are read)")
+    factor = float(_get(args, "rotary_scaling_factor") if _get(args, "rotary_scaling_factor") is not None else 40.0)
+    all_dim = float(_get(args, "mscale_all_dim") or 0.0)
+    if rope == "rope" and yarn_mscale(factor, all_dim) != 1.0:
+        out.append(f"--rope-type rope with --rotary-scaling-factor {factor} and --mscale-all-dim {all_dim} "
+                   "(megatron-core's multi-latent attention then scales its softmax by YaRN's mscale without "
+                   "YaRN's frequencies; meshtron only with --rope-type yarn)")
+    if rope == "rope" and percent != 1.0:
+        out.append(f"--rotary-percent {percent} with multi-latent attention (meshtron rotates the whole "
+                   "--qk-pos-emb-head-dim)")
+    return out
+
+
+def yarn_settings(args: Any) -> dict[str, Any]:
+    """meshtron's YaRN fields of multi-latent attention with --rope-type yarn, as megatron-core computes it:
+    Megatron-LM's --rotary-scaling-factor, --mscale, --mscale-all-dim; megatron-core's MLA defaults for the
+    original context and the betas (Megatron-LM has no flags for them: its --yarn-* flags are for
+    --position-embedding-type yarn without MLA); the ramp's ends rounded outwards, as megatron-core's MLA
+    always does."""
+    # Megatron-LM's flags carry over by name into MLATransformerConfig; absent, its defaults apply (factor 40)
+    defaults = {"rotary_scaling_factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+    out: dict[str, Any] = {k: float(_get(args, k) if _get(args, k) is not None else v) for k, v in defaults.items()}
+    for name, field, default in YARN_CONFIG:
+        value = _get(args, name)
+        out[field] = type(default)(value if value is not None else default)
+    out["yarn_truncate"] = True
+    return out
+
+
+def rope_layout(args: Any, settings: dict[str, Any]) -> Optional[int]:
+    """With ``--rotary-interleaved`` (grouped-query attention), the number of each query/key head's first rows
+    megatron-core rotates in interleaved pairs (0, 1), (2, 3)...: they are reordered into meshtron's rotate-half
+    halves on reading (and back on writing), which computes the same attention. None otherwise."""
+    if not _get(args, "rotary_interleaved") or _get(args, "multi_latent_attention") or not _rotary(args):
+        return None
+    return int(_head_dim(args) * float(settings.get("rotary_percent", 1.0)))
 
 
 def mtp_unsupported(args: Any) -> list[str]:
@@ -110,19 +185,27 @@ def mtp_unsupported(args: Any) -> list[str]:
     return out
 
 
-def _moe_pattern(freq: Any, num_layers: int, mla: bool = False) -> str | None:
+def _moe_pattern(freq: Any, num_layers: int, mla: bool = False, gated: bool = False) -> str | None:
     """Megatron's list form of ``--moe-layer-freq`` (one 1 per MoE layer, 0 per dense one) as a
-    ``--layer-pattern`` (its mixer multi-latent or grouped-query attention), or None if it is not one."""
+    ``--layer-pattern`` (its mixer multi-latent or grouped-query attention; ``gated``: the MoE layers'
+    shared expert gated), or None if it is not one."""
     if not isinstance(freq, (list, tuple)) or len(freq) != num_layers or not set(freq) <= {0, 1}:
         return None
     mixer = MLA.name if mla else GQA.name
-    return format_pattern([f"{mixer}+{MOE.name if moe else DENSE.name}" for moe in freq])
+    experts = GATED_SHARED_MOE.name if gated else MOE.name
+    return format_pattern([f"{mixer}+{experts if moe else DENSE.name}" for moe in freq])
 
 
 def apply_settings(m: ModelConfig, settings: dict[str, Any]) -> ModelConfig:
     for k, v in settings.items():
         setattr(m, k, v)
     return m
+
+
+def yarn_applies(m: ModelConfig) -> bool:
+    """Whether multi-latent attention's YaRN changes anything: at --rotary-scaling-factor 1 its frequencies,
+    tables and softmax scale are plain RoPE's (megatron-core's and meshtron's alike)."""
+    return bool(m.multi_latent_attention) and rope_kind(m) == "yarn" and float(m.rotary_scaling_factor) > 1
 
 
 #: (what is compared, how meshtron computes it) for the check of a run against a checkpoint.
@@ -151,6 +234,13 @@ _CHECKED = {
     "moe_router_pre_softmax": lambda m: bool(m.moe_router_pre_softmax) if m.num_experts else None,
     "layer_pattern": resolved_pattern,  # each layer's kinds (where the experts are)
     "multi_latent_attention": lambda m: bool(m.multi_latent_attention),
+    "rotary_percent": lambda m: (float(m.rotary_percent) if m.position_embedding_type == "rope"
+                                 and not m.multi_latent_attention else None),
+    "rope_type": lambda m: ("yarn" if yarn_applies(m) else "rope") if m.multi_latent_attention else None,
+    **{k: (lambda name: lambda m: float(getattr(m, name)) if yarn_applies(m) else None)(k)
+       for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
+                 "yarn_beta_fast", "yarn_beta_slow")},
+    "yarn_truncate": lambda m: bool(m.yarn_truncate) if yarn_applies(m) else None,
     "mtp_num_layers": lambda m: m.mtp_num_layers or None,
     "mtp_normed_hidden_states": lambda m: bool(m.mtp_normed_hidden_states) if m.mtp_num_layers else None,
     **{k: (lambda name: lambda m: getattr(m, name) if m.multi_latent_attention else None)(k)

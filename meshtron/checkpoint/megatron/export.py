@@ -32,10 +32,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.megatron import files, names
-from meshtron.checkpoint.megatron.args import MLA_FIELDS
+from meshtron.checkpoint.megatron.args import MLA_FIELDS, YARN_CONFIG, YARN_FLAGS, yarn_applies
 from meshtron.checkpoint.pieces import MODEL_PREFIX, OPTIM_PREFIX
-from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num_kv_heads, padded_vocab_size
-from meshtron.layer_kinds.pattern import is_moe_layer
+from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads,
+                             padded_vocab_size)
+from meshtron.layer_kinds.gated_shared_moe import GATED_SHARED_MOE
+from meshtron.layer_kinds.gqa import GQA
+from meshtron.layer_kinds.moe import MOE
+from meshtron.layer_kinds.pattern import is_moe_layer, layer_at, resolved_pattern
+from meshtron.layers.rotary import rope_kind
 
 #: meshtron's optimizer states -> Megatron's names in the fully reshardable format.
 OPTIM_NAMES = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -45,9 +50,17 @@ CHECKPOINT_VERSION = 3.0
 def unsupported(m: ModelConfig) -> list[str]:
     """What of ``m`` this export cannot write (empty: everything)."""
     out = []
-    if m.multi_latent_attention and (m.rope_type or "rope") != "rope":
-        out.append(f"--multi-latent-attention with --rope-type {m.rope_type} (only --rope-type rope is written and "
-                   "read back yet)")
+    if yarn_applies(m):
+        for name, field, default in YARN_CONFIG:  # megatron-core's MLA values, which Megatron-LM cannot change
+            if float(getattr(m, field)) != default:
+                out.append(f"{flag_name(field)} {getattr(m, field)} with multi-latent attention's YaRN (Megatron-LM "
+                           f"has no flag for it: megatron-core's {name} is {default:g})")
+        if not m.yarn_truncate:
+            out.append("--no-yarn-truncate with multi-latent attention's YaRN (megatron-core rounds the ramp's ends)")
+    experts = {layer_at(m, i).mlp.name for i in range(m.num_layers) if is_moe_layer(m, i)}
+    if len(experts) > 1 or experts - {MOE.name, GATED_SHARED_MOE.name}:
+        out.append(f"--layer-pattern {resolved_pattern(m)} (Megatron-LM's mixture-of-experts layers are all of one "
+                   f"kind: {MOE.name}, or {GATED_SHARED_MOE.name} with --moe-shared-expert-gate)")
     if m.mtp_num_layers and m.position_embedding_type == "learned_absolute":
         out.append("--mtp-num-layers with learned absolute position embeddings (megatron-core adds the shifted "
                    "position's embedding to a depth's token embedding; meshtron looks up the word embedding alone)")
@@ -59,10 +72,23 @@ def unsupported(m: ModelConfig) -> list[str]:
     return out
 
 
-def shape_info(m: ModelConfig) -> dict[str, Any]:
+def interleaved_unsupported(m: ModelConfig) -> list[str]:
+    """Why ``m`` cannot be written for ``--rotary-interleaved`` (empty: it can)."""
+    if m.position_embedding_type != "rope":
+        return [f"--megatron-rotary-interleaved with --position-embedding-type {m.position_embedding_type}"]
+    if m.multi_latent_attention or any(layer_at(m, i).mixer.name != GQA.name for i in range(m.num_layers)):
+        return [f"--megatron-rotary-interleaved with --layer-pattern {resolved_pattern(m)} (megatron-core's "
+                "--rotary-interleaved is for grouped-query attention)"]
+    return []
+
+
+def shape_info(m: ModelConfig, interleaved: bool = False) -> dict[str, Any]:
+    """The shapes :func:`.names.from_canonical` needs; ``interleaved``: the query/key rows each head rotates
+    written in megatron-core's interleaved pairs (``--rotary-interleaved``)."""
     mla = {k: getattr(m, k) for k in MLA_FIELDS[1:6]} if m.multi_latent_attention else None
     return {"heads": m.num_attention_heads, "groups": num_kv_heads(m), "head_dim": head_dim(m),
-            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights, "mla": mla}
+            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights, "mla": mla,
+            "rope_interleaved": int(head_dim(m) * m.rotary_percent) if interleaved else None}
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -71,11 +97,12 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def megatron_tensors(canonical: dict[str, torch.Tensor], m: ModelConfig, padded_vocab: int, spec: str) \
-        -> dict[str, torch.Tensor]:
+def megatron_tensors(canonical: dict[str, torch.Tensor], m: ModelConfig, padded_vocab: int, spec: str,
+                     interleaved: bool = False) -> dict[str, torch.Tensor]:
     """megatron-core's torch_dist tensors of a set of canonical tensors (weights or one optimizer state)."""
     moe = {i for i in range(m.num_layers) if is_moe_layer(m, i)}
-    per_layer = names.from_canonical(canonical, shape_info(m), moe, spec, mtp_moe=(m.num_layers - 1) in moe)
+    per_layer = names.from_canonical(canonical, shape_info(m, interleaved), moe, spec,
+                                     mtp_moe=(m.num_layers - 1) in moe)
     for n in (names.WORD_EMBEDDING, "output_layer.weight"):
         if n in per_layer:
             per_layer[n] = _pad_rows(per_layer[n], padded_vocab)
@@ -165,11 +192,23 @@ def content_metadata(with_optimizer: bool) -> dict[str, Any]:
 
 
 def mla_args(m: ModelConfig) -> dict[str, Any]:
-    """Megatron-LM's multi-latent attention flags: its latent norms are --qk-layernorm, its RoPE --rope-type."""
+    """Megatron-LM's multi-latent attention flags: its latent norms are --qk-layernorm, its RoPE --rope-type
+    (with YaRN's --rotary-scaling-factor, --mscale, --mscale-all-dim)."""
     if not m.multi_latent_attention:
         return {"multi_latent_attention": False}
-    return dict({k: getattr(m, k) for k in MLA_FIELDS}, rope_type="rope", qk_layernorm=True,
-                group_query_attention=False, num_query_groups=m.num_attention_heads)
+    rope = rope_kind(m)
+    out = dict({k: getattr(m, k) for k in MLA_FIELDS}, rope_type=rope, qk_layernorm=True,
+               group_query_attention=False, num_query_groups=m.num_attention_heads, rotary_percent=1.0)
+    # YaRN's flags; with --rope-type rope Megatron-LM's defaults, under which its softmax scale is plain too
+    out.update({k: float(getattr(m, k)) for k in YARN_FLAGS} if rope == "yarn" else
+               {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0})
+    return out
+
+
+def gated_shared_expert(m: ModelConfig) -> bool:
+    """Whether the mixture-of-experts layers gate their shared expert (``moe_gated_shared``:
+    Megatron-LM's --moe-shared-expert-gate)."""
+    return any(layer_at(m, i).mlp.name == GATED_SHARED_MOE.name for i in range(m.num_layers))
 
 
 #: meshtron's ``--tokenizer-type`` kinds that Megatron-LM has under the same name (its ``args.tokenizer_type``).
@@ -218,7 +257,8 @@ def tokenizer_args(cfg: MeshtronConfig, kind: Optional[str], notices: Optional[l
 
 
 def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, iteration: int, consumed: int,
-                  with_optimizer: bool, spec: str, tokenizer: Optional[dict[str, Any]] = None) -> argparse.Namespace:
+                  with_optimizer: bool, spec: str, tokenizer: Optional[dict[str, Any]] = None,
+                  interleaved: bool = False) -> argparse.Namespace:
     """Megatron-LM's ``args`` for this model: the flags its ``--use-checkpoint-args`` and checks read
     (``tokenizer``: :func:`tokenizer_args`)."""
     m, o, t = cfg.model, cfg.optim, cfg.train
@@ -231,7 +271,7 @@ def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, it
         max_position_embeddings=m.max_position_embeddings or m.seq_length,
         position_embedding_type=m.position_embedding_type, add_position_embedding=not rope,
         use_rotary_position_embeddings=rope, rotary_base=int(m.rotary_base) if float(m.rotary_base).is_integer()
-        else float(m.rotary_base), rotary_percent=1.0, rotary_interleaved=False,
+        else float(m.rotary_base), rotary_percent=float(m.rotary_percent), rotary_interleaved=interleaved,
         add_bias_linear=not m.disable_bias_linear, add_qkv_bias=bool(m.add_qkv_bias), squared_relu=False,
         swiglu=bool(m.swiglu), untie_embeddings_and_output_weights=bool(m.untie_embeddings_and_output_weights),
         apply_layernorm_1p=False, normalization=m.normalization, norm_epsilon=float(m.norm_epsilon),
@@ -242,7 +282,7 @@ def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, it
         moe_ffn_hidden_size=(m.moe_ffn_hidden_size or ffn_size(m)) if moe else None,
         moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=bool(m.moe_router_pre_softmax),
         moe_grouped_gemm=False, moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=False, moe_router_score_function=m.moe_router_score_function,
+        moe_shared_expert_gate=gated_shared_expert(m), moe_router_score_function=m.moe_router_score_function,
         moe_router_enable_expert_bias=bool(m.moe_router_enable_expert_bias),
         moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
         moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=m.moe_router_group_topk,
@@ -294,7 +334,7 @@ def _optimizer_by_state(ckpt_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _optimizer_tensors(ckpt_dir: Path, meta: dict, m: ModelConfig, padded: int, spec: str,
-                       notices: list[str]) -> dict[str, torch.Tensor]:
+                       notices: list[str], interleaved: bool = False) -> dict[str, torch.Tensor]:
     """The fully reshardable optimizer tensors (``optimizer.state.<state>.<model key>``) of AdamW's state; none,
     with a notice, for a checkpoint without it or with another optimizer's."""
     optim = _optimizer_by_state(ckpt_dir) if (meta.get("optimizer") or {}).get("present") else {}
@@ -306,20 +346,22 @@ def _optimizer_tensors(ckpt_dir: Path, meta: dict, m: ModelConfig, padded: int, 
         notices.append(f"{ckpt_dir} holds no optimizer state: written without (Megatron starts fresh moments)")
     out = {}
     for state, canonical in optim.items():
-        for key, t in megatron_tensors(canonical, m, padded, spec).items():
+        for key, t in megatron_tensors(canonical, m, padded, spec, interleaved).items():
             if not key.endswith("expert_bias"):  # a buffer, not a parameter
                 out[f"optimizer.state.{OPTIM_NAMES[state]}.{key}"] = t.float()
     return out
 
 
 def _common_state(cfg: MeshtronConfig, meta: dict, layout: dict, vocab: int, padded: int, spec: str,
-                  with_optimizer: bool, tokenizer: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                  with_optimizer: bool, tokenizer: Optional[dict[str, Any]] = None,
+                  interleaved: bool = False) -> dict[str, Any]:
     """What Megatron-LM's save keeps beside the tensors (``common_state``)."""
     progress = meta.get("training_state") or {}
     iteration = int(meta.get("iteration", 0))
     consumed = int(progress.get("consumed_samples", 0))
     common: dict[str, Any] = {
-        "args": megatron_args(cfg, layout, vocab, padded, iteration, consumed, with_optimizer, spec, tokenizer),
+        "args": megatron_args(cfg, layout, vocab, padded, iteration, consumed, with_optimizer, spec, tokenizer,
+                              interleaved),
         "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
         "opt_param_scheduler": scheduler_state(cfg, iteration, int(progress.get("skipped_iterations", 0)),
                                                global_batch_size(cfg, layout)),
@@ -333,11 +375,13 @@ def _common_state(cfg: MeshtronConfig, meta: dict, layout: dict, vocab: int, pad
 def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: str = "transformer_engine",
                          add_to_existing: bool = False, optimizer: bool = True, dtype: Optional[torch.dtype] = None,
                          notices: Optional[list[str]] = None, verify: bool = True,
-                         layout: Optional[dict[str, int]] = None) -> Path:
+                         layout: Optional[dict[str, int]] = None, rotary_interleaved: bool = False) -> Path:
     """Write the meshtron checkpoint ``input_path`` designates as ``output_dir/iter_NNNNNNN`` of a Megatron-LM
     save directory (then ``latest_checkpointed_iteration.txt``); returns the iteration directory. ``layout``
     (``tp``, ``pp``, ``ep``...) overrides the saving run's parallel sizes recorded in ``args``, which set the
-    vocabulary's padding and, with experts, the optimizer's shape (see :func:`optimizer_common`)."""
+    vocabulary's padding and, with experts, the optimizer's shape (see :func:`optimizer_common`).
+    ``rotary_interleaved``: for a Megatron-LM run with ``--rotary-interleaved``, each query/key head's rotated
+    rows written in its interleaved pairs (the same attention; grouped-query attention only)."""
     from meshtron.checkpoint.conversion_checks import check_complete
     from meshtron.checkpoint.load import resolve_checkpoint
     from meshtron.checkpoint.metadata import read_config, read_meta
@@ -354,6 +398,8 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
     meta, cfg = read_meta(ckpt_dir), read_config(ckpt_dir)
     m = cfg.model
     problems = unsupported(m)
+    if rotary_interleaved:
+        problems += interleaved_unsupported(m)
     if problems:
         raise CheckpointError(f"{ckpt_dir}: this model cannot be written as a Megatron-LM checkpoint: "
                               f"{'; '.join(problems)}")
@@ -371,11 +417,11 @@ def meshtron_to_megatron(input_path: str | Path, output_dir: str | Path, spec: s
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, int(layout.get("tp", 1) or 1))
     if dtype is not None:
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
-    tensors = megatron_tensors(weights, m, padded, spec)
-    optim = _optimizer_tensors(ckpt_dir, meta, m, padded, spec, notices) if optimizer else {}
+    tensors = megatron_tensors(weights, m, padded, spec, rotary_interleaved)
+    optim = _optimizer_tensors(ckpt_dir, meta, m, padded, spec, notices, rotary_interleaved) if optimizer else {}
     tensors.update(optim)
     common = _common_state(cfg, meta, layout, vocab, padded, spec, bool(optim),
-                           tokenizer_args(cfg, tokenizer_kind(cfg, ckpt_dir), notices))
+                           tokenizer_args(cfg, tokenizer_kind(cfg, ckpt_dir), notices), rotary_interleaved)
     if padded > vocab:
         notices.append(f"the vocabulary of {vocab} is padded to {padded} rows (--make-vocab-size-divisible-by "
                        f"{m.make_vocab_size_divisible_by} x tensor-parallel size {layout.get('tp', 1)}) with zeros")

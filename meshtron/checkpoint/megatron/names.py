@@ -19,6 +19,8 @@ Megatron (per layer, after :func:`per_layer` has unstacked the ``torch_dist`` st
 ``...mlp.experts.E.linear_fc{1,2}.weight`` (every spelling   ``layers.N.mlp.experts.E.{gate,up,down}.weight``
   of experts: :func:`expert_name`)
 ``...mlp.shared_experts.linear_fc{1,2}.weight``              ``layers.N.mlp.shared_experts.{gate,up,down}.weight``
+``...mlp.shared_experts.gate_weight`` [1, H]                  ``layers.N.mlp.shared_expert_gate.weight``
+  (``--moe-shared-expert-gate``)                               (``moe_gated_shared`` layers)
 multi-latent attention (``args.multi_latent_attention``):    ``layers.N.attention.``
 ``...self_attention.linear_q_down_proj.weight``              ``q_down.weight``
 ``...self_attention.linear_q_up_proj.weight`` (or            ``q_up.weight`` (``q.weight``), rotary rows
@@ -41,6 +43,10 @@ torch_dist stacks the decoder's layers (``decoder.layers.X`` [num_layers, ...]) 
 megatron-core saves each depth under its own number, its experts stacked [experts, ...].
 
 Transformer Engine's ``_extra_state`` entries and RoPE's ``inv_freq`` carry no weights and are skipped.
+
+With ``--rotary-interleaved`` megatron-core rotates each query/key head's dimensions in pairs (0, 1), (2, 3)...
+(of its first ``--rotary-percent``); meshtron rotates halves. The rows producing them (``q``, ``k``, their biases
+and head norms) are reordered on reading (:func:`rotate_half_rows`), which computes the same attention.
 
 :func:`from_canonical` and :func:`stack_for_torch_dist` go the other way (``meshtron convert --to megatron``),
 with the same tables read backwards.
@@ -94,6 +100,7 @@ _LAYER_SIMPLE = {
     "mlp.router.weight": "mlp.router.weight",
     "mlp.router.expert_bias": "mlp.router.expert_bias",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",  # --moe-shared-expert-gate [1, H]
 }
 _GLOBAL = {
     "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
@@ -192,10 +199,44 @@ def _mla_rows(rest: str, t: torch.Tensor, mla: dict, inverse: bool = False) -> t
     return t
 
 
+#: grouped-query attention's tensors whose rows (per head of ``head_dim``) produce the rotated dimensions
+_ROTATED = re.compile(r"attention\.(q|k|q_norm|k_norm)\.(weight|bias)$")
+
+
+def _interleaved_rows(d: int, rotated: int, heads: int, inverse: bool) -> torch.Tensor:
+    """Row indices putting each head's first ``rotated`` rows (of ``d``) from interleaved pairs (0, 1), (2, 3)...
+    into rotate-half order (the even rows, then the odd ones); ``inverse``: back."""
+    pairs = torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2)])
+    if inverse:
+        pairs = torch.argsort(pairs)
+    block = torch.cat([pairs, torch.arange(rotated, d)])
+    return torch.cat([block + h * d for h in range(heads)])
+
+
+def rotate_half_rows(name: str, t: torch.Tensor, shape: dict, inverse: bool = False) -> torch.Tensor:
+    """``--rotary-interleaved`` (``shape["rope_interleaved"]``: the rotated dimensions of each head): megatron-core
+    rotates pairs (0, 1), (2, 3)... of each query/key head; meshtron rotates halves. Reordering the rows that
+    produce a query/key head (and its head norm's weight and bias) alike makes meshtron's rotation compute
+    megatron-core's, and leaves every attention score as it was. Other tensors pass unchanged."""
+    rotated = shape.get("rope_interleaved")
+    if not rotated or not _ROTATED.search(name):
+        return t
+    d = shape["head_dim"]
+    return t[_interleaved_rows(d, rotated, t.shape[0] // d, inverse)]
+
+
 def _layer_to_canonical(where: str, base: str, rest: str, t: torch.Tensor,
                         shape: dict) -> Optional[list[tuple[str, torch.Tensor]]]:
     """One transformer layer's tensor ``rest`` (Megatron's name after the layer's prefix ``where``) as meshtron's
     under ``base`` (``layers.N`` or a prediction depth's ``mtp.layers.k.transformer_layer``); None: unknown."""
+    out = _layer_tensors(where, base, rest, t, shape)
+    if out is None or not shape.get("rope_interleaved"):
+        return out
+    return [(n, rotate_half_rows(n, x, shape)) for n, x in out]
+
+
+def _layer_tensors(where: str, base: str, rest: str, t: torch.Tensor,
+                   shape: dict) -> Optional[list[tuple[str, torch.Tensor]]]:
     rest = _NORM_ALIASES.get(rest, rest)
     if shape.get("mla") and rest in _MLA:
         return [(f"{base}.{_MLA[rest]}", _mla_rows(rest, t, shape["mla"]))]
@@ -321,6 +362,7 @@ def _layer_from_canonical(base: str, rest: str, t: torch.Tensor, moe: bool, spec
         mname = _FROM_MLA[spec][rest]
         out[f"{base}.{mname}"] = _mla_rows(mname, t, shape["mla"], inverse=True)
         return True
+    t = rotate_half_rows(rest, t, shape, inverse=True)  # --rotary-interleaved: the query/key rows back in pairs
     if rest in _FROM_LAYER:
         out[f"{base}.{_megatron_layer_name(rest, moe, spec, bool(shape.get('mla')))}"] = t
         return True

@@ -10,7 +10,7 @@ import torch
 
 from meshtron.checkpoint.errors import CheckpointError
 from meshtron.checkpoint.megatron import buckets, legacy, legacy_optim, names, torch_dist
-from meshtron.checkpoint.megatron.args import model_settings
+from meshtron.checkpoint.megatron.args import model_settings, rope_layout
 from meshtron.checkpoint.megatron.detect import MegatronCheckpoint
 from meshtron.checkpoint.megatron.unpickler import load_pickled
 from meshtron.checkpoint.writer import quiet_single_process_notice
@@ -43,7 +43,7 @@ class MegatronState:
     notices: list[str] = field(default_factory=list)
 
 
-def _shape_info(settings: dict[str, Any]) -> dict[str, Any]:
+def _shape_info(settings: dict[str, Any], args: Any = None) -> dict[str, Any]:
     m = ModelConfig()
     for k, v in settings.items():
         if k != "vocab_size":
@@ -51,7 +51,8 @@ def _shape_info(settings: dict[str, Any]) -> dict[str, Any]:
     mla = {k: getattr(m, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                                        "v_head_dim")} if m.multi_latent_attention else None
     return {"heads": m.num_attention_heads, "groups": num_kv_heads(m), "head_dim": head_dim(m),
-            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights, "mla": mla}
+            "swiglu": bool(m.swiglu), "tied": not m.untie_embeddings_and_output_weights, "mla": mla,
+            "rope_interleaved": rope_layout(args, settings) if args is not None else None}
 
 
 def _canonical(tensors: dict[str, torch.Tensor], num_layers: int, shape: dict) -> dict[str, torch.Tensor]:
@@ -185,10 +186,10 @@ def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, op
         common = torch_dist.read_common(ckpt.directory, md)
         iteration, args, scheduler = _progress(common, where)
         settings = model_settings(args, where)
-        shape = _shape_info(settings)
+        shape = _shape_info(settings, args)
         shapes = torch_dist.tensor_shapes(md)
         model_keys = [k for k in shapes if not k.startswith("optimizer.") and not names.is_skipped(k)]
-        optim_keys = [k for k in shapes if _OPTIM_KEY.match(k)] if optimizer else []
+        optim_keys = [k for k in shapes if _OPTIM_KEY.match(k) and not k.endswith("expert_bias")] if optimizer else []
         tensors, _ = torch_dist.read_entries(ckpt.directory, md, model_keys + optim_keys, dtype=None)
         model = _canonical({k: tensors[k] for k in model_keys}, settings["num_layers"], shape)
         by_state: dict[str, dict[str, torch.Tensor]] = {}
@@ -211,7 +212,7 @@ def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, op
         first = legacy.read_rank(files[(0, 0, 0)])
         iteration, args, scheduler = _progress(first, where)
         settings = model_settings(args, where)
-        shape = _shape_info(settings)
+        shape = _shape_info(settings, args)
         merged, states, more = legacy.merge(ckpt.directory, shape["swiglu"])
         notices += more
         model = _canonical(merged, settings["num_layers"], shape)
