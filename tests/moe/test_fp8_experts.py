@@ -362,6 +362,7 @@ def _train_fp8(rank: int, world: int, path: str) -> dict:
     return run_training(_trainer_config(path, ep=2)).train_losses
 
 
+@pytest.mark.slow  # test_expert_parallel_fp8_equals_one_process is the fast representative of FP8 experts under EP
 def test_trainer_fp8_moe_under_expert_parallelism_follows_one_process(tmp_path):
     """Through the trainer (bf16 with FP8 rowwise linears and experts, three iterations): EP=2 on two processes
     against one process. Under EP each expert's buffer holds both ranks' concurrent micro-batches, which one process
