@@ -289,7 +289,7 @@ def grouped_support_error(hidden: int, expert_width: int, recipe: str) -> Option
     if not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability()
-    if major != 9:
-        return (f"--fp8-recipe {recipe} with MoE experts needs a Hopper GPU (compute capability 9.x: torch's grouped "
-                f"FP8 kernel); this one is {major}.{minor}")
+    if (major, minor) not in ((9, 0), (10, 0)):  # the devices torch._scaled_grouped_mm itself admits
+        return (f"--fp8-recipe {recipe} with MoE experts needs a GPU of compute capability 9.0 or 10.0 (torch's "
+                f"grouped FP8 kernel); this one is {major}.{minor}")
     return None
