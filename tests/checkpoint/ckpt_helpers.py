@@ -171,3 +171,21 @@ def mtp_losses(model: GPTModel, batch: dict) -> tuple[torch.Tensor, torch.Tensor
     finally:
         hook.remove()
     return loss.detach(), seen[0]
+
+
+def train_on_from_megatron(directory: Any) -> str:
+    """``meshtron train --load DIRECTORY --use-checkpoint-args`` on a Megatron fixture saved at iteration 7, to
+    iteration 8 (mock data, CPU); asserts that it resumed with the optimizer state (no notice that the Adam moments
+    start from zero or that a part is not read) and returns its output."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "meshtron", "train", "--load", str(directory), "--use-checkpoint-args",
+           "--mock-data", "--train-iters", "8", "--global-batch-size", "8", "--micro-batch-size", "8", "--device",
+           "cpu", "--lr", "3e-4", "--log-interval", "1", "--eval-iters", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-2000:]
+    assert "resumed from" in text and "iteration 8/8" in text
+    assert "start from zero" not in text and "is not read" not in text
+    return text

@@ -123,21 +123,13 @@ def test_mtp_names_and_flags():
 
 def test_mtp_refusals_named():
     """What meshtron's depths do not compute as megatron-core's: refused, flag by flag."""
-    import copy
-
-    from meshtron.checkpoint.megatron.args import model_settings
     from meshtron.checkpoint.megatron.reader import read_common_state
 
     args = read_common_state(find_megatron_checkpoint(FIXTURES / "mtp_tp2pp2"))["args"]
     for change, flag in (({"mtp_use_repeated_layer": True}, "--mtp-use-repeated-layer"),
                          ({"mtp_detach_heads": True}, "--mtp-detach-heads"),
                          ({"position_embedding_type": "learned_absolute"}, "learned absolute position")):
-        bad = copy.copy(args)
-        for k, v in change.items():
-            setattr(bad, k, v)
-        with pytest.raises(CheckpointError) as err:
-            model_settings(bad, "Megatron-LM checkpoint X")
-        assert any(flag in line for line in err.value.differences), err.value.differences
+        _assert_refused_naming(args, change, flag)
 
 
 def test_detection_and_format():
@@ -271,8 +263,6 @@ def test_train_continues_from_a_megatron_checkpoint(tmp_path):
 def test_mla_refusals_named():
     """Multi-latent attention without its latent norms, or with a RoPE type megatron-core does not have: refused,
     named (YaRN, megatron-core's default, is read: test_megatron_variants.py)."""
-    import copy
-
     from meshtron.checkpoint.megatron.args import model_settings
     from meshtron.checkpoint.megatron.reader import read_common_state
 
@@ -281,9 +271,18 @@ def test_mla_refusals_named():
     assert model_settings(args, "X")["rope_type"] == "rope"
     for change, flag in (({"rope_type": "mrope"}, "--rope-type mrope"), ({"qk_layernorm": False},
                                                                          "without --qk-layernorm")):
-        bad = copy.copy(args)
-        for k, v in change.items():
-            setattr(bad, k, v)
-        with pytest.raises(CheckpointError) as err:
-            model_settings(bad, "Megatron-LM checkpoint X")
-        assert any(flag in line for line in err.value.differences), err.value.differences
+        _assert_refused_naming(args, change, flag)
+
+
+def _assert_refused_naming(args, change: dict, flag: str) -> None:
+    """``args`` with ``change`` applied is refused by the model-settings check, one line naming ``flag``."""
+    import copy
+
+    from meshtron.checkpoint.megatron.args import model_settings
+
+    bad = copy.copy(args)
+    for k, v in change.items():
+        setattr(bad, k, v)
+    with pytest.raises(CheckpointError) as err:
+        model_settings(bad, "Megatron-LM checkpoint X")
+    assert any(flag in line for line in err.value.differences), err.value.differences

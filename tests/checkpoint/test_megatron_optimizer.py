@@ -216,14 +216,6 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""
-    import subprocess
-    import sys
+    from ckpt_helpers import train_on_from_megatron
 
-    cmd = [sys.executable, "-m", "meshtron", "train", "--load", str(FIXTURES / name), "--use-checkpoint-args",
-           "--mock-data", "--train-iters", "8", "--global-batch-size", "8", "--micro-batch-size", "8", "--device",
-           "cpu", "--lr", "3e-4", "--log-interval", "1", "--eval-iters", "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-2000:]
-    assert "resumed from" in text and "iteration 8/8" in text
-    assert "start from zero" not in text and "is not read" not in text
+    train_on_from_megatron(FIXTURES / name)

@@ -247,14 +247,6 @@ def test_what_megatron_cannot_be_given_is_refused(tmp_path, capsys):
 def test_train_continues_from_each(name):
     """meshtron train --load --use-checkpoint-args on each: the model flags taken from args (YaRN, the gated shared
     expert's layer pattern, --rotary-percent), resumed at iteration 7 with the optimizer state, trained on."""
-    import subprocess
-    import sys
+    from ckpt_helpers import train_on_from_megatron
 
-    cmd = [sys.executable, "-m", "meshtron", "train", "--load", str(FIXTURES / name), "--use-checkpoint-args",
-           "--mock-data", "--train-iters", "8", "--global-batch-size", "8", "--micro-batch-size", "8", "--device",
-           "cpu", "--lr", "3e-4", "--log-interval", "1", "--eval-iters", "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-2000:]
-    assert "resumed from" in text and "iteration 8/8" in text
-    assert "start from zero" not in text and "is not read" not in text
+    train_on_from_megatron(FIXTURES / name)
