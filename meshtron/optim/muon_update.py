@@ -4,6 +4,7 @@ optimizer's part; the rule is in :mod:`meshtron.optim.muon_rule`, the flags and 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Sequence
 
@@ -15,8 +16,13 @@ from meshtron.optim.muon_rule import NS_COEFFICIENTS, NS_EPS, STATES, uses_muon
 from meshtron.parallel.sharding import ShardSpec, cut, spec_of, split_local
 
 # ----------------------------------------------------------------------------------------- the update
-def newton_schulz(matrix: torch.Tensor, steps: int, coefficients: str = "quintic") -> torch.Tensor:
-    """The orthogonalisation of ``matrix`` (2-D) by ``steps`` Newton-Schulz iterations, in fp32."""
+def newton_schulz(matrix: torch.Tensor, steps: int, coefficients: str = "quintic",
+                  precision: str = "highest") -> torch.Tensor:
+    """The orthogonalisation of ``matrix`` (2-D) by ``steps`` Newton-Schulz iterations of fp32 values; on CUDA
+    the matmuls run at ``precision`` (torch.set_float32_matmul_precision's names: high and medium allow TF32)."""
+    if matrix.is_cuda and precision != torch.get_float32_matmul_precision():
+        with _float32_matmul_precision(precision):
+            return newton_schulz(matrix, steps, coefficients, precision)
     a, b, c = NS_COEFFICIENTS[coefficients]
     x = matrix.float()
     tall = x.size(0) > x.size(1)
@@ -27,6 +33,17 @@ def newton_schulz(matrix: torch.Tensor, steps: int, coefficients: str = "quintic
         A = x @ x.mT
         x = a * x + (b * A + c * (A @ A)) @ x
     return x.mT if tall else x
+
+
+@contextlib.contextmanager
+def _float32_matmul_precision(precision: str):
+    """torch's fp32 matmul precision set to ``precision`` inside, restored after (the step's own matmuls only)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def scale_factor(rows: int, cols: int, mode: str, extra: float = 1.0) -> float:
@@ -44,7 +61,8 @@ def scale_factor(rows: int, cols: int, mode: str, extra: float = 1.0) -> float:
 
 def orthogonal_update(matrix: torch.Tensor, cfg) -> torch.Tensor:
     """``s NS(matrix)`` for one whole matrix."""
-    return newton_schulz(matrix, cfg.muon_num_ns_steps, cfg.muon_coefficient_type) * scale_factor(
+    return newton_schulz(matrix, cfg.muon_num_ns_steps, cfg.muon_coefficient_type,
+                         cfg.muon_fp32_matmul_prec) * scale_factor(
         matrix.size(0), matrix.size(1), cfg.muon_scale_mode, cfg.muon_extra_scale_factor)
 
 

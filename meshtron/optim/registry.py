@@ -40,6 +40,7 @@ class StepWork:
     """Work an optimizer's step does beyond streaming its state through memory, on one rank."""
 
     matmul_flops: float = 0.0  # e.g. Newton-Schulz iterations
+    matmul_rate: float = 1.0  # their rate as a fraction of the bf16 matmul rate (fp32 operands: TF32 or fp32)
     gather_bytes: float = 0.0  # bytes all-gathered over the tensor-parallel group
     gathers: int = 0  # all-gather calls over the tensor-parallel group
 

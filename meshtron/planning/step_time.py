@@ -288,7 +288,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     step_work = kind_of(cfg).step_work
     if step_work is not None:
         work = step_work(cfg, tp, dp * cp, pp, ep)
-        optimizer += gemm_seconds(work.matmul_flops, profile)
+        optimizer += gemm_seconds(work.matmul_flops, profile, efficiency=work.matmul_rate)
         if work.gathers:
             optimizer += _ring(work.gather_bytes, tp, links.bandwidth(profile, tp, 1), 0.0) + work.gathers * latency
     overhead = profile.step_overhead_ms * 1e-3

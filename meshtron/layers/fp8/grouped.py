@@ -51,6 +51,7 @@ from meshtron.layers.fp8.blockwise import TILE, _pad_to_tiles, blockwise_mm, qua
 from meshtron.layers.fp8.cast import scaled_cast
 from meshtron.layers.fp8.operands import output_dtype
 from meshtron.layers.fp8.recipes import E4M3, quantize_rows, scale_from_amax
+from meshtron.layers.fused import compiled_on_cuda
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 
@@ -79,25 +80,26 @@ class ExpertGroups:
         return self._bounds
 
 
-def group_amax(x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
-    """The largest absolute value of each group's rows of ``x``: [G] for ``x`` [M], [G, C] (per column) for
-    ``x`` [M, C]. fp32, no gradient."""
+def group_amax(x: torch.Tensor, expert_of_row: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """The largest absolute value of each group's rows of ``x`` (``expert_of_row``: each row's group): [G] for
+    ``x`` [M], [G, C] (per column) for ``x`` [M, C]. fp32, no gradient."""
     x = x.detach().abs()
-    index = groups.expert_of_row
+    index = expert_of_row
     if x.shape[0] % GROUP_ALIGN == 0 and x.shape[0]:
         # Rows in chunks of 16 never cross a group's boundary: their maximum first, then 16 times fewer updates.
         x = x.reshape(x.shape[0] // GROUP_ALIGN, GROUP_ALIGN, *x.shape[1:]).amax(dim=1)
         index = index[::GROUP_ALIGN]
-    out = torch.zeros((groups.num_groups,) + tuple(x.shape[1:]), dtype=torch.float32, device=x.device)
+    out = torch.zeros((num_groups,) + tuple(x.shape[1:]), dtype=torch.float32, device=x.device)
     if x.dim() == 2:
         index = index[:, None].expand(x.shape)  # a view
     return out.scatter_reduce_(0, index, x.float(), "amax")
 
 
-def quantize_per_group(x: torch.Tensor, groups: ExpertGroups) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_group(x: torch.Tensor, expert_of_row: torch.Tensor, num_groups: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x`` [M, C] as e4m3 with one scale per group of rows, 1/scale [G])."""
-    scale, inv = scale_from_amax(group_amax(x.detach().abs().amax(dim=1), groups), E4M3)
-    return scaled_cast(x, scale[groups.expert_of_row][:, None], E4M3), inv
+    scale, inv = scale_from_amax(group_amax(x.detach().abs().amax(dim=1), expert_of_row, num_groups), E4M3)
+    return scaled_cast(x, scale[expert_of_row][:, None], E4M3), inv
 
 
 def quantize_per_expert(w: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,17 +120,39 @@ def quantize_stacked_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, inv[:, :, 0, :, 0]
 
 
-def _quantize_rows_per_group(x: torch.Tensor, groups: ExpertGroups) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows_per_group(x: torch.Tensor, expert_of_row: torch.Tensor, num_groups: int
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x`` [M, C] as e4m3, transposed and contiguous [C, M], 1/scale [G, C]): one scale per group and column,
     constant along the rows (the weight gradient's contraction)."""
-    scale, inv = scale_from_amax(group_amax(x, groups), E4M3)
-    return scaled_cast(x, scale[groups.expert_of_row], E4M3).t().contiguous(), inv
+    scale, inv = scale_from_amax(group_amax(x, expert_of_row, num_groups), E4M3)
+    return scaled_cast(x, scale[expert_of_row], E4M3).t().contiguous(), inv
 
 
-def _transposed_per_group(x: torch.Tensor, groups: ExpertGroups) -> tuple[torch.Tensor, torch.Tensor]:
+def _transposed_per_group(x: torch.Tensor, expert_of_row: torch.Tensor, num_groups: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x`` [M, C] as e4m3 with one scale per group, transposed and contiguous [C, M], 1/scale [G])."""
-    q, inv = quantize_per_group(x, groups)
+    q, inv = quantize_per_group(x, expert_of_row, num_groups)
     return q.t().contiguous(), inv
+
+
+def _quantize_transposed_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``w`` [E, N, K] as a contiguous e4m3 [E, K, N] with one scale per input feature, 1/scale [E, K, 1])."""
+    q, inv = quantize_rows(w.transpose(1, 2), 2)
+    return q.contiguous(), inv
+
+
+# On CUDA every quantisation runs compiled: its absolute maximum as one reduction, then the scale, saturation
+# and cast (and a transposed layout) in one pass; eagerly each step of it is a pass of its own over tensors as
+# large as all the experts' weights (a step of the Qwen3-30B-A3B layer shape took 2.3x bf16's that way). Row
+# counts change every step: automatic dynamic shapes (one recompilation with the rows symbolic).
+_rows_q = compiled_on_cuda(quantize_rows, dynamic=None)
+_transposed_rows_q = compiled_on_cuda(_quantize_transposed_rows, dynamic=None)
+_group_q = compiled_on_cuda(quantize_per_group, dynamic=None)
+_expert_q = compiled_on_cuda(quantize_per_expert, dynamic=None)
+_group_rows_q_t = compiled_on_cuda(_quantize_rows_per_group, dynamic=None)
+_group_q_t = compiled_on_cuda(_transposed_per_group, dynamic=None)
+_blocks_q = compiled_on_cuda(quantize_stacked_blocks, dynamic=None)
+_tiles_q = compiled_on_cuda(quantize_tiles, dynamic=None)
 
 
 def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -173,17 +197,17 @@ def forward_product(x: torch.Tensor, w: torch.Tensor, groups: ExpertGroups, reci
     out = output_dtype(x.dtype)
     experts, n, _ = w.shape
     if recipe == "blockwise":
-        xq, x_inv = quantize_tiles(x)                    # per row, along K
-        wq, w_inv = quantize_stacked_blocks(w)
+        xq, x_inv = _tiles_q(x)                          # per row, along K
+        wq, w_inv = _blocks_q(w)
         return _per_group_rows(groups, (x.shape[0], n), x, out,
                                lambda e, s, t: blockwise_mm(xq[s:t], x_inv[s:t], wq[e], w_inv[e], True, out))
     if recipe == "rowwise":
-        xq, x_inv = quantize_rows(x, 1)                  # [M, 1]: per row
-        wq, w_inv = quantize_rows(w, 2)                  # [E, N, 1]: per output feature
+        xq, x_inv = _rows_q(x, 1)                        # [M, 1]: per row
+        wq, w_inv = _rows_q(w, 2)                        # [E, N, 1]: per output feature
         sa, sb = x_inv.view(-1), w_inv.view(experts, n)
     else:
-        xq, x_inv = quantize_per_group(x, groups)
-        wq, w_inv = quantize_per_expert(w)
+        xq, x_inv = _group_q(x, groups.expert_of_row, groups.num_groups)
+        wq, w_inv = _expert_q(w)
         sa, sb = x_inv[groups.expert_of_row], w_inv[:, None].expand(experts, n).contiguous()
     return grouped_scaled_mm(xq, wq.transpose(1, 2), sa, sb, groups, out, fast_accum=True)
 
@@ -193,17 +217,17 @@ def input_grad_product(g: torch.Tensor, w: torch.Tensor, groups: ExpertGroups, r
     out = output_dtype(g.dtype)
     experts, _, k = w.shape
     if recipe == "blockwise":
-        gq, g_inv = quantize_tiles(g)                    # per row, along N
-        wq, w_inv = quantize_stacked_blocks(w)           # the forward's blocks, read transposed
+        gq, g_inv = _tiles_q(g)                          # per row, along N
+        wq, w_inv = _blocks_q(w)                         # the forward's blocks, read transposed
         return _per_group_rows(groups, (g.shape[0], k), g, out,
                                lambda e, s, t: blockwise_mm(gq[s:t], g_inv[s:t], wq[e].t(), w_inv[e].t(), True, out))
     if recipe == "rowwise":
-        gq, g_inv = quantize_rows(g, 1)                  # per row
-        wq_t, w_inv = quantize_rows(w.transpose(1, 2), 2)  # [E, K, N], one scale per input feature
-        wq_t, sa, sb = wq_t.contiguous(), g_inv.view(-1), w_inv.view(experts, k)
+        gq, g_inv = _rows_q(g, 1)                        # per row
+        wq_t, w_inv = _transposed_rows_q(w)              # [E, K, N], one scale per input feature
+        sa, sb = g_inv.view(-1), w_inv.view(experts, k)
     else:
-        gq, g_inv = quantize_per_group(g, groups)
-        wq_t, w_inv = quantize_per_expert(w, transposed=True)
+        gq, g_inv = _group_q(g, groups.expert_of_row, groups.num_groups)
+        wq_t, w_inv = _expert_q(w, True)
         sa, sb = g_inv[groups.expert_of_row], w_inv[:, None].expand(experts, k).contiguous()
     return grouped_scaled_mm(gq, wq_t.transpose(1, 2), sa, sb, groups, out)
 
@@ -217,17 +241,17 @@ def weight_grad_product(g: torch.Tensor, x: torch.Tensor, groups: ExpertGroups, 
         dw = x.new_zeros((groups.num_groups, n, k), dtype=out)
         for e, (s, t) in enumerate(groups.bounds()):
             if t > s:  # tiles along the expert's rows, from its first row
-                gtq, gt_inv = quantize_tiles(g[s:t].t())
-                xtq, xt_inv = quantize_tiles(x[s:t].t())
+                gtq, gt_inv = _tiles_q(g[s:t].t())
+                xtq, xt_inv = _tiles_q(x[s:t].t())
                 dw[e] = blockwise_mm(gtq, gt_inv, xtq, xt_inv, False, out)
         return dw
     if recipe == "rowwise":
-        gq_t, g_inv = _quantize_rows_per_group(g, groups)  # [N, M], one scale per expert and output feature
-        xq_t, x_inv = _quantize_rows_per_group(x, groups)  # [K, M], one per expert and input feature
+        gq_t, g_inv = _group_rows_q_t(g, groups.expert_of_row, groups.num_groups)  # [N, M]: per expert, feature
+        xq_t, x_inv = _group_rows_q_t(x, groups.expert_of_row, groups.num_groups)  # [K, M]
         sa, sb = g_inv.reshape(-1), x_inv.reshape(-1)
     else:
-        gq_t, g_inv = _transposed_per_group(g, groups)
-        xq_t, x_inv = _transposed_per_group(x, groups)
+        gq_t, g_inv = _group_q_t(g, groups.expert_of_row, groups.num_groups)
+        xq_t, x_inv = _group_q_t(x, groups.expert_of_row, groups.num_groups)
         sa = g_inv[:, None].expand(-1, n).reshape(-1)
         sb = x_inv[:, None].expand(-1, k).reshape(-1)
     return grouped_scaled_mm(gq_t, xq_t.t(), sa, sb, groups, out)

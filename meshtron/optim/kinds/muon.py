@@ -89,6 +89,11 @@ def ns_flops(rows: int, cols: int, steps: int) -> float:
     return steps * (4.0 * small * small * large + 2.0 * small ** 3)
 
 
+#: The rate of fp32 matmuls as a fraction of bf16's on the tensor cores, by --muon-fp32-matmul-prec (Hopper's
+#: dense figures: TF32 half the bf16 rate, plain fp32 on the CUDA cores about a fifteenth of it).
+FP32_MATMUL_RATE = {"highest": 1 / 15, "high": 0.5, "medium": 0.5}
+
+
 def _step_work(cfg, tp: int, dp: int, pp: int, ep: int = 1) -> StepWork:
     """One rank's Newton-Schulz FLOPs and TP gathers per step: the stage's matrices (layers / PP) split over
     their owners (DP x CP ranks; experts over EP too), each orthogonalised whole on every rank of its TP group
@@ -105,7 +110,8 @@ def _step_work(cfg, tp: int, dp: int, pp: int, ep: int = 1) -> StepWork:
                 count += layers / owners
     if tp > 1 and o.muon_tp_mode == "blockwise":
         flops /= tp
-    return StepWork(matmul_flops=flops, gather_bytes=gathered, gathers=int(math.ceil(count)))
+    return StepWork(matmul_flops=flops, matmul_rate=FP32_MATMUL_RATE[o.muon_fp32_matmul_prec],
+                    gather_bytes=gathered, gathers=int(math.ceil(count)))
 
 
 def _build(params, cfg, ctx):
