@@ -238,7 +238,7 @@ class GroupedExperts(nn.Module):
         return F.gelu(h, approximate="tanh")
 
 
-def assignment_slots(indices: torch.Tensor, counts: torch.Tensor, align: int = None, min_rows: int = 0
+def assignment_slots(indices: torch.Tensor, counts: torch.Tensor, align: Optional[int] = None, min_rows: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The row of the aligned grouped-GEMM buffer (:func:`aligned_layout`, with ``align`` and ``min_rows``) of each
     assignment ``t * k + j`` (token t's j-th expert ``indices[t, j]``; ``counts``: the assignments of each expert),
@@ -359,7 +359,7 @@ def add_expert_bias(rows: torch.Tensor, bias: torch.Tensor, expert_of_row: torch
 GROUP_ALIGN = 8
 
 
-def aligned_layout(counts: torch.Tensor, rows: int, align: int = None, min_rows: int = 0
+def aligned_layout(counts: torch.Tensor, rows: int, align: Optional[int] = None, min_rows: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Where ``rows`` rows grouped by expert (``counts`` per group) go in a buffer whose groups each start
     at a multiple of ``align`` rows (default GROUP_ALIGN) and hold at least ``min_rows`` (a multiple of
@@ -385,7 +385,7 @@ def aligned_layout(counts: torch.Tensor, rows: int, align: int = None, min_rows:
     return offs, dest, expert_of_row, total
 
 
-def _aligned_groups(x: torch.Tensor, counts: torch.Tensor, align: int = None, min_rows: int = 0):
+def _aligned_groups(x: torch.Tensor, counts: torch.Tensor, align: Optional[int] = None, min_rows: int = 0):
     """Copy the row groups of ``x`` into the zero buffer of :func:`aligned_layout` (``align``, ``min_rows``).
 
     Returns (padded rows, int32 group end offsets, destination of each row of ``x``, local expert of
