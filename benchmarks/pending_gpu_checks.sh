@@ -63,6 +63,9 @@ for phase in "$@"; do
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/moe/test_fp8_experts_gpu.py \
         > "$OUT/gpu_tests_fp8moe.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_fp8moe.log" | tail -12
+      # One MoE layer's experts, forward + backward, bf16 against each recipe; the heaviest kernels of rowwise.
+      timeout 120 python3 benchmarks/fp8_experts_profile.py --experts 128 --hidden 2048 --width 768 --rows 131072 \
+        2>&1 | grep -v Warning | tail -34
       timeout 300 python3 -m meshtron bench --matrix benchmarks/fp8_moe_one_gpu.yaml --warmup 3 --steps 5 --no-split \
         --record "$OUT/measured_fp8_moe.jsonl" 2>&1 | tail -10 ;;
     *) echo "unknown phase $phase" ;;

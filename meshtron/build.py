@@ -72,7 +72,7 @@ def prepare_stage(model: GPTModel, cfg: MeshtronConfig, ctx: ParallelContext, tr
     initialize_parameters(model, cfg.train.seed, ctx.device, dtype)
     model.set_rng_tracker(tracker)
     if cfg.train.fp8_format:
-        enable_fp8(model, cfg.train.fp8_format, cfg.train.fp8_recipe)
+        enable_fp8(model, cfg.train.fp8_format, cfg.train.fp8_recipe, cfg.train.fp8_experts)
     set_tp_comm_overlap(model, cfg.parallel.tp_comm_overlap)
     if cfg.train.offload_activations:
         model.activation_offloader = ActivationOffloader(model, ctx.device, cfg.train.offload_activations_num_layers)

@@ -400,8 +400,11 @@ class TrainConfig:
     weight_hash_mismatch: str = opt("stop", "After a weight-hash mismatch: stop (exit 1), or restart (exit 1 as "
                                             "well, for an automatic restart (--max-restarts) that resumes from the "
                                             "last checkpoint; refused without one).", choices=("stop", "restart"))
-    fp8_format: Optional[str] = opt(None, "FP8 linear layers and MoE expert GEMMs (the experts' gradients in e4m3 "
-                                          "under either format).", choices=("e4m3", "hybrid"))
+    fp8_format: Optional[str] = opt(None, "FP8 linear layers (and with --fp8-experts the MoE expert GEMMs, their "
+                                          "gradients in e4m3 under either format).", choices=("e4m3", "hybrid"))
+    fp8_experts: bool = opt(False, "With --fp8-format: run the routed experts' GEMMs in FP8 too (the recipe's "
+                                   "scaling, grouped kernels). Off by default: on one H100 they were slower than "
+                                   "bf16 at the shapes measured (docs/fp8.md).")
     fp8_hybrid: bool = opt(False, "Alias of --fp8-format hybrid.")
     fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (one current scale per tensor), rowwise (one per "
                           "row, e4m3) or blockwise (DeepSeek-V3's: one per 1x128 tile of activations and gradients, "

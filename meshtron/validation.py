@@ -714,8 +714,12 @@ def _check_precision_and_recompute(cfg: MeshtronConfig) -> None:
         problem = gpu_support_error()
         if problem:
             raise ConfigError(problem)
-    if t.fp8_format and cfg.model.num_experts and t.device == "cuda":
-        # The routed experts' GEMMs run FP8 too (meshtron.layers.fp8.grouped): torch's grouped FP8 kernel.
+    if t.fp8_experts and not t.fp8_format:
+        raise ConfigError("--fp8-experts runs the experts' GEMMs in the FP8 recipe: it needs --fp8-format e4m3")
+    if t.fp8_experts and not cfg.model.num_experts:
+        raise ConfigError("--fp8-experts needs a mixture-of-experts model (--num-experts)")
+    if t.fp8_experts and t.device == "cuda":
+        # The routed experts' GEMMs run FP8 (meshtron.layers.fp8.grouped): torch's grouped FP8 kernel.
         from meshtron.layers.fp8.grouped import grouped_support_error
         m = cfg.model
         expert_tp = cfg.parallel.expert_tensor_parallel_size or cfg.parallel.tensor_model_parallel_size

@@ -135,6 +135,7 @@ class StepInputs:
     saves: int
     fc2_recomputes: bool
     gemm: GemmTimer = field(repr=False, default=None)
+    fp8_experts: bool = False  # the routed experts' GEMMs in FP8 too (--fp8-experts)
 
 
 def _import(path: str) -> Any:

@@ -112,9 +112,9 @@ class MixtureOfExperts(MLPKind):
         fan_in = 2 * fe if m.swiglu else fe
         # One grouped GEMM per projection runs every local expert in one kernel: its rate is that of
         # the whole product (all local experts' rows), not of one expert's.
-        # With FP8 the expert GEMMs run FP8 too (meshtron.layers.fp8.grouped).
-        expert = (gemm(2 * local * per_expert_tokens * h * fan_in / etp, x.fp8, experts=True)
-                  + gemm(2 * local * per_expert_tokens * fe / etp * h, x.fp8, experts=True))
+        # With --fp8-experts the expert GEMMs run FP8 too (meshtron.layers.fp8.grouped).
+        expert = (gemm(2 * local * per_expert_tokens * h * fan_in / etp, x.fp8_experts, experts=True)
+                  + gemm(2 * local * per_expert_tokens * fe / etp * h, x.fp8_experts, experts=True))
         router = gemm(2 * tokens * h * n_exp)
         shared = 0.0
         fs = m.moe_shared_expert_intermediate_size

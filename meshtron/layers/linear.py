@@ -336,9 +336,9 @@ def set_tp_comm_overlap(model: nn.Module, enabled: bool) -> None:
             module.overlap_backward_comm = enabled
 
 
-def enable_fp8(model: nn.Module, fmt: str, recipe: str = "tensorwise") -> int:
-    """Switch every tensor-parallel linear of the transformer layers, and the MoE layers' routed experts, to FP8;
-    returns how many linears (the experts' modules not counted).
+def enable_fp8(model: nn.Module, fmt: str, recipe: str = "tensorwise", experts: bool = False) -> int:
+    """Switch every tensor-parallel linear of the transformer layers to FP8, and with ``experts`` the MoE layers'
+    routed experts too; returns how many linears (the experts' modules not counted).
 
     The output layer (fused with the loss) and the MoE router stay in higher precision. The experts
     (:class:`meshtron.layers.moe.experts.GroupedExperts`) are found by their ``set_fp8`` method, so that this module
@@ -350,6 +350,6 @@ def enable_fp8(model: nn.Module, fmt: str, recipe: str = "tensorwise") -> int:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.fp8_format, module.fp8_recipe = fmt, recipe
             count += 1
-        elif callable(getattr(module, "set_fp8", None)):
+        elif experts and callable(getattr(module, "set_fp8", None)):
             module.set_fp8(fmt, recipe)
     return count

@@ -159,7 +159,8 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
     fwd_gemm = sum(gemm_seconds(f, profile, fp8) for f in kinds.mixer.forward_gemms(m, tokens, tp))
     wgrad = fwd_gemm
     work = kinds.mlp.step_work(m, StepInputs(tokens=tokens, tp=tp, ep=ep, expert_tp=etp, rep_div=rep_div, e=e,
-                                             fp8=fp8, bf16=compute_dtype_name(cfg) == BF16, saves=saves,
+                                             fp8=fp8, fp8_experts=fp8 and t.fp8_experts,
+                                             bf16=compute_dtype_name(cfg) == BF16, saves=saves,
                                              fc2_recomputes=fc2_recomputes_product(cfg, saves), gemm=gemm))
     fwd_gemm += work.fwd_gemm
     wgrad += work.wgrad

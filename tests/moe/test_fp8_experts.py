@@ -218,7 +218,7 @@ def _moe_layer(recipe=None, shared: bool = True, dtype=torch.float32):
         layer = MoELayer(cfg, ParallelContext(), 0, False)
     initialize_parameters(layer, 5, torch.device("cpu"), dtype)
     if recipe:
-        enable_fp8(layer, "e4m3", recipe)
+        enable_fp8(layer, "e4m3", recipe, experts=True)
     return layer
 
 
@@ -297,7 +297,7 @@ def _ep_worker(rank: int, world: int) -> list:
         with torch.device("meta"):
             layer = MoELayer(_ep_config(), ctx, 0, False)
         initialize_parameters(layer, 11, ctx.device, torch.float32)
-        enable_fp8(layer, "e4m3", recipe)
+        enable_fp8(layer, "e4m3", recipe, experts=True)
         layer.train()
         optim = build_optimization(optim_config(1, 1, 2), ctx, [layer])
         xs, rs = _ep_data()
@@ -324,7 +324,7 @@ def test_expert_parallel_fp8_equals_one_process():
         with torch.device("meta"):
             layer = MoELayer(_ep_config(), ParallelContext(), 0, False)
         initialize_parameters(layer, 11, torch.device("cpu"), torch.float32)
-        enable_fp8(layer, "e4m3", recipe)
+        enable_fp8(layer, "e4m3", recipe, experts=True)
         layer.train()
         y = layer(xs)
         (y * rs).sum().backward()
@@ -353,6 +353,7 @@ def _trainer_config(metrics_file: str, ep: int = 1, recipe: str = "rowwise"):
     m.moe_aux_loss_coeff, m.moe_shared_expert_intermediate_size = 0.05, 16
     set_tiny_run(cfg, metrics_file, ep=ep)
     cfg.train.bf16, cfg.train.fp8_format, cfg.train.fp8_recipe = True, "e4m3", recipe
+    cfg.train.fp8_experts = True
     return cfg
 
 
@@ -404,3 +405,40 @@ def test_grouped_kernel_terms_are_checked_up_front():
     assert "multiples of 16" in grouped_support_error(72, 48, "tensorwise")
     assert grouped_support_error(64, 40, "blockwise") is None  # the dense blockwise matmul, per expert
     assert grouped_support_error(64, 48, "rowwise") is None  # no GPU here to ask
+
+
+def test_experts_stay_in_bf16_unless_fp8_experts_is_given():
+    """--fp8-format alone switches the linears (a shared expert's too) and leaves the routed experts in the
+    activations' dtype; --fp8-experts switches them as well. The step-time model follows the same choice, and the
+    flag is refused without FP8 or experts."""
+    from meshtron.cli import build_config
+    from meshtron.errors import ConfigError
+    from meshtron.layers.linear import enable_fp8
+    from meshtron.layers.moe import MoELayer
+    from meshtron.planning.profiles import H200
+    from meshtron.planning.step_time import predict_step
+    from meshtron.validation import validate_config
+
+    cfg = cfg_a()
+    cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.moe_shared_expert_intermediate_size = 64, 48, 32
+    with torch.device("meta"):
+        layer = MoELayer(cfg, ParallelContext(), 0, False)
+    enable_fp8(layer, "e4m3", "rowwise")
+    assert (layer.experts.fp8_recipe, layer.shared_experts.fc2.fp8_recipe) == (None, "rowwise")
+    enable_fp8(layer, "e4m3", "rowwise", experts=True)
+    assert layer.experts.fp8_recipe == "rowwise"
+
+    base = ["--model", "qwen3-0.6b", "--num-layers", "4", "--num-experts", "128", "--moe-ffn-hidden-size", "768",
+            "--moe-router-topk", "8", "--micro-batch-size", "4", "--global-batch-size", "4", "--bf16",
+            "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]
+
+    def step(*extra):
+        c = build_config(base + list(extra))
+        validate_config(c, 1)
+        return predict_step(c, 1, H200).compute_s
+
+    assert step("--fp8-experts") < step()
+    for bad, word in ((["--model", "tiny", "--fp8-experts"], "--fp8-format"),
+                      (["--model", "tiny", "--bf16", "--fp8-format", "e4m3", "--fp8-experts"], "--num-experts")):
+        with pytest.raises(ConfigError, match=word):
+            validate_config(build_config(bad), 1)

@@ -122,6 +122,6 @@ def test_tiny_moe_model_trains_with_fp8_experts_on_cuda(recipe):
             "--eval-interval", "30", "--eval-iters", "2", "--log-interval", "10", "--no-generate-sample", "--bf16",
             "--device", "cuda"]
     bf16 = run_training(build_config(args))
-    fp8 = run_training(build_config(args + ["--fp8-format", "e4m3", "--fp8-recipe", recipe]))
+    fp8 = run_training(build_config(args + ["--fp8-format", "e4m3", "--fp8-recipe", recipe, "--fp8-experts"]))
     assert fp8.train_losses[30] < fp8.train_losses[10] - 0.5
     assert fp8.train_losses[30] == pytest.approx(bf16.train_losses[30], rel=0.03)
