@@ -15,7 +15,13 @@ Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_c
 * ``rope_partial_interleaved_tp2_dp_reshardable``: grouped-query attention with ``--rotary-percent 0.5
   --rotary-interleaved`` and query/key head norms, its ``DistributedOptimizer`` at TP=2 in ``dp_reshardable``
   buckets of 600 elements (the bucket layout is the dense model's; the query/key rows are reordered afterwards,
-  as the weights are).
+  as the weights are);
+* ``moe_ep2_dp4_dp_reshardable``: a mixture-of-experts model (2 layers, 4 experts top 2, a gated shared expert,
+  a router with expert bias, tied embedding) at EP=2 over 4 processes, ``dp_reshardable``: megatron-core chains two
+  optimizers, the dense parameters' buffer over data-parallel 4 (keys ``chained_0.``) and the experts' own buffer
+  over expert-data-parallel 2 (``chained_1.``, one ``dp_group_idx`` per expert-parallel rank);
+* ``mla_dp2_dp_reshardable``: multi-latent attention (q and kv down/up projections, their latent norms), its
+  ``DistributedOptimizer`` at DP=2 in buckets of 1000 elements, ``dp_reshardable``.
 
 ``reference_optimizer.pt`` holds megatron-core's own per-tensor state of each, as it was in memory: per
 model-parallel rank and parameter name, the masters and moments (the distributed optimizer's pieces put together
@@ -43,6 +49,8 @@ BF16 = "legacy_tp2_bf16_optim"
 MTP = "mtp_tp2pp2_dp_reshardable"
 MTP_LEGACY = "legacy_mtp_tp2pp2_distrib_optim"
 ROPE = "rope_partial_interleaved_tp2_dp_reshardable"
+MOE = "moe_ep2_dp4_dp_reshardable"
+MLA = "mla_dp2_dp_reshardable"
 
 
 def _read(name: str):
@@ -78,18 +86,19 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
     return out
 
 
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
     assert set(state.optim) == {"master", "exp_avg", "exp_avg_sq"}
     reference = _reference(references, name, state.settings, state.args)
     assert set(reference) == {"master", "exp_avg", "exp_avg_sq"}
+    params = {k: t for k, t in state.model.items() if not k.endswith("expert_bias")}  # a buffer: no state
     for which in reference:
-        assert set(state.optim[which]) == set(reference[which]) == set(state.model), which
+        assert set(state.optim[which]) == set(reference[which]) == set(params), which
         for k, t in reference[which].items():
             assert torch.equal(state.optim[which][k], t), (which, k)
-    for k, t in state.model.items():  # the masters are the weights, rounded to the model's dtype
+    for k, t in params.items():  # the masters are the weights, rounded to the model's dtype
         assert torch.equal(state.optim["master"][k].to(t.dtype), t), k
 
 
@@ -212,7 +221,7 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""
