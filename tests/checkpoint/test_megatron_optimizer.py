@@ -126,6 +126,41 @@ def test_a_layout_that_does_not_fit_is_a_notice(monkeypatch):
     assert "model-parallel rank 0 (TP 0, PP 0)" in note and "Adam moments start from zero" in note
 
 
+def test_experts_in_the_wrong_order_are_a_notice(monkeypatch):
+    """The experts' buffer laid out as TEGroupedMLP's (every expert's linear_fc1 before every linear_fc2) where
+    megatron-core's SequentialMLP wrote it: the proof refuses it, nothing read, said in one line."""
+    monkeypatch.setattr(reader, "_expert_args", lambda args: (2, None, True))
+    got = _read(MOE)
+    assert got.optim == {} and got.step is None and len(got.notices) == 1
+    note = got.notices[0]
+    assert "\n" not in note and "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)" in note
+    assert "Adam moments start from zero" in note
+
+
+def test_experts_follow_their_layer_in_the_expert_buffer():
+    """An expert rank's parameters: its share of each layer's experts, SequentialMLP's fc1, fc2 per expert (or
+    every fc1 first, grouped); the dense rank leaves the experts and the router's bias (a buffer) out, and puts a
+    shared expert's gate before its linears."""
+    model = {"decoder.layers.0.mlp.router.weight": torch.zeros(4, 2),
+             "decoder.layers.0.mlp.router.expert_bias": torch.zeros(4),
+             "decoder.layers.0.mlp.shared_experts.linear_fc1.weight": torch.zeros(4, 2),
+             "decoder.layers.0.mlp.shared_experts.gate_weight": torch.zeros(1, 2),
+             "decoder.layers.0.mlp.experts.experts.linear_fc1.weight": torch.arange(4.).reshape(4, 1, 1),
+             "decoder.layers.0.mlp.experts.experts.linear_fc2.weight": torch.zeros(4, 1, 1)}
+    dense = buckets.rank_params(model, 0, 0, 1, 1, 1, "local", False, tied=True)
+    assert [n for n, _ in dense.params] == ["decoder.layers.0.mlp.router.weight",
+                                            "decoder.layers.0.mlp.shared_experts.gate_weight",
+                                            "decoder.layers.0.mlp.shared_experts.linear_fc1.weight"]
+    second = buckets.expert_rank_params(model, 0, 1, 0, 1, 2, 1, 1, False, grouped=False)
+    prefix = "decoder.layers.0.mlp.experts.local_experts."
+    assert [n[len(prefix):] for n, _ in second.params] == ["2.linear_fc1.weight", "2.linear_fc2.weight",
+                                                           "3.linear_fc1.weight", "3.linear_fc2.weight"]
+    assert second.params[0][1].item() == 2.0
+    grouped = buckets.expert_rank_params(model, 0, 1, 0, 1, 2, 1, 1, False, grouped=True)
+    assert [n[len(prefix):] for n, _ in grouped.params] == ["2.linear_fc1.weight", "3.linear_fc1.weight",
+                                                            "2.linear_fc2.weight", "3.linear_fc2.weight"]
+
+
 def test_legacy_missing_or_foreign_optimizer_file(tmp_path):
     """A missing distrib_optim.pt is a notice (the weights load); a foreign pickle in one is refused in one line
     naming the file."""

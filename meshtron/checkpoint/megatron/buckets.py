@@ -14,10 +14,25 @@ as flat buffers laid out like its gradient buffer (``_compute_per_buffer_param_l
   both copies of the word embedding that prediction depths on another stage read;
 * a bucket's saved length is its *unpadded* size (up to the end of its last parameter).
 
+A layer's order (:data:`_LOCAL_ORDER`, :data:`_TE_ORDER`, :data:`_MLA_ORDER`) is its modules' registration order:
+the input norm, ``linear_proj`` (built by ``Attention`` before its subclass's projections), then grouped-query
+attention's ``linear_qkv`` or multi-latent attention's ``linear_q_proj`` / ``linear_q_down_proj``,
+``linear_q_up_proj``, ``linear_kv_down_proj``, ``linear_kv_up_proj`` and its latent norms, the pre-MLP norm and the
+MLP; a mixture-of-experts MLP's router and shared expert (its gate, a parameter of its own module, before its
+linears) stay in this buffer, the router's expert bias is a buffer (no optimizer state).
+
+A mixture-of-experts model's experts (``allreduce=False`` in megatron-core) are in a buffer of their own, laid out
+the same way over the expert-data-parallel group and kept by a second, chained optimizer: per expert rank
+(expert tensor-parallel rank + ETP x (expert-parallel rank + EP x pipeline rank)) its share of each of the stage's
+layers' experts, SequentialMLP's ``local_experts.i.linear_fc1``, ``linear_fc2`` per expert (TEGroupedMLP: every
+``linear_fc1`` first) (:func:`expert_rank_params`).
+
 The ``torch_dist`` format ``dp_reshardable`` (Megatron-LM's default for the distributed optimizer) saves each
 bucket as one tensor ``optimizer.distributed.dp_group_idx_M.gbuf_idx_0.dtype_(...).bucket_idx_B.{param,exp_avg,
-exp_avg_sq}`` whose index ``M`` is the model-parallel rank (tensor-parallel rank + TP x pipeline rank); the
-legacy ``distrib_optim.pt`` saves, per buffer, the buckets' unpadded contents one after another.
+exp_avg_sq}`` whose index ``M`` is the model-parallel rank (tensor-parallel rank + TP x pipeline rank); with
+experts the two chained optimizers' keys begin ``chained_0.`` (dense, ``M`` as above) and ``chained_1.``
+(experts, ``M`` the expert rank). The legacy ``distrib_optim.pt`` saves, per buffer, the buckets' unpadded
+contents one after another (its experts are not mapped here).
 
 Nothing in the checkpoint names the parameters inside a bucket, so the layout is derived here from the model's
 tensors (their per-rank shards) and Megatron's module order, and then *proven*: every master-weight slice must
