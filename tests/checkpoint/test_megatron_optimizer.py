@@ -15,7 +15,13 @@ Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_c
 * ``rope_partial_interleaved_tp2_dp_reshardable``: grouped-query attention with ``--rotary-percent 0.5
   --rotary-interleaved`` and query/key head norms, its ``DistributedOptimizer`` at TP=2 in ``dp_reshardable``
   buckets of 600 elements (the bucket layout is the dense model's; the query/key rows are reordered afterwards,
-  as the weights are).
+  as the weights are);
+* ``moe_ep2_dp4_dp_reshardable``: a mixture-of-experts model (2 layers, 4 experts top 2, a gated shared expert,
+  a router with expert bias, tied embedding) at EP=2 over 4 processes, ``dp_reshardable``: megatron-core chains two
+  optimizers, the dense parameters' buffer over data-parallel 4 (keys ``chained_0.``) and the experts' own buffer
+  over expert-data-parallel 2 (``chained_1.``, one ``dp_group_idx`` per expert-parallel rank);
+* ``mla_dp2_dp_reshardable``: multi-latent attention (q and kv down/up projections, their latent norms), its
+  ``DistributedOptimizer`` at DP=2 in buckets of 1000 elements, ``dp_reshardable``.
 
 ``reference_optimizer.pt`` holds megatron-core's own per-tensor state of each, as it was in memory: per
 model-parallel rank and parameter name, the masters and moments (the distributed optimizer's pieces put together
@@ -43,6 +49,8 @@ BF16 = "legacy_tp2_bf16_optim"
 MTP = "mtp_tp2pp2_dp_reshardable"
 MTP_LEGACY = "legacy_mtp_tp2pp2_distrib_optim"
 ROPE = "rope_partial_interleaved_tp2_dp_reshardable"
+MOE = "moe_ep2_dp4_dp_reshardable"
+MLA = "mla_dp2_dp_reshardable"
 
 
 def _read(name: str):
@@ -78,18 +86,19 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
     return out
 
 
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
     assert set(state.optim) == {"master", "exp_avg", "exp_avg_sq"}
     reference = _reference(references, name, state.settings, state.args)
     assert set(reference) == {"master", "exp_avg", "exp_avg_sq"}
+    params = {k: t for k, t in state.model.items() if not k.endswith("expert_bias")}  # a buffer: no state
     for which in reference:
-        assert set(state.optim[which]) == set(reference[which]) == set(state.model), which
+        assert set(state.optim[which]) == set(reference[which]) == set(params), which
         for k, t in reference[which].items():
             assert torch.equal(state.optim[which][k], t), (which, k)
-    for k, t in state.model.items():  # the masters are the weights, rounded to the model's dtype
+    for k, t in params.items():  # the masters are the weights, rounded to the model's dtype
         assert torch.equal(state.optim["master"][k].to(t.dtype), t), k
 
 
@@ -115,6 +124,41 @@ def test_a_layout_that_does_not_fit_is_a_notice(monkeypatch):
     note = got.notices[0]
     assert "\n" not in note and "Megatron-LM checkpoint" in note and "dp_reshardable" in note
     assert "model-parallel rank 0 (TP 0, PP 0)" in note and "Adam moments start from zero" in note
+
+
+def test_experts_in_the_wrong_order_are_a_notice(monkeypatch):
+    """The experts' buffer laid out as TEGroupedMLP's (every expert's linear_fc1 before every linear_fc2) where
+    megatron-core's SequentialMLP wrote it: the proof refuses it, nothing read, said in one line."""
+    monkeypatch.setattr(reader, "_expert_args", lambda args: (2, None, True))
+    got = _read(MOE)
+    assert got.optim == {} and got.step is None and len(got.notices) == 1
+    note = got.notices[0]
+    assert "\n" not in note and "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)" in note
+    assert "Adam moments start from zero" in note
+
+
+def test_experts_follow_their_layer_in_the_expert_buffer():
+    """An expert rank's parameters: its share of each layer's experts, SequentialMLP's fc1, fc2 per expert (or
+    every fc1 first, grouped); the dense rank leaves the experts and the router's bias (a buffer) out, and puts a
+    shared expert's gate before its linears."""
+    model = {"decoder.layers.0.mlp.router.weight": torch.zeros(4, 2),
+             "decoder.layers.0.mlp.router.expert_bias": torch.zeros(4),
+             "decoder.layers.0.mlp.shared_experts.linear_fc1.weight": torch.zeros(4, 2),
+             "decoder.layers.0.mlp.shared_experts.gate_weight": torch.zeros(1, 2),
+             "decoder.layers.0.mlp.experts.experts.linear_fc1.weight": torch.arange(4.).reshape(4, 1, 1),
+             "decoder.layers.0.mlp.experts.experts.linear_fc2.weight": torch.zeros(4, 1, 1)}
+    dense = buckets.rank_params(model, 0, 0, 1, 1, 1, "local", False, tied=True)
+    assert [n for n, _ in dense.params] == ["decoder.layers.0.mlp.router.weight",
+                                            "decoder.layers.0.mlp.shared_experts.gate_weight",
+                                            "decoder.layers.0.mlp.shared_experts.linear_fc1.weight"]
+    second = buckets.expert_rank_params(model, 0, 1, 0, 1, 2, 1, 1, False, grouped=False)
+    prefix = "decoder.layers.0.mlp.experts.local_experts."
+    assert [n[len(prefix):] for n, _ in second.params] == ["2.linear_fc1.weight", "2.linear_fc2.weight",
+                                                           "3.linear_fc1.weight", "3.linear_fc2.weight"]
+    assert second.params[0][1].item() == 2.0
+    grouped = buckets.expert_rank_params(model, 0, 1, 0, 1, 2, 1, 1, False, grouped=True)
+    assert [n[len(prefix):] for n, _ in grouped.params] == ["2.linear_fc1.weight", "3.linear_fc1.weight",
+                                                            "2.linear_fc2.weight", "3.linear_fc2.weight"]
 
 
 def test_legacy_missing_or_foreign_optimizer_file(tmp_path):
@@ -212,7 +256,7 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""

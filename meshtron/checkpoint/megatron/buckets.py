@@ -14,10 +14,25 @@ as flat buffers laid out like its gradient buffer (``_compute_per_buffer_param_l
   both copies of the word embedding that prediction depths on another stage read;
 * a bucket's saved length is its *unpadded* size (up to the end of its last parameter).
 
+A layer's order (:data:`_LOCAL_ORDER`, :data:`_TE_ORDER`, :data:`_MLA_ORDER`) is its modules' registration order:
+the input norm, ``linear_proj`` (built by ``Attention`` before its subclass's projections), then grouped-query
+attention's ``linear_qkv`` or multi-latent attention's ``linear_q_proj`` / ``linear_q_down_proj``,
+``linear_q_up_proj``, ``linear_kv_down_proj``, ``linear_kv_up_proj`` and its latent norms, the pre-MLP norm and the
+MLP; a mixture-of-experts MLP's router and shared expert (its gate, a parameter of its own module, before its
+linears) stay in this buffer, the router's expert bias is a buffer (no optimizer state).
+
+A mixture-of-experts model's experts (``allreduce=False`` in megatron-core) are in a buffer of their own, laid out
+the same way over the expert-data-parallel group and kept by a second, chained optimizer: per expert rank
+(expert tensor-parallel rank + ETP x (expert-parallel rank + EP x pipeline rank)) its share of each of the stage's
+layers' experts, SequentialMLP's ``local_experts.i.linear_fc1``, ``linear_fc2`` per expert (TEGroupedMLP: every
+``linear_fc1`` first) (:func:`expert_rank_params`).
+
 The ``torch_dist`` format ``dp_reshardable`` (Megatron-LM's default for the distributed optimizer) saves each
 bucket as one tensor ``optimizer.distributed.dp_group_idx_M.gbuf_idx_0.dtype_(...).bucket_idx_B.{param,exp_avg,
-exp_avg_sq}`` whose index ``M`` is the model-parallel rank (tensor-parallel rank + TP x pipeline rank); the
-legacy ``distrib_optim.pt`` saves, per buffer, the buckets' unpadded contents one after another.
+exp_avg_sq}`` whose index ``M`` is the model-parallel rank (tensor-parallel rank + TP x pipeline rank); with
+experts the two chained optimizers' keys begin ``chained_0.`` (dense, ``M`` as above) and ``chained_1.``
+(experts, ``M`` the expert rank). The legacy ``distrib_optim.pt`` saves, per buffer, the buckets' unpadded
+contents one after another (its experts are not mapped here).
 
 Nothing in the checkpoint names the parameters inside a bucket, so the layout is derived here from the model's
 tensors (their per-rank shards) and Megatron's module order, and then *proven*: every master-weight slice must
@@ -32,25 +47,44 @@ from typing import Optional
 
 import torch
 
+from meshtron.checkpoint.megatron.names import expert_name
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
-#: one layer's parameters in megatron-core's ``named_parameters()`` order (the local layer spec's modules:
-#: TransformerLayer builds input_layernorm, self_attention (linear_proj, then linear_qkv, q/k layernorm),
-#: pre_mlp_layernorm, mlp); Transformer Engine fuses the input norm into linear_qkv, after linear_proj.
-_LOCAL_ORDER = ("input_layernorm.weight", "input_layernorm.bias",
-                "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-                "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
-                "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
-                "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
-                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
-_TE_ORDER = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-             "input_layernorm.weight", "input_layernorm.bias",
-             "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-             "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
-             "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
-             "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
-             "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+#: a layer's attention parameters in megatron-core's ``named_parameters()`` order (TransformerLayer builds
+#: input_layernorm, self_attention, pre_mlp_layernorm, mlp; Attention builds linear_proj before its subclass's
+#: projections). Local spec: the input norm a module of its own, first.
+_LOCAL_ATTENTION = ("input_layernorm.weight", "input_layernorm.bias",
+                    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias")
+#: Transformer Engine fuses the input norm into linear_qkv, after linear_proj
+_TE_ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                 "input_layernorm.weight", "input_layernorm.bias",
+                 "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                 "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                 "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias")
+#: multi-latent attention (either spec: its input norm is a module of its own): linear_proj, then MLASelfAttention's
+#: query projection(s), the key/value down and up projections, the latent norms (Transformer Engine fuses them
+#: into the up projections, ahead of their weights)
+_MLA_ATTENTION = ("input_layernorm.weight", "input_layernorm.bias",
+                  "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                  "self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+                  "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+                  "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
+                  "self_attention.linear_kv_up_proj.weight", "self_attention.q_layernorm.weight",
+                  "self_attention.kv_layernorm.weight")
+#: the MLP: dense, or a MoE layer's router, (experts: in a buffer of their own, :func:`expert_rank_params`) and
+#: shared expert, whose gate (a parameter of SharedExpertMLP itself) comes before its linears' (named_parameters()
+#: yields a module's own parameters before its children's); the router's expert bias is a buffer
+_MLP = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+        "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+        "mlp.router.weight", "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight",
+        "mlp.shared_experts.linear_fc2.weight")
+_LOCAL_ORDER = _LOCAL_ATTENTION + _MLP
+_TE_ORDER = _TE_ATTENTION + _MLP
+_MLA_ORDER = _MLA_ATTENTION + _MLP
 _BEFORE_LAYERS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _AFTER_LAYERS = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 #: a prediction depth's own parameters around its transformer layer (``None``), in ``named_parameters()`` order
@@ -62,6 +96,7 @@ _FUSED = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight
           "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
           "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
 _COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias)|word_embeddings\.weight|"
+                     r"linear_q_proj\.weight|linear_q_up_proj\.weight|linear_kv_up_proj\.weight|"
                      r"^output_layer\.weight|^mtp\.layers\.\d+\.eh_proj\.weight)$")
 _ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight)$")
 _ALIGN = 64  # every parameter starts on a 64-element boundary
@@ -137,12 +172,14 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
     """Rank (tp, pp)'s parameters from Megatron's whole per-layer tensors ``model`` (layers split evenly over
     the stages, prediction depths on the last; the fused norm spellings accepted)."""
     per_stage = num_layers // pp_size
-    order = {k: i for i, k in enumerate(_TE_ORDER if spec == "transformer_engine" else _LOCAL_ORDER)}
+    order = {k: i for i, k in enumerate(_layer_order(model, spec))}
     first, last = pp == 0, pp == pp_size - 1
     layers: dict[int, list[tuple[int, str]]] = {}
     depths: dict[int, list[tuple[tuple[int, int], str]]] = {}
     for name in model:
         m = _LAYER.match(name)
+        if m and (expert_name(m.group(2), model[name]) is not None or m.group(2) == "mlp.router.expert_bias"):
+            continue  # the experts' parameters are in a buffer of their own; the router's bias is a buffer
         if m:
             n, rest = int(m.group(1)), _layer_key(m.group(2))
             if rest not in order:
@@ -176,6 +213,57 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
         source = "embedding.word_embeddings.weight" if copy else name
         params.append((name, local_shard(source, model[source], tp, tp_size, swiglu)))
     return Rank(tp, pp, params, first, shared)
+
+
+def _layer_order(model: dict[str, torch.Tensor], spec: str) -> tuple:
+    """One layer's parameter names in ``named_parameters()`` order: multi-latent attention's when the model has
+    its projections, else the layer spec's."""
+    if any(n.endswith("self_attention.linear_kv_down_proj.weight") for n in model):
+        return _MLA_ORDER
+    return _TE_ORDER if spec == "transformer_engine" else _LOCAL_ORDER
+
+
+def expert_local(layer: int, expert: int, rest: str) -> str:
+    """The name under which an expert's weight is kept here (the legacy per-expert spelling, ``expert`` counted over
+    the whole model), which :func:`meshtron.checkpoint.megatron.names.expert_name` reads."""
+    return f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{rest}"
+
+
+def experts_by_layer(model: dict[str, torch.Tensor]) -> dict[int, dict[int, dict[str, torch.Tensor]]]:
+    """{layer: {expert: {"linear_fc1.weight"...: whole tensor}}} from every spelling of the experts in ``model``."""
+    out: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in model.items():
+        m = _LAYER.match(name)
+        found = expert_name(m.group(2), t) if m else None
+        for ename, et in found or []:
+            _, _, e, rest = ename.split(".", 3)  # mlp.experts.E.linear_fcK.weight
+            out.setdefault(int(m.group(1)), {}).setdefault(int(e), {})[rest] = et
+    return out
+
+
+def expert_rank_params(model: dict[str, torch.Tensor], etp: int, ep: int, pp: int, etp_size: int, ep_size: int,
+                       pp_size: int, num_layers: int, swiglu: bool, grouped: bool) -> Rank:
+    """The expert buffer's parameters of expert rank (etp, ep, pp), in ``named_parameters()`` order: the stage's
+    layers in turn, each with its local experts (``ep``'s share of them, in order): SequentialMLP's
+    ``local_experts.i.linear_fc1``, ``linear_fc2`` per expert, or, ``grouped`` (TEGroupedMLP), every expert's
+    ``linear_fc1`` before every ``linear_fc2``. Expert tensor parallelism shards them as dense MLPs are."""
+    per_stage = num_layers // pp_size
+    params: list[tuple[str, torch.Tensor]] = []
+    for layer, experts in sorted(experts_by_layer(model).items()):
+        if not pp * per_stage <= layer < (pp + 1) * per_stage:
+            continue
+        if len(experts) % ep_size:
+            raise LayoutMismatch(f"layer {layer}: {len(experts)} experts do not split evenly over {ep_size} "
+                                 "expert-parallel ranks")
+        local = len(experts) // ep_size
+        mine = range(ep * local, (ep + 1) * local)
+        kinds = sorted({k for e in mine for k in experts[e]}, key=lambda k: (k.split(".")[0], k.endswith(".bias")))
+        for rest, e in ([(k, e) for k in kinds for e in mine] if grouped else [(k, e) for e in mine for k in kinds]):
+            if rest not in experts[e]:
+                raise LayoutMismatch(f"layer {layer}, expert {e}: no {rest}")
+            name = expert_local(layer, e, rest)
+            params.append((name, local_shard(name, experts[e][rest], etp, etp_size, swiglu)))
+    return Rank(etp, pp, params, pp == 0, set())
 
 
 @dataclass
@@ -233,41 +321,70 @@ def split_coalesced(model: dict[str, torch.Tensor], world: dict[int, dict[str, t
 
 def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[str, torch.Tensor]]],
               tp_size: int, pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
-              bucket_size: Optional[int]) -> dict[str, dict[str, torch.Tensor]]:
+              bucket_size: Optional[int], expert_buckets: Optional[dict[int, dict[int, dict[str, torch.Tensor]]]] = None,
+              ep_size: int = 1, etp_size: Optional[int] = None, grouped: bool = False
+              ) -> dict[str, dict[str, torch.Tensor]]:
     """{state: {Megatron name: whole tensor}} from ``buckets`` ({model-parallel rank: {bucket: {state: flat
     tensor}}}, ``state`` among ``param``, ``exp_avg``, ``exp_avg_sq``), checked against ``model`` (Megatron's
-    whole per-layer tensors): LayoutMismatch if a bucket's length or a master weight differs."""
+    whole per-layer tensors): LayoutMismatch if a bucket's length or a master weight differs.
+
+    A mixture-of-experts model's experts are in ``expert_buckets`` ({expert model-parallel rank: ...}, that rank
+    numbered ``etp + ETP x (ep + EP x pp)`` as in megatron-core's tensor-expert-pipeline group; expert tensor
+    parallelism ``etp_size``, default ``tp_size``); they come back as ``decoder.layers.N.mlp.experts.local_experts.
+    E.linear_fcK.weight`` (``E`` over the whole model)."""
     if num_layers % pp_size:
         raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
-    if sorted(buckets) != list(range(tp_size * pp_size)):
-        raise LayoutMismatch(f"optimizer state for model-parallel ranks {sorted(buckets)}, expected "
-                             f"0..{tp_size * pp_size - 1} (TP {tp_size} x PP {pp_size})")
-    shards: dict[str, dict[str, list[Optional[torch.Tensor]]]] = {}
-    for pp in range(pp_size):
-        for tp in range(tp_size):
-            index = tp + tp_size * pp  # megatron-core's dp_group_idx: the rank in the model-parallel group
-            rank = rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied)
-            placements, lengths = layout(rank, bucket_size)
-            saved = buckets[index]
-            found = [next(iter(saved[b].values())).numel() for b in sorted(saved)]
-            if found != lengths:
-                raise LayoutMismatch(f"model-parallel rank {index} (TP {tp}, PP {pp}): buckets of {found} elements, "
-                                     f"the model's parameters lay out as {lengths}")
-            local = dict(rank.params)
-            for p in placements:
-                n = 1
-                for d in p.shape:
-                    n *= d
-                for state, flat in saved[p.bucket].items():
-                    piece = flat[p.start:p.start + n].reshape(p.shape)
-                    if state == "param" and not torch.equal(piece.to(local[p.name].dtype), local[p.name]):
-                        raise LayoutMismatch(f"model-parallel rank {index}: the master weights at "
-                                             f"{p.start}..{p.start + n} of bucket {p.bucket} are not {p.name}")
-                    shards.setdefault(state, {}).setdefault(p.name, [None] * tp_size)[tp] = piece
+    ranks = {tp + tp_size * pp: (f"model-parallel rank {tp + tp_size * pp} (TP {tp}, PP {pp})",
+                                 rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied))
+             for pp in range(pp_size) for tp in range(tp_size)}
+    shards = _unflatten_buffer(ranks, buckets, bucket_size, f"TP {tp_size} x PP {pp_size}")
+    has_experts = bool(experts_by_layer(model))
+    if has_experts != (expert_buckets is not None):
+        raise LayoutMismatch("experts in the model but no expert buffer" if has_experts else
+                             "an expert buffer for a model without experts")
+    if has_experts:
+        etp_size = etp_size or tp_size
+        eranks = {}
+        for pp in range(pp_size):
+            for ep in range(ep_size):
+                for etp in range(etp_size):
+                    index = etp + etp_size * (ep + ep_size * pp)
+                    eranks[index] = (f"expert model-parallel rank {index} (expert TP {etp}, EP {ep}, PP {pp})",
+                                     expert_rank_params(model, etp, ep, pp, etp_size, ep_size, pp_size, num_layers,
+                                                        swiglu, grouped))
+        for state, by_name in _unflatten_buffer(eranks, expert_buckets, bucket_size,
+                                                f"expert TP {etp_size} x EP {ep_size} x PP {pp_size}").items():
+            shards.setdefault(state, {}).update(by_name)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for state, by_name in shards.items():
         for name, parts in by_name.items():
             if (tied and name == "output_layer.weight") or name == EMBEDDING_COPY:
                 continue  # a copy of the embedding: the first stage's own state is the one kept
-            out.setdefault(state, {})[name] = merge_shards(name, parts, swiglu).clone()
+            out.setdefault(state, {})[name] = merge_shards(name, [parts[t] for t in sorted(parts)], swiglu).clone()
     return out
+
+
+def _unflatten_buffer(ranks: dict[int, tuple[str, Rank]], buckets: dict[int, dict[int, dict[str, torch.Tensor]]],
+                      bucket_size: Optional[int], grid: str) -> dict[str, dict[str, dict[int, torch.Tensor]]]:
+    """{state: {name: {tensor-parallel rank: local piece}}} of one kind of buffer (dense or expert), each rank's
+    buckets ({index: {bucket: {state: flat}}}) cut by :func:`layout` of ``ranks`` ({index: (label, Rank)}) and
+    proven: every bucket's length and every master-weight slice must be the model's."""
+    if sorted(buckets) != sorted(ranks):
+        raise LayoutMismatch(f"optimizer state for ranks {sorted(buckets)}, expected 0..{len(ranks) - 1} ({grid})")
+    shards: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for index, (label, rank) in sorted(ranks.items()):
+        placements, lengths = layout(rank, bucket_size)
+        saved = buckets[index]
+        found = [next(iter(saved[b].values())).numel() for b in sorted(saved)]
+        if found != lengths:
+            raise LayoutMismatch(f"{label}: buckets of {found} elements, the model's parameters lay out as {lengths}")
+        local = dict(rank.params)
+        for p in placements:
+            n = local[p.name].numel()
+            for state, flat in saved[p.bucket].items():
+                piece = flat[p.start:p.start + n].reshape(p.shape)
+                if state == "param" and not torch.equal(piece.to(local[p.name].dtype), local[p.name]):
+                    raise LayoutMismatch(f"{label}: the master weights at {p.start}..{p.start + n} of bucket "
+                                         f"{p.bucket} are not {p.name}")
+                shards.setdefault(state, {}).setdefault(p.name, {})[rank.tp] = piece
+    return shards

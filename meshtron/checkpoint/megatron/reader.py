@@ -22,9 +22,11 @@ OPTIM_STATES = {"param": "master", "fp32_param": "master", "exp_avg": "exp_avg",
 _OPTIM_KEY = re.compile(r"^optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 _VOCAB_NAMES = (names.WORD_EMBEDDING, names.OUTPUT)
 #: the dp_reshardable format's buckets (see :mod:`.buckets`) and its per-rank optimizer common state
-_BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\."
-                         r"bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
-_GROUPS_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_0\.optimizer/")
+#: (a MoE model's two optimizers, dense then experts, chained: their keys prefixed ``chained_0.``, ``chained_1.``)
+_BUCKET_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+                         r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+_OPTIMIZER_ENTRY = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
+_GROUPS_KEY = re.compile(r"^(?:chained_0\.)?optimizer\.distributed\.dp_group_idx_0\.optimizer/")
 
 
 @dataclass
@@ -100,6 +102,14 @@ def _layout_args(args: Any) -> tuple[int, int, str]:
             str(getattr(args, "transformer_impl", "transformer_engine")))
 
 
+def _expert_args(args: Any) -> tuple[int, Optional[int], bool]:
+    """Expert parallelism (``--expert-model-parallel-size``), expert tensor parallelism (``--expert-tensor-parallel-
+    size``, None: the tensor-parallel size) and ``--moe-grouped-gemm``, for the experts' buffer."""
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    return (int(getattr(args, "expert_model_parallel_size", 1) or 1), int(etp) if etp else None,
+            bool(getattr(args, "moe_grouped_gemm", False)))
+
+
 def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, merged: dict[str, torch.Tensor],
                            settings: dict, args: Any, shape: dict, where: str) -> tuple[dict, list[str]]:
     """The legacy format's optimizer state as {state: {Megatron name: whole tensor}} (empty, with a notice, when
@@ -136,30 +146,36 @@ def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dic
     keys = [k for k in shapes if _BUCKET_KEY.match(k)]
     if not keys:
         return {}, None, []
-    found: dict[int, dict[int, dict[str, str]]] = {}
+    found: dict[int, dict[int, dict[int, dict[str, str]]]] = {}  # optimizer -> rank -> bucket -> state -> key
     buffers = set()
     for k in keys:
         m = _BUCKET_KEY.match(k)
-        buffers.add(m.group(2))
-        found.setdefault(int(m.group(1)), {}).setdefault(int(m.group(4)), {})[m.group(5)] = k
+        buffers.add(m.group(3))
+        chain = int(m.group(1) or 0)
+        found.setdefault(chain, {}).setdefault(int(m.group(2)), {}).setdefault(int(m.group(5)), {})[m.group(6)] = k
     why = None
     tp, pp, spec = _layout_args(args)
+    moe = bool(getattr(args, "num_experts", None))
     if buffers != {"0"}:
-        why = "more than one parameter buffer (parameters of several dtypes, or experts)"
-    elif getattr(args, "num_experts", None) or getattr(args, "virtual_pipeline_model_parallel_size", None):
-        why = "mixture-of-experts and virtual-pipeline layouts are not mapped yet"
+        why = "more than one parameter buffer per optimizer (parameters of several dtypes)"
+    elif getattr(args, "virtual_pipeline_model_parallel_size", None):
+        why = "virtual-pipeline layouts are not mapped yet"
+    elif sorted(found) != ([0, 1] if moe else [0]):
+        why = (f"optimizers {sorted(found)} (chained_K. prefixes), expected "
+               f"{'0 (dense parameters) and 1 (experts)' if moe else 'one'}")
     state: dict[str, dict[str, torch.Tensor]] = {}
     groups = None
     if why is None:
         tensors, raw = torch_dist.read_entries(ckpt.directory, md, keys,
                                                [k for k in md.state_dict_metadata if _GROUPS_KEY.match(k)][:1])
-        flat = {r: {b: {s: tensors[k] for s, k in per.items()} for b, per in rb.items()} for r, rb in found.items()}
+        flat = {c: {r: {b: {s: tensors[k] for s, k in per.items()} for b, per in rb.items()} for r, rb in fc.items()}
+                for c, fc in found.items()}
         per_layer = {}
         for name, t in model_tensors.items():
             per_layer.update(dict(names.per_layer(name, t, settings["num_layers"])))
         try:
-            state = buckets.unflatten(per_layer, flat, tp, pp, settings["num_layers"], spec, shape["swiglu"],
-                                      shape["tied"], _bucket_size(args))
+            state = buckets.unflatten(per_layer, flat[0], tp, pp, settings["num_layers"], spec, shape["swiglu"],
+                                      shape["tied"], _bucket_size(args), flat.get(1), *_expert_args(args))
         except buckets.LayoutMismatch as err:
             why = f"its buckets do not hold the parameters where megatron-core puts them ({err})"
         for k, b in raw.items():
@@ -188,7 +204,7 @@ def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, op
         settings = model_settings(args, where)
         shape = _shape_info(settings, args)
         shapes = torch_dist.tensor_shapes(md)
-        model_keys = [k for k in shapes if not k.startswith("optimizer.") and not names.is_skipped(k)]
+        model_keys = [k for k in shapes if not _OPTIMIZER_ENTRY.match(k) and not names.is_skipped(k)]
         optim_keys = [k for k in shapes if _OPTIM_KEY.match(k) and not k.endswith("expert_bias")] if optimizer else []
         tensors, _ = torch_dist.read_entries(ckpt.directory, md, model_keys + optim_keys, dtype=None)
         model = _canonical({k: tensors[k] for k in model_keys}, settings["num_layers"], shape)
