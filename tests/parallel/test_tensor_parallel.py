@@ -81,8 +81,9 @@ CASES = [
 ]
 
 
-# llama-tp4-kv-replicated is the fast TP=4 representative; the other TP=4 cases are slow.
-SLOW = ("llama-tp4-sp-kv-replicated", "llama-qk-norm-tp4-kv-replicated", "gpt-tp4-sp")
+# llama-tp4-kv-replicated is the fast TP=4 representative; the other TP=4 cases are slow, and llama-tp2 (gpt-tp2
+# keeps TP without SP fast, llama-tp2-sp the llama layers).
+SLOW = ("llama-tp4-sp-kv-replicated", "llama-qk-norm-tp4-kv-replicated", "gpt-tp4-sp", "llama-tp2")
 
 
 @pytest.mark.parametrize("name,cfg,tp,sp", [pytest.param(*c, marks=pytest.mark.slow) if c[0] in SLOW else c
