@@ -442,3 +442,29 @@ def test_experts_stay_in_bf16_unless_fp8_experts_is_given():
                       (["--model", "tiny", "--bf16", "--fp8-format", "e4m3", "--fp8-experts"], "--num-experts")):
         with pytest.raises(ConfigError, match=word):
             validate_config(build_config(bad), 1)
+
+
+@pytest.mark.parametrize("name", ["per_group_rows_transposed", pytest.param("all", marks=pytest.mark.slow)])
+def test_compiled_quantisations_equal_eager(name):
+    """On CUDA the quantisations run through torch.compile with automatic dynamic shapes (a second row count
+    recompiles with the rows symbolic); the compiler (here its CPU backend) gives the eager values bit for bit."""
+    from meshtron.layers.fp8 import grouped as G
+    from meshtron.layers.moe.experts import aligned_layout
+
+    fns = {"per_group_rows_transposed": G._quantize_rows_per_group}
+    if name == "all":
+        fns.update(rows=G.quantize_rows, transposed_rows=G._quantize_transposed_rows, group=G.quantize_per_group,
+                   expert=G.quantize_per_expert, group_transposed=G._transposed_per_group,
+                   blocks=G.quantize_stacked_blocks, tiles=G.quantize_tiles)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 48, 160, generator=g).to(torch.bfloat16)
+    compiled = {key: torch.compile(fn, dynamic=None) for key, fn in fns.items()}
+    for counts in ([40, 0, 7, 129], [16, 33, 5, 64]):  # two row counts
+        counts = torch.tensor(counts)
+        _, _, expert_of_row, total = aligned_layout(counts, int(counts.sum()), GROUP_ALIGN, GROUP_ALIGN)
+        x = torch.randn(total, 160, generator=g).to(torch.bfloat16)
+        for key, fn in fns.items():
+            args = {"rows": (x, 1), "tiles": (x,), "transposed_rows": (w,), "expert": (w,),
+                    "blocks": (w,)}.get(key, (x, expert_of_row, 4))
+            for a, b in zip(fn(*args), compiled[key](*args)):
+                assert a.dtype == b.dtype and torch.equal(a.float(), b.float()), key
