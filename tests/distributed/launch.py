@@ -1,7 +1,7 @@
 """Run a function in N local processes joined by a gloo process group (CPU tests of parallel code).
 
-The function must be defined at module level (it is pickled into spawned
-processes). With ``backend="nccl"`` on a machine with fewer GPUs than ranks, the ranks share the GPUs
+The function must be defined at module level (it is pickled into the worker processes, forked from a
+server that has imported torch and meshtron once). With ``backend="nccl"`` on a machine with fewer GPUs than ranks, the ranks share the GPUs
 (rank r on GPU r modulo their count) and join a group that stages every collective through host memory
 (:mod:`tests.distributed.staged_group`; NCCL refuses two ranks on one device); workers take their
 device from :func:`rank_device`. Each process returns a value; ``run_distributed`` returns them by
@@ -41,7 +41,27 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, backend: str) -> None:
+#: Modules the fork server imports once, so that each worker forked from it starts in milliseconds instead of
+#: importing torch and meshtron again (seconds per process, most of a short multi-process test on two cores).
+_PRELOAD = ["torch", "torch.distributed", "meshtron.training.trainer", "tests.distributed.launch"]
+
+
+def _context() -> mp.context.BaseContext:
+    """The fork-server context, its server started with :data:`_PRELOAD` on first use (spawn where the platform
+    has no fork server, or with ``MESHTRON_TEST_START_METHOD=spawn``)."""
+    if "forkserver" not in mp.get_all_start_methods() or os.environ.get("MESHTRON_TEST_START_METHOD") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, backend: str,
+            environ: dict) -> None:
+    # A forked worker inherits the fork server's environment, not the test's at launch: take the test's, as a
+    # spawned process would.
+    os.environ.clear()
+    os.environ.update(environ)
     gpus = torch.cuda.device_count()
     local = rank % gpus if gpus and backend in ("nccl", STAGED) else rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -80,8 +100,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         backend = STAGED
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, backend))
+        ctx = _context()
+        environ = dict(os.environ)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, backend, environ))
                  for r in range(world_size)]
         for p in procs:
             p.start()
