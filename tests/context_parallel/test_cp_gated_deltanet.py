@@ -50,11 +50,10 @@ def _layer_tensors(documents: bool, cp: int):
 
 
 def _layer_grads(layer, ctx: ParallelContext) -> dict:
-    grads = gather_canonical([layer], "grad")
-    if ctx.cp_group is not None:  # each rank's tokens' share
-        for t in grads.values():
-            dist.all_reduce(t, group=ctx.cp_group)
-    return grads
+    if ctx.cp_group is not None:  # each rank's tokens' share (summed before gathering: rank 0's piece wins)
+        for p in layer.parameters():
+            dist.all_reduce(p.grad, group=ctx.cp_group)
+    return gather_canonical([layer], "grad")
 
 
 def layer_run(ctx: ParallelContext, documents: bool, cp: int):
