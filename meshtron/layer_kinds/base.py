@@ -240,6 +240,12 @@ class MixerKind(Kind):
         """Key/value heads per TP rank that all-to-all context parallelism exchanges."""
         raise NotImplementedError
 
+    def cp_state_bytes(self, m: ModelConfig, tp: int, micro_batch: int) -> float:
+        """Bytes that one sequence chunk of one TP rank adds to the all-gather of a mixer whose context
+        parallelism exchanges recurrent states (``gdn``) instead of keys and values; 0 for attention, whose
+        keys and values move by --cp-comm-type."""
+        return 0.0
+
     def cp_kv_replicas(self, m: ModelConfig, tp: int, degree: int) -> int:
         """How many times all-to-all CP over ``degree`` ranks repeats each key/value head of a TP rank."""
         return 1

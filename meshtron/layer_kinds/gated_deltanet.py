@@ -24,12 +24,13 @@ class GatedDeltaNetKind(MixerKind):
     """``gdn``: one input projection (q, k, v, the gate z, and the per-head beta and decay logits), a causal
     depthwise convolution of --linear-conv-kernel-dim over q, k and v, the gated delta rule over
     --linear-num-value-heads heads of --linear-value-head-dim (keys: --linear-num-key-heads of
-    --linear-key-head-dim), a gated RMSNorm and the output projection. Context parallelism and generation are
-    refused (no sequence split of the recurrence, no decode state yet)."""
+    --linear-key-head-dim), a gated RMSNorm and the output projection. Context parallelism (any --cp-comm-type)
+    all-gathers each sequence chunk's affine map of its start state and its convolution halo over the CP group
+    (:mod:`meshtron.parallel.context_parallel.recurrence`); generation is refused (no decode state yet)."""
 
     name = "gdn"
     module = "meshtron.layers.gated_deltanet:GatedDeltaNet"
-    supports_context_parallel = False
+    supports_context_parallel = True
     decode_state = "meshtron.layers.gated_deltanet:NoDecodeState"
     #: Hugging Face ``linear_attn.<name>`` -> meshtron ``attention.<name>`` (Qwen3.5; ``conv1d.weight`` loses
     #: its middle dimension of 1, :mod:`meshtron.checkpoint.hf_qwen3_5`).
@@ -93,7 +94,14 @@ class GatedDeltaNetKind(MixerKind):
         return kd // tp, (kd + m.linear_num_value_heads * m.linear_value_head_dim) // tp
 
     def cp_exchange_heads(self, m: ModelConfig, tp: int) -> int:
-        return 0  # no context parallelism
+        return 0  # no key/value heads: its CP exchange is the states of cp_state_bytes, for every comm type
+
+    def cp_state_bytes(self, m: ModelConfig, tp: int, micro_batch: int) -> float:
+        # Per value head a [dk, dk] transition and a [dk, dv] end state in fp32, and the last K - 1 inputs of
+        # the convolution (2 bytes: bf16).
+        qkv, _, nv = (w / tp for w in _widths(m))
+        dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+        return micro_batch * (4 * nv * dk * (dk + dv) + 2 * (m.linear_conv_kernel_dim - 1) * qkv)
 
     def forward_gemms(self, m: ModelConfig, tokens: float, tp: int) -> list[float]:
         w_in, w_out = self._weights(m)

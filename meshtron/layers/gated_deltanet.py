@@ -25,10 +25,18 @@ The recurrence runs, by ``kernel``:
 Tensor parallelism splits the heads: the input projection is column-parallel (each rank its key
 heads and their value heads, with their convolution channels, ``A_log`` and ``dt_bias``), the output
 projection row-parallel; the gated norm's weight (shared by all heads) is replicated and its
-gradient summed over TP. Context parallelism is not supported (:attr:`supports_context_parallel`),
-nor incremental decoding. Packed documents (a one-device
+gradient summed over TP. Packed documents (a one-device
 :class:`~meshtron.layers.documents.DocumentMask`) restart the convolution's window and the state
-at each document's first token.
+at each document's first token. Incremental decoding is not supported.
+
+Context parallelism (the layer gets the model's
+:class:`~meshtron.parallel.context_parallel.attention.ContextParallelInputs`; every ``--cp-comm-type``
+runs the same exchange over the whole CP group): each rank runs the recurrence on its two chunks of
+the load-balanced split from a zero state, the ranks all-gather each chunk's affine map of its start
+state (a [dk, dk] transition and a [dk, dv] end state per head), and each rank composes the chunks
+before its own and corrects its outputs; the convolution gets the previous chunk's last ``K - 1``
+inputs the same way, and packed documents restart both as above. The details and costs are in
+:mod:`meshtron.parallel.context_parallel.recurrence`.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import torch.nn.functional as F
 from meshtron.layers.documents import DocumentMask
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
 from meshtron.parallel.context import ParallelContext
+from meshtron.parallel.context_parallel.attention import ContextParallelInputs
+from meshtron.parallel.context_parallel.recurrence import cp_causal_conv, cp_gated_delta_rule, global_segments
 from meshtron.parallel.sharding import Piece, ShardSpec, new_param, whole
 
 CHUNK = 64
@@ -246,7 +256,7 @@ class GatedDeltaNet(nn.Module):
     ``A_log`` starts at 0 (A = 1) and ``dt_bias`` at 1.
     """
 
-    supports_context_parallel: ClassVar[bool] = False
+    supports_context_parallel: ClassVar[bool] = True
 
     def __init__(self, ctx: ParallelContext, prefix: str, hidden_size: int, num_key_heads: int, num_value_heads: int,
                  key_head_dim: int, value_head_dim: int, conv_kernel_size: int = 4, norm_eps: float = 1e-6,
@@ -291,28 +301,49 @@ class GatedDeltaNet(nn.Module):
             ctx, Piece(f"{prefix}.out_proj.weight", (H, vd), 1, v0, self.nv * dv, "normal", out_std), None,
             sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope=None, mask: Optional[DocumentMask] = None, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, mask=None, cache=None) -> torch.Tensor:
         """``x`` [s, b, hidden]; ``rope`` is ignored (no positions: the convolution and the recurrence are
-        causal by construction); ``mask``: None (one sequence) or a one-device
-        :class:`~meshtron.layers.documents.DocumentMask` (packed documents); ``cache`` must be None."""
-        if cache is not None or not (mask is None or isinstance(mask, DocumentMask)) or (
-                mask is not None and (mask.q_pos is not None or mask.k_pos is not None)):
-            raise NotImplementedError("gated DeltaNet: no context parallelism, KV cache or boolean masks")
-        segments = None if mask is None else document_segments(mask.q_docs)
+        causal by construction); ``mask``: None (one sequence), a one-device
+        :class:`~meshtron.layers.documents.DocumentMask` (packed documents) or under context parallelism
+        the model's :class:`~meshtron.parallel.context_parallel.attention.ContextParallelInputs` (``x`` this
+        rank's two chunks); ``cache`` must be None."""
+        cp = mask if isinstance(mask, ContextParallelInputs) else None
+        if cache is not None or not (mask is None or cp is not None or isinstance(mask, DocumentMask)) or (
+                isinstance(mask, DocumentMask) and (mask.q_pos is not None or mask.k_pos is not None)):
+            raise NotImplementedError("gated DeltaNet: no KV cache or boolean masks")
+        if cp is not None:
+            segments = None if cp.document_ids is None else global_segments(cp.document_ids)
+        else:
+            segments = None if mask is None else document_segments(mask.q_docs)
         nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
         h = self.in_proj(x).transpose(0, 1)  # [b, s, local features]
         b, s = h.shape[:2]
         qkv, z, beta_logit, a = h.split([2 * nk * dk + nv * dv, nv * dv, nv, nv], dim=-1)
-        q, k, v = causal_depthwise_conv(qkv, self.conv_weight, segments).split([nk * dk, nk * dk, nv * dv], dim=-1)
+        if cp is None:
+            qkv = causal_depthwise_conv(qkv, self.conv_weight, segments)
+        else:
+            conv = lambda t, seg: causal_depthwise_conv(t, self.conv_weight, seg)  # noqa: E731
+            qkv = cp_causal_conv(conv, qkv, self.conv_weight.shape[1] - 1, cp.group, cp.cp, cp.rank, segments)
+        q, k, v = qkv.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q = l2_normalise(q.reshape(b, s, nk, dk).float()) * dk ** -0.5
         k = l2_normalise(k.reshape(b, s, nk, dk).float())
         if nv != nk:  # each key head serves nv / nk consecutive value heads
             q, k = (t.repeat_interleave(nv // nk, dim=2) for t in (q, k))
         beta = beta_logit.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out, _ = gated_delta_rule(q, k, v.reshape(b, s, nv, dv), g, beta, self.kernel, segments=segments)
+        v = v.reshape(b, s, nv, dv)
+        if cp is None:
+            out, _ = gated_delta_rule(q, k, v, g, beta, self.kernel, segments=segments)
+        else:
+            out = cp_gated_delta_rule(self._recurrence, q, k, v, g, beta, cp.group, cp.cp, cp.rank, segments)
         out = gated_rms_norm(out, z.reshape(b, s, nv, dv), self.norm_weight, self.eps)
         return self.out_proj(out.reshape(b, s, nv * dv).transpose(0, 1))
+
+    def _recurrence(self, q, k, v, g, beta, initial_state, segments):
+        """The one-device rule for one chunk under CP. fla's kernel returns one state per document when
+        given documents, so a chunk holding documents runs the ``chunk`` kernel."""
+        kernel = "chunk" if segments is not None and self.kernel in ("auto", "fla") else self.kernel
+        return gated_delta_rule(q, k, v, g, beta, kernel, initial_state, segments)
 
 
 class NoDecodeState:

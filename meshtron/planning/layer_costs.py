@@ -223,7 +223,14 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
         if p.tp_comm_overlap:
             bwd_exposed = _overlapped(bwd_exposed, wgrad, profile)
         by_kind["tp"] = fwd_exposed + bwd_exposed + (fwd_exposed if gran == "full" else 0.0)
-    if cp > 1:
+    state_bytes = kinds.mixer.cp_state_bytes(m, tp, t.micro_batch_size) if cp > 1 else 0.0
+    if state_bytes:
+        # A recurrence (gdn): every rank's two chunks' states and convolution halos all-gathered in the
+        # forward (two collectives), their gradients reduce-scattered in the backward; the composition
+        # waits for them, so nothing hides them.
+        one_way = _ring(2 * cp * state_bytes, cp, links.bandwidth(profile, cp, tp), 2 * latency)
+        by_kind["cp"] += (3 if gran == "full" else 2) * one_way
+    elif cp > 1:
         ring = cp // a2a  # ranks of the ring (p2p, all-gather: CP; a2a: none; a2a+p2p: B)
         if a2a > 1:
             # q, k, v in and the output back, each moving (A - 1) / A of its local bytes; backward the same

@@ -1,5 +1,5 @@
 """Gated DeltaNet: the chunked recurrence equals the token loop, the layer equals Qwen3.5's
-(TP=2: tests/layers/test_new_layers_tp.py)."""
+(TP=2: tests/layers/test_new_layers_tp.py; context parallelism: tests/context_parallel/test_cp_gated_deltanet.py)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_matches_transformers_qwen3_5_gated_deltanet():
 
 
 def test_refuses_what_it_does_not_support():
-    assert GatedDeltaNet.supports_context_parallel is False
+    assert GatedDeltaNet.supports_context_parallel is True  # tests/context_parallel/test_cp_gated_deltanet.py
     layer = _layer(ParallelContext())
     with pytest.raises(NotImplementedError):
         layer(torch.zeros(4, 1, 32, device="meta"), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))

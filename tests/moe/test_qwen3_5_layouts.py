@@ -2,8 +2,9 @@
 RoPE; the MoE's sigmoid-gated shared expert): tensor parallelism with sequence parallelism, pipeline parallelism
 (stages of DeltaNet and attention layers), data parallelism with the distributed optimizer and, for the MoE,
 expert parallelism each log the one-process losses and gradient norms (and router losses and expert load),
-iteration by iteration; context parallelism is refused in one line with gdn layers, and runs (and logs the
-one-process values) with gated attention layers alone."""
+iteration by iteration; context parallelism runs (and logs the one-process values) with gdn and gated attention
+layers, and with gated attention layers alone (the model under CP, to 1e-5: tests/context_parallel/
+test_cp_gated_deltanet.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 
 import pytest
 
-from meshtron.config import ConfigError, MeshtronConfig
+from meshtron.config import MeshtronConfig
 from meshtron.validation import validate_config
 from tests.moe.trainer_runs import assert_layouts_log_the_reference, set_tiny_run, train_records
 
@@ -79,13 +80,27 @@ def test_qwen3_5_moe_under_every_layout_logs_the_one_process_values(tmp_path):
     assert_layouts_log_the_reference(_train, layouts, tmp_path, losses, records, MOE_KEYS)
 
 
-def test_context_parallelism_is_refused_in_one_line(tmp_path):
+def _train_cp(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[list[float]]:
+    from meshtron.training.trainer import run_training
+
+    out = []
+    for path, layout in runs:
+        cfg = qwen3_5_tiny(path)
+        cfg.parallel.context_parallel_size = layout["cp"]
+        out.append(run_training(cfg).train_losses)
+    return out
+
+
+def test_context_parallelism_passes_validation_with_gdn_layers(tmp_path):
     cfg = qwen3_5_tiny(str(tmp_path / "m.jsonl"))
     cfg.parallel.context_parallel_size = 2
-    with pytest.raises(ConfigError) as err:
-        validate_config(cfg, 2)
-    text = str(err.value)
-    assert "\n" not in text and "--context-parallel-size 2" in text and "gdn" in text
+    validate_config(cfg, 2)
+
+
+@pytest.mark.slow
+def test_qwen3_5_under_context_parallelism_logs_the_one_process_values(tmp_path):
+    losses, records = _reference(tmp_path, moe=False)
+    assert_layouts_log_the_reference(_train_cp, {"cp2": dict(cp=2)}, tmp_path, losses, records, KEYS, world=2)
 
 
 def _train_gated_only(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[list[float]]:
