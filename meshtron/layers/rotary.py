@@ -69,8 +69,10 @@ def yarn_inverse_frequencies(dim: int, base: float, factor: float, original_max_
     if low == high:
         high += 0.001  # a one-step ramp
     ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    kept = 1 - ramp  # the share of each original frequency; 1 - kept is not ramp in fp32, and this is the
-    return (1.0 / (factor * powers)) * (1 - kept) + (1.0 / powers) * kept  # rounding megatron-core and HF have
+    # megatron-core and transformers weight the original frequency by 1 - ramp and the interpolated one by
+    # 1 - (1 - ramp), not exactly ramp in fp32: the same operations give their tables bit for bit
+    kept = 1 - ramp
+    return (1.0 / (factor * powers)) * (1 - kept) + (1.0 / powers) * kept
 
 
 def yarn_mscale(factor: float, coefficient: float) -> float:
