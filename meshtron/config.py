@@ -75,7 +75,11 @@ class ModelConfig:
     zero_centred_norm: bool = opt(False, "RMSNorm layer norms scale by 1 + weight, the weight starting at 0, in "
                                          "fp32 (Qwen3.5).")
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU.")
-    position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=("learned_absolute", "rope"))
+    position_embedding_type: str = opt("learned_absolute", "Position encoding: learned_absolute, rope, or yarn (RoPE "
+                                                           "with YaRN frequencies, Megatron's spelling of "
+                                                           "--position-embedding-type rope --rope-type yarn; not with "
+                                                           "MLA, whose YaRN is --rope-type yarn).",
+                                       choices=("learned_absolute", "rope", "yarn"))
     use_rotary_position_embeddings: bool = opt(False, "Megatron's older spelling of --position-embedding-type rope.")
     no_position_embedding: bool = opt(False, "Megatron's older flag for no learned position embedding: needs "
                                              "rotary embeddings (--position-embedding-type rope).")
@@ -100,8 +104,9 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = opt(64, "MLA: query/key head dimension that carries RoPE (the key part is one "
                                        "head shared by all heads).")
     v_head_dim: int = opt(128, "MLA: value head dimension.")
-    rope_type: Optional[str] = opt(None, "RoPE frequencies: rope, or yarn (YaRN interpolation, MLA only). Default: "
-                                         "yarn with MLA (plain RoPE at --rotary-scaling-factor 1), else rope.",
+    rope_type: Optional[str] = opt(None, "RoPE frequencies: rope, or yarn (YaRN interpolation; without MLA "
+                                         "Megatron spells it --position-embedding-type yarn). Default: yarn with "
+                                         "MLA (plain RoPE at --rotary-scaling-factor 1), else rope.",
                                    choices=("rope", "yarn"))
     rotary_scaling_factor: float = opt(1.0, "YaRN: context extension factor (DeepSeek-V3: 40).")
     mscale: float = opt(1.0, "YaRN: attention-temperature coefficient of the rotary tables.")
@@ -110,7 +115,9 @@ class ModelConfig:
     yarn_beta_fast: float = opt(32.0, "YaRN: rotations below which frequencies are interpolated fully.")
     yarn_beta_slow: float = opt(1.0, "YaRN: rotations above which frequencies are kept.")
     yarn_truncate: bool = opt(True, "YaRN: round the ramp's ends to whole frequency indices (DeepSeek); "
-                                    "--no-yarn-truncate keeps them fractional (gpt-oss).")
+                                    "--no-yarn-truncate keeps them fractional (gpt-oss). Megatron's "
+                                    "--(no-)yarn-correction-range-round-to-int.",
+                              aliases=("--yarn-correction-range-round-to-int",))
     rotary_percent: float = opt(1.0, "Fraction of each head's dimensions that RoPE turns (its first ones) in gqa "
                                      "and gated_attn layers (Qwen3.5: 0.25; Megatron's --rotary-percent).")
     # Gated DeltaNet (gdn layers of --layer-pattern; Qwen3.5, docs/models.md).

@@ -276,6 +276,8 @@ def _check_mtp(cfg: MeshtronConfig) -> None:
 def _resolve_model(m: ModelConfig) -> None:
     if m.use_rotary_position_embeddings:
         m.position_embedding_type = "rope"
+    if m.position_embedding_type == "yarn":
+        _resolve_yarn_position(m)
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if m.num_query_groups is None:
@@ -285,6 +287,23 @@ def _resolve_model(m: ModelConfig) -> None:
         m.ffn_hidden_size = ffn_size(m)
     if m.num_experts and m.moe_ffn_hidden_size is None:
         m.moe_ffn_hidden_size = m.ffn_hidden_size
+
+
+def _resolve_yarn_position(m: ModelConfig) -> None:
+    """Megatron's ``--position-embedding-type yarn`` (grouped-query attention) as meshtron's RoPE with
+    ``--rope-type yarn``, refusing what megatron-core's ``YarnRotaryEmbedding`` would compute otherwise."""
+    if m.multi_latent_attention:
+        raise ConfigError("--position-embedding-type yarn is not for --multi-latent-attention: its YaRN is "
+                          "--position-embedding-type rope --rope-type yarn")
+    if m.rope_type == "rope":
+        raise ConfigError("--rope-type rope contradicts --position-embedding-type yarn")
+    if m.rotary_percent != 1:
+        # megatron-core's YaRN table spans the whole head whatever --rotary-percent says
+        raise ConfigError(f"--rotary-percent {m.rotary_percent} with --position-embedding-type yarn (megatron-core's "
+                          "YaRN rotates the whole head: leave it at 1)")
+    if m.use_rope_scaling:
+        raise ConfigError("--use-rope-scaling (Llama-3.1 frequencies) contradicts --position-embedding-type yarn")
+    m.position_embedding_type, m.rope_type = "rope", "yarn"
 
 
 def _check_model(m: ModelConfig) -> None:
@@ -354,13 +373,16 @@ def _check_multi_latent_attention(m: ModelConfig) -> None:
     """MLA's head dims and ranks, and the RoPE variants that go with it."""
     if m.rope_type == "yarn" and m.position_embedding_type != "rope":
         raise ConfigError("--rope-type yarn needs --position-embedding-type rope")
+    if m.rope_type == "yarn" and m.use_rope_scaling:
+        raise ConfigError("--use-rope-scaling (Llama-3.1 frequencies) contradicts --rope-type yarn")
+    if m.rope_type == "yarn" or m.multi_latent_attention:
+        _positive([("--rotary-scaling-factor", m.rotary_scaling_factor),
+                   ("--yarn-original-max-position-embeddings", m.yarn_original_max_position_embeddings),
+                   ("--yarn-beta-fast", m.yarn_beta_fast), ("--yarn-beta-slow", m.yarn_beta_slow)])
     if not m.multi_latent_attention:
         return
     _positive([("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_head_dim),
-               ("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim), ("--v-head-dim", m.v_head_dim),
-               ("--rotary-scaling-factor", m.rotary_scaling_factor),
-               ("--yarn-original-max-position-embeddings", m.yarn_original_max_position_embeddings),
-               ("--yarn-beta-fast", m.yarn_beta_fast), ("--yarn-beta-slow", m.yarn_beta_slow)])
+               ("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim), ("--v-head-dim", m.v_head_dim)])
     _positive_if_set([("--q-lora-rank", m.q_lora_rank)])
     if m.qk_pos_emb_head_dim % 2:
         raise ConfigError(f"--qk-pos-emb-head-dim must be even (RoPE rotates pairs), got {m.qk_pos_emb_head_dim}")

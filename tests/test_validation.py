@@ -149,6 +149,20 @@ ERRORS = [
     (SHAPE + ["--nnodes", "2", "--node-rank", "2"], 1, "--node-rank 2 must be in [0, 1] with --nnodes 2"),
     (SHAPE + ["--master-port", "70000"], 1, "--master-port must be in 1..65535"),
     (SHAPE + ["--distributed-backend", "nccl", "--device", "cpu"], 1, "--distributed-backend nccl needs --device"),
+    # Megatron-LM's --position-embedding-type yarn (grouped-query attention): what megatron-core would compute
+    # otherwise is refused, the flag named.
+    (SHAPE + ["--position-embedding-type", "yarn", "--rotary-percent", "0.5"], 1,
+     "--rotary-percent 0.5 with --position-embedding-type yarn"),
+    (SHAPE + ["--position-embedding-type", "yarn", "--rope-type", "rope"], 1,
+     "--rope-type rope contradicts --position-embedding-type yarn"),
+    (SHAPE + ["--position-embedding-type", "yarn", "--use-rope-scaling"], 1,
+     "--use-rope-scaling (Llama-3.1 frequencies) contradicts --position-embedding-type yarn"),
+    (SHAPE + ["--position-embedding-type", "yarn", "--multi-latent-attention"], 1,
+     "--position-embedding-type yarn is not for --multi-latent-attention"),
+    (SHAPE + ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "0"], 1,
+     "--rotary-scaling-factor must be positive, got 0.0"),
+    (SHAPE + ["--position-embedding-type", "yarn", "--yarn-beta-slow", "-1"], 1,
+     "--yarn-beta-slow must be positive, got -1.0"),
 ]
 
 

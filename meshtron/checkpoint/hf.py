@@ -41,6 +41,7 @@ from meshtron.config import MeshtronConfig, ModelConfig, ffn_size, head_dim, num
 from meshtron.layer_kinds import MIXERS, MLPS, MixerKind
 from meshtron.layer_kinds.pattern import layer_at, pattern_is_derived, resolved_pattern
 from meshtron.layers.mtp import HF_MTP_NAMES, mtp_depths
+from meshtron.layers.rotary import rope_kind, rope_table_scale, yarn_mscale
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -303,13 +304,58 @@ def _rope_settings(hf: dict) -> tuple[float, Optional[dict]]:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "default":
             scaling = None
-        elif kind != "llama3":
+        elif kind not in ("llama3", "yarn"):
             raise CheckpointError(f"config.json: RoPE scaling type {kind!r} is not supported (meshtron implements "
-                                  "Llama 3.1's 'llama3' scaling)")
+                                  "Llama 3.1's 'llama3' scaling and 'yarn')")
         elif (float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))) != (1.0, 4.0):
             raise CheckpointError("config.json: llama3 RoPE scaling with low_freq_factor != 1 or high_freq_factor "
                                   "!= 4 is not supported")
     return float(theta), scaling
+
+
+def _is_yarn(scaling: Optional[dict]) -> bool:
+    return scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn"
+
+
+def _yarn_settings(scaling: dict) -> dict[str, Any]:
+    """meshtron's YaRN fields for ``rope_type: yarn`` (transformers' defaults for absent keys); an explicit
+    ``attention_factor`` must be the one the mscales give (meshtron's table scale is mscale over mscale_all_dim)."""
+    if scaling.get("factor") is None or scaling.get("original_max_position_embeddings") is None:
+        raise CheckpointError("config.json: yarn RoPE scaling without factor or original_max_position_embeddings "
+                              "is not supported")
+    factor = float(scaling["factor"])
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    # transformers takes the mscales only when both are set (and nonzero), else the temperature 0.1 ln(factor) + 1
+    ours = (float(mscale), float(all_dim)) if mscale and all_dim else (1.0, 0.0)
+    expected = yarn_mscale(factor, ours[0]) / yarn_mscale(factor, ours[1])
+    given = scaling.get("attention_factor")
+    if given is not None and abs(float(given) - expected) > 1e-9 * expected:
+        raise CheckpointError(f"config.json: yarn attention_factor {given} differs from the {expected} its factor "
+                              "and mscales give (not supported)")
+    return dict(rope_type="yarn", use_rope_scaling=False, rotary_scaling_factor=factor, mscale=ours[0],
+                mscale_all_dim=ours[1],
+                yarn_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                yarn_beta_fast=float(scaling.get("beta_fast") or 32.0),
+                yarn_beta_slow=float(scaling.get("beta_slow") or 1.0),
+                yarn_truncate=bool(scaling.get("truncate", True)))
+
+
+def _hf_rope_scaling(m: ModelConfig) -> Optional[dict]:
+    """A Llama-like ``rope_scaling`` for the model's Llama-3.1 scaling or YaRN (None: plain RoPE); YaRN's
+    table scale written as ``attention_factor``, which says it whatever the mscales are."""
+    if m.use_rope_scaling:
+        return {"rope_type": "llama3", "factor": float(m.rope_scaling_factor), "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": int(m.rope_original_max_position_embeddings)}
+    if rope_kind(m) != "yarn":
+        return None
+    out = {"rope_type": "yarn", "factor": float(m.rotary_scaling_factor),
+           "original_max_position_embeddings": int(m.yarn_original_max_position_embeddings),
+           "beta_fast": float(m.yarn_beta_fast), "beta_slow": float(m.yarn_beta_slow),
+           "attention_factor": float(rope_table_scale(m))}
+    if not m.yarn_truncate:  # transformers' default truncates; older versions do not know the key
+        out["truncate"] = False
+    return out
 
 
 def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
@@ -342,13 +388,15 @@ def config_from_hf(hf: dict, notices: list[str]) -> MeshtronConfig:
         kv_channels=int(hf["head_dim"]) if hf.get("head_dim") and int(hf["head_dim"]) != hidden // heads else None,
         seq_length=min(max_pos, 4096), max_position_embeddings=max_pos, normalization="RMSNorm",
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-5)), swiglu=True, position_embedding_type="rope",
-        rotary_base=theta, use_rope_scaling=scaling is not None,
+        rotary_base=theta, use_rope_scaling=scaling is not None and not _is_yarn(scaling),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), disable_bias_linear=True,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)), vocab_size=int(hf["vocab_size"]),
         add_qkv_bias=kind == "qwen2", qk_layernorm=kind in ("qwen3", "qwen3_moe"),
     )
-    if scaling is not None:
+    if _is_yarn(scaling):
+        values.update(_yarn_settings(scaling))
+    elif scaling is not None:
         values["rope_scaling_factor"] = float(scaling["factor"])
         values["rope_original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
     if kind == "mixtral":
@@ -483,13 +531,8 @@ def hf_config(m: ModelConfig, vocab_size: int, architecture: str, dtype_name: st
     if architecture in FAMILIES:
         return FAMILIES[architecture].hf_config(m, vocab_size, dtype_name, eos_id, bos_id)
     theta = float(m.rotary_base)
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    rope_scaling = None
-    if m.use_rope_scaling:
-        rope_scaling = {"rope_type": "llama3", "factor": float(m.rope_scaling_factor), "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": int(m.rope_original_max_position_embeddings)}
-        rope_parameters = {**rope_scaling, "rope_theta": theta}
+    rope_scaling = _hf_rope_scaling(m)
+    rope_parameters: dict[str, Any] = {**(rope_scaling or {"rope_type": "default"}), "rope_theta": theta}
     cfg = {
         "architectures": [ARCHITECTURES[architecture]],
         "model_type": architecture,

@@ -27,9 +27,9 @@ def rope_kind(cfg: ModelConfig) -> str:
 
 def inverse_frequencies(dim: int, base: float, device: torch.device, cfg: Optional[ModelConfig] = None) -> torch.Tensor:
     """1 / base^(2i/dim), optionally rescaled as Llama 3.1 does for long contexts, or by YaRN."""
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
     if cfg is not None and rope_kind(cfg) == "yarn":
-        return _yarn(inv, dim, base, cfg).float()
+        return _yarn(dim, base, device, cfg)
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
     if cfg is not None and cfg.use_rope_scaling:
         factor, low_factor, high_factor = cfg.rope_scaling_factor, 1.0, 4.0
         old_len = cfg.rope_original_max_position_embeddings
@@ -47,19 +47,32 @@ def _yarn_correction_dim(rotations: float, dim: int, base: float, context: int) 
     return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
-def _yarn(inv: torch.Tensor, dim: int, base: float, cfg: ModelConfig) -> torch.Tensor:
-    """YaRN (arXiv 2309.00071): high frequencies (many rotations within the original context) are kept,
-    low ones divided by the factor, and a linear ramp between --yarn-beta-fast and --yarn-beta-slow."""
-    factor, context = cfg.rotary_scaling_factor, cfg.yarn_original_max_position_embeddings
-    low = _yarn_correction_dim(cfg.yarn_beta_fast, dim, base, context)
-    high = _yarn_correction_dim(cfg.yarn_beta_slow, dim, base, context)
-    if cfg.yarn_truncate:  # DeepSeek rounds the ramp's ends outwards; gpt-oss keeps them fractional
+def _yarn(dim: int, base: float, device: torch.device, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071) with the model's --rotary-scaling-factor and --yarn-* flags; fp32 throughout, the
+    operations in megatron-core's YarnRotaryEmbedding's order, so that the tables are its own."""
+    return yarn_inverse_frequencies(dim, base, cfg.rotary_scaling_factor, cfg.yarn_original_max_position_embeddings,
+                                    cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.yarn_truncate, device)
+
+
+def yarn_inverse_frequencies(dim: int, base: float, factor: float, original_max_position_embeddings: int,
+                             beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True,
+                             device: Optional[torch.device] = None) -> torch.Tensor:
+    """fp32 [dim / 2]: frequencies that turn more than ``beta_fast`` times within the original context are
+    kept, those turning fewer than ``beta_slow`` times are divided by ``factor``, and a linear ramp over
+    the frequency index mixes the two in between (``truncate``: round the ramp's ends outwards)."""
+    powers = base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    low = _yarn_correction_dim(beta_fast, dim, base, original_max_position_embeddings)
+    high = _yarn_correction_dim(beta_slow, dim, base, original_max_position_embeddings)
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a one-step ramp
-    ramp = ((torch.arange(dim // 2, device=inv.device, dtype=inv.dtype) - low) / (high - low)).clamp(0, 1)
-    return inv / factor * ramp + inv * (1 - ramp)
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # megatron-core and transformers weight the original frequency by 1 - ramp and the interpolated one by
+    # 1 - (1 - ramp), not exactly ramp in fp32: the same operations give their tables bit for bit
+    kept = 1 - ramp
+    return (1.0 / (factor * powers)) * (1 - kept) + (1.0 / powers) * kept
 
 
 def yarn_mscale(factor: float, coefficient: float) -> float:

@@ -28,6 +28,23 @@ def llama3():
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
 
 
+def llama_yarn():
+    """YaRN at transformers' defaults for what is not given (the ramp's ends rounded, temperature 0.1 ln 4 + 1)."""
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 16.0,
+                         "beta_slow": 2.0, "original_max_position_embeddings": 16}))
+
+
+def qwen3_yarn():
+    """YaRN with fractional ramp ends and both mscales (the tables scaled by their quotient)."""
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **COMMON, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, use_sliding_window=False,
+        sliding_window=None, max_window_layers=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0, "truncate": False, "mscale": 0.9,
+                         "mscale_all_dim": 0.3, "original_max_position_embeddings": 16}))
+
+
 def mistral_tied():
     return transformers.MistralForCausalLM(transformers.MistralConfig(
         **COMMON, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=10000.0, sliding_window=None))
@@ -81,7 +98,8 @@ def logits(model, tokens):
 
 
 @pytest.mark.parametrize("make,arch", [(llama3, "llama"), (mistral_tied, "mistral"), (qwen2_tied, "qwen2"),
-                                       (qwen3_untied, "qwen3")], ids=["llama3", "mistral", "qwen2", "qwen3"])
+                                       (qwen3_untied, "qwen3"), (llama_yarn, "llama"), (qwen3_yarn, "qwen3")],
+                         ids=["llama3", "mistral", "qwen2", "qwen3", "llama-yarn", "qwen3-yarn"])
 def test_hf_round_trip(tmp_path, make, arch):
     reference = random_hf_model(make)
     hf_in, ckpt, hf_out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "hf_out"

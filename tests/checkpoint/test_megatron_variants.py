@@ -9,7 +9,10 @@ fully reshardable optimizer state:
   MLATransformerConfig's (4096, 32, 1: Megatron-LM has no flags for them);
 * ``moe_gate_ep2``: 4 experts top 2 and a shared expert whose output a sigmoid gate scales, expert-parallel 2;
 * ``rope_partial_interleaved_tp2``: grouped-query attention (head size 8, query/key head norms) rotating the first
-  half of each head in interleaved pairs (``--rotary-percent 0.5 --rotary-interleaved``), TP=2.
+  half of each head in interleaved pairs (``--rotary-percent 0.5 --rotary-interleaved``), TP=2;
+* ``gqa_yarn_tp2``: grouped-query attention (head size 8) with ``--position-embedding-type yarn`` and every YaRN
+  flag of Megatron-LM set (factor 4, original context 64, betas 4 / 0.5, the ramp's ends fractional, mscales
+  0.9 / 0.2), TP=2.
 
 ``reference.pt`` holds megatron-core's logits of each, loaded into a TP=1 model. The other direction (meshtron's
 ``convert --to megatron`` of these models, loaded by megatron-core) is in test_megatron_export.py; here the
@@ -36,8 +39,8 @@ from meshtron.checkpoint.metadata import read_config
 from meshtron.config import ModelConfig
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
-YARN, GATE, ROPE = "mla_yarn", "moe_gate_ep2", "rope_partial_interleaved_tp2"
-CASES = (YARN, GATE, ROPE)
+YARN, GATE, ROPE, GQA_YARN = "mla_yarn", "moe_gate_ep2", "rope_partial_interleaved_tp2", "gqa_yarn_tp2"
+CASES = (YARN, GATE, ROPE, GQA_YARN)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +95,27 @@ def test_yarn_differences_would_show(tmp_path, reference):
         model, _ = load_for_inference(out, "cpu", torch.float32, verify=False)
         with torch.no_grad():
             diff = (model(reference["tokens"]) - reference["logits"][YARN]).abs().max()
+        assert diff > 1e-4, change
+
+
+def test_gqa_yarn_flags_carry_over(tmp_path, reference):
+    """--position-embedding-type yarn: the converted model is meshtron's RoPE with --rope-type yarn and the
+    checkpoint's flags; each YaRN detail moves megatron-core's logits by far more than the tolerance."""
+    import yaml
+
+    out = _convert(GQA_YARN, tmp_path / "c")
+    m = read_config(next(out.glob("iter_*"))).model
+    assert (m.position_embedding_type, m.rope_type, m.rotary_scaling_factor, m.mscale, m.mscale_all_dim) == \
+        ("rope", "yarn", 4.0, 0.9, 0.2)
+    assert (m.yarn_original_max_position_embeddings, m.yarn_beta_fast, m.yarn_beta_slow, m.yarn_truncate) == \
+        (64, 4.0, 0.5, False)
+    config = next(out.rglob("config.yaml"))
+    values = yaml.safe_load(config.read_text())
+    for change in ({"rope_type": "rope"}, {"yarn_truncate": True}, {"mscale": 1.0}, {"yarn_beta_slow": 1.0}):
+        config.write_text(yaml.safe_dump(dict(values, **change), sort_keys=False))
+        model, _ = load_for_inference(out, "cpu", torch.float32, verify=False)
+        with torch.no_grad():
+            diff = (model(reference["tokens"]) - reference["logits"][GQA_YARN]).abs().max()
         assert diff > 1e-4, change
 
 
@@ -209,6 +233,9 @@ def test_export_is_megatron_cores_own_save(name, tmp_path, reference):
             assert getattr(ours, flag, None) == getattr(theirs, flag, None), flag
         assert ours.rotary_interleaved == bool(extra)
         assert getattr(ours, "rope_type", None) == ("yarn" if name == YARN else None)  # theirs: unset, the same
+        for flag in ("position_embedding_type", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                     "yarn_beta_slow", "yarn_correction_range_round_to_int"):
+            assert getattr(ours, flag, None) == getattr(theirs, flag, None), flag
         back = tmp_path / f"back{len(extra)}"
         assert convert_main(["--from", "megatron", "--input", str(out), "--output", str(back), "--no-optimizer"]) == 0
         model, _ = load_for_inference(back, "cpu", torch.float32)

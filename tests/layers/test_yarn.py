@@ -76,3 +76,73 @@ def test_mla_yarn_equals_megatron_cores(factor, mscale, mscale_all_dim, dim):
                                                 rel=1e-12)
     softmax = yarn._yarn_get_mscale(factor, mscale_all_dim) ** 2 / math.sqrt(16 + dim)
     assert mla_softmax_scale(m) == pytest.approx(softmax, rel=1e-12)
+
+
+def _megatron_yarn_module(monkeypatch):
+    """megatron-core's yarn_rotary_pos_embedding, its CUDA device calls pointed at the CPU, or skip."""
+    from tests.megatron_oracle import _core_package
+
+    _core_package()  # skips without megatron-core
+    try:
+        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+    except ImportError as err:  # its imports need more than this machine has
+        pytest.skip(f"megatron-core's YaRN module does not import here: {err}")
+    # YarnRotaryEmbedding moves its frequencies to torch.cuda.current_device() on first use
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    return yarn
+
+
+@pytest.mark.parametrize("flags", [
+    [],  # megatron-training's defaults: factor 1 (plain RoPE), context 4096, betas 32/1, rounded ramp
+    ["--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "64"],
+    ["--rotary-scaling-factor", "8", "--yarn-original-max-position-embeddings", "128", "--yarn-beta-fast", "16",
+     "--yarn-beta-slow", "2", "--no-yarn-correction-range-round-to-int"],
+    ["--rotary-scaling-factor", "32", "--yarn-original-max-position-embeddings", "256", "--mscale", "0.8",
+     "--mscale-all-dim", "0.3", "--yarn-correction-range-round-to-int", "--rotary-base", "500000"],
+])
+def test_gqa_yarn_equals_megatron_cores(flags, monkeypatch):
+    """--position-embedding-type yarn of a grouped-query attention model, with Megatron-LM's flags: meshtron's
+    cos/sin tables (frequencies times the concentration factor) equal megatron-core's YarnRotaryEmbedding built
+    as megatron-training builds it (its unset flags at their defaults), and its rotation of a query."""
+    from meshtron.cli import build_config
+    from meshtron.layers.rotary import inverse_frequencies, rope_table_scale
+    from meshtron.validation import validate_config
+
+    yarn = _megatron_yarn_module(monkeypatch)
+    cfg = build_config(["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+                        "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "yarn",
+                        *flags])
+    validate_config(cfg, 1)
+    m = cfg.model
+    assert (m.position_embedding_type, m.rope_type) == ("rope", "yarn")
+    ref = yarn.YarnRotaryEmbedding(
+        kv_channels=32, rotary_base=m.rotary_base, use_cpu_initialization=True, scaling_factor=m.rotary_scaling_factor,
+        original_max_position_embeddings=m.yarn_original_max_position_embeddings, beta_fast=m.yarn_beta_fast,
+        beta_slow=m.yarn_beta_slow, mscale=m.mscale, mscale_all_dim=m.mscale_all_dim,
+        correction_range_round_to_int=m.yarn_truncate)
+    emb, concentration = ref(600)
+    inv = inverse_frequencies(32, m.rotary_base, torch.device("cpu"), m)
+    cos, sin = rope_tables(torch.arange(600), inv, torch.float32, rope_table_scale(m))
+    assert rope_table_scale(m) == pytest.approx(concentration, rel=1e-12)
+    # the same fp32 operations in the same order: the same numbers
+    assert torch.equal(cos, emb.cos() * concentration) and torch.equal(sin, emb.sin() * concentration)
+
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    x = torch.randn(600, 2, 4, 32)
+    theirs = _apply_rotary_pos_emb_bshd(x, emb, rotary_interleaved=False, mscale=concentration)
+    torch.testing.assert_close(apply_rope(x, cos, sin), theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_gqa_yarn_flag_spellings_agree():
+    """--position-embedding-type yarn is --position-embedding-type rope --rope-type yarn, and
+    --no-yarn-correction-range-round-to-int is --no-yarn-truncate."""
+    from meshtron.cli import build_config
+    from meshtron.validation import validate_config
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--rotary-scaling-factor", "4"]
+    a = build_config(base + ["--position-embedding-type", "yarn", "--no-yarn-correction-range-round-to-int"])
+    b = build_config(base + ["--position-embedding-type", "rope", "--rope-type", "yarn", "--no-yarn-truncate"])
+    validate_config(a, 1)
+    validate_config(b, 1)
+    assert a.model == b.model

@@ -76,6 +76,9 @@ CASES = [
     # Query/key head norms: each rank normalises its own heads (and, kv-replicated, a copy of its group).
     ("llama-qk-norm-tp2-sp", llama_cfg(qk_layernorm=True), 2, True),
     ("llama-qk-norm-tp4-kv-replicated", llama_cfg(qk_layernorm=True), 4, False),
+    # YaRN (--position-embedding-type yarn resolves to rope + --rope-type yarn), its tables scaled by mscale.
+    ("llama-yarn-tp2-sp", llama_cfg(rope_type="yarn", rotary_scaling_factor=4.0, yarn_truncate=False, mscale=0.9,
+                                    yarn_original_max_position_embeddings=8), 2, True),
     ("gpt-tp2", gpt_cfg(), 2, False),
     ("gpt-tp4-sp", gpt_cfg(), 4, True),
 ]

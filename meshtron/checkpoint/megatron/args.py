@@ -32,6 +32,11 @@ YARN_FLAGS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")
 #: field (read from ``args`` where a checkpoint has it), meshtron's field, megatron-core's default.
 YARN_CONFIG = (("original_max_position_embeddings", "yarn_original_max_position_embeddings", 4096),
                ("beta_fast", "yarn_beta_fast", 32.0), ("beta_slow", "yarn_beta_slow", 1.0))
+#: Megatron-LM's flags of --position-embedding-type yarn (without MLA) and the defaults megatron-training gives
+#: megatron-core's YarnRotaryEmbedding when one is unset; all but the last have the same name in meshtron.
+YARN_POSITION_FLAGS = {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                       "yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
+                       "yarn_correction_range_round_to_int": True}
 #: meshtron model fields taken from ``args`` under the same name.
 SAME_NAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
              "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings", "normalization",
@@ -59,12 +64,13 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
         unsupported.append("--multi-latent-attention without --qk-layernorm (megatron-core's multi-latent attention "
                            "then has no latent norms; meshtron's, as DeepSeek's, has them)")
     position = _get(args, "position_embedding_type") or "learned_absolute"
-    if position not in ("learned_absolute", "rope"):
-        unsupported.append(f"--position-embedding-type {position} (meshtron has learned_absolute and rope; YaRN "
-                           "is read with multi-latent attention: --rope-type yarn)")
+    if position not in ("learned_absolute", "rope", "yarn"):
+        unsupported.append(f"--position-embedding-type {position} (meshtron has learned_absolute, rope and yarn)")
     rope = _get(args, "rope_type") or ("yarn" if mla else "rope")  # unset: megatron-core's MLA takes YaRN
     percent = float(_get(args, "rotary_percent", 1.0) or 1.0)
-    if mla:
+    if position == "yarn":
+        unsupported += _yarn_position_unsupported(args, mla, percent)
+    elif mla:
         unsupported += _mla_rope_unsupported(args, rope, percent)
     elif _rotary(args):
         rotated = int(_head_dim(args) * percent)
@@ -106,6 +112,8 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
                    group_query_attention=False, kv_channels=None, rope_type=rope)
         if rope == "yarn":
             out.update(yarn_settings(args))
+    elif position == "yarn":  # meshtron's RoPE with YaRN frequencies
+        out.update(yarn_position_settings(args), position_embedding_type="rope", rope_type="yarn")
     elif _rotary(args) and percent != 1.0:
         out["rotary_percent"] = percent
     if not out.get("group_query_attention"):
@@ -115,7 +123,8 @@ def model_settings(args: Any, where: str) -> dict[str, Any]:
 
 
 def _rotary(args: Any) -> bool:
-    return _get(args, "position_embedding_type") == "rope" or bool(_get(args, "use_rotary_position_embeddings"))
+    return _get(args, "position_embedding_type") in ("rope", "yarn") or \
+        bool(_get(args, "use_rotary_position_embeddings"))
 
 
 def _head_dim(args: Any) -> int:
@@ -136,6 +145,31 @@ def _mla_rope_unsupported(args: Any, rope: str, percent: float) -> list[str]:
     if rope == "rope" and percent != 1.0:
         out.append(f"--rotary-percent {percent} with multi-latent attention (meshtron rotates the whole "
                    "--qk-pos-emb-head-dim)")
+    return out
+
+
+def _yarn_position_unsupported(args: Any, mla: bool, percent: float) -> list[str]:
+    """What of ``--position-embedding-type yarn`` megatron-core computes otherwise than meshtron would."""
+    out = []
+    if mla:
+        out.append("--position-embedding-type yarn with multi-latent attention (meshtron reads MLA's YaRN as "
+                   "--rope-type yarn)")
+    if percent != 1.0:  # megatron-core's YaRN table spans the whole head whatever --rotary-percent says
+        out.append(f"--rotary-percent {percent} with --position-embedding-type yarn (megatron-core's YaRN rotates "
+                   "the whole head)")
+    if _get(args, "rotary_interleaved"):
+        out.append("--rotary-interleaved with --position-embedding-type yarn (megatron-core's YaRN refuses it)")
+    return out
+
+
+def yarn_position_settings(args: Any) -> dict[str, Any]:
+    """meshtron's YaRN fields for Megatron-LM's ``--position-embedding-type yarn`` (grouped-query attention):
+    its flags, absent ones at the defaults megatron-training gives megatron-core's ``YarnRotaryEmbedding``."""
+    out: dict[str, Any] = {}
+    for name, default in YARN_POSITION_FLAGS.items():
+        value = _get(args, name)
+        out[name] = type(default)(value if value is not None else default)
+    out["yarn_truncate"] = out.pop("yarn_correction_range_round_to_int")
     return out
 
 
@@ -203,9 +237,9 @@ def apply_settings(m: ModelConfig, settings: dict[str, Any]) -> ModelConfig:
 
 
 def yarn_applies(m: ModelConfig) -> bool:
-    """Whether multi-latent attention's YaRN changes anything: at --rotary-scaling-factor 1 its frequencies,
-    tables and softmax scale are plain RoPE's (megatron-core's and meshtron's alike)."""
-    return bool(m.multi_latent_attention) and rope_kind(m) == "yarn" and float(m.rotary_scaling_factor) > 1
+    """Whether YaRN changes anything: at --rotary-scaling-factor 1 its frequencies, tables and (multi-latent
+    attention's) softmax scale are plain RoPE's (megatron-core's and meshtron's alike)."""
+    return m.position_embedding_type == "rope" and rope_kind(m) == "yarn" and float(m.rotary_scaling_factor) > 1
 
 
 #: (what is compared, how meshtron computes it) for the check of a run against a checkpoint.
@@ -236,7 +270,7 @@ _CHECKED = {
     "multi_latent_attention": lambda m: bool(m.multi_latent_attention),
     "rotary_percent": lambda m: (float(m.rotary_percent) if m.position_embedding_type == "rope"
                                  and not m.multi_latent_attention else None),
-    "rope_type": lambda m: ("yarn" if yarn_applies(m) else "rope") if m.multi_latent_attention else None,
+    "rope_type": lambda m: ("yarn" if yarn_applies(m) else "rope") if m.position_embedding_type == "rope" else None,
     **{k: (lambda name: lambda m: float(getattr(m, name)) if yarn_applies(m) else None)(k)
        for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
                  "yarn_beta_fast", "yarn_beta_slow")},

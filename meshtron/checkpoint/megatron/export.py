@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtron.checkpoint.errors import CheckpointError, describe_dcp_failure
 from meshtron.checkpoint.megatron import files, names
-from meshtron.checkpoint.megatron.args import MLA_FIELDS, YARN_CONFIG, YARN_FLAGS, yarn_applies
+from meshtron.checkpoint.megatron.args import MLA_FIELDS, YARN_CONFIG, YARN_FLAGS, YARN_POSITION_FLAGS, yarn_applies
 from meshtron.checkpoint.pieces import MODEL_PREFIX, OPTIM_PREFIX
 from meshtron.config import (MeshtronConfig, ModelConfig, ffn_size, flag_name, head_dim, num_kv_heads,
                              padded_vocab_size)
@@ -50,13 +50,16 @@ CHECKPOINT_VERSION = 3.0
 def unsupported(m: ModelConfig) -> list[str]:
     """What of ``m`` this export cannot write (empty: everything)."""
     out = []
-    if yarn_applies(m):
+    if m.multi_latent_attention and yarn_applies(m):
         for name, field, default in YARN_CONFIG:  # megatron-core's MLA values, which Megatron-LM cannot change
             if float(getattr(m, field)) != default:
                 out.append(f"{flag_name(field)} {getattr(m, field)} with multi-latent attention's YaRN (Megatron-LM "
                            f"has no flag for it: megatron-core's {name} is {default:g})")
         if not m.yarn_truncate:
             out.append("--no-yarn-truncate with multi-latent attention's YaRN (megatron-core rounds the ramp's ends)")
+    if yarn_position(m) and m.rotary_percent != 1:
+        out.append(f"--rotary-percent {m.rotary_percent} with YaRN (megatron-core's --position-embedding-type "
+                   "yarn rotates the whole head)")
     experts = {layer_at(m, i).mlp.name for i in range(m.num_layers) if is_moe_layer(m, i)}
     if len(experts) > 1 or experts - {MOE.name, GATED_SHARED_MOE.name}:
         out.append(f"--layer-pattern {resolved_pattern(m)} (Megatron-LM's mixture-of-experts layers are all of one "
@@ -76,6 +79,8 @@ def interleaved_unsupported(m: ModelConfig) -> list[str]:
     """Why ``m`` cannot be written for ``--rotary-interleaved`` (empty: it can)."""
     if m.position_embedding_type != "rope":
         return [f"--megatron-rotary-interleaved with --position-embedding-type {m.position_embedding_type}"]
+    if yarn_position(m):
+        return ["--megatron-rotary-interleaved with YaRN (megatron-core's YarnRotaryEmbedding refuses it)"]
     if m.multi_latent_attention or any(layer_at(m, i).mixer.name != GQA.name for i in range(m.num_layers)):
         return [f"--megatron-rotary-interleaved with --layer-pattern {resolved_pattern(m)} (megatron-core's "
                 "--rotary-interleaved is for grouped-query attention)"]
@@ -205,6 +210,25 @@ def mla_args(m: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def yarn_position(m: ModelConfig) -> bool:
+    """Whether ``m`` is written with Megatron-LM's ``--position-embedding-type yarn``: RoPE with YaRN
+    frequencies without multi-latent attention (whose YaRN is --rope-type yarn)."""
+    return m.position_embedding_type == "rope" and not m.multi_latent_attention and rope_kind(m) == "yarn"
+
+
+def position_args(m: ModelConfig) -> dict[str, Any]:
+    """Megatron-LM's position-embedding flags: learned_absolute, rope, or yarn with its own flags (the older
+    --use-rotary-position-embeddings only with rope: Megatron-LM turns it into --position-embedding-type rope)."""
+    if not yarn_position(m):
+        rope = m.position_embedding_type == "rope"
+        return dict(position_embedding_type=m.position_embedding_type, add_position_embedding=not rope,
+                    use_rotary_position_embeddings=rope)
+    out: dict[str, Any] = {name: type(default)(getattr(m, name)) for name, default in YARN_POSITION_FLAGS.items()
+                           if name != "yarn_correction_range_round_to_int"}
+    return dict(out, position_embedding_type="yarn", add_position_embedding=False,
+                use_rotary_position_embeddings=False, yarn_correction_range_round_to_int=bool(m.yarn_truncate))
+
+
 def gated_shared_expert(m: ModelConfig) -> bool:
     """Whether the mixture-of-experts layers gate their shared expert (``moe_gated_shared``:
     Megatron-LM's --moe-shared-expert-gate)."""
@@ -262,15 +286,13 @@ def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, it
     """Megatron-LM's ``args`` for this model: the flags its ``--use-checkpoint-args`` and checks read
     (``tokenizer``: :func:`tokenizer_args`)."""
     m, o, t = cfg.model, cfg.optim, cfg.train
-    rope = m.position_embedding_type == "rope"
     moe = bool(m.num_experts)
     values = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=ffn_size(m),
         num_attention_heads=m.num_attention_heads, group_query_attention=num_kv_heads(m) != m.num_attention_heads,
         num_query_groups=num_kv_heads(m), kv_channels=head_dim(m), seq_length=m.seq_length,
         max_position_embeddings=m.max_position_embeddings or m.seq_length,
-        position_embedding_type=m.position_embedding_type, add_position_embedding=not rope,
-        use_rotary_position_embeddings=rope, rotary_base=int(m.rotary_base) if float(m.rotary_base).is_integer()
+        rotary_base=int(m.rotary_base) if float(m.rotary_base).is_integer()
         else float(m.rotary_base), rotary_percent=float(m.rotary_percent), rotary_interleaved=interleaved,
         add_bias_linear=not m.disable_bias_linear, add_qkv_bias=bool(m.add_qkv_bias), squared_relu=False,
         swiglu=bool(m.swiglu), untie_embeddings_and_output_weights=bool(m.untie_embeddings_and_output_weights),
@@ -302,6 +324,7 @@ def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, it
         adam_beta2=float(o.adam_beta2), adam_eps=float(o.adam_eps), clip_grad=float(o.clip_grad), optimizer="adam",
         use_distributed_optimizer=with_optimizer, dist_ckpt_optim_fully_reshardable=with_optimizer,
         no_save_optim=not with_optimizer, no_save_rng=True, params_dtype=torch.float32)
+    values.update(position_args(m))
     values.update(mla_args(m))
     values.update(tokenizer or {})
     return argparse.Namespace(**values)
