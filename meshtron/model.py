@@ -140,6 +140,11 @@ class GPTModel(nn.Module):
                         padded_size=self.padded_vocab),), extra={"tied_copy": tied}))
                 if mtp_depths(cfg):
                     self.mtp = self._build_mtp(cfg, ctx, make_mlp, selective_recompute)
+        if cfg.position_embedding_type == "yarn":
+            # Megatron's spelling, which validation resolves to rope with --rope-type yarn; unresolved it would
+            # build a model without positions.
+            raise ValueError("position_embedding_type 'yarn' is resolved by meshtron.validation.validate_config "
+                             "(to 'rope' with rope_type 'yarn'); validate the configuration, or set those two")
         self.use_rope = cfg.position_embedding_type == "rope"
         # One rotary table for every layer (the pattern's check refuses mixers of different widths).
         self.rope_dim = max(kinds.mixer.rope_dim(cfg) for kinds in layer_kinds(cfg))
