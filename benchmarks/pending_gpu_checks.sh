@@ -9,6 +9,9 @@
 #   bash benchmarks/pending_gpu_checks.sh migration   # Megatron-LM and meshtron continue each other's checkpoints
 #                                                     # (carry .mlm: benchmarks/megatron_continuation.sh says how)
 #   bash benchmarks/pending_gpu_checks.sh fp8moe      # FP8 expert GEMMs: GPU tests, then the MoE shapes bf16 / rowwise / blockwise
+#   bash benchmarks/pending_gpu_checks.sh unverified  # first, in one call: GPU tests of code changed since its last GPU
+#                                                     # run (FP8 experts' compiled quantisations, blockwise linears),
+#                                                     # one layer's FP8 experts timed, Muon's TF32 step
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -68,6 +71,16 @@ for phase in "$@"; do
         2>&1 | grep -v Warning | tail -34
       timeout 300 python3 -m meshtron bench --matrix benchmarks/fp8_moe_one_gpu.yaml --warmup 3 --steps 5 --no-split \
         --record "$OUT/measured_fp8_moe.jsonl" 2>&1 | tail -10 ;;
+    unverified)
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/moe/test_fp8_experts_gpu.py \
+        tests/training/test_fp8_blockwise_gpu.py > "$OUT/gpu_tests_unverified.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_unverified.log" | tail -14
+      timeout 120 python3 benchmarks/fp8_experts_profile.py --experts 128 --hidden 2048 --width 768 --rows 131072 \
+        2>&1 | grep -v Warning | tail -34
+      timeout 60 python3 benchmarks/fp8_experts_profile.py --experts 16 --hidden 7168 --width 2048 --rows 65536 \
+        --profile none --recipes bf16,tensorwise,rowwise 2>&1 | tail -4
+      timeout 150 python3 -m meshtron bench --matrix benchmarks/muon_one_gpu.yaml --warmup 2 --steps 4 \
+        --record "$OUT/measured_muon.jsonl" 2>&1 | tail -5 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
