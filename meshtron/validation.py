@@ -488,7 +488,9 @@ def _check_cp_comm_type(cfg: MeshtronConfig) -> None:
     if cp > 1 and degree > 1:
         heads = m.num_attention_heads // tp
         for mixer in mixers.values():
-            check_a2a_heads(heads, mixer.cp_exchange_heads(m, tp), degree, tp, comm)
+            groups = mixer.cp_exchange_heads(m, tp)
+            if groups:  # 0: the mixer exchanges no heads under a2a (gated DeltaNet gathers its states instead)
+                check_a2a_heads(heads, groups, degree, tp, comm)
 
 
 def _check_sharding_strategy(cfg: MeshtronConfig) -> None:

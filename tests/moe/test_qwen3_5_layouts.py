@@ -95,6 +95,12 @@ def test_context_parallelism_passes_validation_with_gdn_layers(tmp_path):
     cfg = qwen3_5_tiny(str(tmp_path / "m.jsonl"))
     cfg.parallel.context_parallel_size = 2
     validate_config(cfg, 2)
+    # All-to-all CP with gated DeltaNet layers only: no heads to split, whatever the attention head count says.
+    cfg = qwen3_5_tiny(str(tmp_path / "m.jsonl"))
+    cfg.model.layer_pattern = "gdn+dense*4"
+    cfg.model.num_attention_heads, cfg.model.num_query_groups = 3, 1
+    cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type = 2, "a2a"
+    validate_config(cfg, 2)
 
 
 @pytest.mark.slow
