@@ -67,19 +67,26 @@ def _model(make) -> GPTModel:
     return model.eval()
 
 
-@pytest.mark.parametrize("name", MODELS)
 @torch.no_grad()
-def test_prefill_then_one_token_steps_equal_the_whole_sequence(name):
-    model = _model(MODELS[name])
-    tokens = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(1))
-    prompt = 7  # longer than the window: the window slides in the prompt and in the steps
-    want = model(tokens=tokens)
-    assert want.abs().max() > 0.1  # not a degenerate comparison
+def incremental_logits(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits [b, s, vocab] of ``tokens`` [b, s] decoded with the model's decode states: the first ``prompt``
+    tokens in one call (the prefill), then one token per call."""
     caches: dict = {}
     got = [model(tokens=tokens[:, :prompt], caches=caches)]
     for t in range(prompt, tokens.shape[1]):
         got.append(model(tokens=tokens[:, t:t + 1], caches=caches, position_offset=t))
-    torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=1e-5, atol=1e-5)
+    return torch.cat(got, dim=1)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_then_one_token_steps_equal_the_whole_sequence(name):
+    model = _model(MODELS[name])
+    tokens = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(tokens=tokens)
+    assert want.abs().max() > 0.1  # not a degenerate comparison
+    # a prompt longer than the window: the window slides in the prompt and in the steps
+    torch.testing.assert_close(incremental_logits(model, tokens, 7), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", MODELS)
