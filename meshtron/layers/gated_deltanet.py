@@ -319,7 +319,7 @@ class GatedDeltaNet(nn.Module):
         cp = mask if isinstance(mask, ContextParallelInputs) else None
         if cache is not None or not (mask is None or cp is not None or isinstance(mask, DocumentMask)) or (
                 isinstance(mask, DocumentMask) and (mask.q_pos is not None or mask.k_pos is not None)):
-            raise NotImplementedError("gated DeltaNet: no KV cache or boolean masks")
+            raise NotImplementedError("gated DeltaNet: no boolean masks")
         if cp is not None:
             segments = None if cp.document_ids is None else global_segments(cp.document_ids)
         else:
