@@ -15,11 +15,10 @@ class GatedAttentionKind(GroupedQueryAttention):
     """``gated_attn``: the query projection gives each head its query and a gate of the same width (the
     attention output is multiplied by ``sigmoid(gate)``), queries and keys are RMS-normalised per head with
     scale ``1 + w``, and RoPE turns the first --rotary-percent of each head. Biases on q, k, v and o unless
-    --disable-bias-linear."""
+    --disable-bias-linear. Generation keeps a key/value cache (``gqa``'s)."""
 
     name = "gated_attn"
     module = "meshtron.layers.gated_attention:GatedAttention"
-    decode_state = "meshtron.layers.gated_attention:NoDecodeState"
     # Hugging Face's names are gqa's (q_proj holds each head's query and gate rows, as meshtron's q).
 
     def check(self, m: ModelConfig) -> Optional[str]:

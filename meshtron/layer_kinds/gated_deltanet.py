@@ -26,12 +26,13 @@ class GatedDeltaNetKind(MixerKind):
     --linear-num-value-heads heads of --linear-value-head-dim (keys: --linear-num-key-heads of
     --linear-key-head-dim), a gated RMSNorm and the output projection. Context parallelism (any --cp-comm-type)
     all-gathers each sequence chunk's affine map of its start state and its convolution halo over the CP group
-    (:mod:`meshtron.parallel.context_parallel.recurrence`); generation is refused (no decode state yet)."""
+    (:mod:`meshtron.parallel.context_parallel.recurrence`). Generation keeps a recurrent decode state per layer
+    (the convolution's last K - 1 inputs and the rule's state)."""
 
     name = "gdn"
     module = "meshtron.layers.gated_deltanet:GatedDeltaNet"
     supports_context_parallel = True
-    decode_state = "meshtron.layers.gated_deltanet:NoDecodeState"
+    decode_state = "meshtron.layers.gated_deltanet:DecodeState"
     #: Hugging Face ``linear_attn.<name>`` -> meshtron ``attention.<name>`` (Qwen3.5; ``conv1d.weight`` loses
     #: its middle dimension of 1, :mod:`meshtron.checkpoint.hf_qwen3_5`).
     hf_names = {n: n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",

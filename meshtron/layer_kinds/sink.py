@@ -19,11 +19,11 @@ class SinkAttentionKind(GroupedQueryAttention):
     """``sink``: grouped-query attention with biases on q, k, v and o (unless --disable-bias-linear) and one
     learned sink logit per query head, over every earlier key. Its projections are those of ``gqa``, and so is
     context parallelism, with every --cp-comm-type (the sink joins each row's merged log-sum-exp once; the
-    window is checked at the split's sequence positions); generation is refused (no KV cache)."""
+    window is checked at the split's sequence positions). Generation keeps a key/value cache (``gqa``'s), the
+    sink joining each new query's softmax as in the full forward."""
 
     name = "sink"
     module = "meshtron.layers.sink_attention:SinkAttention"
-    decode_state = "meshtron.layers.sink_attention:NoDecodeState"
     #: Hugging Face ``self_attn.<name>`` -> meshtron ``attention.<name>`` (gpt-oss).
     hf_names = {**{f"{p}_proj.{w}": f"{p}.{w}" for p in "qkvo" for w in ("weight", "bias")}, "sinks": "sinks"}
     #: Keys each query sees (None: all earlier ones).
@@ -80,7 +80,7 @@ class SinkAttentionKind(GroupedQueryAttention):
 
 class SlidingSinkAttentionKind(SinkAttentionKind):
     """``sink_window``: ``sink`` within a sliding window of --sliding-window-size keys (the query's own and the
-    N-1 before it)."""
+    N-1 before it). Generation keeps the whole key/value cache and masks it by the window."""
 
     name = "sink_window"
     windowed = True

@@ -6,6 +6,7 @@ query rows, then ``d`` gate rows, as Hugging Face's ``q_proj``); the attention o
 weights ``1 + w`` (``w`` starts at 0), and RoPE turns only their first ``rotary_dim`` dimensions.
 Attention itself is :func:`meshtron.layers.attention.core_attention` (causal, GQA, packed documents),
 or context-parallel attention under CP, as in :class:`~meshtron.layers.attention.SelfAttention`.
+Generation keeps the normed and rotated keys and values in a :class:`~meshtron.layers.attention.KVCache`.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask=None,
                 cache=None) -> torch.Tensor:
-        if cache is not None:
-            raise NotImplementedError("gated attention: no KV cache")
+        if cache is not None and mask is not None:
+            raise NotImplementedError("gated attention: a key/value cache decodes one sequence on one device")
         nq, ng, d = self.nq, self.ng, self.d
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
@@ -95,13 +96,10 @@ class GatedAttention(nn.Module):
         if rope is not None:
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        out = self.attend(q, k, v, mask, 0.0).permute(2, 0, 1, 3)  # [s, b, heads, d]
+        if cache is not None:  # the cached keys too, and the mask placing the queries after them
+            k, v, mask = cache.update(k, v)
+            out = core_attention(q, k, v, mask, 0.0).permute(2, 0, 1, 3)
+        else:
+            out = self.attend(q, k, v, mask, 0.0).permute(2, 0, 1, 3)  # [s, b, heads, d]
         return self.o((out * torch.sigmoid(gate)).reshape(s, b, nq * d))
 
-
-class NoDecodeState:
-    """The decode state of a gated attention layer: none yet (generation refuses it in one line)."""
-
-    def __init__(self) -> None:
-        raise NotImplementedError("generation with gated_attn layers (--layer-pattern) is not implemented: gated "
-                                  "attention has no key/value cache yet")

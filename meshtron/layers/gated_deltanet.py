@@ -27,7 +27,11 @@ heads and their value heads, with their convolution channels, ``A_log`` and ``dt
 projection row-parallel; the gated norm's weight (shared by all heads) is replicated and its
 gradient summed over TP. Packed documents (a one-device
 :class:`~meshtron.layers.documents.DocumentMask`) restart the convolution's window and the state
-at each document's first token. Incremental decoding is not supported.
+at each document's first token.
+
+Generation (:class:`DecodeState`, one per layer) keeps the convolution's last ``K - 1`` inputs and the
+rule's state [b, heads, dk, dv]: a prompt runs the chunked kernel from a zero state and keeps its final
+state, each later token one step of the recurrence from it.
 
 Context parallelism (the layer gets the model's
 :class:`~meshtron.parallel.context_parallel.attention.ContextParallelInputs`; every ``--cp-comm-type``
@@ -306,24 +310,44 @@ class GatedDeltaNet(nn.Module):
         causal by construction); ``mask``: None (one sequence), a one-device
         :class:`~meshtron.layers.documents.DocumentMask` (packed documents) or under context parallelism
         the model's :class:`~meshtron.parallel.context_parallel.attention.ContextParallelInputs` (``x`` this
-        rank's two chunks); ``cache`` must be None."""
+        rank's two chunks); ``cache``: None, or when generating the layer's :class:`DecodeState` (``mask``
+        None), which the call continues from and updates."""
+        if cache is not None:
+            if mask is not None:
+                raise NotImplementedError("gated DeltaNet: a decode state decodes one sequence on one device")
+            return self._decode(x, cache)
         cp = mask if isinstance(mask, ContextParallelInputs) else None
         if cache is not None or not (mask is None or cp is not None or isinstance(mask, DocumentMask)) or (
                 isinstance(mask, DocumentMask) and (mask.q_pos is not None or mask.k_pos is not None)):
-            raise NotImplementedError("gated DeltaNet: no KV cache or boolean masks")
+            raise NotImplementedError("gated DeltaNet: no boolean masks")
         if cp is not None:
             segments = None if cp.document_ids is None else global_segments(cp.document_ids)
         else:
             segments = None if mask is None else document_segments(mask.q_docs)
-        nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
-        h = self.in_proj(x).transpose(0, 1)  # [b, s, local features]
-        b, s = h.shape[:2]
-        qkv, z, beta_logit, a = h.split([2 * nk * dk + nv * dv, nv * dv, nv, nv], dim=-1)
+        qkv, z, beta_logit, a = self._project(x)
         if cp is None:
             qkv = causal_depthwise_conv(qkv, self.conv_weight, segments)
         else:
             conv = lambda t, seg: causal_depthwise_conv(t, self.conv_weight, seg)  # noqa: E731
             qkv = cp_causal_conv(conv, qkv, self.conv_weight.shape[1] - 1, cp.group, cp.cp, cp.rank, segments)
+        q, k, v, g, beta = self._rule_inputs(qkv, beta_logit, a)
+        if cp is None:
+            out, _ = gated_delta_rule(q, k, v, g, beta, self.kernel, segments=segments)
+        else:
+            out = cp_gated_delta_rule(self._recurrence, q, k, v, g, beta, cp.group, cp.cp, cp.rank, segments)
+        return self._output(out, z)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input projection of ``x`` [s, b, hidden] split into (qkv, z, beta logits, a), each [b, s, .]."""
+        nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
+        h = self.in_proj(x).transpose(0, 1)  # [b, s, local features]
+        return h.split([2 * nk * dk + nv * dv, nv * dv, nv, nv], dim=-1)
+
+    def _rule_inputs(self, qkv: torch.Tensor, beta_logit: torch.Tensor, a: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
+        """The gated delta rule's (q, k, v, g, beta) from the convolution's output [b, s, .] and the logits."""
+        nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
+        b, s = qkv.shape[:2]
         q, k, v = qkv.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q = l2_normalise(q.reshape(b, s, nk, dk).float()) * dk ** -0.5
         k = l2_normalise(k.reshape(b, s, nk, dk).float())
@@ -331,13 +355,23 @@ class GatedDeltaNet(nn.Module):
             q, k = (t.repeat_interleave(nv // nk, dim=2) for t in (q, k))
         beta = beta_logit.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        v = v.reshape(b, s, nv, dv)
-        if cp is None:
-            out, _ = gated_delta_rule(q, k, v, g, beta, self.kernel, segments=segments)
-        else:
-            out = cp_gated_delta_rule(self._recurrence, q, k, v, g, beta, cp.group, cp.cp, cp.rank, segments)
+        return q, k, v.reshape(b, s, nv, dv), g, beta
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated norm of the rule's output [b, s, heads, dv] and the output projection -> [s, b, hidden]."""
+        b, s, nv, dv = out.shape
         out = gated_rms_norm(out, z.reshape(b, s, nv, dv), self.norm_weight, self.eps)
         return self.out_proj(out.reshape(b, s, nv * dv).transpose(0, 1))
+
+    def _decode(self, x: torch.Tensor, state: "DecodeState") -> torch.Tensor:
+        """``x`` [s, b, hidden] continuing from ``state`` (empty: a prompt), which then holds the tokens' end."""
+        qkv, z, beta_logit, a = self._project(x)
+        qkv = state.convolve(qkv, self.conv_weight)
+        q, k, v, g, beta = self._rule_inputs(qkv, beta_logit, a)
+        # A prompt runs the chunked kernel (or fla's); one new token, one step of the recurrence.
+        kernel = "reference" if q.shape[1] == 1 else self.kernel
+        out, state.state = gated_delta_rule(q, k, v, g, beta, kernel, state.state)
+        return self._output(out, z)
 
     def _recurrence(self, q, k, v, g, beta, initial_state, segments):
         """The one-device rule for one chunk under CP. fla's kernel returns one state per document when
@@ -346,9 +380,21 @@ class GatedDeltaNet(nn.Module):
         return gated_delta_rule(q, k, v, g, beta, kernel, initial_state, segments)
 
 
-class NoDecodeState:
-    """The decode state of a gated DeltaNet layer: none yet (generation refuses it in one line)."""
+
+class DecodeState:
+    """The decode state of one gated DeltaNet layer: the convolution's last ``K - 1`` inputs ``conv``
+    [b, K - 1, channels] and the gated delta rule's state ``state`` [b, heads, dk, dv] (fp32), both None
+    before the prompt."""
 
     def __init__(self) -> None:
-        raise NotImplementedError("generation with gdn layers (--layer-pattern) is not implemented: gated DeltaNet "
-                                  "keeps no recurrent or convolution state between calls yet")
+        self.conv: Optional[torch.Tensor] = None
+        self.state: Optional[torch.Tensor] = None
+
+    def convolve(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """:func:`causal_depthwise_conv` of ``x`` [b, s, c] after the kept inputs (zeros before the
+        prompt, as the convolution's own padding); keeps the last ``K - 1`` inputs."""
+        K = weight.shape[1]
+        past = x.new_zeros(x.shape[0], K - 1, x.shape[2]) if self.conv is None else self.conv
+        full = torch.cat([past, x], dim=1)
+        self.conv = full[:, full.shape[1] - (K - 1):]
+        return causal_depthwise_conv(full, weight)[:, K - 1:]

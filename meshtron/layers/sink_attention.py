@@ -19,6 +19,10 @@ log-sum-exp as for plain attention, the window checked at the sequence positions
 and the sink then joins each row's log-sum-exp once, as a key with a zero value (``out * exp(lse -
 logaddexp(lse, sink))``, the same factor as above); under ``a2a`` each rank runs that kernel on the whole
 sequence of its share of the heads, whose sinks it keeps; ``a2a+p2p`` rings across its groups on those heads.
+
+Generation keeps every earlier (rotated) key and value in a :class:`~meshtron.layers.attention.KVCache`,
+sliding-window layers included (the window is a mask over the whole cache), and each new query attends to
+them with its sink, the SDPA path's mask offset by the cached length.
 """
 
 from __future__ import annotations
@@ -80,8 +84,10 @@ class SinkAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 mask: Optional[DocumentMask] = None, cache=None) -> torch.Tensor:
         cp = isinstance(mask, ContextParallelInputs)
-        if cache is not None or not (mask is None or cp or isinstance(mask, DocumentMask)):
-            raise NotImplementedError("sink attention: no KV cache or boolean masks")
+        if not (mask is None or cp or isinstance(mask, DocumentMask)):
+            raise NotImplementedError("sink attention: no boolean masks")
+        if cache is not None and mask is not None:
+            raise NotImplementedError("sink attention: a key/value cache decodes one sequence on one device")
         nq, ng, d = self.nq, self.ng, self.d
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
@@ -90,16 +96,13 @@ class SinkAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if cp:
+        if cache is not None:
+            # The cache's keys and values; the kernel places the queries at its end (its mask: window and causal).
+            k, v, _ = cache.update(k, v)
+            out = sink_attention(q, k, v, self.sinks, self.window)
+        elif cp:
             out = context_parallel_attention(q, k, v, mask, sinks=self.sinks, window=self.window)
         else:
             out = sink_attention(q, k, v, self.sinks, self.window, mask)
         return self.o(out.permute(2, 0, 1, 3).reshape(s, b, nq * d))
 
-
-class NoDecodeState:
-    """The decode state of a sink attention layer: none yet (generation refuses it in one line)."""
-
-    def __init__(self) -> None:
-        raise NotImplementedError("generation with sink/sink_window layers (--layer-pattern) is not implemented: "
-                                  "sink attention has no key/value cache")

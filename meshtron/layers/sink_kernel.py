@@ -76,12 +76,15 @@ def sink_block_mask(seq: int, batch: int, window: Optional[int], device: torch.d
 
 
 def dense_sink_mask(seq: int, window: Optional[int], device: torch.device,
-                    documents: Optional[DocumentMask] = None) -> torch.Tensor:
-    """Boolean [b or 1, 1, seq, seq]: causal, within ``window``, within documents (the CPU path's mask)."""
-    i = torch.arange(seq, device=device)
-    keep = i[None, :] <= i[:, None]
+                    documents: Optional[DocumentMask] = None, past: int = 0) -> torch.Tensor:
+    """Boolean [b or 1, 1, seq, past + seq]: causal, within ``window``, within documents (the CPU path's
+    mask). ``past``: keys before the first query (decoding with a key/value cache), query ``i`` being at
+    position ``past + i``."""
+    i = past + torch.arange(seq, device=device)
+    j = torch.arange(past + seq, device=device)
+    keep = j[None, :] <= i[:, None]
     if window is not None:
-        keep = keep & (i[:, None] - i[None, :] < window)
+        keep = keep & (i[:, None] - j[None, :] < window)
     keep = keep[None, None]
     return keep if documents is None else keep & documents.dense()
 
@@ -93,11 +96,20 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     """Causal attention of [b, heads, s, d] tensors (keys/values may have fewer heads: GQA) with one sink
     logit per query head (``sinks`` [heads]), optionally within a sliding window and packed documents.
 
+    Keys and values may be longer than the queries (decoding with a key/value cache): the queries are then
+    the last positions of the keys' sequence, and the ``sdpa`` path runs (no documents there).
+
     ``path``: ``flex`` or ``sdpa`` (None: flex on CUDA, sdpa elsewhere; see the module docstring).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    path = path or ("flex" if q.is_cuda else "sdpa")
     b, nq, s, _ = q.shape
+    past = k.shape[2] - s  # cached keys before the first query
+    if past and documents is not None:
+        raise ValueError("sink attention: packed documents with cached keys")
+    # flex's block mask is square; a decoding step is one query row, cheap on SDPA
+    path = path or ("flex" if q.is_cuda and not past else "sdpa")
+    if path == "flex" and past:
+        raise ValueError("sink attention: the flex path needs as many keys as queries")
     if path == "flex":
         block_mask = sink_block_mask(s, b, window, q.device, documents)
         out, lse = flex(q, k, v, block_mask, scale, return_lse=True)
@@ -109,10 +121,10 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     rep = nq // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     q = torch.cat([q, q.new_ones(b, nq, s, 1)], dim=-1)
-    k = torch.cat([k, k.new_zeros(b, nq, s, 1)], dim=-1)
+    k = torch.cat([k, k.new_zeros(b, nq, past + s, 1)], dim=-1)
     sink_key = torch.cat([k.new_zeros(nq, q.shape[-1] - 1), (sinks / scale).to(k.dtype)[:, None]], dim=-1)
     k = torch.cat([k, sink_key[None, :, None].expand(b, nq, 1, -1)], dim=2)
     v = torch.cat([v, v.new_zeros(b, nq, 1, v.shape[-1])], dim=2)
-    mask = dense_sink_mask(s, window, q.device, documents)
+    mask = dense_sink_mask(s, window, q.device, documents, past)
     mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

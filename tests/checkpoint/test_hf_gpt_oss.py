@@ -17,6 +17,7 @@ from meshtron.checkpoint.convert import convert_main  # noqa: E402
 from meshtron.checkpoint.errors import CheckpointError  # noqa: E402
 from meshtron.config import MeshtronConfig  # noqa: E402
 from meshtron.presets import apply_preset  # noqa: E402
+from tests.test_generate_new_mixers import incremental_logits  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
@@ -61,8 +62,8 @@ def test_gpt_oss_round_trip(tmp_path):
     want = logits(reference, TOKENS)
     assert want.abs().max() > 1  # not a degenerate comparison
     torch.testing.assert_close(logits(model, TOKENS), want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(NotImplementedError, match="generation with sink/sink_window layers"):
-        model(TOKENS, caches={})  # no key/value cache with sinks yet: refused in one line
+    # generation: a prompt, then one token at a time, gives Hugging Face's logits of the whole sequence
+    torch.testing.assert_close(incremental_logits(model, TOKENS, 9), want, rtol=1e-5, atol=1e-5)
 
     assert convert_main(["--to", "hf", "--input", str(ckpt), "--output", str(hf_out)]) == 0
     config = json.loads((hf_out / "config.json").read_text())

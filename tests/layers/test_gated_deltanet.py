@@ -122,5 +122,5 @@ def test_refuses_what_it_does_not_support():
     layer = _layer(ParallelContext())
     with pytest.raises(NotImplementedError):
         layer(torch.zeros(4, 1, 32, device="meta"), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
-    with pytest.raises(NotImplementedError):
-        layer(torch.zeros(4, 1, 32, device="meta"), cache=object())
+    with pytest.raises(NotImplementedError):  # a decode state: one sequence, no packed documents
+        layer(torch.zeros(4, 1, 32, device="meta"), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool), cache=object())
