@@ -254,7 +254,6 @@ def test_dp4_matches_single_process(reference):
     check_variants(results, reference, 4, DP4)
 
 
-@pytest.mark.slow  # TP x DP keeps fast cases in test_sharding_strategies.py (tp2dp2_zero3) and test_hybrid_sharding.py
 def test_tp2_dp2_matches_single_process():
     """TP=2 x DP=2 with sequence parallelism and key/value heads replicated over TP (both TP syncs)."""
     names = ["plain-overlap", "distopt-overlap"]

@@ -84,12 +84,10 @@ CASES = [
 ]
 
 
-# llama-tp4-kv-replicated is the fast TP=4 representative; the other TP=4 cases are slow, and llama-tp2 (gpt-tp2
-# keeps TP without SP fast, llama-tp2-sp the llama layers).
-# llama-yarn-tp2-sp is slow too: YaRN changes only the rotary table, which TP does not touch (its tables are tested
-# against megatron-core's in tests/layers/test_yarn.py).
-SLOW = ("llama-tp4-sp-kv-replicated", "llama-qk-norm-tp4-kv-replicated", "gpt-tp4-sp", "llama-tp2",
-        "llama-yarn-tp2-sp")
+# llama-tp4-kv-replicated is the fast TP=4 representative; the other TP=4 cases are slow. llama-yarn-tp2-sp is
+# slow too: YaRN changes only the rotary table, which TP does not touch (its tables are tested against
+# megatron-core's in tests/layers/test_yarn.py).
+SLOW = ("llama-tp4-sp-kv-replicated", "llama-qk-norm-tp4-kv-replicated", "gpt-tp4-sp", "llama-yarn-tp2-sp")
 
 
 @pytest.mark.parametrize("name,cfg,tp,sp", [pytest.param(*c, marks=pytest.mark.slow) if c[0] in SLOW else c

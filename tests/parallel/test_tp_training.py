@@ -21,9 +21,7 @@ def _train(rank, world, extra):
     return run_training(build_config(ARGS + extra)).train_losses
 
 
-# selective is the fast representative (TP + SP without recomputation trains fast in test_tensor_parallel.py's
-# llama-tp2-sp and test_compiled_parallel.py).
-@pytest.mark.parametrize("recompute", [pytest.param([], marks=pytest.mark.slow), ["--recompute-granularity", "selective"],
+@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "selective"],
                                        pytest.param(["--no-tp-comm-overlap"], marks=pytest.mark.slow)],
                          ids=["plain", "selective", "no-overlap"])
 def test_tp2_sp_trains_like_one_process(recompute):
