@@ -20,6 +20,7 @@ from meshtron.optim.grads import GradientSync
 from meshtron.parallel.context import ParallelContext, build_groups
 from meshtron.parallel.context_parallel.split import gather_sequence, split_micro_batch, split_sequence
 from meshtron.parallel.sharding import gather_canonical, initialize_parameters
+from tests.distributed.launch import run_distributed
 
 VOCAB = 100
 SEQ = 32
@@ -188,12 +189,43 @@ def suite_worker(rank: int, world: int, trainer_runs: list[dict]) -> dict:
         out[("attention", comm, docs)] = _attention_case(cp_ctx, comm, 3, docs)
     contexts = {1: cp_ctx}
     for name, model, tp, sp, comm, docs in MODEL_CASES[world]:
-        if tp not in contexts:
-            contexts[tp] = build_groups(tp, world // tp, 1, 1, torch.device("cpu"))
-        out[("model", name)] = run_model(MODELS[model](), contexts[tp], sp, comm, docs)
+        out[("model", name)] = run_model(MODELS[model](), groups_for_tp(contexts, tp, world), sp, comm, docs)
     from meshtron.training.trainer import run_training
 
     for i, run in enumerate(trainer_runs):
         result = run_training(trainer_config(**run))
         out[("trainer", i)] = (result.train_losses, result.eval_losses)
     return out
+
+
+# ----------------------------------------------------------------------------------------------- shared by the CP tests
+def groups_for_tp(contexts: dict, tp: int, world: int) -> ParallelContext:
+    """The TP x CP groups of ``world`` ranks with TP ``tp``, built once per TP size (kept in ``contexts``)."""
+    if tp not in contexts:
+        contexts[tp] = build_groups(tp, world // tp, 1, 1, torch.device("cpu"))
+    return contexts[tp]
+
+
+def results_of(worlds: dict, world: int, worker, *args) -> list[dict]:
+    """``worker``'s results on ``world`` ranks, run once per world size (cached in ``worlds``)."""
+    if world not in worlds:
+        worlds[world] = run_distributed(worker, world, *args, timeout=300)
+    return worlds[world]
+
+
+def assert_close(got, want, what: str, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_model_matches(results: list[dict], name: str, reference) -> None:
+    """Every rank's logits, loss, token losses and gradients of model case ``name`` equal ``reference``
+    (:func:`run_model` in one process)."""
+    ref_logits, ref_total, ref_losses, ref_grads = reference
+    for rank, res in enumerate(results):
+        logits, total, losses, grads = res[("model", name)]
+        assert_close(logits, ref_logits, f"{name} rank {rank} logits")
+        assert_close(total, ref_total, f"{name} rank {rank} loss", rtol=1e-6, atol=1e-6)
+        assert_close(losses, ref_losses, f"{name} rank {rank} token losses")
+        assert grads.keys() == ref_grads.keys()
+        for key in ref_grads:
+            assert_close(grads[key], ref_grads[key], f"{name} rank {rank} grad {key}", atol=1e-6)

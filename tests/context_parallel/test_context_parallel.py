@@ -6,10 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from tests.context_parallel import cp_cases as cases
-from tests.distributed.launch import run_distributed
 
 # Trainer runs inside the worlds of 2 and 4 processes (keyword arguments of cases.trainer_config).
 TRAINER_RUNS = {
@@ -25,13 +23,7 @@ def worlds() -> dict:
 
 
 def _results(worlds: dict, world: int) -> list[dict]:
-    if world not in worlds:
-        worlds[world] = run_distributed(cases.suite_worker, world, TRAINER_RUNS[world], timeout=300)
-    return worlds[world]
-
-
-def _assert_close(got, want, what: str, rtol=1e-5, atol=1e-5):
-    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+    return cases.results_of(worlds, world, cases.suite_worker, TRAINER_RUNS[world])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -41,22 +33,14 @@ def test_attention_matches_full_attention(worlds, world, comm_type, documents):
     ref = cases.attention_reference(3, documents)
     for rank, res in enumerate(_results(worlds, world)):
         for name, got, want in zip(("out", "dq", "dk", "dv"), res[("attention", comm_type, documents)], ref):
-            _assert_close(got, want, f"cp={world} rank {rank} {name}")
+            cases.assert_close(got, want, f"cp={world} rank {rank} {name}")
 
 
 @pytest.mark.parametrize("world,case", [(w, c) for w in (2, 4) for c in cases.MODEL_CASES[w]],
                          ids=[c[0] for w in (2, 4) for c in cases.MODEL_CASES[w]])
 def test_model_matches_single_process(worlds, world, case):
     name, model, _, _, _, documents = case
-    ref_logits, ref_total, ref_losses, ref_grads = cases.model_reference(model, documents)
-    for rank, res in enumerate(_results(worlds, world)):
-        logits, total, losses, grads = res[("model", name)]
-        _assert_close(logits, ref_logits, f"rank {rank} logits")
-        _assert_close(total, ref_total, f"rank {rank} loss", rtol=1e-6, atol=1e-6)
-        _assert_close(losses, ref_losses, f"rank {rank} token losses")
-        assert grads.keys() == ref_grads.keys()
-        for key in ref_grads:
-            _assert_close(grads[key], ref_grads[key], f"rank {rank} grad {key}", atol=1e-6)
+    cases.assert_model_matches(_results(worlds, world), name, cases.model_reference(model, documents))
 
 
 @pytest.mark.parametrize("world,index", [(w, i) for w in (2, 4) for i in range(len(TRAINER_RUNS[w]))],

@@ -18,7 +18,6 @@ from meshtron.parallel.context import ParallelContext, build_groups
 from meshtron.parallel.context_parallel.attention import context_parallel_attention, context_parallel_inputs
 from meshtron.parallel.context_parallel.split import gather_sequence, split_sequence
 from tests.context_parallel import cp_cases
-from tests.distributed.launch import run_distributed
 from tests.layers.test_documents import flex_backward_on_cpu
 from tests.layers.test_sink_attention import allowed_pairs, dense_reference
 
@@ -123,9 +122,8 @@ def suite_worker(rank: int, world: int) -> dict:
         out[("attention",) + case] = _attention_case(cp_ctx, *case)
     contexts = {1: cp_ctx}
     for name, tp, sp, comm, docs in MODEL_CASES[world]:
-        if tp not in contexts:
-            contexts[tp] = build_groups(tp, world // tp, 1, 1, torch.device("cpu"))
-        out[("model", name)] = cp_cases.run_model(gpt_oss_cfg(), contexts[tp], sp, comm, docs)
+        ctx = cp_cases.groups_for_tp(contexts, tp, world)
+        out[("model", name)] = cp_cases.run_model(gpt_oss_cfg(), ctx, sp, comm, docs)
     return out
 
 
@@ -159,13 +157,10 @@ def worlds() -> dict:
 
 
 def _results(worlds: dict, world: int) -> list[dict]:
-    if world not in worlds:
-        worlds[world] = run_distributed(suite_worker, world, timeout=300)
-    return worlds[world]
+    return cp_cases.results_of(worlds, world, suite_worker)
 
 
-def _close(got, want, what: str, rtol=1e-5, atol=1e-5):
-    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+_close = cp_cases.assert_close
 
 
 def _case_id(case) -> str:
@@ -182,16 +177,10 @@ def _check_attention(worlds, world: int, case) -> None:
 
 def _check_model(worlds, world: int, case) -> None:
     name, _, _, _, documents = case
-    ref_logits, ref_total, ref_losses, ref_grads = model_reference(documents)
+    reference = model_reference(documents)
+    ref_grads = reference[3]
     assert any(k.endswith("sinks") for k in ref_grads)
-    for rank, res in enumerate(_results(worlds, world)):
-        logits, total, losses, grads = res[("model", name)]
-        _close(logits, ref_logits, f"{name} rank {rank} logits")
-        _close(total, ref_total, f"{name} rank {rank} loss", rtol=1e-6, atol=1e-6)
-        _close(losses, ref_losses, f"{name} rank {rank} token losses")
-        assert grads.keys() == ref_grads.keys()
-        for key in ref_grads:
-            _close(grads[key], ref_grads[key], f"{name} rank {rank} grad {key}", atol=1e-6)
+    cp_cases.assert_model_matches(_results(worlds, world), name, reference)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES[2], ids=_case_id)
