@@ -85,38 +85,37 @@ def test_yarn_flags_carry_over(tmp_path):
 def test_yarn_differences_would_show(tmp_path, reference):
     """Each YaRN detail moves megatron-core's logits by far more than the tolerance: plain RoPE, fractional ramp
     ends (gpt-oss's), the softmax's mscale^2 and the tables' concentration factor."""
+    out = _convert(YARN, tmp_path / "c")
+    _assert_each_change_moves_the_logits(out, reference, YARN, ({"rope_type": "rope"}, {"yarn_truncate": False},
+                                                                 {"mscale_all_dim": 0.0}, {"mscale": 0.7}))
+
+
+def _assert_each_change_moves_the_logits(out, reference, case: str, changes) -> None:
+    """Each change of the converted checkpoint's model settings moves its logits away from megatron-core's
+    recorded ones by more than 1e-4."""
     import yaml
 
-    out = _convert(YARN, tmp_path / "c")
     config = next(out.rglob("config.yaml"))
     values = yaml.safe_load(config.read_text())
-    for change in ({"rope_type": "rope"}, {"yarn_truncate": False}, {"mscale_all_dim": 0.0}, {"mscale": 0.7}):
+    for change in changes:
         config.write_text(yaml.safe_dump(dict(values, **change), sort_keys=False))
         model, _ = load_for_inference(out, "cpu", torch.float32, verify=False)
         with torch.no_grad():
-            diff = (model(reference["tokens"]) - reference["logits"][YARN]).abs().max()
+            diff = (model(reference["tokens"]) - reference["logits"][case]).abs().max()
         assert diff > 1e-4, change
 
 
 def test_gqa_yarn_flags_carry_over(tmp_path, reference):
     """--position-embedding-type yarn: the converted model is meshtron's RoPE with --rope-type yarn and the
     checkpoint's flags; each YaRN detail moves megatron-core's logits by far more than the tolerance."""
-    import yaml
-
     out = _convert(GQA_YARN, tmp_path / "c")
     m = read_config(next(out.glob("iter_*"))).model
     assert (m.position_embedding_type, m.rope_type, m.rotary_scaling_factor, m.mscale, m.mscale_all_dim) == \
         ("rope", "yarn", 4.0, 0.9, 0.2)
     assert (m.yarn_original_max_position_embeddings, m.yarn_beta_fast, m.yarn_beta_slow, m.yarn_truncate) == \
         (64, 4.0, 0.5, False)
-    config = next(out.rglob("config.yaml"))
-    values = yaml.safe_load(config.read_text())
-    for change in ({"rope_type": "rope"}, {"yarn_truncate": True}, {"mscale": 1.0}, {"yarn_beta_slow": 1.0}):
-        config.write_text(yaml.safe_dump(dict(values, **change), sort_keys=False))
-        model, _ = load_for_inference(out, "cpu", torch.float32, verify=False)
-        with torch.no_grad():
-            diff = (model(reference["tokens"]) - reference["logits"][GQA_YARN]).abs().max()
-        assert diff > 1e-4, change
+    _assert_each_change_moves_the_logits(out, reference, GQA_YARN, ({"rope_type": "rope"}, {"yarn_truncate": True},
+                                                                     {"mscale": 1.0}, {"yarn_beta_slow": 1.0}))
 
 
 def test_gated_shared_expert_is_a_layer_kind(tmp_path):
