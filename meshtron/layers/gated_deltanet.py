@@ -317,7 +317,7 @@ class GatedDeltaNet(nn.Module):
                 raise NotImplementedError("gated DeltaNet: a decode state decodes one sequence on one device")
             return self._decode(x, cache)
         cp = mask if isinstance(mask, ContextParallelInputs) else None
-        if cache is not None or not (mask is None or cp is not None or isinstance(mask, DocumentMask)) or (
+        if not (mask is None or cp is not None or isinstance(mask, DocumentMask)) or (
                 isinstance(mask, DocumentMask) and (mask.q_pos is not None or mask.k_pos is not None)):
             raise NotImplementedError("gated DeltaNet: no boolean masks")
         if cp is not None:
