@@ -151,12 +151,12 @@ def test_experts_follow_their_layer_in_the_expert_buffer():
     assert [n for n, _ in dense.params] == ["decoder.layers.0.mlp.router.weight",
                                             "decoder.layers.0.mlp.shared_experts.gate_weight",
                                             "decoder.layers.0.mlp.shared_experts.linear_fc1.weight"]
-    second = buckets.expert_rank_params(model, 0, 1, 0, 1, 2, 1, 1, False, grouped=False)
+    second = buckets.expert_rank_params(buckets.experts_by_layer(model), 0, 1, 0, 1, 2, 1, 1, False, grouped=False)
     prefix = "decoder.layers.0.mlp.experts.local_experts."
     assert [n[len(prefix):] for n, _ in second.params] == ["2.linear_fc1.weight", "2.linear_fc2.weight",
                                                            "3.linear_fc1.weight", "3.linear_fc2.weight"]
     assert second.params[0][1].item() == 2.0
-    grouped = buckets.expert_rank_params(model, 0, 1, 0, 1, 2, 1, 1, False, grouped=True)
+    grouped = buckets.expert_rank_params(buckets.experts_by_layer(model), 0, 1, 0, 1, 2, 1, 1, False, grouped=True)
     assert [n[len(prefix):] for n, _ in grouped.params] == ["2.linear_fc1.weight", "3.linear_fc1.weight",
                                                             "2.linear_fc2.weight", "3.linear_fc2.weight"]
 

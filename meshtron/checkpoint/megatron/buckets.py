@@ -241,15 +241,16 @@ def experts_by_layer(model: dict[str, torch.Tensor]) -> dict[int, dict[int, dict
     return out
 
 
-def expert_rank_params(model: dict[str, torch.Tensor], etp: int, ep: int, pp: int, etp_size: int, ep_size: int,
-                       pp_size: int, num_layers: int, swiglu: bool, grouped: bool) -> Rank:
-    """The expert buffer's parameters of expert rank (etp, ep, pp), in ``named_parameters()`` order: the stage's
+def expert_rank_params(experts_of: dict[int, dict[int, dict[str, torch.Tensor]]], etp: int, ep: int, pp: int,
+                       etp_size: int, ep_size: int, pp_size: int, num_layers: int, swiglu: bool, grouped: bool) -> Rank:
+    """The expert buffer's parameters of expert rank (etp, ep, pp) from ``experts_of`` (:func:`experts_by_layer`),
+    in ``named_parameters()`` order: the stage's
     layers in turn, each with its local experts (``ep``'s share of them, in order): SequentialMLP's
     ``local_experts.i.linear_fc1``, ``linear_fc2`` per expert, or, ``grouped`` (TEGroupedMLP), every expert's
     ``linear_fc1`` before every ``linear_fc2``. Expert tensor parallelism shards them as dense MLPs are."""
     per_stage = num_layers // pp_size
     params: list[tuple[str, torch.Tensor]] = []
-    for layer, experts in sorted(experts_by_layer(model).items()):
+    for layer, experts in sorted(experts_of.items()):
         if not pp * per_stage <= layer < (pp + 1) * per_stage:
             continue
         if len(experts) % ep_size:
@@ -338,7 +339,8 @@ def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[
                                  rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied))
              for pp in range(pp_size) for tp in range(tp_size)}
     shards = _unflatten_buffer(ranks, buckets, bucket_size, f"TP {tp_size} x PP {pp_size}")
-    has_experts = bool(experts_by_layer(model))
+    experts_of = experts_by_layer(model)
+    has_experts = bool(experts_of)
     if has_experts != (expert_buckets is not None):
         raise LayoutMismatch("experts in the model but no expert buffer" if has_experts else
                              "an expert buffer for a model without experts")
@@ -350,7 +352,7 @@ def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[
                 for etp in range(etp_size):
                     index = etp + etp_size * (ep + ep_size * pp)
                     eranks[index] = (f"expert model-parallel rank {index} (expert TP {etp}, EP {ep}, PP {pp})",
-                                     expert_rank_params(model, etp, ep, pp, etp_size, ep_size, pp_size, num_layers,
+                                     expert_rank_params(experts_of, etp, ep, pp, etp_size, ep_size, pp_size, num_layers,
                                                         swiglu, grouped))
         for state, by_name in _unflatten_buffer(eranks, expert_buckets, bucket_size,
                                                 f"expert TP {etp_size} x EP {ep_size} x PP {pp_size}").items():
