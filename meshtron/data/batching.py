@@ -16,6 +16,9 @@ class BatchOptions:
     """How samples become micro-batches."""
 
     eod: Optional[int] = None
+    #: A dedicated padding id: labels equal to it leave the loss, as Megatron-Core's GPTDataset does. ``None`` (or
+    #: the end-of-document id: a tokenizer without its own padding token) masks nothing.
+    pad: Optional[int] = None
     vocab_size: Optional[int] = None  # when set, token ids are checked against it
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -36,7 +39,8 @@ class BatchOptions:
 def make_micro_batch(samples: np.ndarray, opts: BatchOptions) -> dict[str, torch.Tensor]:
     """One micro-batch from ``samples`` of shape (mbs, seq_length + 1).
 
-    Returns CPU tensors ``tokens`` and ``labels`` (int64), ``loss_mask`` (float32) and
+    Returns CPU tensors ``tokens`` and ``labels`` (int64), ``loss_mask`` (float32: 0 where the label is the
+    padding token, or an end-of-document token under ``eod_mask_loss``) and
     ``position_ids`` (int64), all (mbs, seq_length), plus ``document_ids`` (int32) with
     ``reset_attention_mask``: equal ids mark tokens of one document within a sample (an
     end-of-document token belongs to the document it ends).
@@ -52,6 +56,8 @@ def make_micro_batch(samples: np.ndarray, opts: BatchOptions) -> dict[str, torch
     labels = np.ascontiguousarray(samples[:, 1:])
     mbs, seq = tokens.shape
     loss_mask = np.ones((mbs, seq), dtype=np.float32)
+    if opts.pad is not None and opts.pad != opts.eod:
+        loss_mask[labels == opts.pad] = 0.0
     positions = np.repeat(np.arange(seq, dtype=np.int64)[None, :], mbs, axis=0)
     out: dict[str, np.ndarray] = {}
     if opts.eod is not None and (opts.reset_position_ids or opts.reset_attention_mask or opts.eod_mask_loss):

@@ -373,7 +373,8 @@ def build_data(cfg: "MeshtronConfig", dp_rank: int, dp_size: int, *, is_data_ran
         datasets = _rank_zero_first(files.build_megatron if d.data_order == "megatron" else files.build)
         description = source
     eod = tokenizer.eod if tokenizer is not None else None
-    options = BatchOptions(eod=eod, vocab_size=vocab if tokenizer is not None else None,
+    pad = tokenizer.pad if tokenizer is not None else None
+    options = BatchOptions(eod=eod, pad=pad, vocab_size=vocab if tokenizer is not None else None,
                            reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
                            eod_mask_loss=d.eod_mask_loss, pin_memory=torch.cuda.is_available())
     options.check()

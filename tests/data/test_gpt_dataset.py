@@ -294,6 +294,18 @@ def test_micro_batch_masks_and_positions():
     assert str(full["loss_mask"].dtype) == "torch.float32" and str(full["tokens"].dtype) == "torch.int64"
 
 
+def test_padding_labels_leave_the_loss_as_megatron_cores_dataset_does():
+    """megatron-core's GPTDataset zeroes the loss where the label is the tokenizer's padding id, unless that id
+    is also another special token (then no label is masked): here the end-of-document id stands for that case."""
+    samples = np.array([[5, 7, 7, 0, 3, 7], [7, 1, 2, 0, 7, 4]])
+    masked = make_micro_batch(samples, BatchOptions(eod=0, pad=7))["loss_mask"]
+    assert masked.tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0, 1.0]]
+    for same_as_eod in (BatchOptions(eod=7, pad=7), BatchOptions(eod=0, pad=None)):
+        assert bool((make_micro_batch(samples, same_as_eod)["loss_mask"] == 1).all())
+    both = make_micro_batch(samples, BatchOptions(eod=0, pad=7, eod_mask_loss=True))["loss_mask"]
+    assert both.tolist() == [[0.0, 0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0, 1.0]]
+
+
 def test_out_of_vocabulary_tokens_are_reported():
     with pytest.raises(DataError, match="another tokenizer"):
         make_micro_batch(np.array([[1, 2, 300]]), BatchOptions(eod=0, vocab_size=258))
