@@ -10,6 +10,7 @@ import torch
 
 from meshtron.config import ModelConfig
 from meshtron.generate import generate_ids
+from meshtron.layers.attention import KVCache
 from meshtron.layers.gated_deltanet import DecodeState, GatedDeltaNet, causal_depthwise_conv
 from meshtron.layers.sink_kernel import sink_attention
 from meshtron.model import GPTModel
@@ -87,6 +88,25 @@ def test_prefill_then_one_token_steps_equal_the_whole_sequence(name):
     assert want.abs().max() > 0.1  # not a degenerate comparison
     # a prompt longer than the window: the window slides in the prompt and in the steps
     torch.testing.assert_close(incremental_logits(model, tokens, 7), want, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_caches_keep_only_the_window():
+    """A sliding-window layer's cache holds the latest W - 1 keys after each step, a full layer's all of them."""
+    model = _model(gpt_oss_like)
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    caches: dict = {}
+    with torch.no_grad():
+        model(tokens=tokens[:, :9], caches=caches)
+        model(tokens=tokens[:, 9:10], caches=caches, position_offset=9)
+    lengths = sorted(c.k.shape[2] for c in caches.values())
+    assert lengths == [4, 4, 10, 10], lengths  # window 5: two sliding layers, two full ones
+
+
+def test_a_window_of_one_keeps_no_earlier_key():
+    cache = KVCache()
+    cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    cache.keep_last(0)
+    assert cache.k.shape[2] == 0 and cache.v.shape[2] == 0
 
 
 @pytest.mark.parametrize("name", MODELS)

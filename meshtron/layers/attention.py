@@ -52,6 +52,14 @@ class KVCache:
         mask = torch.arange(total, device=k.device)[None, :] <= (past + torch.arange(new, device=k.device))[:, None]
         return self.k, self.v, mask[None, None]
 
+    def keep_last(self, n: int) -> None:
+        """Forget all but the ``n`` latest positions (a sliding window's later queries never see the others).
+        Attention masks only by the distance between positions, so the kept keys need no offset."""
+        if self.k is not None and self.k.shape[2] > n:
+            # A copy, so that the forgotten positions' memory is freed rather than kept under a view.
+            start = self.k.shape[2] - n  # not ``-n:``, which keeps everything when n is 0
+            self.k, self.v = self.k[:, :, start:].clone(), self.v[:, :, start:].clone()
+
 
 class SelfAttention(nn.Module):
     """Multi-head / grouped-query self-attention of one layer (``prefix`` is its canonical name)."""

@@ -20,9 +20,10 @@ and the sink then joins each row's log-sum-exp once, as a key with a zero value 
 logaddexp(lse, sink))``, the same factor as above); under ``a2a`` each rank runs that kernel on the whole
 sequence of its share of the heads, whose sinks it keeps; ``a2a+p2p`` rings across its groups on those heads.
 
-Generation keeps every earlier (rotated) key and value in a :class:`~meshtron.layers.attention.KVCache`,
-sliding-window layers included (the window is a mask over the whole cache), and each new query attends to
-them with its sink, the SDPA path's mask offset by the cached length.
+Generation keeps earlier (rotated) keys and values in a :class:`~meshtron.layers.attention.KVCache`: all of
+them for full attention, the latest ``W - 1`` for a sliding window of ``W`` (so a long generation's cache stays
+the window's size); each new query attends to them with its sink, the SDPA path's mask offset by the cached
+length.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ class SinkAttention(nn.Module):
             # The cache's keys and values; the kernel places the queries at its end (its mask: window and causal).
             k, v, _ = cache.update(k, v)
             out = sink_attention(q, k, v, self.sinks, self.window)
+            if self.window is not None:
+                # the next query (one position on) sees the window's latest W - 1 keys and itself
+                cache.keep_last(self.window - 1)
         elif cp:
             out = context_parallel_attention(q, k, v, mask, sinks=self.sinks, window=self.window)
         else:
