@@ -73,6 +73,7 @@ for phase in "$@"; do
         --record "$OUT/measured_fp8_moe.jsonl" 2>&1 | tail -10 ;;
     unverified)
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/moe/test_fp8_experts_gpu.py \
+        tests/test_generate_new_mixers_gpu.py \
         tests/training/test_fp8_blockwise_gpu.py > "$OUT/gpu_tests_unverified.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_unverified.log" | tail -14
       timeout 120 python3 benchmarks/fp8_experts_profile.py --experts 128 --hidden 2048 --width 768 --rows 131072 \

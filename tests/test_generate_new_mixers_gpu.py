@@ -1,0 +1,30 @@
+"""The newer token mixers' decode states on CUDA: a sink-attention model prefills through compiled flex attention
+and decodes through SDPA over its (windowed) cache, a gated DeltaNet model prefills through the chunked rule and
+decodes one recurrent step at a time; both must give the whole sequence's logits. Needs CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_generate_new_mixers import MODELS, _model, incremental_logits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(autouse=True)
+def _full_fp32():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_prefill_then_one_token_steps_equal_the_whole_sequence(name):
+    model = _model(MODELS[name]).cuda()
+    tokens = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        want = model(tokens=tokens)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(incremental_logits(model, tokens, 7), want, rtol=1e-4, atol=1e-4)
