@@ -109,17 +109,20 @@ class GatedDeltaNetKind(MixerKind):
         return [2 * tokens * w_in / tp, 2 * tokens * w_out / tp]
 
     def add_saved_bytes(self, m: ModelConfig, s: SavedBytes) -> None:
+        # What the compiled layer keeps (counted on the CPU, tests/layers/test_saved_activations.py) on the
+        # default path: the chunked rule keeping only its inputs (meshtron.layers.gated_deltanet.
+        # chunk_rule_keeping_inputs), whose backward normalises q and k again from the convolution's output.
         qkv, z, nv = (w / s.tp for w in _widths(m))
-        dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+        nk, dv, K = m.linear_num_key_heads / s.tp, m.linear_value_head_dim, m.linear_conv_kernel_dim
         if "norm" not in s.selective:
             s.rep += s.lin * s.h  # the first norm's output (the input projection's input)
             s.part += s.gathered
-        # The projection's output (the convolution's input) and the convolution's output; q and k normalised
-        # in fp32 and repeated to the value heads, the fp32 decay and beta; the chunked rule's per-chunk
-        # states are O(1/64) per token and left out; its output in fp32 (the gated norm's input) and the
-        # norm's output (the output projection's input).
-        s.part += s.e * (qkv + z + 2 * nv) + s.e * qkv + 4 * 2 * nv * dk + 8 * nv
-        s.part += 4 * nv * dv + s.lin * nv * dv + s.stats * nv
-
+        # The projection's output (q, k, v, z and the logits are views of it), the convolution's input padded by
+        # K - 1 earlier positions, its output after SiLU; the L2 norms' fp32 statistics of q and k per key
+        # head, the fp32 decay, beta (the logits' dtype); the gated norm's statistics and output (the output
+        # projection's input).
+        s.part += s.e * (qkv + z + 2 * nv) + s.e * qkv * (1 + (K - 1) / s.seq) + s.e * qkv
+        s.part += 4 * 2 * nk + 4 * nv + s.e * nv
+        s.part += s.stats * nv + s.lin * nv * dv
 
 GDN = GatedDeltaNetKind()

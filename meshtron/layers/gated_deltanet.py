@@ -17,7 +17,9 @@ heads ``i * r ... i * r + r - 1`` (``r = value heads / key heads``).
 The recurrence runs, by ``kernel``:
 
 * ``chunk`` (the CPU/training path, :func:`chunk_gated_delta_rule`): 64 tokens at a time in
-  matrix form, a loop over chunks only;
+  matrix form, a loop over chunks only; under autograd it keeps only its inputs and runs the chunks
+  again in backward (:func:`chunk_rule_keeping_inputs`: a compiled layer then keeps about a third of
+  the bytes it kept with every intermediate);
 * ``fla``: the fused Triton kernel of the ``fla-core`` package (``fla.ops.gated_delta_rule``), on CUDA
   when the package is installed (``auto`` picks it there, else ``chunk``); untested here;
 * :func:`gated_delta_rule_reference`: one token at a time, for tests.
@@ -51,6 +53,7 @@ from typing import ClassVar, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from meshtron.layers.documents import DocumentMask
 from meshtron.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -196,6 +199,16 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, segments):  # pragma:
     return out.reshape(b, s, *out.shape[2:]), state
 
 
+def chunk_rule_keeping_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                              beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
+                              segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_gated_delta_rule` keeping only its inputs for the backward, which runs the chunks' forward
+    again first (as fla's kernel recomputes its states). Kept whole, autograd would hold about ten tensors of
+    [chunk, chunk] or [chunk, dk + dv] per chunk and head, some 100 fp32 values per token and head more than the
+    inputs; the second forward costs about a third of the rule's work, small beside the layer's projections."""
+    return checkpoint(chunk_gated_delta_rule, q, k, v, g, beta, CHUNK, initial_state, segments, use_reentrant=False)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      kernel: str = "auto", initial_state: Optional[torch.Tensor] = None,
                      segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +216,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if kernel == "auto":
         kernel = "fla" if q.is_cuda and fla_available() else "chunk"
     if kernel == "chunk":
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
+            return chunk_rule_keeping_inputs(q, k, v, g, beta, initial_state, segments)
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, segments=segments)
     if kernel == "fla":
         return _fla_gated_delta_rule(q, k, v, g, beta, initial_state, segments)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from meshtron.layers.documents import DocumentMask
-from meshtron.layers.gated_deltanet import (GatedDeltaNet, chunk_gated_delta_rule, document_segments,
-                                            gated_delta_rule_reference)
+from meshtron.layers.gated_deltanet import (CHUNK, GatedDeltaNet, chunk_gated_delta_rule, chunk_rule_keeping_inputs,
+                                            document_segments, gated_delta_rule, gated_delta_rule_reference)
 from meshtron.parallel.context import ParallelContext
 from meshtron.parallel.sharding import gather_canonical, initialize_parameters
 from tests.layers.canonical import close, load_canonical
@@ -42,6 +42,32 @@ def test_chunked_equals_token_loop_forward_and_gradients(s):
     ((got_out * w).sum() + (got_state * ws).sum()).backward()
     for name, a, b in zip("q k v g beta state".split(), got_in, ref_in):
         torch.testing.assert_close(a.grad, b.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_training_path_keeps_only_the_rules_inputs_and_gives_the_same_gradients():
+    """Under autograd the ``chunk`` kernel keeps its inputs only (no [chunk, chunk] tensor) and recomputes the
+    chunks in backward, with the plain chunked rule's outputs and gradients bit for bit."""
+    segments = document_segments(torch.tensor(DOCS))
+    plain_in = _inputs(s=150)
+    kept_in = [t.detach().clone().requires_grad_() for t in plain_in]
+    plain = chunk_gated_delta_rule(*plain_in[:5], initial_state=plain_in[5], segments=segments)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kept = gated_delta_rule(*kept_in[:5], kernel="chunk", initial_state=kept_in[5], segments=segments)
+    assert not any(len(sh) >= 2 and sh[-2:] == (CHUNK, CHUNK) for sh in shapes), shapes
+    assert len(shapes) <= 7, shapes  # q, k, v, g, beta, the initial state, the segments
+    w, ws = torch.randn_like(plain[0]), torch.randn_like(plain[1])
+    for (out, state), inputs in ((plain, plain_in), (kept, kept_in)):
+        ((out * w).sum() + (state * ws).sum()).backward()
+    assert torch.equal(kept[0], plain[0]) and torch.equal(kept[1], plain[1])
+    for name, a, b in zip("q k v g beta state".split(), kept_in, plain_in):
+        assert torch.equal(a.grad, b.grad), name
+    assert chunk_rule_keeping_inputs is not chunk_gated_delta_rule
 
 
 # document runs: starts inside a chunk, exactly on a chunk boundary (64), one run over a whole chunk,

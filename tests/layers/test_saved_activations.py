@@ -163,3 +163,22 @@ def test_compiled_rowwise_fp8_layer_saves_what_the_model_counts():
     kwargs = dict(micro_batch=BATCH, seq=SEQ, act_bytes=4, compiled=True)
     assert saved == layer_activation_bytes(cfg.model, rowwise_fp8=True, **kwargs)
     assert layer_activation_bytes(cfg.model, **kwargs) - saved == SEQ * BATCH * 4 * 2 * 64  # the norms' outputs
+
+
+def test_compiled_gated_deltanet_layer_saves_what_the_model_counts():
+    """A gated DeltaNet layer (compiled, the GPU default) keeps exactly the bytes its kind counts: the chunked
+    rule's [chunk, chunk] intermediates are recomputed in backward, not kept."""
+    cfg = tiny_config(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                      seq_length=128, layer_pattern="gdn+dense", linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=8)
+    model = GPTModel(cfg.model, ParallelContext(), 128, layer_ids=[0])
+    initialize_parameters(model, 1, torch.device("cpu"), torch.float32)
+    layer = model.layers["0"]
+    layer.compile()
+    x = torch.randn(128, BATCH, 64, requires_grad=True)
+    rope = model._rope(128, None, x.device, torch.float32)
+    tables = {t.untyped_storage().data_ptr() for t in rope}
+    for _ in range(2):  # the second call runs the compiled graphs
+        _, storages = saved_storages(layer, x, rope, None, params=list(model.parameters()))
+    got = sum(n for ptr, n in storages.items() if ptr not in tables)
+    assert got == layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=128, act_bytes=4, compiled=True, layer=0)
