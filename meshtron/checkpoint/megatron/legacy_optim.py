@@ -1,9 +1,14 @@
-"""The optimizer state of Megatron-LM's legacy format, per model-parallel rank ``mp_rank_TT_PPP/``:
+"""The optimizer state of Megatron-LM's legacy format, per model-parallel rank ``mp_rank_TT[_PPP][_EEE]/``:
 
 * with the distributed optimizer, ``distrib_optim.pt`` (``DistributedOptimizer.save_parameter_state``): per
   parameter buffer ``{(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": the buckets' unpadded
   contents one after another, "numel_unpadded"}}`` beside ``"buckets_coalesced": True``; its buckets are laid
-  out as :mod:`.buckets` describes;
+  out as :mod:`.buckets` describes. A mixture-of-experts model's two chained optimizers (dense parameters over
+  the data-parallel group, experts over the expert-data-parallel group) save the list of both
+  (``ChainedOptimizer.save_parameter_state``), each entry gathered on rank 0 of its own group and None on the
+  other ranks; every rank that is rank 0 of either group writes its directory's file, so the dense buffer of
+  (tp, pp) is in one of its expert-parallel directories and the experts' buffer of expert rank (tp, ep, pp) in
+  ``mp_rank_TT[_PPP]_EEE`` (:func:`_gather_chains`);
 * without it, ``model_optim_rng.pt``'s ``optimizer`` entry: torch's optimizer ``state_dict()`` (``state`` by
   parameter index, ``param_groups`` with the indices of each group), under ``optimizer`` beside
   ``fp32_from_fp16_params`` (the fp32 masters, group by group) for a bf16/fp16 model
@@ -31,10 +36,20 @@ from meshtron.checkpoint.megatron.unpickler import load_pickled
 _STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
-def _read_distrib_optim(f: Path) -> dict[str, torch.Tensor]:
+def _read_chain(f: Path, count: int) -> list[Optional[dict[str, torch.Tensor]]]:
+    """Each of the ``count`` chained optimizers' {state: flat buffer} in ``distrib_optim.pt`` ``f`` (None where
+    the file's writer was not rank 0 of that optimizer's data-parallel group): one optimizer's state as it is, a
+    ChainedOptimizer's of several as their list."""
     state = load_pickled(f, str(f))
-    if isinstance(state, list):
-        raise LayoutMismatch(f"{f} holds {len(state)} optimizers (a chained optimizer: experts or several dtypes)")
+    chain = state if isinstance(state, list) else [state]
+    if len(chain) != count:
+        raise LayoutMismatch(f"{f} holds {len(chain)} optimizers, expected "
+                             f"{'2 (chained: dense parameters, experts)' if count == 2 else 'one'}")
+    return [None if entry is None else _coalesced(entry, f) for entry in chain]
+
+
+def _coalesced(state: Any, f: Path) -> dict[str, torch.Tensor]:
+    """{state: flat buffer} of one optimizer's ``get_parameter_state_dp_zero()``."""
     if not isinstance(state, dict) or not state.get("buckets_coalesced"):
         raise LayoutMismatch(f"{f} is not the coalesced per-buffer state of megatron-core's "
                              "DistributedOptimizer.save_parameter_state (an older layout)")
@@ -49,17 +64,55 @@ def _read_distrib_optim(f: Path) -> dict[str, torch.Tensor]:
     return {k: inner[k].float() for k in _STATES}
 
 
+def _gather_chains(files: dict[tuple[int, int, int], Path], tp_size: int, ep_size: int, moe: bool
+                   ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
+    """({model-parallel rank: dense buffer}, {expert rank: experts' buffer}) from every ``distrib_optim.pt``.
+
+    Each file is written by the ranks of its directory (tp, pp, ep) that are rank 0 of the dense optimizer's
+    data-parallel group or of the experts' expert-data-parallel group: the dense buffer of (tp, pp) is in exactly
+    one of its expert-parallel directories, the experts' buffer of expert rank (tp, ep, pp) in directory (tp, pp,
+    ep) (expert tensor parallelism equal to tensor parallelism)."""
+    dense: dict[int, dict[str, torch.Tensor]] = {}
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for (tp, pp, ep), f in sorted(files.items()):
+        path = f.parent / DISTRIB_OPTIM_FILE
+        chain = _read_chain(path, 2 if moe else 1)
+        index = tp + tp_size * pp
+        if chain[0] is not None:
+            if index in dense:
+                raise LayoutMismatch(f"{path}: a second dense buffer of model-parallel rank {index}")
+            dense[index] = chain[0]
+        if moe:
+            if chain[1] is None:
+                raise LayoutMismatch(f"{path} holds no experts' buffer (its writer not expert-data-parallel rank 0)")
+            experts[tp + tp_size * (ep + ep_size * pp)] = chain[1]
+        elif ep:
+            raise LayoutMismatch(f"{path}: an expert-parallel rank for a model without experts")
+    return dense, experts
+
+
 def distributed_state(files: dict[tuple[int, int, int], Path], model: dict[str, torch.Tensor], tp_size: int,
                       pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
-                      bucket_size: Optional[int]) -> dict[str, dict[str, torch.Tensor]]:
-    """{state: {Megatron name: whole tensor}} from every rank's ``distrib_optim.pt``."""
-    world = {}
-    for (tp, pp, ep), f in files.items():
-        if ep:
-            raise LayoutMismatch("expert-parallel ranks are not mapped yet")
-        world[tp + tp_size * pp] = _read_distrib_optim(f.parent / DISTRIB_OPTIM_FILE)
-    flat = buckets.split_coalesced(model, world, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size)
-    return buckets.unflatten(model, flat, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size)
+                      bucket_size: Optional[int], ep_size: int = 1, etp_size: Optional[int] = None,
+                      grouped: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {Megatron name: whole tensor}} from every rank's ``distrib_optim.pt``; a mixture-of-experts model's
+    experts from the second of its chained optimizers (expert parallelism ``ep_size``, expert tensor parallelism
+    ``etp_size`` (None: ``tp_size``), ``grouped``: TEGroupedMLP's order)."""
+    if num_layers % pp_size:
+        raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
+    experts_of = buckets.experts_by_layer(model)
+    if experts_of and (etp_size or tp_size) != tp_size:
+        raise LayoutMismatch(f"expert tensor parallelism {etp_size} unlike tensor parallelism {tp_size}: the legacy "
+                             "files' names do not say which expert tensor-parallel rank wrote them")
+    dense, experts = _gather_chains(files, tp_size, ep_size, bool(experts_of))
+    ranks = buckets.dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied)
+    flat = buckets.split_coalesced(ranks, dense, bucket_size)
+    expert_flat = None
+    if experts_of:
+        eranks = buckets.expert_ranks(experts_of, tp_size, ep_size, pp_size, num_layers, swiglu, grouped)
+        expert_flat = buckets.split_coalesced(eranks, experts, bucket_size)
+    return buckets.unflatten(model, flat, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size,
+                             expert_flat, ep_size, tp_size, grouped)
 
 
 def _no_decay(name: str, t: torch.Tensor) -> bool:
