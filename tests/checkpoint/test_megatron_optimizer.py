@@ -23,6 +23,9 @@ Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_c
 * ``legacy_moe_ep2_dp4_distrib_optim``: the same model and optimizer in the legacy format: ``mp_rank_00_000/`` and
   ``mp_rank_00_001/`` (one stage: the second field is the expert-parallel rank), each ``distrib_optim.pt`` the
   chained optimizers' list [dense buffer or None, the expert rank's buffer];
+* ``legacy_moe_ep2_dp4_bf16_optim``: that model in bf16 with Megatron's non-distributed optimizer
+  (``Float16OptimizerWithFloat16Params``, chained: dense, experts), legacy format: each ``model_optim_rng.pt``'s
+  ``optimizer`` the list of both optimizers' ``state_dict()`` (the experts' one group: matrices only);
 * ``mla_dp2_dp_reshardable``: multi-latent attention (q and kv down/up projections, their latent norms), its
   ``DistributedOptimizer`` at DP=2 in buckets of 1000 elements, ``dp_reshardable``.
 
@@ -55,6 +58,7 @@ ROPE = "rope_partial_interleaved_tp2_dp_reshardable"
 MOE = "moe_ep2_dp4_dp_reshardable"
 MLA = "mla_dp2_dp_reshardable"
 MOE_LEGACY = "legacy_moe_ep2_dp4_distrib_optim"
+MOE_BF16 = "legacy_moe_ep2_dp4_bf16_optim"
 
 
 def _read(name: str):
@@ -90,7 +94,7 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
     return out
 
 
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY, MOE_BF16])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
@@ -133,15 +137,19 @@ def test_a_layout_that_does_not_fit_is_a_notice(monkeypatch):
     assert "model-parallel rank 0 (TP 0, PP 0)" in note and "Adam moments start from zero" in note
 
 
-@pytest.mark.parametrize("name", [MOE, MOE_LEGACY])
-def test_experts_in_the_wrong_order_are_a_notice(monkeypatch, name):
-    """The experts' buffer laid out as TEGroupedMLP's (every expert's linear_fc1 before every linear_fc2) where
-    megatron-core's SequentialMLP wrote it: the proof refuses it, nothing read, said in one line."""
+@pytest.mark.parametrize("name, where", [(MOE, "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)"),
+                                         (MOE_LEGACY, "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)"),
+                                         (MOE_BF16, "mp_rank_00_000_000 (experts): the optimizer's param of parameter 1 is not "
+                                                   "shaped like")])
+def test_experts_in_the_wrong_order_are_a_notice(monkeypatch, name, where):
+    """The experts' buffer (or parameter group) laid out as TEGroupedMLP's (every expert's linear_fc1 before every
+    linear_fc2) where megatron-core's SequentialMLP wrote it: the proof refuses it, nothing read, said in one
+    line."""
     monkeypatch.setattr(reader, "_expert_args", lambda args: (2, None, True))
     got = _read(name)
     assert got.optim == {} and got.step is None and len(got.notices) == 1
     note = got.notices[0]
-    assert "\n" not in note and "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)" in note
+    assert "\n" not in note and where in note
     assert "Adam moments start from zero" in note
 
 
@@ -212,6 +220,39 @@ def test_legacy_chain_unlike_megatron_cores_is_a_notice(tmp_path, tamper):
     got = _read_dir(dst)
     assert got.optim == {} and len(got.notices) == 1 and expected in got.notices[0]
 
+
+
+@pytest.mark.parametrize("tamper", ["swapped", "one_optimizer", "groups"])
+def test_legacy_moe_local_optimizer_unlike_megatron_cores_is_a_notice(tmp_path, tamper):
+    """The non-distributed optimizer of a mixture-of-experts model: the expert ranks' optimizers exchanged between
+    their directories, a single optimizer's state where two are chained, or the experts' group split by another
+    rule: refused by name, never guessed."""
+    from meshtron.checkpoint.megatron.unpickler import load_pickled
+
+    dst = tmp_path / "moe_bf16"
+    shutil.copytree(FIXTURES / MOE_BF16, dst)
+    files = [dst / "iter_0000007" / f"mp_rank_00_{ep:03d}" / "model_optim_rng.pt" for ep in range(2)]
+    states = [load_pickled(f, str(f)) for f in files]
+    for state in states:
+        state["args"].attention_backend = "auto"  # the stand-in of Megatron's enum does not pickle back
+    if tamper == "swapped":
+        states[0]["optimizer"][1], states[1]["optimizer"][1] = states[1]["optimizer"][1], states[0]["optimizer"][1]
+        expected = "mp_rank_00_000_000 (experts): the master weight of parameter"
+    elif tamper == "one_optimizer":
+        states[1]["optimizer"] = states[1]["optimizer"][0]
+        expected = "mp_rank_00_000_001: its 'optimizer' entry holds 1 optimizers, expected 2"
+    else:
+        group = states[1]["optimizer"][1]["optimizer"]["param_groups"][0]
+        moved = dict(group, params=group["params"][-1:], wd_mult=0.0)
+        group["params"] = group["params"][:-1]
+        states[1]["optimizer"][1]["optimizer"]["param_groups"].append(moved)
+        expected = "mp_rank_00_000_001 (experts): parameter groups of [7, 1] parameters, Megatron-LM's standard " \
+                   "groups here would hold [8, 0]"
+    for f, state in zip(files, states):
+        torch.save(state, f)
+    got = _read_dir(dst)
+    assert got.optim == {} and len(got.notices) == 1
+    assert "\n" not in got.notices[0] and expected in got.notices[0], got.notices[0]
 
 def test_one_stage_expert_directories_are_expert_ranks(tmp_path):
     """Megatron-LM names a one-stage expert-parallel checkpoint's directories mp_rank_TT_EEE: read with its args,
@@ -317,7 +358,7 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY, MOE_BF16])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""

@@ -120,7 +120,7 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
     its layout is not one meshtron can prove; empty, silently, when it has none)."""
     distributed = [f.parent / legacy_optim.DISTRIB_OPTIM_FILE for f in files.values()]
     has_distributed = any(f.is_file() for f in distributed)
-    if not has_distributed and not any(isinstance(s.get("optimizer"), dict) for s in states.values()):
+    if not has_distributed and not any(isinstance(s.get("optimizer"), (dict, list)) for s in states.values()):
         return {}, []
     tp, pp, spec = _layout_args(args)
     what = "distrib_optim.pt (the distributed optimizer's buffers)" if has_distributed else \
@@ -128,8 +128,6 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
     why = None
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         why = "virtual-pipeline layouts are not mapped yet"
-    elif getattr(args, "num_experts", None) and not has_distributed:
-        why = "a mixture-of-experts model's non-distributed optimizer is not mapped yet"
     elif has_distributed and not all(f.is_file() for f in distributed):
         why = f"{next(f for f in distributed if not f.is_file())} is missing"
     else:
@@ -139,7 +137,7 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
                                                       shape["swiglu"], shape["tied"], _bucket_size(args),
                                                       *_expert_args(args)), []
             return legacy_optim.local_state(states, merged, tp, pp, settings["num_layers"], spec, shape["swiglu"],
-                                            shape["tied"]), []
+                                            shape["tied"], *_expert_args(args)), []
         except buckets.LayoutMismatch as err:
             why = f"it does not hold the parameters where megatron-core puts them ({err})"
     return {}, [f"{where}: its optimizer state ({what}) is not read: {why}; the weights load and the Adam "
