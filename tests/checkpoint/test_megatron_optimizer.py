@@ -137,10 +137,12 @@ def test_a_layout_that_does_not_fit_is_a_notice(monkeypatch):
     assert "model-parallel rank 0 (TP 0, PP 0)" in note and "Adam moments start from zero" in note
 
 
-@pytest.mark.parametrize("name, where", [(MOE, "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)"),
-                                         (MOE_LEGACY, "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)"),
-                                         (MOE_BF16, "mp_rank_00_000_000 (experts): the optimizer's param of parameter 1 is not "
-                                                   "shaped like")])
+_EXPERT_RANK_0 = "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)"
+
+
+@pytest.mark.parametrize("name, where", [
+    (MOE, _EXPERT_RANK_0), (MOE_LEGACY, _EXPERT_RANK_0),
+    (MOE_BF16, "mp_rank_00_000_000 (experts): the optimizer's param of parameter 1 is not shaped like")])
 def test_experts_in_the_wrong_order_are_a_notice(monkeypatch, name, where):
     """The experts' buffer (or parameter group) laid out as TEGroupedMLP's (every expert's linear_fc1 before every
     linear_fc2) where megatron-core's SequentialMLP wrote it: the proof refuses it, nothing read, said in one

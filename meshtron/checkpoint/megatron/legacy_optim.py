@@ -16,8 +16,8 @@
   the masters). Megatron-LM's parameter groups are the parameters with weight decay (matrices) and those
   without (``wd_mult`` 0: one-dimensional and biases), each in ``named_parameters()`` order. A
   mixture-of-experts model's entry is the list of its two chained optimizers' (``ChainedOptimizer.state_dict``:
-  the dense parameters', replicated on every expert-parallel rank, then the rank's experts', matrices only), in
-  every directory ``mp_rank_TT[_PPP]_EEE``.
+  the dense parameters', replicated on every expert-parallel rank, then the rank's experts', without the group of
+  a decay kind they have no parameter of), in every directory ``mp_rank_TT[_PPP]_EEE``.
 
 Every layout is checked against the model's weights (the masters must equal them, rounded to the model's dtype)
 before anything is taken from it; :class:`~.buckets.LayoutMismatch` says where it did not fit.
