@@ -20,6 +20,12 @@ Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_c
   a router with expert bias, tied embedding) at EP=2 over 4 processes, ``dp_reshardable``: megatron-core chains two
   optimizers, the dense parameters' buffer over data-parallel 4 (keys ``chained_0.``) and the experts' own buffer
   over expert-data-parallel 2 (``chained_1.``, one ``dp_group_idx`` per expert-parallel rank);
+* ``legacy_moe_ep2_dp4_distrib_optim``: the same model and optimizer in the legacy format: ``mp_rank_00_000/`` and
+  ``mp_rank_00_001/`` (one stage: the second field is the expert-parallel rank), each ``distrib_optim.pt`` the
+  chained optimizers' list [dense buffer or None, the expert rank's buffer];
+* ``legacy_moe_ep2_dp4_bf16_optim``: that model in bf16 with Megatron's non-distributed optimizer
+  (``Float16OptimizerWithFloat16Params``, chained: dense, experts), legacy format: each ``model_optim_rng.pt``'s
+  ``optimizer`` the list of both optimizers' ``state_dict()`` (the experts' one group: matrices only);
 * ``mla_dp2_dp_reshardable``: multi-latent attention (q and kv down/up projections, their latent norms), its
   ``DistributedOptimizer`` at DP=2 in buckets of 1000 elements, ``dp_reshardable``.
 
@@ -51,6 +57,8 @@ MTP_LEGACY = "legacy_mtp_tp2pp2_distrib_optim"
 ROPE = "rope_partial_interleaved_tp2_dp_reshardable"
 MOE = "moe_ep2_dp4_dp_reshardable"
 MLA = "mla_dp2_dp_reshardable"
+MOE_LEGACY = "legacy_moe_ep2_dp4_distrib_optim"
+MOE_BF16 = "legacy_moe_ep2_dp4_bf16_optim"
 
 
 def _read(name: str):
@@ -86,7 +94,7 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
     return out
 
 
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY, MOE_BF16])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
@@ -102,14 +110,17 @@ def test_optimizer_state_is_megatron_cores(name, references):
         assert torch.equal(state.optim["master"][k].to(t.dtype), t), k
 
 
-@pytest.mark.parametrize("pair", [(CASE, LEGACY), (MTP, MTP_LEGACY)])
+@pytest.mark.parametrize("pair", [(CASE, LEGACY), (MTP, MTP_LEGACY), (MOE, MOE_LEGACY)])
 def test_the_same_optimizer_in_both_formats(pair):
     """The same model and optimizer saved as torch_dist dp_reshardable and as legacy distrib_optim.pt read the
-    same: weights, masters (an fp32 model's: its weights) and moments."""
+    same: weights, masters (an fp32 model's: its weights) and moments (a mixture-of-experts model's experts
+    included)."""
     a, b = _read(pair[0]), _read(pair[1])
     assert set(a.model) == set(b.model)
     for k, t in a.model.items():
         assert torch.equal(b.model[k], t), k
+        if k.endswith("expert_bias"):
+            continue  # a buffer: no optimizer state
         assert torch.equal(a.optim["master"][k], t) and torch.equal(b.optim["master"][k], t), k
     for which in ("exp_avg", "exp_avg_sq"):
         for k, t in a.optim[which].items():
@@ -126,14 +137,21 @@ def test_a_layout_that_does_not_fit_is_a_notice(monkeypatch):
     assert "model-parallel rank 0 (TP 0, PP 0)" in note and "Adam moments start from zero" in note
 
 
-def test_experts_in_the_wrong_order_are_a_notice(monkeypatch):
-    """The experts' buffer laid out as TEGroupedMLP's (every expert's linear_fc1 before every linear_fc2) where
-    megatron-core's SequentialMLP wrote it: the proof refuses it, nothing read, said in one line."""
+_EXPERT_RANK_0 = "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)"
+
+
+@pytest.mark.parametrize("name, where", [
+    (MOE, _EXPERT_RANK_0), (MOE_LEGACY, _EXPERT_RANK_0),
+    (MOE_BF16, "mp_rank_00_000_000 (experts): the optimizer's param of parameter 1 is not shaped like")])
+def test_experts_in_the_wrong_order_are_a_notice(monkeypatch, name, where):
+    """The experts' buffer (or parameter group) laid out as TEGroupedMLP's (every expert's linear_fc1 before every
+    linear_fc2) where megatron-core's SequentialMLP wrote it: the proof refuses it, nothing read, said in one
+    line."""
     monkeypatch.setattr(reader, "_expert_args", lambda args: (2, None, True))
-    got = _read(MOE)
+    got = _read(name)
     assert got.optim == {} and got.step is None and len(got.notices) == 1
     note = got.notices[0]
-    assert "\n" not in note and "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0)" in note
+    assert "\n" not in note and where in note
     assert "Adam moments start from zero" in note
 
 
@@ -160,6 +178,92 @@ def test_experts_follow_their_layer_in_the_expert_buffer():
     assert [n[len(prefix):] for n, _ in grouped.params] == ["2.linear_fc1.weight", "3.linear_fc1.weight",
                                                             "2.linear_fc2.weight", "3.linear_fc2.weight"]
 
+
+
+def _legacy_moe_copy(tmp_path: Path) -> tuple[Path, list]:
+    """A copy of the legacy MoE fixture and its two distrib_optim.pt files' chained lists (by expert rank)."""
+    from meshtron.checkpoint.megatron.unpickler import load_pickled
+
+    dst = tmp_path / "legacy_moe"
+    shutil.copytree(FIXTURES / MOE_LEGACY, dst)
+    files = [dst / "iter_0000007" / f"mp_rank_00_{ep:03d}" / "distrib_optim.pt" for ep in range(2)]
+    return dst, [(f, load_pickled(f, str(f))) for f in files]
+
+
+def test_legacy_expert_buffers_swapped_are_a_notice(tmp_path):
+    """The two expert ranks' buffers exchanged between their directories (the same lengths): the proof refuses
+    them, nothing read, said in one line."""
+    dst, ((f0, c0), (f1, c1)) = _legacy_moe_copy(tmp_path)
+    c0[1], c1[1] = c1[1], c0[1]
+    torch.save(c0, f0)
+    torch.save(c1, f1)
+    got = _read_dir(dst)
+    assert got.optim == {} and got.step is None and len(got.notices) == 1
+    note = got.notices[0]
+    assert "\n" not in note and "distrib_optim.pt" in note and "Adam moments start from zero" in note
+    assert "expert model-parallel rank 0 (expert TP 0, EP 0, PP 0): the master weights at" in note
+
+
+@pytest.mark.parametrize("tamper", ["no_experts", "one_optimizer", "dense_twice"])
+def test_legacy_chain_unlike_megatron_cores_is_a_notice(tmp_path, tamper):
+    """A distrib_optim.pt whose chained list is not megatron-core's (an expert rank's buffer missing, a single
+    optimizer's state, the dense buffer in both directories) is refused by name, never guessed."""
+    dst, ((f0, c0), (f1, c1)) = _legacy_moe_copy(tmp_path)
+    if tamper == "no_experts":
+        c1[1] = None
+        expected = f"{f1} holds no experts' buffer"
+    elif tamper == "one_optimizer":
+        c1 = c1[1]
+        expected = f"{f1} holds 1 optimizers, expected 2 (chained: dense parameters, experts)"
+    else:
+        c1[0] = c0[0]
+        expected = f"{f1}: a second dense buffer of model-parallel rank 0"
+    torch.save(c1, f1)
+    got = _read_dir(dst)
+    assert got.optim == {} and len(got.notices) == 1 and expected in got.notices[0]
+
+
+
+@pytest.mark.parametrize("tamper", ["swapped", "one_optimizer", "groups"])
+def test_legacy_moe_local_optimizer_unlike_megatron_cores_is_a_notice(tmp_path, tamper):
+    """The non-distributed optimizer of a mixture-of-experts model: the expert ranks' optimizers exchanged between
+    their directories, a single optimizer's state where two are chained, or the experts' group split by another
+    rule: refused by name, never guessed."""
+    from meshtron.checkpoint.megatron.unpickler import load_pickled
+
+    dst = tmp_path / "moe_bf16"
+    shutil.copytree(FIXTURES / MOE_BF16, dst)
+    files = [dst / "iter_0000007" / f"mp_rank_00_{ep:03d}" / "model_optim_rng.pt" for ep in range(2)]
+    states = [load_pickled(f, str(f)) for f in files]
+    for state in states:
+        state["args"].attention_backend = "auto"  # the stand-in of Megatron's enum does not pickle back
+    if tamper == "swapped":
+        states[0]["optimizer"][1], states[1]["optimizer"][1] = states[1]["optimizer"][1], states[0]["optimizer"][1]
+        expected = "mp_rank_00_000_000 (experts): the master weight of parameter"
+    elif tamper == "one_optimizer":
+        states[1]["optimizer"] = states[1]["optimizer"][0]
+        expected = "mp_rank_00_000_001: its 'optimizer' entry holds 1 optimizers, expected 2"
+    else:
+        group = states[1]["optimizer"][1]["optimizer"]["param_groups"][0]
+        moved = dict(group, params=group["params"][-1:], wd_mult=0.0)
+        group["params"] = group["params"][:-1]
+        states[1]["optimizer"][1]["optimizer"]["param_groups"].append(moved)
+        expected = "mp_rank_00_000_001 (experts): parameter groups of [7, 1] parameters, Megatron-LM's standard " \
+                   "groups here would hold [8, 0]"
+    for f, state in zip(files, states):
+        torch.save(state, f)
+    got = _read_dir(dst)
+    assert got.optim == {} and len(got.notices) == 1
+    assert "\n" not in got.notices[0] and expected in got.notices[0], got.notices[0]
+
+def test_one_stage_expert_directories_are_expert_ranks(tmp_path):
+    """Megatron-LM names a one-stage expert-parallel checkpoint's directories mp_rank_TT_EEE: read with its args,
+    the second field is the expert rank; without, a pipeline rank (mp_rank_TT_PPP)."""
+    from meshtron.checkpoint.megatron import legacy
+
+    directory = FIXTURES / MOE_LEGACY / "iter_0000007"
+    assert sorted(legacy.rank_files(directory, expert_only=True)) == [(0, 0, 0), (0, 0, 1)]
+    assert sorted(legacy.rank_files(directory)) == [(0, 0, 0), (0, 1, 0)]
 
 def test_legacy_missing_or_foreign_optimizer_file(tmp_path):
     """A missing distrib_optim.pt is a notice (the weights load); a foreign pickle in one is refused in one line
@@ -256,7 +360,7 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY, MOE_BF16])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""

@@ -32,7 +32,8 @@ bucket as one tensor ``optimizer.distributed.dp_group_idx_M.gbuf_idx_0.dtype_(..
 exp_avg_sq}`` whose index ``M`` is the model-parallel rank (tensor-parallel rank + TP x pipeline rank); with
 experts the two chained optimizers' keys begin ``chained_0.`` (dense, ``M`` as above) and ``chained_1.``
 (experts, ``M`` the expert rank). The legacy ``distrib_optim.pt`` saves, per buffer, the buckets' unpadded
-contents one after another (its experts are not mapped here).
+contents one after another (:func:`split_coalesced` cuts them), a mixture-of-experts model's experts' buffer as
+the second of the chained optimizers' states (:mod:`.legacy_optim`).
 
 Nothing in the checkpoint names the parameters inside a bucket, so the layout is derived here from the model's
 tensors (their per-rank shards) and Megatron's module order, and then *proven*: every master-weight slice must
@@ -302,19 +303,47 @@ def layout(rank: Rank, bucket_size: Optional[int]) -> tuple[list[Placement], lis
     return placements, lengths
 
 
-def split_coalesced(model: dict[str, torch.Tensor], world: dict[int, dict[str, torch.Tensor]], tp_size: int,
-                    pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
+RankMap = dict[int, tuple[str, Rank]]  #: {buffer index: (label for messages, its parameters)}
+
+
+def dense_ranks(model: dict[str, torch.Tensor], tp_size: int, pp_size: int, num_layers: int, spec: str,
+                swiglu: bool, tied: bool) -> RankMap:
+    """The dense buffer's ranks, indexed by model-parallel rank ``tp + TP x pp``."""
+    return {tp + tp_size * pp: (f"model-parallel rank {tp + tp_size * pp} (TP {tp}, PP {pp})",
+                                rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied))
+            for pp in range(pp_size) for tp in range(tp_size)}
+
+
+def expert_ranks(experts_of: dict[int, dict[int, dict[str, torch.Tensor]]], etp_size: int, ep_size: int,
+                 pp_size: int, num_layers: int, swiglu: bool, grouped: bool) -> RankMap:
+    """The experts' buffer's ranks (:func:`expert_rank_params`), indexed ``etp + ETP x (ep + EP x pp)`` as in
+    megatron-core's tensor-expert-pipeline group."""
+    out = {}
+    for pp in range(pp_size):
+        for ep in range(ep_size):
+            for etp in range(etp_size):
+                index = etp + etp_size * (ep + ep_size * pp)
+                out[index] = (f"expert model-parallel rank {index} (expert TP {etp}, EP {ep}, PP {pp})",
+                              expert_rank_params(experts_of, etp, ep, pp, etp_size, ep_size, pp_size, num_layers,
+                                                 swiglu, grouped))
+    return out
+
+
+def split_coalesced(ranks: RankMap, world: dict[int, dict[str, torch.Tensor]],
                     bucket_size: Optional[int]) -> dict[int, dict[int, dict[str, torch.Tensor]]]:
-    """The legacy ``distrib_optim.pt`` buffers ({model-parallel rank: {state: the buckets' unpadded contents one
-    after another}}) cut into buckets as :func:`unflatten` takes them."""
+    """One kind of buffer (dense or expert) of the legacy ``distrib_optim.pt`` ({rank index: {state: the buckets'
+    unpadded contents one after another}}) cut into buckets as :func:`unflatten` takes them, by :func:`layout` of
+    ``ranks`` (:func:`dense_ranks`, :func:`expert_ranks`)."""
+    if sorted(world) != sorted(ranks):
+        raise LayoutMismatch(f"optimizer state for ranks {sorted(world)}, expected 0..{len(ranks) - 1}")
     out: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
     for index, states in world.items():
-        tp, pp = index % tp_size, index // tp_size
-        _, lengths = layout(rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied), bucket_size)
+        label, rank = ranks[index]
+        _, lengths = layout(rank, bucket_size)
         for state, flat in states.items():
             if flat.numel() != sum(lengths):
-                raise LayoutMismatch(f"model-parallel rank {index} (TP {tp}, PP {pp}): a buffer of {flat.numel()} "
-                                     f"elements, the model's parameters lay out as {sum(lengths)}")
+                raise LayoutMismatch(f"{label}: a buffer of {flat.numel()} elements, the model's parameters lay "
+                                     f"out as {sum(lengths)}")
             for b, piece in enumerate(flat.split(lengths)):
                 out.setdefault(index, {}).setdefault(b, {})[state] = piece
     return out
@@ -335,9 +364,7 @@ def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[
     E.linear_fcK.weight`` (``E`` over the whole model)."""
     if num_layers % pp_size:
         raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
-    ranks = {tp + tp_size * pp: (f"model-parallel rank {tp + tp_size * pp} (TP {tp}, PP {pp})",
-                                 rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied))
-             for pp in range(pp_size) for tp in range(tp_size)}
+    ranks = dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied)
     shards = _unflatten_buffer(ranks, buckets, bucket_size, f"TP {tp_size} x PP {pp_size}")
     experts_of = experts_by_layer(model)
     has_experts = bool(experts_of)
@@ -346,14 +373,7 @@ def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[
                              "an expert buffer for a model without experts")
     if has_experts:
         etp_size = etp_size or tp_size
-        eranks = {}
-        for pp in range(pp_size):
-            for ep in range(ep_size):
-                for etp in range(etp_size):
-                    index = etp + etp_size * (ep + ep_size * pp)
-                    eranks[index] = (f"expert model-parallel rank {index} (expert TP {etp}, EP {ep}, PP {pp})",
-                                     expert_rank_params(experts_of, etp, ep, pp, etp_size, ep_size, pp_size, num_layers,
-                                                        swiglu, grouped))
+        eranks = expert_ranks(experts_of, etp_size, ep_size, pp_size, num_layers, swiglu, grouped)
         for state, by_name in _unflatten_buffer(eranks, expert_buckets, bucket_size,
                                                 f"expert TP {etp_size} x EP {ep_size} x PP {pp_size}").items():
             shards.setdefault(state, {}).update(by_name)
@@ -366,7 +386,7 @@ def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[
     return out
 
 
-def _unflatten_buffer(ranks: dict[int, tuple[str, Rank]], buckets: dict[int, dict[int, dict[str, torch.Tensor]]],
+def _unflatten_buffer(ranks: RankMap, buckets: dict[int, dict[int, dict[str, torch.Tensor]]],
                       bucket_size: Optional[int], grid: str) -> dict[str, dict[str, dict[int, torch.Tensor]]]:
     """{state: {name: {tensor-parallel rank: local piece}}} of one kind of buffer (dense or expert), each rank's
     buckets ({index: {bucket: {state: flat}}}) cut by :func:`layout` of ``ranks`` ({index: (label, Rank)}) and

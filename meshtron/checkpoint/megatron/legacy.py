@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -39,13 +40,17 @@ _ROW = re.compile(r"(linear_proj\.weight|linear_fc2\.weight\d*)$")
 _FC1 = re.compile(r"linear_fc1\.(weight|bias)\d*$")
 
 
-def rank_files(directory: Path) -> dict[tuple[int, int, int], Path]:
-    """{(tp, pp, ep): model_optim_rng.pt} of an iteration directory."""
+def rank_files(directory: Path, expert_only: bool = False) -> dict[tuple[int, int, int], Path]:
+    """{(tp, pp, ep): model_optim_rng.pt} of an iteration directory. Megatron-LM leaves the pipeline field out of
+    a one-stage checkpoint's names, so ``mp_rank_TT_NNN`` is a pipeline rank unless ``expert_only`` (one stage and
+    several expert-parallel ranks, from the checkpoint's ``args``), when it is an expert-parallel rank."""
     out = {}
     for d in directory.iterdir():
         m = RANK_DIR.match(d.name)
         if m and d.is_dir():
-            out[(int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0))] = d / LEGACY_FILE
+            second = int(m.group(2) or 0)
+            pp, ep = (0, second) if expert_only and m.group(3) is None else (second, int(m.group(3) or 0))
+            out[(int(m.group(1)), pp, ep)] = d / LEGACY_FILE
     if not out:
         raise CheckpointError(f"Megatron-LM checkpoint {directory} holds no mp_rank_* directory")
     tps = sorted({k[0] for k in out})
@@ -80,10 +85,11 @@ def _layer_count(sd: dict) -> int:
     return max(layers) + 1 if layers else 0
 
 
-def merge(directory: Path, swiglu: bool) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int, int], dict],
-                                                  list[str]]:
-    """(Megatron's whole per-layer tensors, every file's state by (tp, pp, ep), notices) of a legacy directory."""
-    files = rank_files(directory)
+def merge(directory: Path, swiglu: bool, files: Optional[dict[tuple[int, int, int], Path]] = None
+          ) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int, int], dict], list[str]]:
+    """(Megatron's whole per-layer tensors, every file's state by (tp, pp, ep), notices) of a legacy directory
+    (its files as :func:`rank_files` found them, by default without the checkpoint's ``args``)."""
+    files = files or rank_files(directory)
     tp = 1 + max(k[0] for k in files)
     pp = 1 + max(k[1] for k in files)
     states = {k: read_rank(f) for k, f in files.items()}

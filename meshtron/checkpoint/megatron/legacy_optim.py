@@ -1,15 +1,23 @@
-"""The optimizer state of Megatron-LM's legacy format, per model-parallel rank ``mp_rank_TT_PPP/``:
+"""The optimizer state of Megatron-LM's legacy format, per model-parallel rank ``mp_rank_TT[_PPP][_EEE]/``:
 
 * with the distributed optimizer, ``distrib_optim.pt`` (``DistributedOptimizer.save_parameter_state``): per
   parameter buffer ``{(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": the buckets' unpadded
   contents one after another, "numel_unpadded"}}`` beside ``"buckets_coalesced": True``; its buckets are laid
-  out as :mod:`.buckets` describes;
+  out as :mod:`.buckets` describes. A mixture-of-experts model's two chained optimizers (dense parameters over
+  the data-parallel group, experts over the expert-data-parallel group) save the list of both
+  (``ChainedOptimizer.save_parameter_state``), each entry gathered on rank 0 of its own group and None on the
+  other ranks; every rank that is rank 0 of either group writes its directory's file, so the dense buffer of
+  (tp, pp) is in one of its expert-parallel directories and the experts' buffer of expert rank (tp, ep, pp) in
+  ``mp_rank_TT[_PPP]_EEE`` (:func:`_gather_chains`);
 * without it, ``model_optim_rng.pt``'s ``optimizer`` entry: torch's optimizer ``state_dict()`` (``state`` by
   parameter index, ``param_groups`` with the indices of each group), under ``optimizer`` beside
   ``fp32_from_fp16_params`` (the fp32 masters, group by group) for a bf16/fp16 model
   (``Float16OptimizerWithFloat16Params``), or as it is for an fp32 model (``FP32Optimizer``, whose parameters are
   the masters). Megatron-LM's parameter groups are the parameters with weight decay (matrices) and those
-  without (``wd_mult`` 0: one-dimensional and biases), each in ``named_parameters()`` order.
+  without (``wd_mult`` 0: one-dimensional and biases), each in ``named_parameters()`` order. A
+  mixture-of-experts model's entry is the list of its two chained optimizers' (``ChainedOptimizer.state_dict``:
+  the dense parameters', replicated on every expert-parallel rank, then the rank's experts', without the group of
+  a decay kind they have no parameter of), in every directory ``mp_rank_TT[_PPP]_EEE``.
 
 Every layout is checked against the model's weights (the masters must equal them, rounded to the model's dtype)
 before anything is taken from it; :class:`~.buckets.LayoutMismatch` says where it did not fit.
@@ -31,10 +39,20 @@ from meshtron.checkpoint.megatron.unpickler import load_pickled
 _STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
-def _read_distrib_optim(f: Path) -> dict[str, torch.Tensor]:
+def _read_chain(f: Path, count: int) -> list[Optional[dict[str, torch.Tensor]]]:
+    """Each of the ``count`` chained optimizers' {state: flat buffer} in ``distrib_optim.pt`` ``f`` (None where
+    the file's writer was not rank 0 of that optimizer's data-parallel group): one optimizer's state as it is, a
+    ChainedOptimizer's of several as their list."""
     state = load_pickled(f, str(f))
-    if isinstance(state, list):
-        raise LayoutMismatch(f"{f} holds {len(state)} optimizers (a chained optimizer: experts or several dtypes)")
+    chain = state if isinstance(state, list) else [state]
+    if len(chain) != count:
+        raise LayoutMismatch(f"{f} holds {len(chain)} optimizers, expected "
+                             f"{'2 (chained: dense parameters, experts)' if count == 2 else 'one'}")
+    return [None if entry is None else _coalesced(entry, f) for entry in chain]
+
+
+def _coalesced(state: Any, f: Path) -> dict[str, torch.Tensor]:
+    """{state: flat buffer} of one optimizer's ``get_parameter_state_dp_zero()``."""
     if not isinstance(state, dict) or not state.get("buckets_coalesced"):
         raise LayoutMismatch(f"{f} is not the coalesced per-buffer state of megatron-core's "
                              "DistributedOptimizer.save_parameter_state (an older layout)")
@@ -49,22 +67,78 @@ def _read_distrib_optim(f: Path) -> dict[str, torch.Tensor]:
     return {k: inner[k].float() for k in _STATES}
 
 
+def _gather_chains(files: dict[tuple[int, int, int], Path], tp_size: int, ep_size: int, moe: bool
+                   ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
+    """({model-parallel rank: dense buffer}, {expert rank: experts' buffer}) from every ``distrib_optim.pt``.
+
+    Each file is written by the ranks of its directory (tp, pp, ep) that are rank 0 of the dense optimizer's
+    data-parallel group or of the experts' expert-data-parallel group: the dense buffer of (tp, pp) is in exactly
+    one of its expert-parallel directories, the experts' buffer of expert rank (tp, ep, pp) in directory (tp, pp,
+    ep) (expert tensor parallelism equal to tensor parallelism)."""
+    dense: dict[int, dict[str, torch.Tensor]] = {}
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for (tp, pp, ep), f in sorted(files.items()):
+        path = f.parent / DISTRIB_OPTIM_FILE
+        chain = _read_chain(path, 2 if moe else 1)
+        index = tp + tp_size * pp
+        if chain[0] is not None:
+            if index in dense:
+                raise LayoutMismatch(f"{path}: a second dense buffer of model-parallel rank {index}")
+            dense[index] = chain[0]
+        if moe:
+            if chain[1] is None:
+                raise LayoutMismatch(f"{path} holds no experts' buffer (its writer not expert-data-parallel rank 0)")
+            experts[tp + tp_size * (ep + ep_size * pp)] = chain[1]
+        elif ep:
+            raise LayoutMismatch(f"{path}: an expert-parallel rank for a model without experts")
+    return dense, experts
+
+
 def distributed_state(files: dict[tuple[int, int, int], Path], model: dict[str, torch.Tensor], tp_size: int,
                       pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
-                      bucket_size: Optional[int]) -> dict[str, dict[str, torch.Tensor]]:
-    """{state: {Megatron name: whole tensor}} from every rank's ``distrib_optim.pt``."""
-    world = {}
-    for (tp, pp, ep), f in files.items():
-        if ep:
-            raise LayoutMismatch("expert-parallel ranks are not mapped yet")
-        world[tp + tp_size * pp] = _read_distrib_optim(f.parent / DISTRIB_OPTIM_FILE)
-    flat = buckets.split_coalesced(model, world, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size)
-    return buckets.unflatten(model, flat, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size)
+                      bucket_size: Optional[int], ep_size: int = 1, etp_size: Optional[int] = None,
+                      grouped: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {Megatron name: whole tensor}} from every rank's ``distrib_optim.pt``; a mixture-of-experts model's
+    experts from the second of its chained optimizers (expert parallelism ``ep_size``, expert tensor parallelism
+    ``etp_size`` (None: ``tp_size``), ``grouped``: TEGroupedMLP's order)."""
+    if num_layers % pp_size:
+        raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
+    experts_of = buckets.experts_by_layer(model)
+    if experts_of and (etp_size or tp_size) != tp_size:
+        raise LayoutMismatch(f"expert tensor parallelism {etp_size} unlike tensor parallelism {tp_size}: the legacy "
+                             "files' names do not say which expert tensor-parallel rank wrote them")
+    dense, experts = _gather_chains(files, tp_size, ep_size, bool(experts_of))
+    ranks = buckets.dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied)
+    flat = buckets.split_coalesced(ranks, dense, bucket_size)
+    expert_flat = None
+    if experts_of:
+        eranks = buckets.expert_ranks(experts_of, tp_size, ep_size, pp_size, num_layers, swiglu, grouped)
+        expert_flat = buckets.split_coalesced(eranks, experts, bucket_size)
+    return buckets.unflatten(model, flat, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size,
+                             expert_flat, ep_size, tp_size, grouped)
 
 
 def _no_decay(name: str, t: torch.Tensor) -> bool:
     """Megatron-LM's standard parameter groups: no weight decay on one-dimensional parameters and biases."""
     return t.dim() == 1 or name.endswith(".bias")
+
+
+def _group_members(groups: list, rank: buckets.Rank, where: str) -> list[tuple[int, int, Any, str, torch.Tensor]]:
+    """(group, place in it, parameter index, Megatron name, shard) of every parameter of ``rank``, Megatron-LM's
+    standard groups each holding those with weight decay or those without (``wd_mult`` 0), in
+    ``named_parameters()`` order; a group of either kind may be left out or empty where the rank has none
+    (the experts' optimizer: matrices only)."""
+    by_decay: dict[bool, list] = {True: [], False: []}
+    for name, t in rank.params:
+        by_decay[_no_decay(name, t)].append((name, t))
+    kinds = [float(group.get("wd_mult", 1.0)) == 0.0 for group in groups]
+    sizes = [len(group.get("params", ())) for group in groups]
+    if len(set(kinds)) != len(kinds) or any(len(by_decay[k]) != n for k, n in zip(kinds, sizes)) or \
+            any(members and k not in kinds for k, members in by_decay.items()):
+        raise LayoutMismatch(f"{where}: parameter groups of {sizes} parameters, Megatron-LM's standard groups here "
+                             f"would hold {[len(by_decay[False]), len(by_decay[True])]}")
+    return [(g, k, groups[g]["params"][k], name, t) for g, kind in enumerate(kinds)
+            for k, (name, t) in enumerate(by_decay[kind])]
 
 
 def _rank_state(opt: Any, rank: buckets.Rank, where: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -76,21 +150,8 @@ def _rank_state(opt: Any, rank: buckets.Rank, where: str) -> dict[str, dict[str,
             not isinstance(opt.get("param_groups"), list):
         raise CheckpointError(f"{where}: its 'optimizer' entry is not an optimizer's state_dict (state, "
                               "param_groups)")
-    groups = opt["param_groups"]
-    by_decay = {True: [], False: []}
-    for name, t in rank.params:
-        by_decay[_no_decay(name, t)].append((name, t))
-    placed = []
-    for g, group in enumerate(groups):
-        members = by_decay[float(group.get("wd_mult", 1.0)) == 0.0]
-        if len(members) != len(group.get("params", ())) or len(groups) != 2:
-            raise LayoutMismatch(f"{where}: parameter groups of {[len(x.get('params', ())) for x in groups]} "
-                                 f"parameters, Megatron-LM's standard groups here would hold "
-                                 f"{[len(by_decay[False]), len(by_decay[True])]}")
-        for k, (name, t) in enumerate(members):
-            placed.append((g, k, group["params"][k], name, t))
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for g, k, index, name, t in placed:
+    for g, k, index, name, t in _group_members(opt["param_groups"], rank, where):
         state = opt["state"].get(index) or {}
         master = masters[g][k] if masters is not None else t
         for key, value in (("param", master), ("exp_avg", state.get("exp_avg")),
@@ -104,24 +165,60 @@ def _rank_state(opt: Any, rank: buckets.Rank, where: str) -> dict[str, dict[str,
     return out
 
 
+def _optimizer_chain(opt: Any, count: int, where: str) -> list:
+    """The ``count`` chained optimizers' state_dicts of a ``model_optim_rng.pt`` ``optimizer`` entry (a
+    ChainedOptimizer of several saves their list)."""
+    chain = opt if isinstance(opt, list) else [opt]
+    if len(chain) != count:
+        raise LayoutMismatch(f"{where}: its 'optimizer' entry holds {len(chain)} optimizers, expected "
+                             f"{'2 (chained: dense parameters, experts)' if count == 2 else 'one'}")
+    return chain
+
+
+def _file_ranks(key: tuple[int, int, int], opt: Any, model: dict[str, torch.Tensor], experts_of: dict, tp_size: int,
+                pp_size: int, ep_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool, grouped: bool
+                ) -> list[tuple[Any, buckets.Rank, str]]:
+    """(optimizer state_dict, the parameters it holds, label) of file (tp, pp, ep): its dense optimizer's (taken
+    from expert-parallel rank 0, the others hold replicas of it) and, with experts, its experts' optimizer's
+    (expert tensor parallelism equal to tensor parallelism)."""
+    tp, pp, ep = key
+    where = f"mp_rank_{tp:02d}_{pp:03d}" + (f"_{ep:03d}" if experts_of else "")
+    if ep >= ep_size:
+        raise LayoutMismatch(f"{where}: expert-parallel rank {ep} of {ep_size}")
+    chain = _optimizer_chain(opt, 2 if experts_of else 1, where)
+    out = []
+    if ep == 0:
+        out.append((chain[0], buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied),
+                    where))
+    if experts_of:
+        out.append((chain[1], buckets.expert_rank_params(experts_of, tp, ep, pp, tp_size, ep_size, pp_size,
+                                                         num_layers, swiglu, grouped), f"{where} (experts)"))
+    return out
+
+
 def local_state(states: dict[tuple[int, int, int], dict], model: dict[str, torch.Tensor], tp_size: int,
-                pp_size: int, num_layers: int, spec: str, swiglu: bool,
-                tied: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """{state: {Megatron name: whole tensor}} from every rank's ``model_optim_rng.pt`` ``optimizer`` entry."""
+                pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool, ep_size: int = 1,
+                etp_size: Optional[int] = None, grouped: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {Megatron name: whole tensor}} from every rank's ``model_optim_rng.pt`` ``optimizer`` entry; a
+    mixture-of-experts model's experts from the second of its chained optimizers, per expert-parallel rank
+    (``ep_size``; ``etp_size`` None or ``tp_size``; ``grouped``: TEGroupedMLP's order)."""
     if num_layers % pp_size:
         raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
+    experts_of = buckets.experts_by_layer(model)
+    if experts_of and (etp_size or tp_size) != tp_size:
+        raise LayoutMismatch(f"expert tensor parallelism {etp_size} unlike tensor parallelism {tp_size}: the legacy "
+                             "files' names do not say which expert tensor-parallel rank wrote them")
     shards: dict[str, dict[str, list]] = {}
-    for (tp, pp, ep), state in states.items():
-        if ep:
-            raise LayoutMismatch("expert-parallel ranks are not mapped yet")
-        rank = buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied)
-        for key, by_name in _rank_state(state.get("optimizer"), rank, f"mp_rank_{tp:02d}_{pp:03d}").items():
-            for name, t in by_name.items():
-                shards.setdefault(key, {}).setdefault(name, [None] * tp_size)[tp] = t
+    for key, state in sorted(states.items()):
+        for opt, rank, where in _file_ranks(key, state.get("optimizer"), model, experts_of, tp_size, pp_size,
+                                            ep_size, num_layers, spec, swiglu, tied, grouped):
+            for which, by_name in _rank_state(opt, rank, where).items():
+                for name, t in by_name.items():
+                    shards.setdefault(which, {}).setdefault(name, [None] * tp_size)[key[0]] = t
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for key, by_name in shards.items():
+    for which, by_name in shards.items():
         for name, parts in by_name.items():
             if (tied and name == "output_layer.weight") or name == buckets.EMBEDDING_COPY:
                 continue  # a copy of the embedding: the first stage's own state is the one kept
-            out.setdefault(key, {})[name] = buckets.merge_shards(name, parts, swiglu).clone()
+            out.setdefault(which, {})[name] = buckets.merge_shards(name, parts, swiglu).clone()
     return out

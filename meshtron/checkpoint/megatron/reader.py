@@ -75,10 +75,14 @@ def _progress(common: dict, where: str) -> tuple[int, Any, dict]:
 
 
 def _optimizer_step(common: dict, iteration: int) -> int:
-    """The Adam step count: from the parameter groups (Megatron keeps it there), else the iteration."""
+    """The Adam step count: from the parameter groups (Megatron keeps it there; a ChainedOptimizer of several
+    saves the list of their states), else the iteration."""
     opt = common.get("optimizer")
-    inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None  # FP32Optimizer: torch's own state_dict
-    return _groups_step(inner.get("param_groups") if isinstance(inner, dict) else None, iteration)
+    groups = []
+    for one in opt if isinstance(opt, list) else [opt]:
+        inner = one.get("optimizer", one) if isinstance(one, dict) else None  # FP32Optimizer: torch's own state_dict
+        groups += (inner.get("param_groups") or []) if isinstance(inner, dict) else []
+    return _groups_step(groups, iteration)
 
 
 def _groups_step(groups: Any, iteration: int) -> int:
@@ -116,23 +120,24 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
     its layout is not one meshtron can prove; empty, silently, when it has none)."""
     distributed = [f.parent / legacy_optim.DISTRIB_OPTIM_FILE for f in files.values()]
     has_distributed = any(f.is_file() for f in distributed)
-    if not has_distributed and not any(isinstance(s.get("optimizer"), dict) for s in states.values()):
+    if not has_distributed and not any(isinstance(s.get("optimizer"), (dict, list)) for s in states.values()):
         return {}, []
     tp, pp, spec = _layout_args(args)
     what = "distrib_optim.pt (the distributed optimizer's buffers)" if has_distributed else \
         "the 'optimizer' entries of model_optim_rng.pt"
     why = None
-    if getattr(args, "num_experts", None) or getattr(args, "virtual_pipeline_model_parallel_size", None):
-        why = "mixture-of-experts and virtual-pipeline layouts are not mapped yet"
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        why = "virtual-pipeline layouts are not mapped yet"
     elif has_distributed and not all(f.is_file() for f in distributed):
         why = f"{next(f for f in distributed if not f.is_file())} is missing"
     else:
         try:
             if has_distributed:
                 return legacy_optim.distributed_state(files, merged, tp, pp, settings["num_layers"], spec,
-                                                      shape["swiglu"], shape["tied"], _bucket_size(args)), []
+                                                      shape["swiglu"], shape["tied"], _bucket_size(args),
+                                                      *_expert_args(args)), []
             return legacy_optim.local_state(states, merged, tp, pp, settings["num_layers"], spec, shape["swiglu"],
-                                            shape["tied"]), []
+                                            shape["tied"], *_expert_args(args)), []
         except buckets.LayoutMismatch as err:
             why = f"it does not hold the parameters where megatron-core puts them ({err})"
     return {}, [f"{where}: its optimizer state ({what}) is not read: {why}; the weights load and the Adam "
@@ -229,7 +234,9 @@ def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, op
         iteration, args, scheduler = _progress(first, where)
         settings = model_settings(args, where)
         shape = _shape_info(settings, args)
-        merged, states, more = legacy.merge(ckpt.directory, shape["swiglu"])
+        if _layout_args(args)[1] == 1 and _expert_args(args)[0] > 1:  # mp_rank_TT_EEE: no pipeline field
+            files = legacy.rank_files(ckpt.directory, expert_only=True)
+        merged, states, more = legacy.merge(ckpt.directory, shape["swiglu"], files)
         notices += more
         model = _canonical(merged, settings["num_layers"], shape)
         step = None
