@@ -6,7 +6,9 @@ What megatron-core 0.19's ``load_checkpoint`` (``--ckpt-format torch_dist``) rea
 * the model's tensors, the vocabulary padded to ``--make-vocab-size-divisible-by`` x tensor-parallel size with
   zero rows (as Megatron pads it; the tied output layer is the embedding and is not written); a multi-token
   prediction depth (``--mtp-num-layers 1``) under ``mtp.layers.0.*``, not stacked (megatron-core saves each depth
-  under its own number);
+  under its own number); dense and mixture-of-experts layers mixed, each layer under its own number too
+  (``decoder.layers.N.*``, megatron-core's layout of layers not all alike), ``args.moe_layer_freq`` Megatron-LM's
+  integer or list (:func:`moe_layer_freq`);
 * with the optimizer (AdamW's fp32 masters and moments), the distributed optimizer's ``fully_reshardable``
   format: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, and parameter groups carrying the step
   count (loaded by a run with ``--use-distributed-optimizer`` in any parallel layout);
