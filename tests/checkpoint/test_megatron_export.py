@@ -171,14 +171,15 @@ def test_megatron_core_read_the_optimizer_state_and_common_state(case, sources, 
                      "moe_gate": {"moe_shared_expert_gate": True},
                      "rope_partial": {"rotary_percent": 0.5, "rotary_interleaved": False, "kv_channels": 8,
                                       "qk_layernorm": True},
-                     "moe_mixed": {"moe_layer_freq": [0, 1, 1, 1]}}.get(case, {}))
+                     "moe_mixed": {"moe_layer_freq": [0, 1, 1, 1]},
+                     "moe_freq2_mtp": {"moe_layer_freq": 2}}.get(case, {}))
     assert {k: ref["args"][k] for k in expected} == expected
 
 
-@pytest.mark.parametrize("case", ["mtp", "moe_mtp"])
+@pytest.mark.parametrize("case", ["mtp", "moe_mtp", "moe_freq2_mtp"])
 def test_mtp_losses_equal_megatron_cores(case, sources, reference, tmp_path):
     """Prediction depths written under megatron-core's names (two dense depths; one mixture-of-experts depth, its
-    experts stacked [experts, ...]): its model (TP=1, and for ``mtp`` at TP=2 x PP=2 with the depths on the last
+    experts stacked [experts, ...]; one dense depth after mixed dense and mixture-of-experts layers): its model (TP=1, and for ``mtp`` at TP=2 x PP=2 with the depths on the last
     stage, saved again and reloaded) computes the main loss and each depth's loss that meshtron computes from the
     export read back (the same weights, test_round_trip_through_meshtrons_reader; both with Megatron's padded
     vocabulary, whose zero rows take some probability)."""
@@ -307,7 +308,7 @@ def test_interleaved_export_as_megatron_core_loaded_it(sources, reference, tmp_p
 
 
 @pytest.mark.parametrize("which", ["dense", "moe", "moe_ep2", "mtp", "moe_mtp", "mla_yarn", "moe_gate",
-                                   "rope_partial", "moe_mixed"])
+                                   "rope_partial", "moe_mixed", "moe_freq2_mtp"])
 def test_megatron_cores_distributed_optimizer_took_the_state(which, sources, reference, tmp_path):
     """megatron-core's DistributedOptimizer (Megatron-LM's parameter groups; experts chained at expert-parallel 2)
     loaded the export with ``optimizer.load_state_dict`` and saved it again: what it saved is what meshtron wrote,
