@@ -170,14 +170,16 @@ def test_megatron_core_read_the_optimizer_state_and_common_state(case, sources, 
                                   "mscale": 1.0, "mscale_all_dim": 0.7},
                      "moe_gate": {"moe_shared_expert_gate": True},
                      "rope_partial": {"rotary_percent": 0.5, "rotary_interleaved": False, "kv_channels": 8,
-                                      "qk_layernorm": True}}.get(case, {}))
+                                      "qk_layernorm": True},
+                     "moe_mixed": {"moe_layer_freq": [0, 1, 1, 1]},
+                     "moe_freq2_mtp": {"moe_layer_freq": 2}}.get(case, {}))
     assert {k: ref["args"][k] for k in expected} == expected
 
 
-@pytest.mark.parametrize("case", ["mtp", "moe_mtp"])
+@pytest.mark.parametrize("case", ["mtp", "moe_mtp", "moe_freq2_mtp"])
 def test_mtp_losses_equal_megatron_cores(case, sources, reference, tmp_path):
     """Prediction depths written under megatron-core's names (two dense depths; one mixture-of-experts depth, its
-    experts stacked [experts, ...]): its model (TP=1, and for ``mtp`` at TP=2 x PP=2 with the depths on the last
+    experts stacked [experts, ...]; one dense depth after mixed dense and mixture-of-experts layers): its model (TP=1, and for ``mtp`` at TP=2 x PP=2 with the depths on the last
     stage, saved again and reloaded) computes the main loss and each depth's loss that meshtron computes from the
     export read back (the same weights, test_round_trip_through_meshtrons_reader; both with Megatron's padded
     vocabulary, whose zero rows take some probability)."""
@@ -306,7 +308,7 @@ def test_interleaved_export_as_megatron_core_loaded_it(sources, reference, tmp_p
 
 
 @pytest.mark.parametrize("which", ["dense", "moe", "moe_ep2", "mtp", "moe_mtp", "mla_yarn", "moe_gate",
-                                   "rope_partial"])
+                                   "rope_partial", "moe_mixed", "moe_freq2_mtp"])
 def test_megatron_cores_distributed_optimizer_took_the_state(which, sources, reference, tmp_path):
     """megatron-core's DistributedOptimizer (Megatron-LM's parameter groups; experts chained at expert-parallel 2)
     loaded the export with ``optimizer.load_state_dict`` and saved it again: what it saved is what meshtron wrote,
@@ -322,6 +324,89 @@ def test_megatron_cores_distributed_optimizer_took_the_state(which, sources, ref
     tensors, _ = read_entries(d, md, keys)
     for key in keys:
         torch.testing.assert_close(fingerprint(tensors[key]), ref["optimizer"][key], rtol=1e-9, atol=1e-7)
+
+
+def test_mixed_layers_export_is_megatron_cores_own_save(tmp_path):
+    """Dense and mixture-of-experts layers mixed (``--moe-layer-freq [0,1,1]``): megatron-core's own checkpoint (the
+    ``moe_mixed_ep2`` fixture of make_checkpoints.py, each layer under its own number, experts [experts, ...],
+    fully reshardable optimizer state) read and written again at expert-parallel 2 with ``--megatron-spec local``
+    gives megatron-core's keys, shapes and bit for bit its tensors (weights, masters, moments), its Transformer Engine
+    entries and args.moe_layer_freq; what is read back computes megatron-core's logits."""
+    src = FIXTURES / "moe_mixed_ep2" / "iter_0000007"
+    assert convert_main(["--from", "megatron", "--input", str(src.parent), "--output", str(tmp_path / "c")]) == 0
+    out = tmp_path / "mg"
+    assert convert_main(["--to", "megatron", "--input", str(tmp_path / "c"), "--output", str(out),
+                         "--megatron-spec", "local", "--megatron-expert-parallel-size", "2"]) == 0
+    written = next(out.glob("iter_*"))
+    ma, mb = read_index(src), read_index(written)
+    assert set(ma.state_dict_metadata) == set(mb.state_dict_metadata)
+    keys = [k for k, v in ma.state_dict_metadata.items() if hasattr(v, "chunks")]
+    assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in keys
+    assert "optimizer.state.exp_avg.decoder.layers.0.mlp.linear_fc1.weight" in keys
+    a, _ = read_entries(src, ma, keys)
+    b, _ = read_entries(written, mb, keys)
+    for k in keys:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    common = read_common_state(find_megatron_checkpoint(out))
+    assert common["args"].moe_layer_freq == read_common_state(find_megatron_checkpoint(src.parent))[
+        "args"].moe_layer_freq == [0, 1, 1]
+    assert sorted(common["optimizer"]) == [0, 1]  # the experts' optimizer chained at expert-parallel 2
+    ref = torch.load(FIXTURES / "reference.pt", weights_only=True)
+    assert convert_main(["--from", "megatron", "--input", str(out), "--output", str(tmp_path / "back")]) == 0
+    model, _ = load_for_inference(tmp_path / "back", "cpu", torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["tokens"]), ref["logits"]["moe_mixed_ep2"], rtol=0, atol=2e-5)
+
+
+def test_mixed_layers_layout(sources, tmp_path):
+    """meshtron's --moe-first-dense-layers 1 (4 layers): each layer under its own number (megatron-core's
+    "non-homogeneous" layers; nothing stacked over the layers), the dense layer's MLP, the others' experts
+    [experts, ...] with one Transformer Engine entry per expert without a layer axis, Megatron-LM's
+    --moe-layer-freq as the list, and Transformer Engine's own pre-MLP norm name in the mixture-of-experts layers."""
+    out = _export(sources["moe_mixed"], tmp_path / "mg")
+    md = read_index(out / "iter_0000003")
+    shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    assert not any(k.startswith("decoder.layers.") and not k.split(".")[2].isdigit() for k in md.state_dict_metadata)
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (64, 16)
+    assert shapes["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"] == (16,)
+    assert not any(k.startswith("decoder.layers.0.mlp.experts") for k in shapes)
+    for layer in (1, 2, 3):
+        base = f"decoder.layers.{layer}"
+        assert shapes[f"{base}.mlp.experts.experts.linear_fc1.weight"] == (4, 24, 16)
+        assert shapes[f"{base}.pre_mlp_layernorm.weight"] == (16,)
+        assert shapes[f"{base}.mlp.router.expert_bias"] == (4,)
+        assert f"{base}.mlp.experts.experts.linear_fc2._extra_state/shard_3_4" in md.state_dict_metadata
+        assert f"{base}.mlp.linear_fc1.weight" not in shapes
+    assert "decoder.layers.0.mlp.linear_fc2._extra_state/shard_0_1" in md.state_dict_metadata
+    assert "optimizer.state.param.decoder.layers.2.mlp.shared_experts.linear_fc1.weight" in shapes
+    assert read_common_state(find_megatron_checkpoint(out))["args"].moe_layer_freq == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("settings,freq", [
+    (dict(moe_layer_freq=2), 2), (dict(moe_layer_freq=3), 3), (dict(moe_first_dense_layers=3), [0, 0, 0, 1, 1, 1]),
+    (dict(moe_layer_freq=2, moe_first_dense_layers=1), [0, 0, 1, 0, 1, 0]), ({}, 1),
+    (dict(layer_pattern="gqa+moe,gqa+dense*2,gqa+moe*3"), [1, 0, 0, 1, 1, 1])])
+def test_moe_layer_freq_as_megatron_lm_writes_it(settings, freq):
+    """args.moe_layer_freq: Megatron-LM's integer N where the experts are in every N-th layer from layer 0 (its
+    i % N == 0), else the list of 0/1 per layer (first dense layers, a --layer-pattern); 1 when all are alike.
+    Only 1 keeps the layers stacked, as megatron-core decides; meshtron's reader reads both forms back as the same
+    layers."""
+    import argparse
+
+    from meshtron.checkpoint.megatron.args import apply_settings, model_settings
+    from meshtron.checkpoint.megatron.export import moe_layer_freq, stacked_layers
+    from meshtron.config import ModelConfig
+    from meshtron.layer_kinds.pattern import is_moe_layer
+
+    m = ModelConfig()
+    m.num_layers, m.num_experts = 6, 4
+    for k, v in settings.items():
+        setattr(m, k, v)
+    assert moe_layer_freq(m) == freq
+    assert stacked_layers(m) == (freq == 1)
+    args = argparse.Namespace(num_layers=6, hidden_size=16, num_attention_heads=4, num_experts=4, moe_layer_freq=freq)
+    back = apply_settings(ModelConfig(), model_settings(args, "args"))
+    assert [is_moe_layer(back, i) for i in range(6)] == [is_moe_layer(m, i) for i in range(6)]
 
 
 @pytest.mark.slow

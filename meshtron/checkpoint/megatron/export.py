@@ -6,7 +6,9 @@ What megatron-core 0.19's ``load_checkpoint`` (``--ckpt-format torch_dist``) rea
 * the model's tensors, the vocabulary padded to ``--make-vocab-size-divisible-by`` x tensor-parallel size with
   zero rows (as Megatron pads it; the tied output layer is the embedding and is not written); a multi-token
   prediction depth (``--mtp-num-layers 1``) under ``mtp.layers.0.*``, not stacked (megatron-core saves each depth
-  under its own number);
+  under its own number); dense and mixture-of-experts layers mixed, each layer under its own number too
+  (``decoder.layers.N.*``, megatron-core's layout of layers not all alike), ``args.moe_layer_freq`` Megatron-LM's
+  integer or list (:func:`moe_layer_freq`);
 * with the optimizer (AdamW's fp32 masters and moments), the distributed optimizer's ``fully_reshardable``
   format: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, and parameter groups carrying the step
   count (loaded by a run with ``--use-distributed-optimizer`` in any parallel layout);
@@ -67,9 +69,6 @@ def unsupported(m: ModelConfig) -> list[str]:
     if m.mtp_num_layers and m.position_embedding_type == "learned_absolute":
         out.append("--mtp-num-layers with learned absolute position embeddings (megatron-core adds the shifted "
                    "position's embedding to a depth's token embedding; meshtron looks up the word embedding alone)")
-    if m.num_experts and any(not is_moe_layer(m, i) for i in range(m.num_layers)):
-        out.append(f"--moe-layer-freq {m.moe_layer_freq} / --moe-first-dense-layers {m.moe_first_dense_layers} "
-                   "(dense and mixture-of-experts layers mixed: not written yet)")
     if m.use_rope_scaling:
         out.append("--use-rope-scaling (not read back by meshtron's Megatron reader yet)")
     return out
@@ -102,6 +101,27 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
+def moe_layer_freq(m: ModelConfig) -> int | list[int]:
+    """Megatron-LM's ``--moe-layer-freq`` of ``m``'s layers, as its ``args`` keep it: 1 (every layer has experts,
+    or none has), N when the experts are in every N-th layer counting from layer 0 (its integer form), else the
+    list of one 1 per mixture-of-experts layer and one 0 per dense layer (as a DeepSeek model's first dense
+    layers, ``--moe-first-dense-layers``, are written)."""
+    pattern = [int(is_moe_layer(m, i)) for i in range(m.num_layers)]
+    if not m.num_experts or all(pattern):
+        return 1
+    for n in range(2, m.num_layers + 1):
+        if pattern == [int(i % n == 0) for i in range(m.num_layers)]:
+            return n
+    return pattern
+
+
+def stacked_layers(m: ModelConfig) -> bool:
+    """Whether megatron-core stacks ``m``'s decoder layers in torch_dist (``decoder.layers.X`` [layers, ...]): not
+    for an ``--moe-layer-freq`` list or one above 1 (its "non-homogeneous" layers, saved under their numbers)."""
+    freq = moe_layer_freq(m)
+    return isinstance(freq, int) and freq == 1
+
+
 def megatron_tensors(canonical: dict[str, torch.Tensor], m: ModelConfig, padded_vocab: int, spec: str,
                      interleaved: bool = False) -> dict[str, torch.Tensor]:
     """megatron-core's torch_dist tensors of a set of canonical tensors (weights or one optimizer state)."""
@@ -111,33 +131,50 @@ def megatron_tensors(canonical: dict[str, torch.Tensor], m: ModelConfig, padded_
     for n in (names.WORD_EMBEDDING, "output_layer.weight"):
         if n in per_layer:
             per_layer[n] = _pad_rows(per_layer[n], padded_vocab)
-    return names.stack_for_torch_dist(per_layer, m.num_layers)
+    return names.stack_for_torch_dist(per_layer, m.num_layers, stacked_layers(m))
+
+
+def layer_linears(m: ModelConfig, moe: bool) -> tuple[str, ...]:
+    """The linear modules of one layer (its experts apart) whose Transformer Engine state megatron-core saves:
+    its attention's, then its MLP's (a dense MLP, or a mixture of experts' shared expert)."""
+    if not m.multi_latent_attention:
+        attention = names.GQA_LINEARS
+    elif m.q_lora_rank:
+        attention = names.MLA_LINEARS
+    else:  # one query projection instead of the two
+        attention = tuple(n for n in names.MLA_LINEARS if "linear_q_" not in n) + ("self_attention.linear_q_proj",)
+    if not moe:
+        return attention + names.DENSE_MLP_LINEARS
+    return attention + (names.SHARED_EXPERT_LINEARS if m.moe_shared_expert_intermediate_size else ())
+
+
+def _layer_extra_states(base: str, linears: tuple[str, ...], experts: int, axis: tuple[tuple[int, int], ...],
+                        out: dict[str, None]) -> None:
+    """One layer's entries under ``base``; ``axis``: its (offset, size) on the layer axis when stacked, else ()."""
+    offsets, shape = tuple(o for o, _ in axis), tuple(n for _, n in axis)
+    for lin in linears:
+        out[files.object_key(f"{base}.{lin}._extra_state", offsets or (0,), shape or (1,))] = None
+    for lin in names.EXPERT_LINEARS if experts else ():
+        for e in range(experts):
+            out[files.object_key(f"{base}.{lin}._extra_state", offsets + (e,), shape + (experts,))] = None
 
 
 def extra_states(m: ModelConfig) -> dict[str, None]:
-    """The (empty) Transformer Engine states megatron-core saves for each linear layer, by storage key."""
+    """The (empty) Transformer Engine states megatron-core saves for each linear layer, by storage key: stacked
+    layers' over the layer axis, a layer under its own number (mixed layers, a prediction depth) without one."""
     L = m.num_layers
     out: dict[str, None] = {}
-    if m.num_experts:
-        linears = names.MOE_LINEARS if m.moe_shared_expert_intermediate_size else names.MOE_LINEARS[:2]
-    else:
-        linears = names.MLA_LINEARS if m.multi_latent_attention else names.DENSE_LINEARS
-    if m.multi_latent_attention and not m.q_lora_rank:  # one query projection instead of the two
-        linears = tuple(n for n in linears if "linear_q_" not in n) + ("self_attention.linear_q_proj",)
+    stacked = stacked_layers(m)
     for layer in range(L):
-        for lin in linears:
-            out[files.object_key(f"decoder.layers.{lin}._extra_state", (layer,), (L,))] = None
-        for lin in names.EXPERT_LINEARS if m.num_experts else ():
-            for e in range(m.num_experts):
-                out[files.object_key(f"decoder.layers.{lin}._extra_state", (layer, e), (L, m.num_experts))] = None
-    for k in range(m.mtp_num_layers or 0):  # each prediction depth under its own number: no layer axis
+        moe = is_moe_layer(m, layer)
+        base, axis = ("decoder.layers", ((layer, L),)) if stacked else (f"decoder.layers.{layer}", ())
+        _layer_extra_states(base, layer_linears(m, moe), m.num_experts if moe else 0, axis, out)
+    mtp_moe = bool(m.num_experts) and is_moe_layer(m, L - 1)  # a depth's layer is the decoder's last layer's kind
+    for k in range(m.mtp_num_layers or 0):
         base = f"mtp.layers.{k}"
         out[files.object_key(f"{base}.eh_proj._extra_state", (0,), (1,))] = None
-        for lin in linears:
-            out[files.object_key(f"{base}.transformer_layer.{lin}._extra_state", (0,), (1,))] = None
-        for lin in names.EXPERT_LINEARS if m.num_experts else ():
-            for e in range(m.num_experts):
-                out[files.object_key(f"{base}.transformer_layer.{lin}._extra_state", (e,), (m.num_experts,))] = None
+        _layer_extra_states(f"{base}.transformer_layer", layer_linears(m, mtp_moe),
+                            m.num_experts if mtp_moe else 0, (), out)
     return out
 
 
@@ -300,7 +337,7 @@ def megatron_args(cfg: MeshtronConfig, layout: dict, vocab: int, padded: int, it
         qk_layernorm=bool(m.qk_layernorm), attention_dropout=float(m.attention_dropout),
         hidden_dropout=float(m.hidden_dropout), init_method_std=float(m.init_method_std),
         mtp_num_layers=m.mtp_num_layers or None, mtp_loss_scaling_factor=float(m.mtp_loss_scaling_factor),
-        num_experts=m.num_experts if moe else None, moe_layer_freq=1,
+        num_experts=m.num_experts if moe else None, moe_layer_freq=moe_layer_freq(m),
         moe_ffn_hidden_size=(m.moe_ffn_hidden_size or ffn_size(m)) if moe else None,
         moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=bool(m.moe_router_pre_softmax),
         moe_grouped_gemm=False, moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,

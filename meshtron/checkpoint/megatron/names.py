@@ -40,7 +40,9 @@ legacy format's ``mtp_model_layer.*``)                         as for ``decoder.
 ===========================================================  ==========================================
 
 torch_dist stacks the decoder's layers (``decoder.layers.X`` [num_layers, ...]) but not the prediction depths:
-megatron-core saves each depth under its own number, its experts stacked [experts, ...].
+megatron-core saves each depth under its own number, its experts stacked [experts, ...]. It saves the decoder's
+layers so too when they are not all alike (dense and mixture-of-experts layers mixed, ``--moe-layer-freq`` a list
+or above 1): ``decoder.layers.N.X``, read as they are.
 
 Transformer Engine's ``_extra_state`` entries and RoPE's ``inv_freq`` carry no weights and are skipped.
 
@@ -309,14 +311,15 @@ SPECS = ("transformer_engine", "local")
 _FROM_LAYER = {v: k for k, v in _LAYER_SIMPLE.items()}
 _FROM_GLOBAL = {v: k for k, v in _GLOBAL.items()}
 _FUSED_NORMS = {v: k for k, v in _NORM_ALIASES.items()}  # input_layernorm.weight -> linear_qkv.layer_norm_weight
-#: The modules whose Transformer Engine state (``_extra_state``, empty in these files) megatron-core saves.
-DENSE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-MOE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.shared_experts.linear_fc1",
-               "mlp.shared_experts.linear_fc2")
-EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+#: The modules whose Transformer Engine state (``_extra_state``, empty in these files) megatron-core saves, by
+#: part of a layer: its attention (grouped-query or multi-latent), its MLP (dense, or a mixture of experts' shared
+#: expert; the experts apart, one entry per expert).
+GQA_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
 MLA_LINEARS = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
-               "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj", "self_attention.linear_proj",
-               "mlp.linear_fc1", "mlp.linear_fc2")
+               "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj", "self_attention.linear_proj")
+DENSE_MLP_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
+SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 #: canonical MLA name -> Megatron's, by spec: Transformer Engine fuses the latent norms into the up projections
 _FUSED_MLA_NORMS = {k for k in _MLA if k.endswith(".layer_norm_weight")}
 _PLAIN_MLA_NORMS = {"self_attention.q_layernorm.weight", "self_attention.kv_layernorm.weight"}
@@ -427,34 +430,53 @@ def from_canonical(tensors: dict[str, torch.Tensor], shape: dict, moe_layers: se
     return out
 
 
-_MTP_EXPERT = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.mlp\.experts)\.(\d+)\.(.+)$")
+#: an expert's tensor in a layer saved under its own number (a prediction depth's, or a decoder layer's when the
+#: layers are not stacked): stacked over the experts alone
+_OWN_EXPERTS = re.compile(r"^((?:mtp\.layers\.\d+\.transformer_layer|decoder\.layers\.\d+)\.mlp\.experts)"
+                          r"\.(\d+)\.(.+)$")
 
 
-def stack_for_torch_dist(per_layer: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """megatron-core's torch_dist tensors: ``decoder.layers.N.X`` stacked as ``decoder.layers.X``
-    [num_layers, ...], experts ``mlp.experts.E.Y`` as ``mlp.experts.experts.Y`` [num_layers, experts, ...]
-    (the layout of its sequential and grouped experts alike). Every layer must hold the same tensors. A
-    prediction depth's tensors stay its own (``mtp.layers.k.*``), its experts stacked [experts, ...]."""
-    by_rest: dict[str, dict[int, torch.Tensor]] = {}
+def _stack_own_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each layer's ``mlp.experts.E.Y`` stacked as ``mlp.experts.experts.Y`` [experts, ...]
+    (layers under their own numbers); other names as they are."""
     out: dict[str, torch.Tensor] = {}
-    mtp_experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in per_layer.items():
-        m = _PER_LAYER.match(name)
-        e = _MTP_EXPERT.match(name)
-        if m:
-            by_rest.setdefault(m.group(2), {})[int(m.group(1))] = t
-        elif e:
-            mtp_experts.setdefault(f"{e.group(1)}.experts.{e.group(3)}", {})[int(e.group(2))] = t
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        e = _OWN_EXPERTS.match(name)
+        if e:
+            experts.setdefault(f"{e.group(1)}.experts.{e.group(3)}", {})[int(e.group(2))] = t
         else:
             out[name] = t
-    for name, by_expert in mtp_experts.items():
+    for name, by_expert in experts.items():
         out[name] = torch.stack([by_expert[i] for i in range(len(by_expert))])
+    return out
+
+
+def stack_for_torch_dist(per_layer: dict[str, torch.Tensor], num_layers: int,
+                         stacked: bool = True) -> dict[str, torch.Tensor]:
+    """megatron-core's torch_dist tensors: ``decoder.layers.N.X`` stacked as ``decoder.layers.X``
+    [num_layers, ...], experts ``mlp.experts.E.Y`` as ``mlp.experts.experts.Y`` [num_layers, experts, ...]
+    (the layout of its sequential and grouped experts alike); every layer must then hold the same tensors.
+    ``stacked`` False (megatron-core's "non-homogeneous" layers: dense and mixture-of-experts layers mixed): each
+    decoder layer under its own number (``decoder.layers.N.X``), its experts stacked [experts, ...]. A prediction
+    depth's tensors stay its own (``mtp.layers.k.*``), its experts stacked [experts, ...]."""
+    if not stacked:
+        return _stack_own_experts(per_layer)
+    by_rest: dict[str, dict[int, torch.Tensor]] = {}
+    others: dict[str, torch.Tensor] = {}
+    for name, t in per_layer.items():
+        m = _PER_LAYER.match(name)
+        if m:
+            by_rest.setdefault(m.group(2), {})[int(m.group(1))] = t
+        else:
+            others[name] = t
+    out = _stack_own_experts(others)
     experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
     for rest, layers in by_rest.items():
         if sorted(layers) != list(range(num_layers)):
             raise CheckpointError(f"Megatron-LM export: decoder.layers.N.{rest} exists for layers "
                                   f"{sorted(layers)[:8]} only; torch_dist stacks a tensor over all {num_layers} "
-                                  "layers (mixed dense and mixture-of-experts layers are not written yet)")
+                                  "layers (layers of different kinds are written unstacked)")
         e = re.match(r"^mlp\.experts\.(\d+)\.(.+)$", rest)
         if e:
             experts.setdefault(e.group(2), {})[int(e.group(1))] = layers
