@@ -9,6 +9,8 @@
 #   bash benchmarks/pending_gpu_checks.sh migration   # Megatron-LM and meshtron continue each other's checkpoints
 #                                                     # (carry .mlm: benchmarks/megatron_continuation.sh says how)
 #   bash benchmarks/pending_gpu_checks.sh fp8moe      # FP8 expert GEMMs: GPU tests, then the MoE shapes bf16 / rowwise / blockwise
+#   bash benchmarks/pending_gpu_checks.sh families    # Qwen3.5 and gpt-oss shapes: step time and peak memory, the
+#                                                     # gated delta rule with and without its recomputation
 #   bash benchmarks/pending_gpu_checks.sh unverified  # first, in one call: GPU tests of code changed since its last GPU
 #                                                     # run (FP8 experts' compiled quantisations, blockwise linears),
 #                                                     # one layer's FP8 experts timed, Muon's TF32 step
@@ -82,6 +84,10 @@ for phase in "$@"; do
         --profile none --recipes bf16,tensorwise,rowwise 2>&1 | tail -4
       timeout 150 python3 -m meshtron bench --matrix benchmarks/muon_one_gpu.yaml --warmup 2 --steps 4 \
         --record "$OUT/measured_muon.jsonl" 2>&1 | tail -5 ;;
+    families)
+      timeout 90 python3 benchmarks/gdn_rule_profile.py 2>&1 | grep -v Warning | tail -4
+      timeout 400 python3 -m meshtron bench --matrix benchmarks/new_families_one_gpu.yaml --warmup 3 --steps 5 \
+        --record "$OUT/measured_families.jsonl" 2>&1 | tail -10 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
