@@ -27,7 +27,7 @@ order), ``load_state_tensors(i, tensors)`` (keeps this rank's segments),
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,9 @@ from meshtron.optim.offload import Segment, split_for_offload
 from meshtron.optim.optimizer import no_weight_decay
 from meshtron.optim.registry import OptimizerKind, optimizer_kind, param_state_names
 from meshtron.optim.shards import CompactShards
+
+if TYPE_CHECKING:  # strategy.py imports this module
+    from meshtron.optim.strategy import WeightGather
 
 
 def owned_range(layout: BufferLayout, bucket_index: int, shard: bool, rank: Optional[int] = None) -> tuple[int, int]:
