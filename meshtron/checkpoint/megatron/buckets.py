@@ -25,15 +25,18 @@ A mixture-of-experts model's experts (``allreduce=False`` in megatron-core) are 
 the same way over the expert-data-parallel group and kept by a second, chained optimizer: per expert rank
 (expert tensor-parallel rank + ETP x (expert-parallel rank + EP x pipeline rank)) its share of each of the stage's
 layers' experts, SequentialMLP's ``local_experts.i.linear_fc1``, ``linear_fc2`` per expert (TEGroupedMLP: every
-``linear_fc1`` first) (:func:`expert_rank_params`).
+``linear_fc1`` first) (:func:`expert_rank_params`). At expert-parallel 1 with expert tensor parallelism equal to
+tensor parallelism the experts' linears are ``allreduce=True``: megatron-core then keeps them in the dense buffer,
+each layer's (all of them, in the same order) after its router and before its shared expert, and builds a single
+optimizer (:func:`experts_apart`).
 
 The ``torch_dist`` format ``dp_reshardable`` (Megatron-LM's default for the distributed optimizer) saves each
 bucket as one tensor ``optimizer.distributed.dp_group_idx_M.gbuf_idx_0.dtype_(...).bucket_idx_B.{param,exp_avg,
 exp_avg_sq}`` whose index ``M`` is the model-parallel rank (tensor-parallel rank + TP x pipeline rank); with
-experts the two chained optimizers' keys begin ``chained_0.`` (dense, ``M`` as above) and ``chained_1.``
-(experts, ``M`` the expert rank). The legacy ``distrib_optim.pt`` saves, per buffer, the buckets' unpadded
-contents one after another (:func:`split_coalesced` cuts them), a mixture-of-experts model's experts' buffer as
-the second of the chained optimizers' states (:mod:`.legacy_optim`).
+experts in a buffer of their own the two chained optimizers' keys begin ``chained_0.`` (dense, ``M`` as above) and
+``chained_1.`` (experts, ``M`` the expert rank). The legacy ``distrib_optim.pt`` saves, per buffer, the buckets'
+unpadded contents one after another (:func:`split_coalesced` cuts them), a mixture-of-experts model's experts'
+buffer as the second of the chained optimizers' states (:mod:`.legacy_optim`).
 
 Nothing in the checkpoint names the parameters inside a bucket, so the layout is derived here from the model's
 tensors (their per-rank shards) and Megatron's module order, and then *proven*: every master-weight slice must
@@ -76,12 +79,15 @@ _MLA_ATTENTION = ("input_layernorm.weight", "input_layernorm.bias",
                   "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
                   "self_attention.linear_kv_up_proj.weight", "self_attention.q_layernorm.weight",
                   "self_attention.kv_layernorm.weight")
-#: the MLP: dense, or a MoE layer's router, (experts: in a buffer of their own, :func:`expert_rank_params`) and
-#: shared expert, whose gate (a parameter of SharedExpertMLP itself) comes before its linears' (named_parameters()
-#: yields a module's own parameters before its children's); the router's expert bias is a buffer
+#: the MLP: dense, or a MoE layer's router, experts (MoELayer registers router, experts, shared_experts in that
+#: order; the experts are here only at expert-parallel 1 with expert tensor parallelism equal to tensor parallelism,
+#: else in a buffer of their own, :func:`expert_rank_params`) and shared expert, whose gate (a parameter of
+#: SharedExpertMLP itself) comes before its linears' (named_parameters() yields a module's own parameters before its
+#: children's); the router's expert bias is a buffer
+_EXPERTS_SLOT = "mlp.experts"
 _MLP = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
         "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
-        "mlp.router.weight", "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight",
+        "mlp.router.weight", _EXPERTS_SLOT, "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight",
         "mlp.shared_experts.linear_fc2.weight")
 _LOCAL_ORDER = _LOCAL_ATTENTION + _MLP
 _TE_ORDER = _TE_ATTENTION + _MLP
@@ -168,14 +174,30 @@ def _mtp_sort_key(rest: str, order: dict[str, int]) -> tuple[int, int]:
     return _MTP_ORDER.index(rest), 0
 
 
+def experts_apart(tp_size: int, ep_size: int, etp_size: Optional[int]) -> bool:
+    """Whether megatron-core keeps a mixture-of-experts model's experts in a buffer (and optimizer) of their own:
+    with expert parallelism, or expert tensor parallelism unlike tensor parallelism (its linears' ``allreduce``
+    False); else they are in the dense buffer, among their layer's parameters."""
+    return ep_size > 1 or (etp_size or tp_size) != tp_size
+
+
 def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, pp_size: int, num_layers: int,
-                spec: str, swiglu: bool, tied: bool) -> Rank:
+                spec: str, swiglu: bool, tied: bool, inline_experts: bool = False, grouped: bool = False) -> Rank:
     """Rank (tp, pp)'s parameters from Megatron's whole per-layer tensors ``model`` (layers split evenly over
-    the stages, prediction depths on the last; the fused norm spellings accepted)."""
+    the stages, prediction depths on the last; the fused norm spellings accepted). ``inline_experts``: a
+    mixture-of-experts layer's experts (all of them, ``grouped``: TEGroupedMLP's order) follow its router, as
+    megatron-core keeps them at expert-parallel 1 (:func:`experts_apart`)."""
     per_stage = num_layers // pp_size
     order = {k: i for i, k in enumerate(_layer_order(model, spec))}
     first, last = pp == 0, pp == pp_size - 1
-    layers: dict[int, list[tuple[int, str]]] = {}
+    layers: dict[int, list[tuple[tuple[int, int], str]]] = {}
+    whole = dict(model)  # plus the experts under their per-expert names, when they are in this buffer
+    if inline_experts:
+        for layer, experts in experts_by_layer(model).items():
+            if pp * per_stage <= layer < (pp + 1) * per_stage:
+                for i, (name, t) in enumerate(_layer_experts(layer, experts, 0, 1, grouped)):
+                    whole[name] = t
+                    layers.setdefault(layer, []).append(((order[_EXPERTS_SLOT], i), name))
     depths: dict[int, list[tuple[tuple[int, int], str]]] = {}
     for name in model:
         m = _LAYER.match(name)
@@ -186,7 +208,7 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
             if rest not in order:
                 raise LayoutMismatch(f"{name} has no known place in megatron-core's layer")
             if pp * per_stage <= n < (pp + 1) * per_stage:
-                layers.setdefault(n, []).append((order[rest], name))
+                layers.setdefault(n, []).append(((order[rest], 0), name))
         m = _MTP.match(name)
         if m and last:
             depths.setdefault(int(m.group(1)), []).append((_mtp_sort_key(m.group(2), order), name))
@@ -212,7 +234,7 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
     for name in names:
         copy = name == EMBEDDING_COPY or (tied and name == "output_layer.weight")
         source = "embedding.word_embeddings.weight" if copy else name
-        params.append((name, local_shard(source, model[source], tp, tp_size, swiglu)))
+        params.append((name, local_shard(source, whole[source], tp, tp_size, swiglu)))
     return Rank(tp, pp, params, first, shared)
 
 
@@ -252,20 +274,29 @@ def expert_rank_params(experts_of: dict[int, dict[int, dict[str, torch.Tensor]]]
     per_stage = num_layers // pp_size
     params: list[tuple[str, torch.Tensor]] = []
     for layer, experts in sorted(experts_of.items()):
-        if not pp * per_stage <= layer < (pp + 1) * per_stage:
-            continue
-        if len(experts) % ep_size:
-            raise LayoutMismatch(f"layer {layer}: {len(experts)} experts do not split evenly over {ep_size} "
-                                 "expert-parallel ranks")
-        local = len(experts) // ep_size
-        mine = range(ep * local, (ep + 1) * local)
-        kinds = sorted({k for e in mine for k in experts[e]}, key=lambda k: (k.split(".")[0], k.endswith(".bias")))
-        for rest, e in ([(k, e) for k in kinds for e in mine] if grouped else [(k, e) for e in mine for k in kinds]):
-            if rest not in experts[e]:
-                raise LayoutMismatch(f"layer {layer}, expert {e}: no {rest}")
-            name = expert_local(layer, e, rest)
-            params.append((name, local_shard(name, experts[e][rest], etp, etp_size, swiglu)))
+        if pp * per_stage <= layer < (pp + 1) * per_stage:
+            params += [(name, local_shard(name, t, etp, etp_size, swiglu))
+                       for name, t in _layer_experts(layer, experts, ep, ep_size, grouped)]
     return Rank(etp, pp, params, pp == 0, set())
+
+
+def _layer_experts(layer: int, experts: dict[int, dict[str, torch.Tensor]], ep: int, ep_size: int, grouped: bool
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Expert-parallel rank ``ep``'s share of one layer's experts ({expert: {"linear_fc1.weight"...: whole
+    tensor}}) in ``named_parameters()`` order, under their per-expert names (:func:`expert_local`): SequentialMLP's
+    ``linear_fc1``, ``linear_fc2`` per expert, or, ``grouped`` (TEGroupedMLP), every ``linear_fc1`` first."""
+    if len(experts) % ep_size:
+        raise LayoutMismatch(f"layer {layer}: {len(experts)} experts do not split evenly over {ep_size} "
+                             "expert-parallel ranks")
+    local = len(experts) // ep_size
+    mine = range(ep * local, (ep + 1) * local)
+    kinds = sorted({k for e in mine for k in experts[e]}, key=lambda k: (k.split(".")[0], k.endswith(".bias")))
+    out = []
+    for rest, e in ([(k, e) for k in kinds for e in mine] if grouped else [(k, e) for e in mine for k in kinds]):
+        if rest not in experts[e]:
+            raise LayoutMismatch(f"layer {layer}, expert {e}: no {rest}")
+        out.append((expert_local(layer, e, rest), experts[e][rest]))
+    return out
 
 
 @dataclass
@@ -307,10 +338,12 @@ RankMap = dict[int, tuple[str, Rank]]  #: {buffer index: (label for messages, it
 
 
 def dense_ranks(model: dict[str, torch.Tensor], tp_size: int, pp_size: int, num_layers: int, spec: str,
-                swiglu: bool, tied: bool) -> RankMap:
-    """The dense buffer's ranks, indexed by model-parallel rank ``tp + TP x pp``."""
+                swiglu: bool, tied: bool, inline_experts: bool = False, grouped: bool = False) -> RankMap:
+    """The dense buffer's ranks, indexed by model-parallel rank ``tp + TP x pp`` (``inline_experts``: with the
+    experts among their layer's parameters, :func:`rank_params`)."""
     return {tp + tp_size * pp: (f"model-parallel rank {tp + tp_size * pp} (TP {tp}, PP {pp})",
-                                rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied))
+                                rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied,
+                                            inline_experts, grouped))
             for pp in range(pp_size) for tp in range(tp_size)}
 
 
@@ -360,18 +393,21 @@ def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[
 
     A mixture-of-experts model's experts are in ``expert_buckets`` ({expert model-parallel rank: ...}, that rank
     numbered ``etp + ETP x (ep + EP x pp)`` as in megatron-core's tensor-expert-pipeline group; expert tensor
-    parallelism ``etp_size``, default ``tp_size``); they come back as ``decoder.layers.N.mlp.experts.local_experts.
-    E.linear_fcK.weight`` (``E`` over the whole model)."""
+    parallelism ``etp_size``, default ``tp_size``), or, at expert-parallel 1 with expert tensor parallelism equal
+    to tensor parallelism (:func:`experts_apart`), in ``buckets`` among their layer's parameters (``expert_buckets``
+    None); they come back as ``decoder.layers.N.mlp.experts.local_experts.E.linear_fcK.weight`` (``E`` over the
+    whole model)."""
     if num_layers % pp_size:
         raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
-    ranks = dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied)
-    shards = _unflatten_buffer(ranks, buckets, bucket_size, f"TP {tp_size} x PP {pp_size}")
     experts_of = experts_by_layer(model)
-    has_experts = bool(experts_of)
-    if has_experts != (expert_buckets is not None):
-        raise LayoutMismatch("experts in the model but no expert buffer" if has_experts else
-                             "an expert buffer for a model without experts")
-    if has_experts:
+    apart = bool(experts_of) and experts_apart(tp_size, ep_size, etp_size)
+    ranks = dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied, bool(experts_of) and not apart,
+                        grouped)
+    shards = _unflatten_buffer(ranks, buckets, bucket_size, f"TP {tp_size} x PP {pp_size}")
+    if apart != (expert_buckets is not None):
+        raise LayoutMismatch("experts in a buffer of their own (expert parallelism) but no expert buffer" if apart
+                             else "an expert buffer for a model whose experts (if any) are in the dense buffer")
+    if apart:
         etp_size = etp_size or tp_size
         eranks = expert_ranks(experts_of, etp_size, ep_size, pp_size, num_layers, swiglu, grouped)
         for state, by_name in _unflatten_buffer(eranks, expert_buckets, bucket_size,

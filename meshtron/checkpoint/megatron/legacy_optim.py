@@ -8,7 +8,8 @@
   (``ChainedOptimizer.save_parameter_state``), each entry gathered on rank 0 of its own group and None on the
   other ranks; every rank that is rank 0 of either group writes its directory's file, so the dense buffer of
   (tp, pp) is in one of its expert-parallel directories and the experts' buffer of expert rank (tp, ep, pp) in
-  ``mp_rank_TT[_PPP]_EEE`` (:func:`_gather_chains`);
+  ``mp_rank_TT[_PPP]_EEE`` (:func:`_gather_chains`); at expert-parallel 1 its experts are in the dense buffer
+  and its one optimizer's state is saved as a dense model's;
 * without it, ``model_optim_rng.pt``'s ``optimizer`` entry: torch's optimizer ``state_dict()`` (``state`` by
   parameter index, ``param_groups`` with the indices of each group), under ``optimizer`` beside
   ``fp32_from_fp16_params`` (the fp32 masters, group by group) for a bf16/fp16 model
@@ -17,7 +18,8 @@
   without (``wd_mult`` 0: one-dimensional and biases), each in ``named_parameters()`` order. A
   mixture-of-experts model's entry is the list of its two chained optimizers' (``ChainedOptimizer.state_dict``:
   the dense parameters', replicated on every expert-parallel rank, then the rank's experts', without the group of
-  a decay kind they have no parameter of), in every directory ``mp_rank_TT[_PPP]_EEE``.
+  a decay kind they have no parameter of), in every directory ``mp_rank_TT[_PPP]_EEE``; at expert-parallel 1
+  one optimizer, the experts in its groups among their layer's parameters.
 
 Every layout is checked against the model's weights (the masters must equal them, rounded to the model's dtype)
 before anything is taken from it; :class:`~.buckets.LayoutMismatch` says where it did not fit.
@@ -69,7 +71,8 @@ def _coalesced(state: Any, f: Path) -> dict[str, torch.Tensor]:
 
 def _gather_chains(files: dict[tuple[int, int, int], Path], tp_size: int, ep_size: int, moe: bool
                    ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
-    """({model-parallel rank: dense buffer}, {expert rank: experts' buffer}) from every ``distrib_optim.pt``.
+    """({model-parallel rank: dense buffer}, {expert rank: experts' buffer}) from every ``distrib_optim.pt``
+    (``moe``: the experts in a buffer of their own, a second chained optimizer).
 
     Each file is written by the ranks of its directory (tp, pp, ep) that are rank 0 of the dense optimizer's
     data-parallel group or of the experts' expert-data-parallel group: the dense buffer of (tp, pp) is in exactly
@@ -107,11 +110,13 @@ def distributed_state(files: dict[tuple[int, int, int], Path], model: dict[str, 
     if experts_of and (etp_size or tp_size) != tp_size:
         raise LayoutMismatch(f"expert tensor parallelism {etp_size} unlike tensor parallelism {tp_size}: the legacy "
                              "files' names do not say which expert tensor-parallel rank wrote them")
-    dense, experts = _gather_chains(files, tp_size, ep_size, bool(experts_of))
-    ranks = buckets.dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied)
+    apart = bool(experts_of) and buckets.experts_apart(tp_size, ep_size, etp_size)
+    dense, experts = _gather_chains(files, tp_size, ep_size, apart)
+    ranks = buckets.dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied,
+                                bool(experts_of) and not apart, grouped)
     flat = buckets.split_coalesced(ranks, dense, bucket_size)
     expert_flat = None
-    if experts_of:
+    if apart:
         eranks = buckets.expert_ranks(experts_of, tp_size, ep_size, pp_size, num_layers, swiglu, grouped)
         expert_flat = buckets.split_coalesced(eranks, experts, bucket_size)
     return buckets.unflatten(model, flat, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size,
@@ -182,15 +187,16 @@ def _file_ranks(key: tuple[int, int, int], opt: Any, model: dict[str, torch.Tens
     from expert-parallel rank 0, the others hold replicas of it) and, with experts, its experts' optimizer's
     (expert tensor parallelism equal to tensor parallelism)."""
     tp, pp, ep = key
-    where = f"mp_rank_{tp:02d}_{pp:03d}" + (f"_{ep:03d}" if experts_of else "")
+    apart = bool(experts_of) and ep_size > 1  # else the experts are the dense optimizer's, among their layer's
+    where = f"mp_rank_{tp:02d}_{pp:03d}" + (f"_{ep:03d}" if apart else "")
     if ep >= ep_size:
         raise LayoutMismatch(f"{where}: expert-parallel rank {ep} of {ep_size}")
-    chain = _optimizer_chain(opt, 2 if experts_of else 1, where)
+    chain = _optimizer_chain(opt, 2 if apart else 1, where)
     out = []
     if ep == 0:
-        out.append((chain[0], buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied),
-                    where))
-    if experts_of:
+        out.append((chain[0], buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied,
+                                                  bool(experts_of) and not apart, grouped), where))
+    if apart:
         out.append((chain[1], buckets.expert_rank_params(experts_of, tp, ep, pp, tp_size, ep_size, pp_size,
                                                          num_layers, swiglu, grouped), f"{where} (experts)"))
     return out

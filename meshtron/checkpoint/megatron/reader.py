@@ -160,7 +160,8 @@ def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dic
         found.setdefault(chain, {}).setdefault(int(m.group(2)), {}).setdefault(int(m.group(5)), {})[m.group(6)] = k
     why = None
     tp, pp, spec = _layout_args(args)
-    moe = bool(getattr(args, "num_experts", None))
+    # a second, chained optimizer only for experts in a buffer of their own (expert parallelism)
+    moe = bool(getattr(args, "num_experts", None)) and buckets.experts_apart(tp, *_expert_args(args)[:2])
     if buffers != {"0"}:
         why = "more than one parameter buffer per optimizer (parameters of several dtypes)"
     elif getattr(args, "virtual_pipeline_model_parallel_size", None):
