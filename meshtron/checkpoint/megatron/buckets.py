@@ -219,7 +219,7 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
     for name in model:
         m = _LAYER.match(name)
         if m and (expert_name(m.group(2), model[name]) is not None or m.group(2) == "mlp.router.expert_bias"):
-            continue  # the experts' parameters are in a buffer of their own; the router's bias is a buffer
+            continue  # experts: added above when in this buffer, else in their own; the router's bias: a buffer
         if m:
             n, rest = int(m.group(1)), _layer_key(m.group(2))
             if rest not in order:
