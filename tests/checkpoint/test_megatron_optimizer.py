@@ -27,7 +27,16 @@ Written by megatron-core 0.19.2's own optimizers (tests/fixtures/megatron/make_c
   (``Float16OptimizerWithFloat16Params``, chained: dense, experts), legacy format: each ``model_optim_rng.pt``'s
   ``optimizer`` the list of both optimizers' ``state_dict()`` (the experts' one group: matrices only);
 * ``mla_dp2_dp_reshardable``: multi-latent attention (q and kv down/up projections, their latent norms), its
-  ``DistributedOptimizer`` at DP=2 in buckets of 1000 elements, ``dp_reshardable``.
+  ``DistributedOptimizer`` at DP=2 in buckets of 1000 elements, ``dp_reshardable``;
+* ``moe_ep1_dp2_dp_reshardable``, ``legacy_moe_ep1_dp2_distrib_optim``: ``moe_ep2_dp4_dp_reshardable``'s model at
+  expert-parallel 1 over 2 processes in both formats: one optimizer, the experts in the dense buffer among their
+  layer's parameters (after the router, before the shared expert);
+* ``legacy_moe_ep1_dp2_bf16_optim``: that model in bf16 with the non-distributed optimizer, legacy format (one
+  optimizer, the experts in its parameter groups);
+* ``dense_pp2vp2_dp2_dp_reshardable``, ``legacy_pp2vp2_dp2_distrib_optim``: a dense model of 4 layers at PP=2 x
+  virtual pipeline 2 x DP=2 in both formats: one buffer per model chunk (``gbuf_idx`` the chunk), one layer per
+  chunk (chunk-major: stage 0 holds layers 0 and 2), buckets of 1000 elements on the first chunk of the first
+  stage only.
 
 ``reference_optimizer.pt`` holds megatron-core's own per-tensor state of each, as it was in memory: per
 model-parallel rank and parameter name, the masters and moments (the distributed optimizer's pieces put together
@@ -59,6 +68,11 @@ MOE = "moe_ep2_dp4_dp_reshardable"
 MLA = "mla_dp2_dp_reshardable"
 MOE_LEGACY = "legacy_moe_ep2_dp4_distrib_optim"
 MOE_BF16 = "legacy_moe_ep2_dp4_bf16_optim"
+MOE_EP1 = "moe_ep1_dp2_dp_reshardable"
+MOE_EP1_LEGACY = "legacy_moe_ep1_dp2_distrib_optim"
+MOE_EP1_BF16 = "legacy_moe_ep1_dp2_bf16_optim"
+VP = "dense_pp2vp2_dp2_dp_reshardable"
+VP_LEGACY = "legacy_pp2vp2_dp2_distrib_optim"
 
 
 def _read(name: str):
@@ -94,7 +108,8 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
     return out
 
 
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY, MOE_BF16])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY, MOE_BF16,
+                                  MOE_EP1, MOE_EP1_LEGACY, MOE_EP1_BF16, VP, VP_LEGACY])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
@@ -110,7 +125,8 @@ def test_optimizer_state_is_megatron_cores(name, references):
         assert torch.equal(state.optim["master"][k].to(t.dtype), t), k
 
 
-@pytest.mark.parametrize("pair", [(CASE, LEGACY), (MTP, MTP_LEGACY), (MOE, MOE_LEGACY)])
+@pytest.mark.parametrize("pair", [(CASE, LEGACY), (MTP, MTP_LEGACY), (MOE, MOE_LEGACY), (MOE_EP1, MOE_EP1_LEGACY),
+                                  (VP, VP_LEGACY)])
 def test_the_same_optimizer_in_both_formats(pair):
     """The same model and optimizer saved as torch_dist dp_reshardable and as legacy distrib_optim.pt read the
     same: weights, masters (an fp32 model's: its weights) and moments (a mixture-of-experts model's experts
@@ -178,6 +194,96 @@ def test_experts_follow_their_layer_in_the_expert_buffer():
     assert [n[len(prefix):] for n, _ in grouped.params] == ["2.linear_fc1.weight", "3.linear_fc1.weight",
                                                             "2.linear_fc2.weight", "3.linear_fc2.weight"]
 
+
+
+_DENSE_RANK_0 = "model-parallel rank 0 (TP 0, PP 0)"
+
+
+@pytest.mark.parametrize("name, expert_args, where", [
+    (MOE_EP1, (1, None, True), _DENSE_RANK_0), (MOE_EP1_LEGACY, (1, None, True), _DENSE_RANK_0),
+    (MOE_EP1_BF16, (1, None, True), "mp_rank_00_000: the optimizer's param of parameter 5 is not shaped like"),
+    (MOE_EP1, (2, None, False), "optimizers [0] (chained_K. prefixes), expected 0 (dense parameters) and 1"),
+    (MOE_EP1_LEGACY, (2, None, False), "holds 1 optimizers, expected 2 (chained: dense parameters, experts)")])
+def test_experts_at_ep1_in_another_layout_are_a_notice(monkeypatch, name, expert_args, where):
+    """Experts that megatron-core kept in the dense buffer at expert-parallel 1 (SequentialMLP's order) read as
+    TEGroupedMLP's order, or as if expert-parallel 2 had given them a buffer of their own: refused, nothing read,
+    said in one line."""
+    monkeypatch.setattr(reader, "_expert_args", lambda args: expert_args)
+    got = _read(name)
+    assert got.optim == {} and got.step is None and len(got.notices) == 1
+    note = got.notices[0]
+    assert "\n" not in note and where in note, note
+    assert "Adam moments start from zero" in note
+
+
+def test_experts_follow_the_router_in_the_dense_buffer_at_ep1():
+    """At expert-parallel 1 the dense rank holds every expert of its layers, after the router and before the
+    shared expert's gate (MoELayer's registration order), SequentialMLP's fc1, fc2 per expert (grouped: every fc1
+    first), sharded over tensor parallelism as dense MLPs are."""
+    model = {"decoder.layers.0.pre_mlp_layernorm.weight": torch.zeros(2),
+             "decoder.layers.0.mlp.router.weight": torch.zeros(2, 2),
+             "decoder.layers.0.mlp.router.expert_bias": torch.zeros(2),
+             "decoder.layers.0.mlp.shared_experts.gate_weight": torch.zeros(1, 2),
+             "decoder.layers.0.mlp.experts.experts.linear_fc1.weight": torch.arange(8.).reshape(2, 4, 1),
+             "decoder.layers.0.mlp.experts.experts.linear_fc2.weight": torch.zeros(2, 1, 2)}
+    prefix = "decoder.layers.0.mlp.experts.local_experts."
+    sequential = buckets.rank_params(model, 1, 0, 2, 1, 1, "local", True, tied=True, inline_experts=True)
+    assert [n.replace(prefix, "") for n, _ in sequential.params] == [
+        "decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.0.mlp.router.weight",
+        "0.linear_fc1.weight", "0.linear_fc2.weight", "1.linear_fc1.weight", "1.linear_fc2.weight",
+        "decoder.layers.0.mlp.shared_experts.gate_weight"]
+    assert sequential.params[2][1].flatten().tolist() == [1.0, 3.0]  # TP rank 1's rows of [gate; up]
+    assert tuple(sequential.params[3][1].shape) == (1, 1)
+    grouped = buckets.rank_params(model, 0, 0, 1, 1, 1, "local", True, tied=True, inline_experts=True, grouped=True)
+    assert [n.replace(prefix, "") for n, _ in grouped.params][2:6] == [
+        "0.linear_fc1.weight", "1.linear_fc1.weight", "0.linear_fc2.weight", "1.linear_fc2.weight"]
+    assert not buckets.experts_apart(2, 1, None) and buckets.experts_apart(2, 1, 1) and buckets.experts_apart(1, 2, 1)
+
+
+@pytest.mark.parametrize("name", [VP, VP_LEGACY])
+def test_virtual_stages_in_another_order_are_a_notice(monkeypatch, name):
+    """Model chunks whose layers are taken as consecutive per stage (stage 0: layers 0, 1) where megatron-core
+    assigns them chunk-major (stage 0: layers 0, 2): the proof refuses them, nothing read, said in one line."""
+    def consecutive(num_layers, pp, pp_size, chunk=0, vp_size=1):
+        per_chunk = num_layers // (pp_size * vp_size)
+        start = (pp * vp_size + chunk) * per_chunk
+        return range(start, start + per_chunk)
+
+    monkeypatch.setattr(buckets, "chunk_layers", consecutive)
+    got = _read(name)
+    assert got.optim == {} and got.step is None and len(got.notices) == 1
+    note = got.notices[0]
+    assert "\n" not in note and "Adam moments start from zero" in note
+    assert "model-parallel rank 0 (TP 0, PP 0, virtual stage 1): the master weights at" in note, note
+
+
+@pytest.mark.parametrize("name, where", [
+    (VP, "parameter buffers [0, 1] per optimizer where 1 model chunk(s) have one each"),
+    (VP_LEGACY, "holds buffers [0, 1], expected one per model chunk (1)")])
+def test_virtual_stages_unknown_to_args_are_a_notice(monkeypatch, name, where):
+    """A checkpoint with two model chunks per stage read as if its args named none: refused by name."""
+    monkeypatch.setattr(reader, "_vp_size", lambda args: 1)
+    got = _read(name)
+    assert got.optim == {} and len(got.notices) == 1 and where in got.notices[0], got.notices[0]
+
+
+def test_virtual_stages_split_the_layers_chunk_major():
+    """Chunk v of stage p holds layers v x L/VP + p x L/(PP x VP) on; the embedding is the first chunk of the first
+    stage's (alone bucketed), the final norm and output layer the last chunk of the last stage's."""
+    assert [list(buckets.chunk_layers(8, p, 2, v, 2)) for p in range(2) for v in range(2)] == [
+        [0, 1], [4, 5], [2, 3], [6, 7]]
+    model = {"embedding.word_embeddings.weight": torch.zeros(8, 4), "output_layer.weight": torch.zeros(8, 4),
+             "decoder.final_layernorm.weight": torch.zeros(4)}
+    model.update({f"decoder.layers.{n}.mlp.linear_fc2.weight": torch.full((4, 16), float(n)) for n in range(4)})
+    ranks = buckets.dense_ranks(model, 1, 2, 4, "local", False, tied=False, vp_size=2)
+    assert {k: [n for n, _ in r.params] for k, (_, r) in ranks.items()} == {
+        (0, 0): ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc2.weight"],
+        (0, 1): ["decoder.layers.2.mlp.linear_fc2.weight"],
+        (1, 0): ["decoder.layers.1.mlp.linear_fc2.weight"],
+        (1, 1): ["decoder.layers.3.mlp.linear_fc2.weight", "decoder.final_layernorm.weight", "output_layer.weight"]}
+    assert [r.first_stage for _, r in ranks.values()] == [True, False, False, False]
+    assert buckets.layout(ranks[(0, 1)][1], bucket_size=10)[1] == [64]  # a later chunk is never bucketed
+    assert buckets.layout(ranks[(0, 0)][1], bucket_size=10)[1] == [64, 32]
 
 
 def _legacy_moe_copy(tmp_path: Path) -> tuple[Path, list]:
@@ -360,7 +466,8 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY, MOE_BF16])
+@pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY, MOE_BF16, MOE_EP1, MOE_EP1_LEGACY,
+                                  VP, VP_LEGACY])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""

@@ -12,7 +12,12 @@ as flat buffers laid out like its gradient buffer (``_compute_per_buffer_param_l
   (only with ``--overlap-grad-reduce``, ``--ddp-bucket-size`` or max(4e7, 1e6 x DP), and only on the first
   pipeline stage); a tied embedding or output layer off a one-stage pipeline gets a bucket of its own, as do
   both copies of the word embedding that prediction depths on another stage read;
-* a bucket's saved length is its *unpadded* size (up to the end of its last parameter).
+* a bucket's saved length is its *unpadded* size (up to the end of its last parameter);
+* with virtual pipeline stages each model chunk is a DistributedDataParallel of its own, so one buffer per chunk
+  (the optimizer's ``gbuf_idx``, chunks in order, one parameter dtype), laid out as above; chunk ``v`` of stage
+  ``p`` holds the layers from ``v x L/VP + p x L/(PP x VP)`` on (:func:`chunk_layers`), the embedding is the first
+  chunk of the first stage's, the final norm and output layer the last chunk of the last stage's, and only the
+  first chunk of the first stage is bucketed (Megatron-LM's ``disable_bucketing`` for the others).
 
 A layer's order (:data:`_LOCAL_ORDER`, :data:`_TE_ORDER`, :data:`_MLA_ORDER`) is its modules' registration order:
 the input norm, ``linear_proj`` (built by ``Attention`` before its subclass's projections), then grouped-query
@@ -25,15 +30,19 @@ A mixture-of-experts model's experts (``allreduce=False`` in megatron-core) are 
 the same way over the expert-data-parallel group and kept by a second, chained optimizer: per expert rank
 (expert tensor-parallel rank + ETP x (expert-parallel rank + EP x pipeline rank)) its share of each of the stage's
 layers' experts, SequentialMLP's ``local_experts.i.linear_fc1``, ``linear_fc2`` per expert (TEGroupedMLP: every
-``linear_fc1`` first) (:func:`expert_rank_params`).
+``linear_fc1`` first) (:func:`expert_rank_params`). At expert-parallel 1 with expert tensor parallelism equal to
+tensor parallelism the experts' linears are ``allreduce=True``: megatron-core then keeps them in the dense buffer,
+each layer's (all of them, in the same order) after its router and before its shared expert, and builds a single
+optimizer (:func:`experts_apart`).
 
 The ``torch_dist`` format ``dp_reshardable`` (Megatron-LM's default for the distributed optimizer) saves each
-bucket as one tensor ``optimizer.distributed.dp_group_idx_M.gbuf_idx_0.dtype_(...).bucket_idx_B.{param,exp_avg,
-exp_avg_sq}`` whose index ``M`` is the model-parallel rank (tensor-parallel rank + TP x pipeline rank); with
-experts the two chained optimizers' keys begin ``chained_0.`` (dense, ``M`` as above) and ``chained_1.``
-(experts, ``M`` the expert rank). The legacy ``distrib_optim.pt`` saves, per buffer, the buckets' unpadded
-contents one after another (:func:`split_coalesced` cuts them), a mixture-of-experts model's experts' buffer as
-the second of the chained optimizers' states (:mod:`.legacy_optim`).
+bucket as one tensor ``optimizer.distributed.dp_group_idx_M.gbuf_idx_K.dtype_(...).bucket_idx_B.{param,exp_avg,
+exp_avg_sq}`` whose index ``M`` is the model-parallel rank (tensor-parallel rank + TP x pipeline rank), ``K`` the
+model chunk; with
+experts in a buffer of their own the two chained optimizers' keys begin ``chained_0.`` (dense, ``M`` as above) and
+``chained_1.`` (experts, ``M`` the expert rank). The legacy ``distrib_optim.pt`` saves, per buffer, the buckets'
+unpadded contents one after another (:func:`split_coalesced` cuts them), a mixture-of-experts model's experts'
+buffer as the second of the chained optimizers' states (:mod:`.legacy_optim`).
 
 Nothing in the checkpoint names the parameters inside a bucket, so the layout is derived here from the model's
 tensors (their per-rank shards) and Megatron's module order, and then *proven*: every master-weight slice must
@@ -76,12 +85,15 @@ _MLA_ATTENTION = ("input_layernorm.weight", "input_layernorm.bias",
                   "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
                   "self_attention.linear_kv_up_proj.weight", "self_attention.q_layernorm.weight",
                   "self_attention.kv_layernorm.weight")
-#: the MLP: dense, or a MoE layer's router, (experts: in a buffer of their own, :func:`expert_rank_params`) and
-#: shared expert, whose gate (a parameter of SharedExpertMLP itself) comes before its linears' (named_parameters()
-#: yields a module's own parameters before its children's); the router's expert bias is a buffer
+#: the MLP: dense, or a MoE layer's router, experts (MoELayer registers router, experts, shared_experts in that
+#: order; the experts are here only at expert-parallel 1 with expert tensor parallelism equal to tensor parallelism,
+#: else in a buffer of their own, :func:`expert_rank_params`) and shared expert, whose gate (a parameter of
+#: SharedExpertMLP itself) comes before its linears' (named_parameters() yields a module's own parameters before its
+#: children's); the router's expert bias is a buffer
+_EXPERTS_SLOT = "mlp.experts"
 _MLP = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
         "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
-        "mlp.router.weight", "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight",
+        "mlp.router.weight", _EXPERTS_SLOT, "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight",
         "mlp.shared_experts.linear_fc2.weight")
 _LOCAL_ORDER = _LOCAL_ATTENTION + _MLP
 _TE_ORDER = _TE_ATTENTION + _MLP
@@ -116,7 +128,7 @@ class Rank:
     tp: int
     pp: int
     params: list[tuple[str, torch.Tensor]]
-    first_stage: bool
+    first_stage: bool  #: the first pipeline stage's first model chunk (the only one megatron-core buckets)
     shared_embedding: set[str]  #: names given a bucket of their own (tied embedding/output, PP > 1)
 
 
@@ -168,29 +180,56 @@ def _mtp_sort_key(rest: str, order: dict[str, int]) -> tuple[int, int]:
     return _MTP_ORDER.index(rest), 0
 
 
+def experts_apart(tp_size: int, ep_size: int, etp_size: Optional[int]) -> bool:
+    """Whether megatron-core keeps a mixture-of-experts model's experts in a buffer (and optimizer) of their own:
+    with expert parallelism, or expert tensor parallelism unlike tensor parallelism (its linears' ``allreduce``
+    False); else they are in the dense buffer, among their layer's parameters."""
+    return ep_size > 1 or (etp_size or tp_size) != tp_size
+
+
+def chunk_layers(num_layers: int, pp: int, pp_size: int, chunk: int = 0, vp_size: int = 1) -> range:
+    """The layers of pipeline rank ``pp``'s model chunk ``chunk`` (of ``vp_size`` virtual stages): megatron-core
+    splits the layers evenly over the chunks, chunk-major (chunk ``v`` of every stage before chunk ``v + 1``)."""
+    per_chunk = num_layers // (pp_size * vp_size)
+    start = chunk * (num_layers // vp_size) + pp * per_chunk
+    return range(start, start + per_chunk)
+
+
 def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, pp_size: int, num_layers: int,
-                spec: str, swiglu: bool, tied: bool) -> Rank:
-    """Rank (tp, pp)'s parameters from Megatron's whole per-layer tensors ``model`` (layers split evenly over
-    the stages, prediction depths on the last; the fused norm spellings accepted)."""
-    per_stage = num_layers // pp_size
+                spec: str, swiglu: bool, tied: bool, inline_experts: bool = False, grouped: bool = False,
+                chunk: int = 0, vp_size: int = 1) -> Rank:
+    """Rank (tp, pp)'s parameters of its model chunk ``chunk`` (of ``vp_size``, :func:`chunk_layers`) from
+    Megatron's whole per-layer tensors ``model`` (the embedding on the first chunk of the first stage, the final
+    norm, prediction depths and output layer on the last chunk of the last; the fused norm spellings accepted).
+    ``inline_experts``: a mixture-of-experts layer's experts (all of them, ``grouped``: TEGroupedMLP's order) follow
+    its router, as megatron-core keeps them at expert-parallel 1 (:func:`experts_apart`)."""
+    mine = chunk_layers(num_layers, pp, pp_size, chunk, vp_size)
     order = {k: i for i, k in enumerate(_layer_order(model, spec))}
-    first, last = pp == 0, pp == pp_size - 1
-    layers: dict[int, list[tuple[int, str]]] = {}
+    # megatron-core's pre_process / post_process of this chunk
+    first, last = pp == 0 and chunk == 0, pp == pp_size - 1 and chunk == vp_size - 1
+    layers: dict[int, list[tuple[tuple[int, int], str]]] = {}
+    whole = dict(model)  # plus the experts under their per-expert names, when they are in this buffer
+    if inline_experts:
+        for layer, experts in experts_by_layer(model).items():
+            if layer in mine:
+                for i, (name, t) in enumerate(_layer_experts(layer, experts, 0, 1, grouped)):
+                    whole[name] = t
+                    layers.setdefault(layer, []).append(((order[_EXPERTS_SLOT], i), name))
     depths: dict[int, list[tuple[tuple[int, int], str]]] = {}
     for name in model:
         m = _LAYER.match(name)
         if m and (expert_name(m.group(2), model[name]) is not None or m.group(2) == "mlp.router.expert_bias"):
-            continue  # the experts' parameters are in a buffer of their own; the router's bias is a buffer
+            continue  # experts: added above when in this buffer, else in their own; the router's bias: a buffer
         if m:
             n, rest = int(m.group(1)), _layer_key(m.group(2))
             if rest not in order:
                 raise LayoutMismatch(f"{name} has no known place in megatron-core's layer")
-            if pp * per_stage <= n < (pp + 1) * per_stage:
-                layers.setdefault(n, []).append((order[rest], name))
+            if n in mine:
+                layers.setdefault(n, []).append(((order[rest], 0), name))
         m = _MTP.match(name)
         if m and last:
             depths.setdefault(int(m.group(1)), []).append((_mtp_sort_key(m.group(2), order), name))
-    mtp_copy = bool(depths) and pp_size > 1  # the last stage's copy of the embedding the depths read
+    mtp_copy = bool(depths) and not first  # the last stage's copy of the embedding the depths read
     names = [n for n in _BEFORE_LAYERS if first and n in model]
     shared = set()
     if mtp_copy:
@@ -203,16 +242,16 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
         names += [name for _, name in sorted(depths[k])]
     if last and (not tied and "output_layer.weight" in model):
         names.append("output_layer.weight")
-    elif last and tied and pp_size > 1 and not mtp_copy:  # the last stage's copy of the tied embedding
+    elif last and tied and not first and not mtp_copy:  # the last stage's copy of the tied embedding
         names.append("output_layer.weight")
         shared.add("output_layer.weight")
-    if (tied or any(_MTP.match(n) for n in model)) and pp_size > 1 and first:
+    if (tied or any(_MTP.match(n) for n in model)) and first and not last:
         shared.add("embedding.word_embeddings.weight")
     params = []
     for name in names:
         copy = name == EMBEDDING_COPY or (tied and name == "output_layer.weight")
         source = "embedding.word_embeddings.weight" if copy else name
-        params.append((name, local_shard(source, model[source], tp, tp_size, swiglu)))
+        params.append((name, local_shard(source, whole[source], tp, tp_size, swiglu)))
     return Rank(tp, pp, params, first, shared)
 
 
@@ -243,29 +282,39 @@ def experts_by_layer(model: dict[str, torch.Tensor]) -> dict[int, dict[int, dict
 
 
 def expert_rank_params(experts_of: dict[int, dict[int, dict[str, torch.Tensor]]], etp: int, ep: int, pp: int,
-                       etp_size: int, ep_size: int, pp_size: int, num_layers: int, swiglu: bool, grouped: bool) -> Rank:
+                       etp_size: int, ep_size: int, pp_size: int, num_layers: int, swiglu: bool, grouped: bool,
+                       chunk: int = 0, vp_size: int = 1) -> Rank:
     """The expert buffer's parameters of expert rank (etp, ep, pp) from ``experts_of`` (:func:`experts_by_layer`),
     in ``named_parameters()`` order: the stage's
     layers in turn, each with its local experts (``ep``'s share of them, in order): SequentialMLP's
     ``local_experts.i.linear_fc1``, ``linear_fc2`` per expert, or, ``grouped`` (TEGroupedMLP), every expert's
     ``linear_fc1`` before every ``linear_fc2``. Expert tensor parallelism shards them as dense MLPs are."""
-    per_stage = num_layers // pp_size
+    mine = chunk_layers(num_layers, pp, pp_size, chunk, vp_size)
     params: list[tuple[str, torch.Tensor]] = []
     for layer, experts in sorted(experts_of.items()):
-        if not pp * per_stage <= layer < (pp + 1) * per_stage:
-            continue
-        if len(experts) % ep_size:
-            raise LayoutMismatch(f"layer {layer}: {len(experts)} experts do not split evenly over {ep_size} "
-                                 "expert-parallel ranks")
-        local = len(experts) // ep_size
-        mine = range(ep * local, (ep + 1) * local)
-        kinds = sorted({k for e in mine for k in experts[e]}, key=lambda k: (k.split(".")[0], k.endswith(".bias")))
-        for rest, e in ([(k, e) for k in kinds for e in mine] if grouped else [(k, e) for e in mine for k in kinds]):
-            if rest not in experts[e]:
-                raise LayoutMismatch(f"layer {layer}, expert {e}: no {rest}")
-            name = expert_local(layer, e, rest)
-            params.append((name, local_shard(name, experts[e][rest], etp, etp_size, swiglu)))
-    return Rank(etp, pp, params, pp == 0, set())
+        if layer in mine:
+            params += [(name, local_shard(name, t, etp, etp_size, swiglu))
+                       for name, t in _layer_experts(layer, experts, ep, ep_size, grouped)]
+    return Rank(etp, pp, params, pp == 0 and chunk == 0, set())
+
+
+def _layer_experts(layer: int, experts: dict[int, dict[str, torch.Tensor]], ep: int, ep_size: int, grouped: bool
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Expert-parallel rank ``ep``'s share of one layer's experts ({expert: {"linear_fc1.weight"...: whole
+    tensor}}) in ``named_parameters()`` order, under their per-expert names (:func:`expert_local`): SequentialMLP's
+    ``linear_fc1``, ``linear_fc2`` per expert, or, ``grouped`` (TEGroupedMLP), every ``linear_fc1`` first."""
+    if len(experts) % ep_size:
+        raise LayoutMismatch(f"layer {layer}: {len(experts)} experts do not split evenly over {ep_size} "
+                             "expert-parallel ranks")
+    local = len(experts) // ep_size
+    mine = range(ep * local, (ep + 1) * local)
+    kinds = sorted({k for e in mine for k in experts[e]}, key=lambda k: (k.split(".")[0], k.endswith(".bias")))
+    out = []
+    for rest, e in ([(k, e) for k in kinds for e in mine] if grouped else [(k, e) for e in mine for k in kinds]):
+        if rest not in experts[e]:
+            raise LayoutMismatch(f"layer {layer}, expert {e}: no {rest}")
+        out.append((expert_local(layer, e, rest), experts[e][rest]))
+    return out
 
 
 @dataclass
@@ -303,40 +352,59 @@ def layout(rank: Rank, bucket_size: Optional[int]) -> tuple[list[Placement], lis
     return placements, lengths
 
 
-RankMap = dict[int, tuple[str, Rank]]  #: {buffer index: (label for messages, its parameters)}
+#: {(rank index, model chunk): (label for messages, its parameters)}: each rank's buffer of each model chunk
+#: (virtual pipeline stage; one without), as the optimizer's ``gbuf_idx`` numbers them for one parameter dtype
+RankMap = dict[tuple[int, int], tuple[str, Rank]]
+#: {(rank index, model chunk): {bucket: {state: flat tensor}}}
+Buckets = dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]]
+
+
+def _chunk_label(chunk: int, vp_size: int) -> str:
+    return f", virtual stage {chunk}" if vp_size > 1 else ""
 
 
 def dense_ranks(model: dict[str, torch.Tensor], tp_size: int, pp_size: int, num_layers: int, spec: str,
-                swiglu: bool, tied: bool) -> RankMap:
-    """The dense buffer's ranks, indexed by model-parallel rank ``tp + TP x pp``."""
-    return {tp + tp_size * pp: (f"model-parallel rank {tp + tp_size * pp} (TP {tp}, PP {pp})",
-                                rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied))
-            for pp in range(pp_size) for tp in range(tp_size)}
+                swiglu: bool, tied: bool, inline_experts: bool = False, grouped: bool = False,
+                vp_size: int = 1) -> RankMap:
+    """The dense buffers, indexed by (model-parallel rank ``tp + TP x pp``, model chunk) (``inline_experts``: with
+    the experts among their layer's parameters, :func:`rank_params`)."""
+    return {(tp + tp_size * pp, v): (f"model-parallel rank {tp + tp_size * pp} (TP {tp}, PP {pp}"
+                                     f"{_chunk_label(v, vp_size)})",
+                                     rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied,
+                                                 inline_experts, grouped, v, vp_size))
+            for pp in range(pp_size) for tp in range(tp_size) for v in range(vp_size)}
 
 
 def expert_ranks(experts_of: dict[int, dict[int, dict[str, torch.Tensor]]], etp_size: int, ep_size: int,
-                 pp_size: int, num_layers: int, swiglu: bool, grouped: bool) -> RankMap:
-    """The experts' buffer's ranks (:func:`expert_rank_params`), indexed ``etp + ETP x (ep + EP x pp)`` as in
-    megatron-core's tensor-expert-pipeline group."""
+                 pp_size: int, num_layers: int, swiglu: bool, grouped: bool, vp_size: int = 1) -> RankMap:
+    """The experts' buffers (:func:`expert_rank_params`), indexed (``etp + ETP x (ep + EP x pp)`` as in
+    megatron-core's tensor-expert-pipeline group, model chunk)."""
     out = {}
     for pp in range(pp_size):
         for ep in range(ep_size):
             for etp in range(etp_size):
                 index = etp + etp_size * (ep + ep_size * pp)
-                out[index] = (f"expert model-parallel rank {index} (expert TP {etp}, EP {ep}, PP {pp})",
-                              expert_rank_params(experts_of, etp, ep, pp, etp_size, ep_size, pp_size, num_layers,
-                                                 swiglu, grouped))
+                for v in range(vp_size):
+                    out[(index, v)] = (f"expert model-parallel rank {index} (expert TP {etp}, EP {ep}, PP {pp}"
+                                       f"{_chunk_label(v, vp_size)})",
+                                       expert_rank_params(experts_of, etp, ep, pp, etp_size, ep_size, pp_size,
+                                                          num_layers, swiglu, grouped, v, vp_size))
     return out
 
 
-def split_coalesced(ranks: RankMap, world: dict[int, dict[str, torch.Tensor]],
-                    bucket_size: Optional[int]) -> dict[int, dict[int, dict[str, torch.Tensor]]]:
-    """One kind of buffer (dense or expert) of the legacy ``distrib_optim.pt`` ({rank index: {state: the buckets'
-    unpadded contents one after another}}) cut into buckets as :func:`unflatten` takes them, by :func:`layout` of
-    ``ranks`` (:func:`dense_ranks`, :func:`expert_ranks`)."""
+def _expected_keys(found: list, ranks: RankMap) -> str:
+    """The (rank, model chunk) buffers found against those expected, for a message."""
+    return f"buffers (rank, model chunk) {found}, expected {sorted(ranks)}"
+
+
+def split_coalesced(ranks: RankMap, world: dict[tuple[int, int], dict[str, torch.Tensor]],
+                    bucket_size: Optional[int]) -> Buckets:
+    """One kind of buffer (dense or expert) of the legacy ``distrib_optim.pt`` ({(rank index, model chunk): {state:
+    the buckets' unpadded contents one after another}}) cut into buckets as :func:`unflatten` takes them, by
+    :func:`layout` of ``ranks`` (:func:`dense_ranks`, :func:`expert_ranks`)."""
     if sorted(world) != sorted(ranks):
-        raise LayoutMismatch(f"optimizer state for ranks {sorted(world)}, expected 0..{len(ranks) - 1}")
-    out: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        raise LayoutMismatch(f"optimizer state for {_expected_keys(sorted(world), ranks)}")
+    out: Buckets = {}
     for index, states in world.items():
         label, rank = ranks[index]
         _, lengths = layout(rank, bucket_size)
@@ -349,33 +417,36 @@ def split_coalesced(ranks: RankMap, world: dict[int, dict[str, torch.Tensor]],
     return out
 
 
-def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[str, torch.Tensor]]],
-              tp_size: int, pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
-              bucket_size: Optional[int], expert_buckets: Optional[dict[int, dict[int, dict[str, torch.Tensor]]]] = None,
-              ep_size: int = 1, etp_size: Optional[int] = None, grouped: bool = False
+def unflatten(model: dict[str, torch.Tensor], buckets: Buckets, tp_size: int, pp_size: int, num_layers: int,
+              spec: str, swiglu: bool, tied: bool, bucket_size: Optional[int], expert_buckets: Optional[Buckets] = None,
+              ep_size: int = 1, etp_size: Optional[int] = None, grouped: bool = False, vp_size: int = 1
               ) -> dict[str, dict[str, torch.Tensor]]:
-    """{state: {Megatron name: whole tensor}} from ``buckets`` ({model-parallel rank: {bucket: {state: flat
-    tensor}}}, ``state`` among ``param``, ``exp_avg``, ``exp_avg_sq``), checked against ``model`` (Megatron's
-    whole per-layer tensors): LayoutMismatch if a bucket's length or a master weight differs.
+    """{state: {Megatron name: whole tensor}} from ``buckets`` ({(model-parallel rank, model chunk): {bucket:
+    {state: flat tensor}}}, ``state`` among ``param``, ``exp_avg``, ``exp_avg_sq``; ``vp_size`` model chunks per
+    rank, virtual pipeline stages), checked against ``model`` (Megatron's whole per-layer tensors): LayoutMismatch
+    if a bucket's length or a master weight differs.
 
     A mixture-of-experts model's experts are in ``expert_buckets`` ({expert model-parallel rank: ...}, that rank
     numbered ``etp + ETP x (ep + EP x pp)`` as in megatron-core's tensor-expert-pipeline group; expert tensor
-    parallelism ``etp_size``, default ``tp_size``); they come back as ``decoder.layers.N.mlp.experts.local_experts.
-    E.linear_fcK.weight`` (``E`` over the whole model)."""
-    if num_layers % pp_size:
-        raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
-    ranks = dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied)
-    shards = _unflatten_buffer(ranks, buckets, bucket_size, f"TP {tp_size} x PP {pp_size}")
+    parallelism ``etp_size``, default ``tp_size``), or, at expert-parallel 1 with expert tensor parallelism equal
+    to tensor parallelism (:func:`experts_apart`), in ``buckets`` among their layer's parameters (``expert_buckets``
+    None); they come back as ``decoder.layers.N.mlp.experts.local_experts.E.linear_fcK.weight`` (``E`` over the
+    whole model)."""
+    check_even(num_layers, pp_size, vp_size)
     experts_of = experts_by_layer(model)
-    has_experts = bool(experts_of)
-    if has_experts != (expert_buckets is not None):
-        raise LayoutMismatch("experts in the model but no expert buffer" if has_experts else
-                             "an expert buffer for a model without experts")
-    if has_experts:
+    apart = bool(experts_of) and experts_apart(tp_size, ep_size, etp_size)
+    ranks = dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied, bool(experts_of) and not apart,
+                        grouped, vp_size)
+    vp = f" x VP {vp_size}" if vp_size > 1 else ""
+    shards = _unflatten_buffer(ranks, buckets, bucket_size, f"TP {tp_size} x PP {pp_size}{vp}")
+    if apart != (expert_buckets is not None):
+        raise LayoutMismatch("experts in a buffer of their own (expert parallelism) but no expert buffer" if apart
+                             else "an expert buffer for a model whose experts (if any) are in the dense buffer")
+    if apart:
         etp_size = etp_size or tp_size
-        eranks = expert_ranks(experts_of, etp_size, ep_size, pp_size, num_layers, swiglu, grouped)
+        eranks = expert_ranks(experts_of, etp_size, ep_size, pp_size, num_layers, swiglu, grouped, vp_size)
         for state, by_name in _unflatten_buffer(eranks, expert_buckets, bucket_size,
-                                                f"expert TP {etp_size} x EP {ep_size} x PP {pp_size}").items():
+                                                f"expert TP {etp_size} x EP {ep_size} x PP {pp_size}{vp}").items():
             shards.setdefault(state, {}).update(by_name)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for state, by_name in shards.items():
@@ -386,13 +457,21 @@ def unflatten(model: dict[str, torch.Tensor], buckets: dict[int, dict[int, dict[
     return out
 
 
-def _unflatten_buffer(ranks: RankMap, buckets: dict[int, dict[int, dict[str, torch.Tensor]]],
-                      bucket_size: Optional[int], grid: str) -> dict[str, dict[str, dict[int, torch.Tensor]]]:
+def check_even(num_layers: int, pp_size: int, vp_size: int = 1) -> None:
+    """LayoutMismatch unless the layers split evenly over the pipeline stages and their model chunks (uneven
+    pipelines are not mapped)."""
+    if num_layers % (pp_size * vp_size):
+        raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages"
+                             + (f" x {vp_size} virtual stages" if vp_size > 1 else ""))
+
+
+def _unflatten_buffer(ranks: RankMap, buckets: Buckets, bucket_size: Optional[int], grid: str
+                      ) -> dict[str, dict[str, dict[int, torch.Tensor]]]:
     """{state: {name: {tensor-parallel rank: local piece}}} of one kind of buffer (dense or expert), each rank's
-    buckets ({index: {bucket: {state: flat}}}) cut by :func:`layout` of ``ranks`` ({index: (label, Rank)}) and
-    proven: every bucket's length and every master-weight slice must be the model's."""
+    buckets ({(index, chunk): {bucket: {state: flat}}}) cut by :func:`layout` of ``ranks`` ({(index, chunk):
+    (label, Rank)}) and proven: every bucket's length and every master-weight slice must be the model's."""
     if sorted(buckets) != sorted(ranks):
-        raise LayoutMismatch(f"optimizer state for ranks {sorted(buckets)}, expected 0..{len(ranks) - 1} ({grid})")
+        raise LayoutMismatch(f"optimizer state for {_expected_keys(sorted(buckets), ranks)} ({grid})")
     shards: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for index, (label, rank) in sorted(ranks.items()):
         placements, lengths = layout(rank, bucket_size)

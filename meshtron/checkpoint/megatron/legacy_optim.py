@@ -1,14 +1,16 @@
 """The optimizer state of Megatron-LM's legacy format, per model-parallel rank ``mp_rank_TT[_PPP][_EEE]/``:
 
 * with the distributed optimizer, ``distrib_optim.pt`` (``DistributedOptimizer.save_parameter_state``): per
-  parameter buffer ``{(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": the buckets' unpadded
-  contents one after another, "numel_unpadded"}}`` beside ``"buckets_coalesced": True``; its buckets are laid
+  parameter buffer (one per model chunk with virtual pipeline stages) ``{(param dtype, grad dtype): {"param",
+  "exp_avg", "exp_avg_sq": the buckets' unpadded contents one after another, "numel_unpadded"}}`` beside
+  ``"buckets_coalesced": True``; its buckets are laid
   out as :mod:`.buckets` describes. A mixture-of-experts model's two chained optimizers (dense parameters over
   the data-parallel group, experts over the expert-data-parallel group) save the list of both
   (``ChainedOptimizer.save_parameter_state``), each entry gathered on rank 0 of its own group and None on the
   other ranks; every rank that is rank 0 of either group writes its directory's file, so the dense buffer of
   (tp, pp) is in one of its expert-parallel directories and the experts' buffer of expert rank (tp, ep, pp) in
-  ``mp_rank_TT[_PPP]_EEE`` (:func:`_gather_chains`);
+  ``mp_rank_TT[_PPP]_EEE`` (:func:`_gather_chains`); at expert-parallel 1 its experts are in the dense buffer
+  and its one optimizer's state is saved as a dense model's;
 * without it, ``model_optim_rng.pt``'s ``optimizer`` entry: torch's optimizer ``state_dict()`` (``state`` by
   parameter index, ``param_groups`` with the indices of each group), under ``optimizer`` beside
   ``fp32_from_fp16_params`` (the fp32 masters, group by group) for a bf16/fp16 model
@@ -17,7 +19,8 @@
   without (``wd_mult`` 0: one-dimensional and biases), each in ``named_parameters()`` order. A
   mixture-of-experts model's entry is the list of its two chained optimizers' (``ChainedOptimizer.state_dict``:
   the dense parameters', replicated on every expert-parallel rank, then the rank's experts', without the group of
-  a decay kind they have no parameter of), in every directory ``mp_rank_TT[_PPP]_EEE``.
+  a decay kind they have no parameter of), in every directory ``mp_rank_TT[_PPP]_EEE``; at expert-parallel 1
+  one optimizer, the experts in its groups among their layer's parameters.
 
 Every layout is checked against the model's weights (the masters must equal them, rounded to the model's dtype)
 before anything is taken from it; :class:`~.buckets.LayoutMismatch` says where it did not fit.
@@ -39,56 +42,63 @@ from meshtron.checkpoint.megatron.unpickler import load_pickled
 _STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
-def _read_chain(f: Path, count: int) -> list[Optional[dict[str, torch.Tensor]]]:
-    """Each of the ``count`` chained optimizers' {state: flat buffer} in ``distrib_optim.pt`` ``f`` (None where
-    the file's writer was not rank 0 of that optimizer's data-parallel group): one optimizer's state as it is, a
-    ChainedOptimizer's of several as their list."""
+def _read_chain(f: Path, count: int, vp_size: int) -> list[Optional[dict[int, dict[str, torch.Tensor]]]]:
+    """Each of the ``count`` chained optimizers' {model chunk: {state: flat buffer}} in ``distrib_optim.pt`` ``f``
+    (None where the file's writer was not rank 0 of that optimizer's data-parallel group): one optimizer's state as
+    it is, a ChainedOptimizer's of several as their list."""
     state = load_pickled(f, str(f))
     chain = state if isinstance(state, list) else [state]
     if len(chain) != count:
         raise LayoutMismatch(f"{f} holds {len(chain)} optimizers, expected "
                              f"{'2 (chained: dense parameters, experts)' if count == 2 else 'one'}")
-    return [None if entry is None else _coalesced(entry, f) for entry in chain]
+    return [None if entry is None else _coalesced(entry, f, vp_size) for entry in chain]
 
 
-def _coalesced(state: Any, f: Path) -> dict[str, torch.Tensor]:
-    """{state: flat buffer} of one optimizer's ``get_parameter_state_dp_zero()``."""
+def _coalesced(state: Any, f: Path, vp_size: int) -> dict[int, dict[str, torch.Tensor]]:
+    """{model chunk: {state: flat buffer}} of one optimizer's ``get_parameter_state_dp_zero()``: one buffer (its
+    ``gbuf_idx``) per model chunk, each of one parameter dtype."""
     if not isinstance(state, dict) or not state.get("buckets_coalesced"):
         raise LayoutMismatch(f"{f} is not the coalesced per-buffer state of megatron-core's "
                              "DistributedOptimizer.save_parameter_state (an older layout)")
     buffers = [k for k in state if k != "buckets_coalesced"]
-    if buffers != [0] or not isinstance(state[0], dict) or len(state[0]) != 1:
-        raise LayoutMismatch(f"{f} holds more than one parameter buffer (parameters of several dtypes)")
-    inner = next(iter(state[0].values()))
-    missing = [k for k in _STATES if not isinstance(inner.get(k), torch.Tensor)]
-    if missing:
-        raise CheckpointError(f"Megatron-LM checkpoint file {f} is not a distributed optimizer's state: no "
-                              f"{', '.join(missing)} tensor")
-    return {k: inner[k].float() for k in _STATES}
+    if buffers != list(range(vp_size)) or any(not isinstance(state[k], dict) or len(state[k]) != 1 for k in buffers):
+        raise LayoutMismatch(f"{f} holds buffers {buffers}, expected one per model chunk ({vp_size}) of one "
+                             "parameter dtype each")
+    out = {}
+    for chunk in buffers:
+        inner = next(iter(state[chunk].values()))
+        missing = [k for k in _STATES if not isinstance(inner.get(k), torch.Tensor)]
+        if missing:
+            raise CheckpointError(f"Megatron-LM checkpoint file {f} is not a distributed optimizer's state: no "
+                                  f"{', '.join(missing)} tensor")
+        out[chunk] = {k: inner[k].float() for k in _STATES}
+    return out
 
 
-def _gather_chains(files: dict[tuple[int, int, int], Path], tp_size: int, ep_size: int, moe: bool
-                   ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
-    """({model-parallel rank: dense buffer}, {expert rank: experts' buffer}) from every ``distrib_optim.pt``.
+def _gather_chains(files: dict[tuple[int, int, int], Path], tp_size: int, ep_size: int, moe: bool, vp_size: int = 1
+                   ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]],
+                              dict[tuple[int, int], dict[str, torch.Tensor]]]:
+    """({(model-parallel rank, model chunk): dense buffer}, {(expert rank, model chunk): experts' buffer}) from every
+    ``distrib_optim.pt`` (``moe``: the experts in a buffer of their own, a second chained optimizer).
 
     Each file is written by the ranks of its directory (tp, pp, ep) that are rank 0 of the dense optimizer's
     data-parallel group or of the experts' expert-data-parallel group: the dense buffer of (tp, pp) is in exactly
     one of its expert-parallel directories, the experts' buffer of expert rank (tp, ep, pp) in directory (tp, pp,
     ep) (expert tensor parallelism equal to tensor parallelism)."""
-    dense: dict[int, dict[str, torch.Tensor]] = {}
-    experts: dict[int, dict[str, torch.Tensor]] = {}
+    dense: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for (tp, pp, ep), f in sorted(files.items()):
         path = f.parent / DISTRIB_OPTIM_FILE
-        chain = _read_chain(path, 2 if moe else 1)
+        chain = _read_chain(path, 2 if moe else 1, vp_size)
         index = tp + tp_size * pp
         if chain[0] is not None:
-            if index in dense:
+            if (index, 0) in dense:
                 raise LayoutMismatch(f"{path}: a second dense buffer of model-parallel rank {index}")
-            dense[index] = chain[0]
+            dense.update({(index, v): b for v, b in chain[0].items()})
         if moe:
             if chain[1] is None:
                 raise LayoutMismatch(f"{path} holds no experts' buffer (its writer not expert-data-parallel rank 0)")
-            experts[tp + tp_size * (ep + ep_size * pp)] = chain[1]
+            experts.update({(tp + tp_size * (ep + ep_size * pp), v): b for v, b in chain[1].items()})
         elif ep:
             raise LayoutMismatch(f"{path}: an expert-parallel rank for a model without experts")
     return dense, experts
@@ -97,25 +107,27 @@ def _gather_chains(files: dict[tuple[int, int, int], Path], tp_size: int, ep_siz
 def distributed_state(files: dict[tuple[int, int, int], Path], model: dict[str, torch.Tensor], tp_size: int,
                       pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
                       bucket_size: Optional[int], ep_size: int = 1, etp_size: Optional[int] = None,
-                      grouped: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-    """{state: {Megatron name: whole tensor}} from every rank's ``distrib_optim.pt``; a mixture-of-experts model's
-    experts from the second of its chained optimizers (expert parallelism ``ep_size``, expert tensor parallelism
-    ``etp_size`` (None: ``tp_size``), ``grouped``: TEGroupedMLP's order)."""
-    if num_layers % pp_size:
-        raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
+                      grouped: bool = False, vp_size: int = 1) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {Megatron name: whole tensor}} from every rank's ``distrib_optim.pt`` (one buffer per model chunk:
+    ``vp_size`` virtual pipeline stages); a mixture-of-experts model's experts from the second of its chained
+    optimizers (expert parallelism ``ep_size``, expert tensor parallelism ``etp_size`` (None: ``tp_size``),
+    ``grouped``: TEGroupedMLP's order) unless at expert-parallel 1 they are in the dense buffer."""
+    buckets.check_even(num_layers, pp_size, vp_size)
     experts_of = buckets.experts_by_layer(model)
     if experts_of and (etp_size or tp_size) != tp_size:
         raise LayoutMismatch(f"expert tensor parallelism {etp_size} unlike tensor parallelism {tp_size}: the legacy "
                              "files' names do not say which expert tensor-parallel rank wrote them")
-    dense, experts = _gather_chains(files, tp_size, ep_size, bool(experts_of))
-    ranks = buckets.dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied)
+    apart = bool(experts_of) and buckets.experts_apart(tp_size, ep_size, etp_size)
+    dense, experts = _gather_chains(files, tp_size, ep_size, apart, vp_size)
+    ranks = buckets.dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied,
+                                bool(experts_of) and not apart, grouped, vp_size)
     flat = buckets.split_coalesced(ranks, dense, bucket_size)
     expert_flat = None
-    if experts_of:
-        eranks = buckets.expert_ranks(experts_of, tp_size, ep_size, pp_size, num_layers, swiglu, grouped)
+    if apart:
+        eranks = buckets.expert_ranks(experts_of, tp_size, ep_size, pp_size, num_layers, swiglu, grouped, vp_size)
         expert_flat = buckets.split_coalesced(eranks, experts, bucket_size)
     return buckets.unflatten(model, flat, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size,
-                             expert_flat, ep_size, tp_size, grouped)
+                             expert_flat, ep_size, tp_size, grouped, vp_size)
 
 
 def _no_decay(name: str, t: torch.Tensor) -> bool:
@@ -182,15 +194,16 @@ def _file_ranks(key: tuple[int, int, int], opt: Any, model: dict[str, torch.Tens
     from expert-parallel rank 0, the others hold replicas of it) and, with experts, its experts' optimizer's
     (expert tensor parallelism equal to tensor parallelism)."""
     tp, pp, ep = key
-    where = f"mp_rank_{tp:02d}_{pp:03d}" + (f"_{ep:03d}" if experts_of else "")
+    apart = bool(experts_of) and ep_size > 1  # else the experts are the dense optimizer's, among their layer's
+    where = f"mp_rank_{tp:02d}_{pp:03d}" + (f"_{ep:03d}" if apart else "")
     if ep >= ep_size:
         raise LayoutMismatch(f"{where}: expert-parallel rank {ep} of {ep_size}")
-    chain = _optimizer_chain(opt, 2 if experts_of else 1, where)
+    chain = _optimizer_chain(opt, 2 if apart else 1, where)
     out = []
     if ep == 0:
-        out.append((chain[0], buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied),
-                    where))
-    if experts_of:
+        out.append((chain[0], buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied,
+                                                  bool(experts_of) and not apart, grouped), where))
+    if apart:
         out.append((chain[1], buckets.expert_rank_params(experts_of, tp, ep, pp, tp_size, ep_size, pp_size,
                                                          num_layers, swiglu, grouped), f"{where} (experts)"))
     return out

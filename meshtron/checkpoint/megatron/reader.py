@@ -106,6 +106,12 @@ def _layout_args(args: Any) -> tuple[int, int, str]:
             str(getattr(args, "transformer_impl", "transformer_engine")))
 
 
+def _vp_size(args: Any) -> int:
+    """The model chunks per pipeline rank (``virtual_pipeline_model_parallel_size``, which Megatron-LM derives from
+    ``--num-layers-per-virtual-pipeline-stage`` or ``--num-virtual-stages-per-pipeline-rank``; unset: one)."""
+    return int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+
+
 def _expert_args(args: Any) -> tuple[int, Optional[int], bool]:
     """Expert parallelism (``--expert-model-parallel-size``), expert tensor parallelism (``--expert-tensor-parallel-
     size``, None: the tensor-parallel size) and ``--moe-grouped-gemm``, for the experts' buffer."""
@@ -126,8 +132,8 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
     what = "distrib_optim.pt (the distributed optimizer's buffers)" if has_distributed else \
         "the 'optimizer' entries of model_optim_rng.pt"
     why = None
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        why = "virtual-pipeline layouts are not mapped yet"
+    if not has_distributed and _vp_size(args) > 1:
+        why = "the non-distributed optimizer's parameter indices over virtual-pipeline model chunks are not mapped yet"
     elif has_distributed and not all(f.is_file() for f in distributed):
         why = f"{next(f for f in distributed if not f.is_file())} is missing"
     else:
@@ -135,7 +141,7 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
             if has_distributed:
                 return legacy_optim.distributed_state(files, merged, tp, pp, settings["num_layers"], spec,
                                                       shape["swiglu"], shape["tied"], _bucket_size(args),
-                                                      *_expert_args(args)), []
+                                                      *_expert_args(args), _vp_size(args)), []
             return legacy_optim.local_state(states, merged, tp, pp, settings["num_layers"], spec, shape["swiglu"],
                                             shape["tied"], *_expert_args(args)), []
         except buckets.LayoutMismatch as err:
@@ -151,20 +157,22 @@ def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dic
     keys = [k for k in shapes if _BUCKET_KEY.match(k)]
     if not keys:
         return {}, None, []
-    found: dict[int, dict[int, dict[int, dict[str, str]]]] = {}  # optimizer -> rank -> bucket -> state -> key
+    # optimizer -> (rank, buffer: the model chunk) -> bucket -> state -> key
+    found: dict[int, dict[tuple[int, int], dict[int, dict[str, str]]]] = {}
     buffers = set()
     for k in keys:
         m = _BUCKET_KEY.match(k)
-        buffers.add(m.group(3))
-        chain = int(m.group(1) or 0)
-        found.setdefault(chain, {}).setdefault(int(m.group(2)), {}).setdefault(int(m.group(5)), {})[m.group(6)] = k
+        buffers.add(int(m.group(3)))
+        chain, buffer = int(m.group(1) or 0), (int(m.group(2)), int(m.group(3)))
+        found.setdefault(chain, {}).setdefault(buffer, {}).setdefault(int(m.group(5)), {})[m.group(6)] = k
     why = None
     tp, pp, spec = _layout_args(args)
-    moe = bool(getattr(args, "num_experts", None))
-    if buffers != {"0"}:
-        why = "more than one parameter buffer per optimizer (parameters of several dtypes)"
-    elif getattr(args, "virtual_pipeline_model_parallel_size", None):
-        why = "virtual-pipeline layouts are not mapped yet"
+    # a second, chained optimizer only for experts in a buffer of their own (expert parallelism)
+    moe = bool(getattr(args, "num_experts", None)) and buckets.experts_apart(tp, *_expert_args(args)[:2])
+    vp = _vp_size(args)
+    if buffers != set(range(vp)):
+        why = (f"parameter buffers {sorted(buffers)} per optimizer where {vp} model chunk(s) have one each "
+               "(parameters of several dtypes)")
     elif sorted(found) != ([0, 1] if moe else [0]):
         why = (f"optimizers {sorted(found)} (chained_K. prefixes), expected "
                f"{'0 (dense parameters) and 1 (experts)' if moe else 'one'}")
@@ -180,7 +188,7 @@ def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dic
             per_layer.update(dict(names.per_layer(name, t, settings["num_layers"])))
         try:
             state = buckets.unflatten(per_layer, flat[0], tp, pp, settings["num_layers"], spec, shape["swiglu"],
-                                      shape["tied"], _bucket_size(args), flat.get(1), *_expert_args(args))
+                                      shape["tied"], _bucket_size(args), flat.get(1), *_expert_args(args), vp)
         except buckets.LayoutMismatch as err:
             why = f"its buckets do not hold the parameters where megatron-core puts them ({err})"
         for k, b in raw.items():
