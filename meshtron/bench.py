@@ -59,8 +59,13 @@ class RandomTokens:
         return None
 
 
+#: Flags whose own values hold commas (a layer pattern, a list, split weights): never a sweep.
+COMMA_VALUED = frozenset({"--layer-pattern", "--moe-layer-freq", "--split", "--ranks", "--emulate-routing"})
+
+
 def expand_rows(base: list[str]) -> list[list[str]]:
-    """Expand comma-separated flag values into the cartesian product of argument lists."""
+    """Expand comma-separated flag values into the cartesian product of argument lists (except the flags of
+    :data:`COMMA_VALUED`, whose commas belong to the value)."""
     groups: list[list[list[str]]] = []
     i = 0
     while i < len(base):
@@ -70,7 +75,7 @@ def expand_rows(base: list[str]) -> list[list[str]]:
         while j < len(base) and not base[j].startswith("--"):
             values.append(base[j])
             j += 1
-        if len(values) == 1 and "," in values[0]:
+        if len(values) == 1 and "," in values[0] and arg not in COMMA_VALUED:
             groups.append([[arg, v] for v in values[0].split(",")])
         else:
             groups.append([[arg] + values])

@@ -33,6 +33,13 @@ def test_bench_rows_on_cpu(tmp_path, capsys):
     assert "| tiny |" in capsys.readouterr().out
 
 
+def test_comma_valued_flags_are_not_sweeps():
+    rows = expand_rows(["--layer-pattern", "gdn+dense*3,gated_attn+dense", "--micro-batch-size", "1,2",
+                        "--split", "98,2,0"])
+    assert rows == [["--layer-pattern", "gdn+dense*3,gated_attn+dense", "--micro-batch-size", m, "--split", "98,2,0"]
+                    for m in ("1", "2")]
+
+
 def test_every_benchmark_matrix_in_the_repository_validates(monkeypatch):
     """The matrices that GPU runs use stay valid as flags change (world size from their launch command;
     validated as on a GPU machine)."""
