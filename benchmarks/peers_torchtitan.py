@@ -43,6 +43,8 @@ What is the harness (this file):
     step (zero_grad, autocast forward, sum loss / valid tokens, del pred, backward, clip, optimizer step,
     scheduler step), timed with torch.cuda.synchronize per step; tok/s = micro batch x seq / median step time
     over the timed steps; peak = torch.cuda.max_memory_allocated over the whole run;
+  - zeroing the MoE router's gate bias after init_weights (gpt-oss only: torchtitan 0.2.2 leaves it
+    uninitialised after to_empty);
   - a single-rank process group (torchtitan's ParallelDims builds a device mesh even for one GPU);
   - import stubs (only for modules that are not installed): `tyro`, `datasets`, `torchdata` (and, for the
     CPU checks only, torchtitan's triton kernels module `torchtitan.models.moe.kernels` and
@@ -63,12 +65,15 @@ On the GPU machine: python3 -m pip install -q --no-index --no-deps --no-compile 
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 
 CPU checks (no GPU): `--check-params` builds every row on the meta device and prints its parameter count;
-`--tiny` runs two eager fp32 steps of a shrunken version of each family on CPU (no compile).
+`--tiny --row R` runs two eager fp32 steps of a shrunken version of R's family on CPU (no compile; gpt-oss
+forward + loss only with eager flex_attention, FlexAttention has no CPU backward; torch.histc counted in float
+on CPU; the for-loop experts instead of the grouped-mm path, whose permute kernel is triton).
 This file is a benchmark script; meshtron's package does not import it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -264,6 +269,8 @@ def build(row_name: str, device_type: str, compile_: bool, tiny: bool, seq: int,
     model_cls, args, parallelize_fn = model_spec(row["family"], tiny=tiny)
     jc = job_config_for(row, compile_, seq, steps)
     args.update_from_config(jc)  # as Trainer: max_seq_len, grouped mm only on SM90+
+    if tiny:  # CPU check: torchtitan's grouped-mm path needs its triton permute kernel; use its for-loop experts
+        args.moe_args.use_grouped_mm = False
     with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[jc.training.dtype]):
         model = model_cls(args)
     if meta_only:
@@ -275,6 +282,12 @@ def build(row_name: str, device_type: str, compile_: bool, tiny: bool, seq: int,
     model.to_empty(device=device_type)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+        # Harness fix: torchtitan 0.2.2's TokenChoiceTopKRouter.init_weights initialises gate.weight but not
+        # gate.bias (gpt-oss has gate_bias=True), which to_empty leaves as uninitialised memory (NaN seen on
+        # CPU). Zero it, as a fresh bias would be before training; no effect on speed.
+        for name, mod in model.named_modules():
+            if name.endswith("router.gate") and getattr(mod, "bias", None) is not None:
+                mod.bias.zero_()
     model = parallelize_fn(model, pd, jc)  # one GPU: only torchtitan's per-block torch.compile
     model.train()
     return model, args, (pd, converters), jc
@@ -308,6 +321,8 @@ def run_row(row_name: str, device_type: str, compile_: bool, tiny: bool, seq: in
     mbs, vocab = row["mbs"], args.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(1234)
     attn_type = getattr(args, "attn_type", "sdpa")
+    # CPU check only: FlexAttention has no CPU backward, so gpt-oss's tiny check runs forward + loss.
+    forward_only = device_type == "cpu" and attn_type == "flex"
 
     times, losses = [], []
     for step in range(1, steps + 1):
@@ -325,15 +340,17 @@ def run_row(row_name: str, device_type: str, compile_: bool, tiny: bool, seq: in
         if attn_type in ("flex", "varlen"):
             extra_kwargs["attention_masks"] = model.get_attention_masks(input_batch=inputs, tokenizer=None)
         with train_context():
-            with amp:
+            with amp, (torch.no_grad() if forward_only else contextlib.nullcontext()):
                 pred = model(inputs, **extra_kwargs)
                 loss = loss_fn(pred, labels) / global_valid_tokens
             del pred
-            loss.backward()
-        dist_utils.clip_grad_norm_([p for p in model.parameters()], jc.training.max_norm, foreach=True,
-                                   pp_mesh=None, ep_enabled=False)
-        optimizers.step()
-        lr_schedulers.step()
+            if not forward_only:
+                loss.backward()
+        if not forward_only:
+            dist_utils.clip_grad_norm_([p for p in model.parameters()], jc.training.max_norm, foreach=True,
+                                       pp_mesh=None, ep_enabled=False)
+            optimizers.step()
+            lr_schedulers.step()
         # --- end of torchtitan's step ---
         if device_type == "cuda":
             torch.cuda.synchronize()
@@ -383,6 +400,22 @@ def main():
         return
     if a.tiny:
         torch.set_num_threads(1)
+        # CPU check only: torchtitan's router counts tokens per expert with torch.histc on integer indices,
+        # which CUDA supports and CPU does not; count in float there (same result).
+        _histc = torch.histc
+
+        def histc_cpu(x, *args, **kwargs):
+            if x.device.type == "cpu" and not x.is_floating_point():
+                return _histc(x.float(), *args, **kwargs).to(x.dtype)
+            return _histc(x, *args, **kwargs)
+
+        torch.histc = histc_cpu
+        # CPU check only: torchtitan compiles flex_attention (max-autotune), which inductor cannot lower on CPU
+        # with return_lse; run it eagerly there.
+        from torch.nn.attention.flex_attention import flex_attention
+        from torchtitan.models.attention import FlexAttentionWrapper
+
+        FlexAttentionWrapper._compiled_flex_attn = flex_attention
         run_row(a.row, "cpu", False, True, 64, 1, 1)
         return
     if not torch.cuda.is_available():
