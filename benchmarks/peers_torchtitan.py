@@ -29,7 +29,12 @@ What is torchtitan's (unchanged, imported from the wheel):
   - its per-model parallelize function (parallelize_deepseekv3 / parallelize_qwen3 / parallelize_gptoss) with
     a JobConfig of compile.enable=True (components model + loss), activation_checkpoint.mode="none" and one
     GPU: on one GPU it applies only its per-block torch.compile (apply_compile: each TransformerBlock compiled,
-    MoE blocks compiled per submodule with the routed experts left eager, as torchtitan does);
+    MoE blocks compiled per submodule with the routed-expert module left out, its grouped-mm function
+    compiled on its own), as torchtitan does. Exception: torchtitan 0.2.2's parallelize_gptoss has no
+    apply_compile call at all, so for gpt-oss the harness calls torchtitan's own apply_compile
+    (models/llama4/infra/parallelize.py) after it; `--gpt-oss-as-shipped` leaves it out (blocks eager,
+    only torchtitan's compiled flex_attention and loss). gpt-oss's experts have their own grouped-mm function,
+    which apply_compile does not compile: they run eagerly in both cases, as in torchtitan;
   - its loss (build_cross_entropy_loss, compiled), its optimizer (build_optimizers_with_moe_load_balancing:
     fused AdamW lr 8e-4, eps 1e-8, weight decay 0.1, plus its expert-bias update hook), its LR scheduler
     (build_lr_schedulers, defaults), its gradient clipping (dist_utils.clip_grad_norm_, max_norm 1.0),
@@ -65,6 +70,8 @@ On the GPU machine: python3 -m pip install -q --no-index --no-deps --no-compile 
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 
 CPU checks (no GPU): `--check-params` builds every row on the meta device and prints its parameter count;
+`--check-wiring` passes a tiny model of each row through torchtitan's model converters (the FP8 row's
+torchao swap, with the SM89 check lifted) and its parallelize function with compile on, without steps;
 `--tiny --row R` runs two eager fp32 steps of a shrunken version of R's family on CPU (no compile; gpt-oss
 forward + loss only with eager flex_attention, FlexAttention has no CPU backward; torch.histc counted in float
 on CPU; the for-loop experts instead of the grouped-mm path, whose permute kernel is triton).
@@ -183,6 +190,7 @@ ROWS = {
     "dsv3_width_fp8_experts_mbs2": dict(family="deepseek_v3", mbs=2, fp8=True),
 }
 SEQ = 4096
+GPT_OSS_AS_SHIPPED = False  # --gpt-oss-as-shipped: parallelize_gptoss only (no per-block compile)
 
 
 def model_spec(family: str, tiny: bool = False):
@@ -289,6 +297,13 @@ def build(row_name: str, device_type: str, compile_: bool, tiny: bool, seq: int,
             if name.endswith("router.gate") and getattr(mod, "bias", None) is not None:
                 mod.bias.zero_()
     model = parallelize_fn(model, pd, jc)  # one GPU: only torchtitan's per-block torch.compile
+    if row["family"] == "gpt_oss" and compile_ and not GPT_OSS_AS_SHIPPED:
+        # torchtitan 0.2.2's parallelize_gptoss never calls apply_compile (its blocks stay eager; only its
+        # flex_attention and the loss are compiled). Per-block compile as torchtitan does for its other MoE
+        # models: its own apply_compile (llama4.infra.parallelize), applied here by the harness.
+        from torchtitan.models.llama4.infra.parallelize import apply_compile
+
+        apply_compile(model, jc.compile, pd.ep_enabled)
     model.train()
     return model, args, (pd, converters), jc
 
@@ -383,6 +398,21 @@ def check_params():
         print(f"PARAMS {name} {n:,}", flush=True)
 
 
+def check_wiring():
+    """CPU: tiny model of each family through torchtitan's converters + parallelize (compile on), no steps."""
+    import torch
+    import torchtitan.components.quantization.float8 as tt_float8
+
+    tt_float8.has_cuda_capability = lambda *a: True  # CPU check only: let the FP8 converter build
+    for name, row in ROWS.items():
+        if name.endswith("_mbs2") and row["family"] == "gpt_oss":
+            continue
+        model, args, _, jc = build(name, "cpu", True, True, 64, 2)
+        compiled = sum(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
+        kinds = sorted({type(p).__name__ for n, p in model.named_parameters() if "experts" in n})
+        print(f"WIRING {name} compiled_submodules {compiled} expert_param_types {kinds}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--row", choices=list(ROWS))
@@ -390,13 +420,23 @@ def main():
     ap.add_argument("--timed", type=int, default=12)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--check-params", action="store_true", help="CPU: meta-device parameter counts")
+    ap.add_argument("--gpt-oss-as-shipped", action="store_true",
+                    help="gpt-oss: torchtitan's parallelize_gptoss only, without the harness's per-block compile")
+    ap.add_argument("--check-wiring", action="store_true",
+                    help="CPU: tiny models through converters + parallelize (compile wrappers), no steps")
     ap.add_argument("--tiny", action="store_true", help="CPU: 2 eager fp32 steps of a tiny version of --row")
     a = ap.parse_args()
     install_stubs()
     import torch
 
+    global GPT_OSS_AS_SHIPPED
+    GPT_OSS_AS_SHIPPED = a.gpt_oss_as_shipped
+
     if a.check_params:
         check_params()
+        return
+    if a.check_wiring:
+        check_wiring()
         return
     if a.tiny:
         torch.set_num_threads(1)
