@@ -370,6 +370,8 @@ def run_row(row_name: str, device_type: str, compile_: bool, tiny: bool, seq: in
         dt = time.perf_counter() - t0
         lv = loss.detach().item()
         losses.append(lv)
+        if step == 1:
+            first_step_s = dt
         if step > warmup:
             times.append(dt)
         print(f"  {row_name} step {step} {dt * 1000:.1f} ms loss {lv:.4f}", file=sys.stderr, flush=True)
@@ -380,7 +382,7 @@ def run_row(row_name: str, device_type: str, compile_: bool, tiny: bool, seq: in
     nparams = sum(p.numel() for p in model.parameters())
     dev = torch.cuda.get_device_name() if device_type == "cuda" else "cpu"
     print(f"PEER {row_name} tok/s {tok_s:,.0f} peak_GiB {peak:.1f} median_ms {med * 1000:.1f} "
-          f"params {nparams:,} mbs {mbs} seq {seq} warmup {warmup} timed {timed} "
+          f"first_step_s {first_step_s:.1f} params {nparams:,} mbs {mbs} seq {seq} warmup {warmup} timed {timed} "
           f"loss_first {losses[0]:.3f} loss_last {losses[-1]:.3f} device {dev!r} "
           f"torchtitan 0.2.2 torch {torch.__version__}" + (f" stubs {','.join(STUBBED)}" if STUBBED else ""),
           flush=True)
@@ -422,6 +424,7 @@ def main():
                     help="gpt-oss: torchtitan's parallelize_gptoss only, without the harness's per-block compile")
     ap.add_argument("--check-wiring", action="store_true",
                     help="CPU: tiny models through converters + parallelize (compile wrappers), no steps")
+    ap.add_argument("--tiny-compile", action="store_true", help="with --tiny: torchtitan's compile on (slow on CPU)")
     ap.add_argument("--tiny", action="store_true", help="CPU: 2 eager fp32 steps of a tiny version of --row")
     a = ap.parse_args()
     install_stubs()
@@ -454,7 +457,7 @@ def main():
         from torchtitan.models.attention import FlexAttentionWrapper
 
         FlexAttentionWrapper._compiled_flex_attn = flex_attention
-        run_row(a.row, "cpu", False, True, 64, 1, 1)
+        run_row(a.row, "cpu", a.tiny_compile, True, 64, 1, 1)
         return
     if not torch.cuda.is_available():
         sys.exit("peers_torchtitan: needs a GPU (use --check-params or --tiny on CPU)")
