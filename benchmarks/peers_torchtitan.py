@@ -1,4 +1,4 @@
-"""torchtitan 0.2.2 on meshtron's MoE benchmark shapes, one GPU, for a side-by-side comparison.
+r"""torchtitan 0.2.2 on meshtron's MoE benchmark shapes, one GPU, for a side-by-side comparison.
 
 Run through benchmarks/peers_side_by_side.sh (which installs the wheels below into /tmp/site first); one row
 per process:
@@ -53,13 +53,15 @@ What is the harness (this file):
   - a single-rank process group (torchtitan's ParallelDims builds a device mesh even for one GPU);
   - import stubs (only for modules that are not installed): `tyro`, `datasets`, `torchdata` (and, for the
     CPU checks only, torchtitan's triton kernels module `torchtitan.models.moe.kernels` and
-    `torch.utils.tensorboard` where triton / tensorboard are missing; the GPU image has both) are imported by torchtitan's config / data /
-    metrics modules, which the model packages import, but nothing on the measured path calls them. The stub
-    module hands back inert placeholder classes; if something did call them, the row fails loudly;
+    `torch.utils.tensorboard` where triton / tensorboard are missing; the GPU image has both). torchtitan's
+    config / data / metrics modules import them and its model packages import those modules, but nothing on
+    the measured path uses them. A stub hands back inert placeholder classes (no data, no behaviour); the
+    result line lists the stubs in use;
   - torchao 0.18 compatibility shim for the FP8 row: torchtitan 0.2.2's Float8GroupedMMConverter imports
-    `torchao.prototype.moe_training.conversion_utils.MoETrainingConfig`, a name torchao 0.18 renamed to
-    `torchao.prototype.moe_training.config.Float8TrainingOpConfig` (the fp8 rowwise grouped-GEMM config, same
-    handler). The harness aliases the old name to the new class if it is missing.
+    `torchao.prototype.moe_training.conversion_utils.MoETrainingConfig`, which torchao 0.18 does not have;
+    its fp8 rowwise grouped-GEMM training config there is `torchao.prototype.moe_training.config.
+    Float8TrainingOpConfig` (handled by the same quantize_ module swap). The harness aliases the old name
+    to it if missing, so torchtitan's converter runs unchanged otherwise.
 
 Wheels (prepare on a machine with PyPI, in the repository root; .whl/ is git-ignored):
     python3 -m pip download --no-deps -d .whl torchtitan==0.2.2
@@ -84,7 +86,6 @@ import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import os
 import socket
 import statistics
 import sys
@@ -457,6 +458,10 @@ def main():
         from torchtitan.models.attention import FlexAttentionWrapper
 
         FlexAttentionWrapper._compiled_flex_attn = flex_attention
+        if ROWS[a.row]["fp8"]:  # CPU check only: let the FP8 converter build (its experts run the for-loop path)
+            import torchtitan.components.quantization.float8 as tt_float8
+
+            tt_float8.has_cuda_capability = lambda *args: True
         run_row(a.row, "cpu", a.tiny_compile, True, 64, 1, 1)
         return
     if not torch.cuda.is_available():
