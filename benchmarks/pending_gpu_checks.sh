@@ -11,6 +11,9 @@
 #   bash benchmarks/pending_gpu_checks.sh fp8moe      # FP8 expert GEMMs: GPU tests, then the MoE shapes bf16 / rowwise / blockwise
 #   bash benchmarks/pending_gpu_checks.sh families    # Qwen3.5 and gpt-oss shapes: step time and peak memory, the
 #                                                     # gated delta rule with and without its recomputation
+#   bash benchmarks/pending_gpu_checks.sh sbs         # MoE shapes side by side with torchtitan 0.2.2 (carry .whl:
+#                                                     # benchmarks/peers_side_by_side.sh says how), bf16 and FP8
+#   bash benchmarks/pending_gpu_checks.sh sbs_oss     # gpt-oss shape side by side with torchtitan 0.2.2 (carry .whl)
 #   bash benchmarks/pending_gpu_checks.sh unverified  # first, in one call: GPU tests of code changed since its last GPU
 #                                                     # run (FP8 experts' compiled quantisations, blockwise linears),
 #                                                     # one layer's FP8 experts timed, Muon's TF32 step
@@ -88,6 +91,16 @@ for phase in "$@"; do
       timeout 90 python3 benchmarks/gdn_rule_profile.py 2>&1 | grep -v Warning | tail -4
       timeout 400 python3 -m meshtron bench --matrix benchmarks/new_families_one_gpu.yaml --warmup 3 --steps 5 \
         --record "$OUT/measured_families.jsonl" 2>&1 | tail -10 ;;
+    sbs)
+      timeout 270 python3 -m meshtron bench --matrix benchmarks/moe_side_by_side_one_gpu.yaml --warmup 3 --steps 5 \
+        --no-split --record "$OUT/measured_sbs.jsonl" 2>&1 | tail -8
+      PEERS_ROWS="dsv3_width_mbs2 qwen3_30b_a3b_mbs4" PEERS_DEADLINE_S=280 bash benchmarks/peers_side_by_side.sh \
+        2>&1 | grep "^PEER" ;;
+    sbs_oss)
+      timeout 200 python3 -m meshtron bench --matrix benchmarks/gpt_oss_one_gpu.yaml --warmup 3 --steps 5 \
+        --no-split --record "$OUT/measured_sbs_oss.jsonl" 2>&1 | tail -5
+      PEERS_ROWS="gpt_oss_20b_mbs1 gpt_oss_20b_mbs2" PEERS_DEADLINE_S=330 bash benchmarks/peers_side_by_side.sh \
+        2>&1 | grep "^PEER" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
