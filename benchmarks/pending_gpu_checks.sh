@@ -14,6 +14,8 @@
 #   bash benchmarks/pending_gpu_checks.sh sbs         # MoE shapes side by side with torchtitan 0.2.2 (carry .whl:
 #                                                     # benchmarks/peers_side_by_side.sh says how), bf16 and FP8
 #   bash benchmarks/pending_gpu_checks.sh sbs_oss     # gpt-oss shape side by side with torchtitan 0.2.2 (carry .whl)
+#   bash benchmarks/pending_gpu_checks.sh fp8loss     # a small MoE (the quick-start job with 8 experts), 1,000 steps
+#                                                     # in bf16, FP8 rowwise and FP8 blockwise with FP8 experts
 #   bash benchmarks/pending_gpu_checks.sh unverified  # first, in one call: GPU tests of code changed since its last GPU
 #                                                     # run (FP8 experts' compiled quantisations, blockwise linears),
 #                                                     # one layer's FP8 experts timed, Muon's TF32 step
@@ -101,6 +103,14 @@ for phase in "$@"; do
         --no-split --record "$OUT/measured_sbs_oss.jsonl" 2>&1 | tail -5
       PEERS_ROWS="gpt_oss_20b_mbs1 gpt_oss_20b_mbs2" PEERS_DEADLINE_S=330 bash benchmarks/peers_side_by_side.sh \
         2>&1 | grep "^PEER" ;;
+    fp8loss)
+      moe="--num-experts 8 --moe-ffn-hidden-size 256 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
+      for recipe in bf16 rowwise blockwise; do
+        fp8=""; [ "$recipe" != bf16 ] && fp8="--fp8-format e4m3 --fp8-recipe $recipe --fp8-experts"
+        timeout 170 python3 -m meshtron train --train-iters 1000 $moe $fp8 --save "/tmp/fp8loss_$recipe" \
+          --metrics-file "$OUT/fp8loss_$recipe.jsonl" --log-interval 250 2>&1 | grep -E "validation" | tail -1 \
+          | sed "s/^/$recipe: /"
+      done ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
