@@ -104,7 +104,7 @@ for phase in "$@"; do
       PEERS_ROWS="gpt_oss_20b_mbs1 gpt_oss_20b_mbs2" PEERS_DEADLINE_S=330 bash benchmarks/peers_side_by_side.sh \
         2>&1 | grep "^PEER" ;;
     fp8loss)
-      moe="--num-experts 8 --moe-ffn-hidden-size 256 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
+      moe="--bf16 --num-experts 8 --moe-ffn-hidden-size 256 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
       for recipe in bf16 rowwise blockwise; do
         fp8=""; [ "$recipe" != bf16 ] && fp8="--fp8-format e4m3 --fp8-recipe $recipe --fp8-experts"
         timeout 170 python3 -m meshtron train --train-iters 1000 $moe $fp8 --save "/tmp/fp8loss_$recipe" \
