@@ -289,14 +289,15 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                            selective_modules: Iterable[str] = SELECTIVE_MODULES, fp8: bool = False,
                            compiled: bool = True, local_experts: bool = True, fc2_keeps_product: bool = False,
                            saves: int = LAYER_SAVES, rowwise_fp8: bool = False,
-                           merged_gathers: Optional[bool] = None, cp_kv_replicas: int = 1,
+                           merged_gathers: Optional[bool] = None, cp_kv_replicas: int = 1, cp: int = 1,
                            layer: Optional[int] = None) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one TP rank.
 
     The layer's kinds (:mod:`meshtron.layer_kinds`) add their parts: those of layer ``layer`` of the pattern,
     or without an index those of a layer with (``moe``) or without experts.
 
-    ``seq`` is the sequence per context-parallel rank. ``recompute`` is None, ``"selective"``
+    ``seq`` is the sequence per context-parallel rank (``cp``: the context-parallel size, for the mixers whose
+    saved tensors depend on it). ``recompute`` is None, ``"selective"``
     or ``"full"`` (then only the layer's input is counted). ``fp8``: the layer's tensor-parallel
     linears run FP8 tensorwise (they keep FP8 copies of their inputs; the per-micro-batch FP8
     weight copies are :func:`fp8_weight_copy_bytes`). ``compiled``: the layer runs under
@@ -361,7 +362,8 @@ def layer_activation_bytes(m: ModelConfig, *, micro_batch: int, seq: int, tp: in
                        seq=seq, recompute=recompute, selective=frozenset(selective), saves=saves, gathered=gathered,
                        rowwise_fp8=rowwise_fp8, fp8=fp8, fp8_sp_path=fp8_sp_path,
                        fc2_keeps_product=fc2_keeps_product, local_experts=local_experts,
-                       expert_tp=expert_tp or tp, cp_kv_replicas=cp_kv_replicas, flash_attention=flash_attention)
+                       expert_tp=expert_tp or tp, cp_kv_replicas=cp_kv_replicas, flash_attention=flash_attention,
+                       cp=cp)
     kinds.mixer.add_saved_bytes(m, saved)
     kinds.mlp.add_saved_bytes(m, saved)
     return tokens * (saved.rep / sp_div + saved.part)
@@ -546,7 +548,7 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                                        selective_modules=selective_modules, fp8=fp8, compiled=compiled,
                                        local_experts=local_experts, saves=saves,
                                        fc2_keeps_product=not fc2_recomputes, rowwise_fp8=rowwise,
-                                       cp_kv_replicas=kv_replicas)
+                                       cp_kv_replicas=kv_replicas, cp=cp)
         if fp8 and recompute != "full" and saves < 2:  # FP8 weight copies, kept before revision 2
             saved += fp8_weight_copy_bytes(m, layer, tp, fc2_recast=fc2_recomputes)
         return saved

@@ -79,6 +79,7 @@ class SavedBytes:
     expert_tp: int
     cp_kv_replicas: int
     flash_attention: bool
+    cp: int = 1  # context-parallel size (``seq`` is already this rank's share)
 
 
 def add_attention_kernel_saves(m: ModelConfig, s: SavedBytes) -> None:

@@ -121,8 +121,22 @@ class GatedDeltaNetKind(MixerKind):
         # K - 1 earlier positions, its output after SiLU; the L2 norms' fp32 statistics of q and k per key
         # head, the fp32 decay, beta (the logits' dtype); the gated norm's statistics and output (the output
         # projection's input).
-        s.part += s.e * (qkv + z + 2 * nv) + s.e * qkv * (1 + (K - 1) / s.seq) + s.e * qkv
+        s.part += s.e * (qkv + z + 2 * nv) + s.e * qkv
         s.part += 4 * 2 * nk + 4 * nv + s.e * nv
         s.part += s.stats * nv + s.lin * nv * dv
+        if s.cp == 1:
+            s.part += s.e * qkv * (1 + (K - 1) / s.seq)  # the convolution's padded input
+            return
+        # Context parallelism (meshtron.parallel.context_parallel.recurrence; counted on the CPU, tests/
+        # context_parallel/test_cp_gated_deltanet.py): each of the two chunks' convolution keeps its input after
+        # the halo (K - 1 more positions) and that input padded again; the rule runs on the values widened by dk
+        # columns (fp32) and its output is kept in fp32; the all-gathered (transition, end state) pairs of the
+        # 2 CP chunks and this rank's start states, [dk, dk + dv] per head each, and the 2 CP - 1 states
+        # [dk, dv] the composition passes along (a [64, 64] mask and an index, per micro-batch, left out).
+        n = s.seq / 2
+        dk = m.linear_key_head_dim
+        s.part += s.e * qkv * (2 + 3 * (K - 1) / n)
+        s.part += 4 * nv * (dk + dv) + 4 * nv * dv
+        s.part += 4 * nv * dk * ((2 * s.cp + 1) * (dk + dv) + (2 * s.cp - 1) * dv) / s.seq
 
 GDN = GatedDeltaNetKind()

@@ -167,3 +167,49 @@ def test_cp4_gated_deltanet_layer_matches_one_process(worlds, documents):
 @pytest.mark.parametrize("case", MODEL_CASES[4], ids=lambda c: c[0])
 def test_cp4_and_tp2_cp2_qwen3_5_model_matches_one_process(worlds, case):
     _check_model(worlds, 4, case)
+
+
+# ------------------------------------------------------------------------------- what a layer keeps under CP
+SAVED_SEQ = 256
+
+
+def _saved_bytes_worker(rank: int, world: int) -> float:
+    """Bytes per local token a compiled gdn+dense layer keeps for its backward at CP=``world``."""
+    from meshtron.model import GPTModel
+    from tests.checkpoint.ckpt_helpers import tiny_config
+    from tests.layers.saved_tensors import saved_storages
+
+    ctx = build_groups(1, world, 1, 1, torch.device("cpu"))
+    cfg = tiny_config(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                      seq_length=SAVED_SEQ, layer_pattern="gdn+dense", linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)
+    model = GPTModel(cfg.model, ctx, 128, layer_ids=[0])
+    initialize_parameters(model, 1, torch.device("cpu"), torch.float32)
+    layer = model.layers["0"]
+    layer.compile()
+    local = SAVED_SEQ // world
+    x = torch.randn(local, B, 64, requires_grad=True)
+    inputs = context_parallel_inputs(ctx, "p2p", None)
+    for _ in range(2):  # the second call runs the compiled graphs
+        _, storages = saved_storages(lambda t: layer(t, None, inputs), x, params=list(model.parameters()))
+    return sum(storages.values()) / (local * B)
+
+
+def test_memory_model_counts_what_a_gdn_layer_keeps_under_cp():
+    """The gdn kind's count under CP=2 (the halo'd convolution inputs, the widened fp32 values and outputs, the
+    gathered chunk maps and composed states) within 1% of what the compiled layer keeps; what it leaves out is
+    a [64, 64] mask and an index per micro-batch."""
+    from meshtron.memory import layer_activation_bytes
+    from tests.checkpoint.ckpt_helpers import tiny_config
+    from tests.distributed.launch import run_distributed
+
+    kept = run_distributed(_saved_bytes_worker, 2)[0]
+    cfg = tiny_config(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                      seq_length=SAVED_SEQ, layer_pattern="gdn+dense", linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)
+    local = SAVED_SEQ // 2
+    counted = layer_activation_bytes(cfg.model, micro_batch=B, seq=local, act_bytes=4, compiled=True, layer=0,
+                                     cp=2) / (local * B)
+    one = layer_activation_bytes(cfg.model, micro_batch=B, seq=SAVED_SEQ, act_bytes=4, compiled=True, layer=0)
+    assert counted > one / (SAVED_SEQ * B) * 1.3  # CP's own tensors are a real part of it
+    assert abs(counted - kept) <= 0.01 * kept, (counted, kept)
