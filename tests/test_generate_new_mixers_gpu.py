@@ -1,5 +1,5 @@
 """The newer token mixers' decode states on CUDA: a sink-attention model prefills through compiled flex attention
-and decodes through SDPA over its (windowed) cache, a gated DeltaNet model prefills through the chunked rule and
+(heads of 16 or more; SDPA below) and decodes through SDPA over its (windowed) cache, a gated DeltaNet model prefills through the chunked rule and
 decodes one recurrent step at a time; both must give the whole sequence's logits. Needs CUDA."""
 
 from __future__ import annotations
@@ -7,7 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_generate_new_mixers import MODELS, _model, incremental_logits
+from tests.test_generate_new_mixers import MODELS, _model, gpt_oss_like, incremental_logits
+
+
+def gpt_oss_flex():
+    """The gpt-oss-like model with heads of 16, which flex attention's compiled kernel takes (heads of 8 run SDPA)."""
+    m = gpt_oss_like()
+    m.kv_channels = 16
+    return m
+
+
+CASES = {**MODELS, "gpt_oss_flex": gpt_oss_flex}
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -20,9 +30,9 @@ def _full_fp32():
     torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", CASES)
 def test_cuda_prefill_then_one_token_steps_equal_the_whole_sequence(name):
-    model = _model(MODELS[name]).cuda()
+    model = _model(CASES[name]).cuda()
     tokens = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
         want = model(tokens=tokens)

@@ -200,13 +200,23 @@ class DocumentMask:
 _compiled_flex = None
 
 
+#: The smallest query/key and value head dim of flex attention's compiled kernel (Inductor's lowering refuses less).
+FLEX_MIN_HEAD_DIM = 16
+
+
+def flex_kernel_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether flex attention's compiled kernel takes these head dims (else: the SDPA paths, as on the CPU)."""
+    return min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM
+
+
 def flex(q, k, v, block_mask, scale: Optional[float], return_lse: bool = False):
-    """flex attention, compiled on CUDA (a fused kernel) and eager elsewhere."""
+    """flex attention, compiled on CUDA (a fused kernel; head dims of 16 or more) and eager elsewhere."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = flex_attention
-    if q.is_cuda:
+    # The compiled kernel needs head dims of 16 or more; below that (tiny test models) the eager reference runs.
+    if q.is_cuda and flex_kernel_fits(q, v):
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
@@ -228,6 +238,6 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     gqa = k.shape[1] != q.shape[1]
     if mask.path == "dense" or dropout_p > 0:
         return sdpa(q, k, v, mask.dense(), dropout_p, gqa, scale)
-    if q.is_cuda:
+    if q.is_cuda and flex_kernel_fits(q, v):
         return flex(q, k, v, mask.block_mask(), scale)
     return sdpa(q, k, v, mask.allowed(), dropout_p, gqa, scale)

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from meshtron.layers.documents import CPU_BLOCK, CUDA_BLOCK, DocumentMask, _ordered, _pad, flex
+from meshtron.layers.documents import CPU_BLOCK, CUDA_BLOCK, DocumentMask, _ordered, _pad, flex, flex_kernel_fits
 
 
 # ---------------------------------------------------------------------------------------------- masks
@@ -107,7 +107,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     if past and documents is not None:
         raise ValueError("sink attention: packed documents with cached keys")
     # flex's block mask is square; a decoding step is one query row, cheap on SDPA
-    path = path or ("flex" if q.is_cuda and not past else "sdpa")
+    path = path or ("flex" if q.is_cuda and not past and flex_kernel_fits(q, v) else "sdpa")
     if path == "flex" and past:
         raise ValueError("sink attention: the flex path needs as many keys as queries")
     if path == "flex":

@@ -268,3 +268,12 @@ def test_an_empty_batch_gives_empty_outputs_and_a_zero_weight_gradient():
     y = fp8_linear(x, w, None, "e4m3", "blockwise")
     y.sum().backward()
     assert y.shape == (0, 128) and x.grad.shape == (0, 256) and not w.grad.any()
+
+
+def test_the_blockwise_matmul_is_one_well_formed_operator():
+    """``meshtron::fp8_blockwise_mm`` (what torch.compile sees instead of the untraceable scaled matmul): its fake
+    kernel and dynamic-shape tracing, by torch.library.opcheck (its schema check cannot multiply e4m3 on the CPU)."""
+    aq, a_inv = quantize_tiles(torch.randn(130, 256))
+    bq, b_inv = quantize_blocks(torch.randn(200, 256))
+    torch.library.opcheck(torch.ops.meshtron.fp8_blockwise_mm.default, (aq, a_inv, bq, b_inv, True, torch.bfloat16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
