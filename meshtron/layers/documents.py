@@ -40,7 +40,6 @@ import os
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 PATH_ENV = "MESHTRON_DOCUMENT_ATTENTION"
 PATHS = ("blocks", "dense")
