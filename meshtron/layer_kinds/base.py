@@ -251,6 +251,13 @@ class MixerKind(Kind):
         """How many times all-to-all CP over ``degree`` ranks repeats each key/value head of a TP rank."""
         return 1
 
+    def recurrence_work(self, m: ModelConfig, tp: int, micro_batch: int, seq: float, cp: int
+                        ) -> Optional[tuple[float, float]]:
+        """A recurrent mixer's sequential work on one TP rank for one micro-batch of ``seq`` tokens per sequence
+        (this CP rank's share), forward, backward and any recomputation together: (steps of its sequential loop,
+        the FLOPs of its small matmuls). None: no recurrence (attention's work is in its scores)."""
+        return None
+
     def forward_gemms(self, m: ModelConfig, tokens: float, tp: int) -> list[float]:
         """Forward FLOPs of each of its GEMMs for ``tokens`` tokens on one TP rank."""
         raise NotImplementedError

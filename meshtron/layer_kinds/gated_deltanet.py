@@ -8,10 +8,15 @@ FLOPs per token do not grow with it.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from meshtron.config import ModelConfig
 from meshtron.layer_kinds.base import Counts, Matrix, MixerKind, SavedBytes
+
+
+#: Tokens per chunk of meshtron's chunked rule (meshtron.layers.gated_deltanet.CHUNK; this module stays torch-free).
+CHUNK = 64
 
 
 def _widths(m: ModelConfig) -> tuple[int, int, int]:
@@ -103,6 +108,21 @@ class GatedDeltaNetKind(MixerKind):
         qkv, _, nv = (w / tp for w in _widths(m))
         dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
         return micro_batch * (4 * nv * dk * (dk + dv) + 2 * (m.linear_conv_kernel_dim - 1) * qkv)
+
+    def recurrence_work(self, m: ModelConfig, tp: int, micro_batch: int, seq: float, cp: int
+                        ) -> Optional[tuple[float, float]]:
+        # meshtron's chunked rule (64 tokens a chunk, a loop over the chunks), run three times: forward, again
+        # in backward (it keeps only its inputs), and its backward (about two forwards); per value head and
+        # token its forward does q k^T and k k^T within the chunk (4 C dk), the triangular solve (C (dk + dv)),
+        # the intra-chunk product (2 C dv) and the state's three products (6 dk dv). Under CP the values are
+        # dk columns wider, and each rank's sequence is two chunks of the load-balanced split.
+        nv = m.linear_num_value_heads / tp
+        dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+        if cp > 1:
+            dv += dk
+        per_token = 4 * CHUNK * dk + CHUNK * (dk + dv) + 2 * CHUNK * dv + 6 * dk * dv
+        steps = 4 * (math.ceil(seq / 2 / CHUNK) * 2 if cp > 1 else math.ceil(seq / CHUNK))
+        return steps, 4 * nv * per_token * micro_batch * seq
 
     def forward_gemms(self, m: ModelConfig, tokens: float, tp: int) -> list[float]:
         w_in, w_out = self._weights(m)

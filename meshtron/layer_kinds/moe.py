@@ -132,8 +132,30 @@ class MixtureOfExperts(MLPKind):
         elementwise += tokens * 3 * 4 * n_exp  # router softmax / top-k in fp32
         if fs:
             elementwise += tokens * e * 3 * fs / x.tp
+        if x.fp8_experts:
+            elementwise += fp8_expert_quantisation_bytes(tokens * k, h, fan_in / etp, fe / etp, local) / 3
         return StepWork(fwd_gemm=expert + router + shared, wgrad=expert + shared, elementwise=elementwise,
                         ep_bytes=tokens * k * h * e / x.rep_div)
+
+
+#: How many times its ideal traffic the FP8 experts' quantisation moves (per-group maxima through scatters,
+#: index copies, transposed layouts), fitted to rows h170 and h172 (benchmarks/moe_side_by_side_one_gpu.yaml),
+#: measured on an H100 and predicted, as every row of tests/planning/test_planner.py, with the H200 profile
+#: (with the H100 profile's bandwidth 2.5 fits them as well).
+FP8_EXPERT_QUANTISATION_PASSES = 3.5
+
+
+def fp8_expert_quantisation_bytes(rows: float, h: int, fan_in: float, fe: float, local: float) -> float:
+    """Bytes the FP8 experts' quantisations move in one micro-batch's forward and backward on one rank
+    (meshtron.layers.fp8.grouped): every operand of the three grouped products read for its maximum, read again
+    and written in e4m3 (5 bytes an element: the weights [local, fan_in, h] and [local, h, fe] in the forward and
+    again transposed in the backward, the routed rows' activations and gradients), the weight gradient's two
+    operands per group and column transposed (6), times :data:`FP8_EXPERT_QUANTISATION_PASSES`."""
+    w1, w2 = local * fan_in * h, local * h * fe
+    forward = 5 * (rows * h + w1 + rows * fe + w2)
+    input_grads = 5 * (rows * h + w2 + rows * fan_in + w1)
+    weight_grads = 6 * (2 * rows * h + rows * fe + rows * fan_in)
+    return FP8_EXPERT_QUANTISATION_PASSES * (forward + input_grads + weight_grads)
 
 
 MOE = MixtureOfExperts()

@@ -70,6 +70,13 @@ class Links:
         return (profile.network_gbps if spans_nodes else profile.nvlink_gbps) * 1e9
 
 
+#: A recurrent mixer's loop (:meth:`meshtron.layer_kinds.MixerKind.recurrence_work`): the time of one step of
+#: its sequential loop and the rate of its small fp32 matmuls as a fraction of the profile's GEMM rate, fitted to
+#: the gated DeltaNet rows of an H100 (h175, h176: Qwen3.5-9B's shape, 8 layers, micro batch 1 and 2 of 4,096).
+RECURRENCE_STEP_US = 33.0
+RECURRENCE_RATE = 0.011
+
+
 def gemm_seconds(flops: float, profile: DeviceProfile, fp8: bool = False, efficiency: float = 1.0) -> float:
     """One GEMM of ``flops`` at the profile's size-dependent rate."""
     if flops <= 0:
@@ -191,8 +198,15 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
     attn_fwd = attn_flops / attention_rate(profile, local_seq, d_qk) if attn_flops else 0.0
     attn_bwd = ATTENTION_BACKWARD_FLOPS * attn_fwd
 
-    forward = fwd_gemm + attn_fwd + (fwd_elem + fp8_fwd) / hbm
-    backward = fwd_gemm + wgrad + attn_bwd + (2 * fwd_elem + fp8_bwd + swiglu_recompute) / hbm
+    rec_fwd = rec_bwd = 0.0
+    recurrence = kinds.mixer.recurrence_work(m, tp, t.micro_batch_size, seq / cp, cp)
+    if recurrence is not None:  # a recurrent mixer's loop of small matmuls: latency-bound, well below GEMM rates
+        steps, flops = recurrence
+        rec = steps * RECURRENCE_STEP_US * 1e-6 + flops / (profile.matmul_tflops * 1e12 * RECURRENCE_RATE)
+        rec_fwd, rec_bwd = rec / 4, 3 * rec / 4  # its forward; the forward again, then its backward
+
+    forward = fwd_gemm + attn_fwd + rec_fwd + (fwd_elem + fp8_fwd) / hbm
+    backward = fwd_gemm + wgrad + attn_bwd + rec_bwd + (2 * fwd_elem + fp8_bwd + swiglu_recompute) / hbm
     recompute = 0.0
     gran = t.recompute_granularity
     if gran == "full":

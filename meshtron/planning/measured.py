@@ -35,7 +35,10 @@ BENCH_EXTRAS = frozenset({"leftover_mem_gib", "peak_reserved_gib", "forward_s", 
                           "memory_sites_gib", "comm_kernel_s", "exposed_comm_kernel_s", "compute_kernel_s",
                           "comm_by_kind_s", "error"})
 #: Optional fields: present on some records only.
-OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"code_changed": (str,), "layer_saves": (int,)}
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"code_changed": (str,), "layer_saves": (int,),
+                                                "step_model_gap": (str,)}
+#: ``step_model_gap``: why the step-time model does not cover the row yet (a cost it does not count); the row
+#: stays in the memory comparisons and is left out of the step-time ones, with that reason printed.
 #: ``code_changed``: the commit from which the row's flags run differently, and what changed.
 CODE_CHANGED = re.compile(r"^[0-9a-f]{7,40}: \S")
 #: A peak above the memory an earlier row of the launch left behind by more than this is not trusted.
@@ -160,10 +163,17 @@ def superseded_ids(records: Iterable[dict]) -> set[str]:
     return {r["replaces"] for r in records if r.get("replaces")}
 
 
+def step_model_gaps(records: Iterable[dict]) -> dict[str, str]:
+    """Rows whose step time the model does not cover yet (``step_model_gap``), with the reason."""
+    return {r["id"]: r["step_model_gap"] for r in records if r.get("step_model_gap")}
+
+
 def timed_records(records: list[dict]) -> list[dict]:
-    """The records with a measured throughput that describe today's code (not :func:`left_out`)."""
+    """The records with a measured throughput that describe today's code (not :func:`left_out`) and whose cost
+    the step-time model covers (no ``step_model_gap``)."""
     gone = left_out(records)
-    return [r for r in records if r.get("tokens_per_sec_per_gpu") and r["id"] not in gone]
+    return [r for r in records if r.get("tokens_per_sec_per_gpu") and r["id"] not in gone
+            and not r.get("step_model_gap")]
 
 
 def measured_step_s(record: dict, cfg) -> float:

@@ -150,3 +150,10 @@ def test_refuses_what_it_does_not_support():
         layer(torch.zeros(4, 1, 32, device="meta"), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
     with pytest.raises(NotImplementedError):  # a decode state: one sequence, no packed documents
         layer(torch.zeros(4, 1, 32, device="meta"), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool), cache=object())
+
+
+def test_the_kinds_chunk_is_the_layers():
+    """The step-time model counts the chunked rule's loop with the layer's own chunk size."""
+    from meshtron.layer_kinds import gated_deltanet as kind
+
+    assert kind.CHUNK == CHUNK

@@ -89,9 +89,11 @@ def ns_flops(rows: int, cols: int, steps: int) -> float:
     return steps * (4.0 * small * small * large + 2.0 * small ** 3)
 
 
-#: The rate of fp32 matmuls as a fraction of bf16's on the tensor cores, by --muon-fp32-matmul-prec (Hopper's
-#: dense figures: TF32 half the bf16 rate, plain fp32 on the CUDA cores about a fifteenth of it).
-FP32_MATMUL_RATE = {"highest": 1 / 15, "high": 0.5, "medium": 0.5}
+#: The rate of fp32 matmuls as a fraction of bf16's on the tensor cores, by --muon-fp32-matmul-prec, as measured
+#: on an H100 (llama3-1b's 112 Newton-Schulz matrices, benchmarks/muon_one_gpu.yaml): plain fp32 on the CUDA
+#: cores about a fifteenth (rows h163, h164), TF32 0.29 (h166, h167; the datasheet's TF32 is half the bf16 rate,
+#: these matrices of 2,048 to 8,192 reach less of it).
+FP32_MATMUL_RATE = {"highest": 1 / 15, "high": 0.29, "medium": 0.29}
 
 
 def _step_work(cfg, tp: int, dp: int, pp: int, ep: int = 1) -> StepWork:
