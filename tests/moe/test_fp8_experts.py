@@ -437,7 +437,9 @@ def test_experts_stay_in_bf16_unless_fp8_experts_is_given():
         validate_config(c, 1)
         return predict_step(c, 1, H200).compute_s
 
-    assert step("--fp8-experts") < step()
+    # The Qwen3-30B-A3B shape: FP8 experts measured slower than bf16 ones (h172 against h171, an H100), their
+    # quantisations' traffic outweighing the faster GEMMs; the model says so too.
+    assert step("--fp8-experts") > step()
     for bad, word in ((["--model", "tiny", "--fp8-experts"], "--fp8-format"),
                       (["--model", "tiny", "--bf16", "--fp8-format", "e4m3", "--fp8-experts"], "--num-experts")):
         with pytest.raises(ConfigError, match=word):
