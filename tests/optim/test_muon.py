@@ -308,5 +308,6 @@ def test_step_time_model_counts_newton_schulz_and_tp_gathers():
     assert muon.optimizer_s > adam.optimizer_s + 0.01
     # Newton-Schulz in plain fp32 runs on the CUDA cores, TF32 (the default) on the tensor cores.
     fp32 = predict("--optimizer", "muon", "--muon-fp32-matmul-prec", "highest")
-    assert fp32.optimizer_s - adam.optimizer_s > 5 * (muon.optimizer_s - adam.optimizer_s)
+    # plain fp32 against TF32: measured 4.2x on an H100 (988 against 232-239 ms, rows h163, h166)
+    assert fp32.optimizer_s - adam.optimizer_s > 3.5 * (muon.optimizer_s - adam.optimizer_s)
     assert ns_flops(4096, 14336, 5) == 5 * (4 * 4096 ** 2 * 14336 + 2 * 4096 ** 3)
