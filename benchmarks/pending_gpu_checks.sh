@@ -17,8 +17,10 @@
 #   bash benchmarks/pending_gpu_checks.sh fp8loss     # a small MoE (the quick-start job with 8 experts), 1,000 steps
 #                                                     # in bf16, FP8 rowwise and FP8 blockwise with FP8 experts
 #   bash benchmarks/pending_gpu_checks.sh unverified  # first, in one call: GPU tests of code changed since its last GPU
-#                                                     # run (FP8 experts' compiled quantisations, blockwise linears),
-#                                                     # one layer's FP8 experts timed, Muon's TF32 step
+#                                                     # run (the blockwise matmul as a custom operator, the new mixers'
+#                                                     # decode at heads of 16 through flex), one layer's FP8 experts
+#                                                     # timed, Muon's TF32 step
+# Still never run on a GPU (2026-12-07): migration, fp8loss, muon's LR sweep, accuracy, rows, long, families.
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
