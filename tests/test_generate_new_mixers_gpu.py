@@ -1,12 +1,14 @@
 """The newer token mixers' decode states on CUDA: a sink-attention model prefills through compiled flex attention
-(heads of 16 or more; SDPA below) and decodes through SDPA over its (windowed) cache, a gated DeltaNet model prefills through the chunked rule and
-decodes one recurrent step at a time; both must give the whole sequence's logits. Needs CUDA."""
+(heads of 16 or more; SDPA below) and decodes through SDPA over its (windowed) cache, a gated DeltaNet model
+prefills through the chunked rule and decodes one recurrent step at a time; both must give the whole sequence's
+logits. Needs CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.layers.test_new_layers_gpu import _full_fp32  # noqa: F401 (an autouse fixture: plain fp32 matmuls)
 from tests.test_generate_new_mixers import MODELS, _model, gpt_oss_like, incremental_logits
 
 
@@ -20,14 +22,6 @@ def gpt_oss_flex():
 CASES = {**MODELS, "gpt_oss_flex": gpt_oss_flex}
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(autouse=True)
-def _full_fp32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -42,15 +42,28 @@ from meshtron.checkpoint.megatron.unpickler import load_pickled
 _STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
+def _optimizer_chain(state: Any, count: int, what: str) -> list:
+    """The ``count`` chained optimizers' states in ``state`` (``distrib_optim.pt``, or a ``model_optim_rng.pt``
+    ``optimizer`` entry, named ``what``): a ChainedOptimizer of several saves their list, one optimizer itself."""
+    chain = state if isinstance(state, list) else [state]
+    if len(chain) != count:
+        raise LayoutMismatch(f"{what} holds {len(chain)} optimizers, expected "
+                             f"{'2 (chained: dense parameters, experts)' if count == 2 else 'one'}")
+    return chain
+
+
+def _check_expert_tp(experts_of: dict, tp_size: int, etp_size: Optional[int]) -> None:
+    """The legacy files name no expert tensor-parallel rank: only expert TP equal to TP can be placed."""
+    if experts_of and (etp_size or tp_size) != tp_size:
+        raise LayoutMismatch(f"expert tensor parallelism {etp_size} unlike tensor parallelism {tp_size}: the legacy "
+                             "files' names do not say which expert tensor-parallel rank wrote them")
+
+
 def _read_chain(f: Path, count: int, vp_size: int) -> list[Optional[dict[int, dict[str, torch.Tensor]]]]:
     """Each of the ``count`` chained optimizers' {model chunk: {state: flat buffer}} in ``distrib_optim.pt`` ``f``
     (None where the file's writer was not rank 0 of that optimizer's data-parallel group): one optimizer's state as
     it is, a ChainedOptimizer's of several as their list."""
-    state = load_pickled(f, str(f))
-    chain = state if isinstance(state, list) else [state]
-    if len(chain) != count:
-        raise LayoutMismatch(f"{f} holds {len(chain)} optimizers, expected "
-                             f"{'2 (chained: dense parameters, experts)' if count == 2 else 'one'}")
+    chain = _optimizer_chain(load_pickled(f, str(f)), count, str(f))
     return [None if entry is None else _coalesced(entry, f, vp_size) for entry in chain]
 
 
@@ -114,9 +127,7 @@ def distributed_state(files: dict[tuple[int, int, int], Path], model: dict[str, 
     ``grouped``: TEGroupedMLP's order) unless at expert-parallel 1 they are in the dense buffer."""
     buckets.check_even(num_layers, pp_size, vp_size)
     experts_of = buckets.experts_by_layer(model)
-    if experts_of and (etp_size or tp_size) != tp_size:
-        raise LayoutMismatch(f"expert tensor parallelism {etp_size} unlike tensor parallelism {tp_size}: the legacy "
-                             "files' names do not say which expert tensor-parallel rank wrote them")
+    _check_expert_tp(experts_of, tp_size, etp_size)
     apart = bool(experts_of) and buckets.experts_apart(tp_size, ep_size, etp_size)
     dense, experts = _gather_chains(files, tp_size, ep_size, apart, vp_size)
     ranks = buckets.dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied,
@@ -177,16 +188,6 @@ def _rank_state(opt: Any, rank: buckets.Rank, where: str) -> dict[str, dict[str,
     return out
 
 
-def _optimizer_chain(opt: Any, count: int, where: str) -> list:
-    """The ``count`` chained optimizers' state_dicts of a ``model_optim_rng.pt`` ``optimizer`` entry (a
-    ChainedOptimizer of several saves their list)."""
-    chain = opt if isinstance(opt, list) else [opt]
-    if len(chain) != count:
-        raise LayoutMismatch(f"{where}: its 'optimizer' entry holds {len(chain)} optimizers, expected "
-                             f"{'2 (chained: dense parameters, experts)' if count == 2 else 'one'}")
-    return chain
-
-
 def _file_ranks(key: tuple[int, int, int], opt: Any, model: dict[str, torch.Tensor], experts_of: dict, tp_size: int,
                 pp_size: int, ep_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool, grouped: bool
                 ) -> list[tuple[Any, buckets.Rank, str]]:
@@ -194,11 +195,12 @@ def _file_ranks(key: tuple[int, int, int], opt: Any, model: dict[str, torch.Tens
     from expert-parallel rank 0, the others hold replicas of it) and, with experts, its experts' optimizer's
     (expert tensor parallelism equal to tensor parallelism)."""
     tp, pp, ep = key
-    apart = bool(experts_of) and ep_size > 1  # else the experts are the dense optimizer's, among their layer's
+    # else the experts are the dense optimizer's, among their layer's (expert TP equals TP here)
+    apart = bool(experts_of) and buckets.experts_apart(tp_size, ep_size, tp_size)
     where = f"mp_rank_{tp:02d}_{pp:03d}" + (f"_{ep:03d}" if apart else "")
     if ep >= ep_size:
         raise LayoutMismatch(f"{where}: expert-parallel rank {ep} of {ep_size}")
-    chain = _optimizer_chain(opt, 2 if apart else 1, where)
+    chain = _optimizer_chain(opt, 2 if apart else 1, f"{where}: its 'optimizer' entry")
     out = []
     if ep == 0:
         out.append((chain[0], buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied,
@@ -218,9 +220,7 @@ def local_state(states: dict[tuple[int, int, int], dict], model: dict[str, torch
     if num_layers % pp_size:
         raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
     experts_of = buckets.experts_by_layer(model)
-    if experts_of and (etp_size or tp_size) != tp_size:
-        raise LayoutMismatch(f"expert tensor parallelism {etp_size} unlike tensor parallelism {tp_size}: the legacy "
-                             "files' names do not say which expert tensor-parallel rank wrote them")
+    _check_expert_tp(experts_of, tp_size, etp_size)
     shards: dict[str, dict[str, list]] = {}
     for key, state in sorted(states.items()):
         for opt, rank, where in _file_ranks(key, state.get("optimizer"), model, experts_of, tp_size, pp_size,
