@@ -44,10 +44,10 @@ TRAIN="--micro-batch-size 4 --global-batch-size 16 --lr 1e-3 --min-lr 1e-4 --lr-
 MEGATRON_ONLY="--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
   --no-rope-fusion --no-persist-layer-norm --no-bias-swiglu-fusion --use-distributed-optimizer
   --data-cache-path $W/megatron_cache"
-port=29600
-megatron() {  # name, then flags
-  local name=$1; shift; port=$((port + 1))
-  (cd "$MLM" && timeout 420 torchrun --nproc-per-node 1 --master-port $port pretrain_gpt.py $MODEL $TRAIN \
+RESUMABLE=$PWD/benchmarks/megatron_pretrain_no_te.py  # pretrain_gpt.py, resuming without TE or Apex (see it)
+megatron() {  # name, then flags; --standalone: each run on a free port (runs share the machine)
+  local name=$1; shift
+  (cd "$MLM" && timeout 420 torchrun --standalone --nproc-per-node 1 "$RESUMABLE" $MODEL $TRAIN \
     $MEGATRON_ONLY "$@") >"$W/$name.log" 2>&1
   echo "megatron $name: exit $? ($(grep -c 'lm loss' "$W/$name.log") iterations logged)"
 }

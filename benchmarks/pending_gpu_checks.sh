@@ -16,6 +16,7 @@
 #   bash benchmarks/pending_gpu_checks.sh sbs_oss     # gpt-oss shape side by side with torchtitan 0.2.2 (carry .whl)
 #   bash benchmarks/pending_gpu_checks.sh fp8loss     # a small MoE (the quick-start job with 8 experts), 1,000 steps
 #                                                     # in bf16, FP8 rowwise and FP8 blockwise with FP8 experts
+#   bash benchmarks/pending_gpu_checks.sh losses      # muon's sweep and fp8loss at once (losses only, no timing)
 #   bash benchmarks/pending_gpu_checks.sh unverified  # first, in one call: GPU tests of code changed since its last GPU
 #                                                     # run (the blockwise matmul as a custom operator, the new mixers'
 #                                                     # decode at heads of 16 through flex), one layer's FP8 experts
@@ -113,6 +114,27 @@ for phase in "$@"; do
           --metrics-file "$OUT/fp8loss_$recipe.jsonl" --log-interval 250 2>&1 | grep -E "validation" | tail -1 \
           | sed "s/^/$recipe: /"
       done ;;
+    losses)
+      # The losses of `muon` (its learning-rate sweep) and of `fp8loss`, the nine runs at once on the one GPU:
+      # each is small, and only their losses are read here (no timing), so sharing the device changes nothing.
+      moe="--bf16 --num-experts 8 --moe-ffn-hidden-size 256 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
+      for opt in adam muon; do
+        for lr in ${MUON_LRS:-1.5e-3 3e-3 6e-3}; do
+          extra=""; [ "$opt" = muon ] && extra="--muon-scale-mode spectral --muon-extra-scale-factor 0.2"
+          (timeout 500 python3 -m meshtron train --train-iters 1000 --optimizer "$opt" --lr "$lr" $extra \
+            --save "/tmp/quick_${opt}_$lr" --metrics-file "$OUT/quick_${opt}_$lr.jsonl" --log-interval 250 > "/tmp/quick_${opt}_$lr.log" 2>&1
+           echo "$opt lr $lr: exit $? $(grep -E "validation" "/tmp/quick_${opt}_$lr.log" | tail -1)") &
+        done
+      done
+      for recipe in bf16 rowwise blockwise; do
+        fp8=""; [ "$recipe" != bf16 ] && fp8="--fp8-format e4m3 --fp8-recipe $recipe --fp8-experts"
+        (timeout 500 python3 -m meshtron train --train-iters 1000 $moe $fp8 --save "/tmp/fp8loss_$recipe" \
+          --metrics-file "$OUT/fp8loss_$recipe.jsonl" \
+          --log-interval 250 > "/tmp/fp8loss_$recipe.log" 2>&1
+         echo "fp8loss $recipe: exit $? $(grep -E "validation" "/tmp/fp8loss_$recipe.log" | tail -1)"
+         grep -B2 -A8 Traceback "/tmp/fp8loss_$recipe.log" | tail -12) &
+      done
+      wait ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

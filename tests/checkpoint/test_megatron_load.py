@@ -216,6 +216,19 @@ def test_foreign_pickle_refused_by_name(tmp_path):
         load_pickled(pickle.dumps(eval, protocol=2), "bytes")  # a plain pickle: refused before torch reads it
 
 
+def test_megatron_lm_args_with_exit_signal_load(tmp_path):
+    """Megatron-LM's own args hold ``exit_signal`` (``signal.SIGTERM``, an IntEnum): admitted as that member."""
+    import signal
+    dst = _legacy_copy(tmp_path)
+    f = dst / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = load_pickled(f, str(f))
+    state["args"].attention_backend = "auto"  # the stand-in of Megatron's enum does not pickle back
+    state["args"].exit_signal = signal.SIGTERM
+    torch.save(state, f)
+    assert load_pickled(f, str(f))["args"].exit_signal is signal.SIGTERM
+    read_megatron(find_megatron_checkpoint(dst))
+
+
 @pytest.mark.parametrize("which", ["legacy", "distcp", "metadata"])
 def test_truncated_file_refused_in_one_line(tmp_path, which):
     if which == "legacy":

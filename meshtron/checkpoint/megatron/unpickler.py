@@ -3,7 +3,7 @@
 ``model_optim_rng.pt``, ``distrib_optim.pt``, ``common.pt`` and the ``common_state`` entry of a torch_dist
 checkpoint are ``torch.save`` archives whose pickle names Python objects: tensors and their storages,
 ``OrderedDict``, ``argparse.Namespace`` (Megatron-LM's ``args``), NumPy arrays and scalars (the RNG states),
-``torch.dtype`` values, and Megatron's own enums (``AttnBackend``, ``AttnMaskType``...) held in ``args``.
+``torch.dtype`` values, ``signal.Signals`` (``args.exit_signal``), and Megatron's own enums (``AttnBackend``, ``AttnMaskType``...) held in ``args``.
 They go through :func:`torch.load` with an unpickler that resolves only those names. Megatron's enums
 become stand-ins (:class:`MegatronEnum`) that keep the class name and value: meshtron never imports
 Megatron. Anything else is refused by name, in one line, before it is called.
@@ -31,6 +31,7 @@ ALLOWED = frozenset({
     ("builtins", "bytearray"),
     ("_codecs", "encode"),  # how protocol 2 pickles bytes (NumPy arrays' data): encode(text, "latin1")
     ("argparse", "Namespace"),
+    ("signal", "Signals"),  # Megatron-LM's args.exit_signal (an IntEnum: unpickling looks the member up)
     ("torch", "Size"), ("torch", "device"),
     ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
     ("torch._utils", "_rebuild_tensor_v3"), ("torch._utils", "_rebuild_parameter"),
