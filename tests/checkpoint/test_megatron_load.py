@@ -229,6 +229,33 @@ def test_megatron_lm_args_with_exit_signal_load(tmp_path):
     read_megatron(find_megatron_checkpoint(dst))
 
 
+def test_rerun_state_machine_enums_become_stand_ins(monkeypatch):
+    """Megatron-LM's common state holds its rerun state machine's mode and state (``str`` enums of
+    ``megatron.core.rerun_state_machine``): read as stand-ins with their values, never imported."""
+    import enum
+    import io
+    import sys
+    import types
+
+    module = types.ModuleType("megatron.core.rerun_state_machine")
+
+    class RerunMode(str, enum.Enum):
+        DISABLED = "disabled"
+        VALIDATE_RESULTS = "validate_results"
+
+    RerunMode.__module__, RerunMode.__qualname__ = module.__name__, "RerunMode"
+    module.RerunMode = RerunMode
+    with monkeypatch.context() as patch:  # the module and its packages exist only while the file is written
+        for name in ("megatron", "megatron.core"):
+            patch.setitem(sys.modules, name, types.ModuleType(name))
+        patch.setitem(sys.modules, module.__name__, module)
+        buf = io.BytesIO()
+        torch.save({"rerun_state_machine": {"mode": RerunMode.VALIDATE_RESULTS, "current_iteration": 10}}, buf)
+    state = load_pickled(buf.getvalue(), "common_state")["rerun_state_machine"]
+    assert type(state["mode"]).__name__ == "RerunMode" and state["mode"].value == "validate_results"
+    assert state["current_iteration"] == 10
+
+
 @pytest.mark.parametrize("which", ["legacy", "distcp", "metadata"])
 def test_truncated_file_refused_in_one_line(tmp_path, which):
     if which == "legacy":

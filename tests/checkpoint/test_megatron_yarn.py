@@ -42,7 +42,7 @@ def test_written_under_megatrons_flags_and_read_back():
     assert unsupported(cfg.model) == []
     args = _args(cfg)
     assert (args.position_embedding_type, args.use_rotary_position_embeddings, args.add_position_embedding) == \
-        ("yarn", False, False)
+        ("yarn", False, True)
     assert (args.rotary_scaling_factor, args.yarn_original_max_position_embeddings, args.yarn_beta_fast,
             args.yarn_beta_slow, args.yarn_correction_range_round_to_int, args.mscale, args.mscale_all_dim) == \
         (8.0, 512, 16.0, 2.0, False, 0.9, 0.1)

@@ -255,14 +255,16 @@ def yarn_position(m: ModelConfig) -> bool:
 
 def position_args(m: ModelConfig) -> dict[str, Any]:
     """Megatron-LM's position-embedding flags: learned_absolute, rope, or yarn with its own flags (the older
-    --use-rotary-position-embeddings only with rope: Megatron-LM turns it into --position-embedding-type rope)."""
+    --use-rotary-position-embeddings only with rope: Megatron-LM turns it into --position-embedding-type rope).
+    ``add_position_embedding`` stays True, the value Megatron-LM's parser gives every position-embedding type (its
+    --no-position-embedding is deprecated): its load compares it with the running job's and stops on a difference."""
     if not yarn_position(m):
         rope = m.position_embedding_type == "rope"
-        return dict(position_embedding_type=m.position_embedding_type, add_position_embedding=not rope,
+        return dict(position_embedding_type=m.position_embedding_type, add_position_embedding=True,
                     use_rotary_position_embeddings=rope)
     out: dict[str, Any] = {name: type(default)(getattr(m, name)) for name, default in YARN_POSITION_FLAGS.items()
                            if name != "yarn_correction_range_round_to_int"}
-    return dict(out, position_embedding_type="yarn", add_position_embedding=False,
+    return dict(out, position_embedding_type="yarn", add_position_embedding=True,
                 use_rotary_position_embeddings=False, yarn_correction_range_round_to_int=bool(m.yarn_truncate))
 
 

@@ -47,9 +47,11 @@ ALLOWED = frozenset({
 _NUMPY_DTYPES = re.compile(r"^numpy\.dtypes$")
 #: Megatron's enum modules (``megatron.core.transformer.enums``, ``megatron.core.enums``...).
 _MEGATRON_ENUMS = re.compile(r"^megatron(\.[a-z_0-9]+)*\.enums$")
-#: Megatron classes ``args`` may hold that are enums without living in an ``enums`` module.
-_MEGATRON_ENUM_NAMES = {("megatron.core.transformer.enums", None), ("megatron.core.fp8_utils", "Fp8Recipe"),
-                        ("megatron.core.enums", None)}
+#: Megatron enums its checkpoints hold (in ``args`` or the common state) outside an ``enums`` module.
+_MEGATRON_ENUM_NAMES = {("megatron.core.fp8_utils", "Fp8Recipe")} | {
+    # the rerun state machine's mode and state in Megatron-LM's common state (``rerun_state_machine``)
+    ("megatron.core.rerun_state_machine", name)
+    for name in ("RerunMode", "RerunState", "RerunDiagnostic", "RerunValidationStatus")}
 
 
 class RefusedGlobal(pickle.UnpicklingError):
