@@ -58,6 +58,17 @@ meshtron() {  # name, then flags
   echo "meshtron $name: exit $?"
 }
 
+# ONLY=reverse: only meshtron -> Megatron (meshtron trains 10 and exports; Megatron and meshtron continue it)
+if [ "${ONLY:-}" = reverse ]; then
+  meshtron ms_dense_first --train-iters 10 --save "$W/ms_dense" --export-megatron "$W/ms_to_mg"
+  megatron mg_from_ms --train-iters 20 --load "$W/ms_to_mg" --ckpt-format torch_dist --no-load-rng &
+  meshtron ms_dense_self --train-iters 20 --load "$W/ms_dense" &
+  wait
+  python3 benchmarks/megatron_continuation_compare.py "$W" --out "$OUT/megatron_continuation_reverse.jsonl"
+  cp "$W"/mg_from_ms.log "$OUT"/; grep "rank0\]: [A-Za-z.]*Error" "$W"/mg_from_ms.log | tail -3
+  exit 0
+fi
+
 echo "== phase 1: Megatron saves at 10 (and runs on to 20); meshtron trains 10 and exports"
 megatron mg_dense_dist --train-iters 20 --save "$W/mg_dense_dist" --save-interval 10 --ckpt-format torch_dist &
 megatron mg_dense_full --train-iters 20 --save "$W/mg_dense_full" --save-interval 10 --ckpt-format torch_dist \
@@ -80,5 +91,7 @@ wait
 echo "== losses of iterations 11-20"
 python3 benchmarks/megatron_continuation_compare.py "$W" --out "$OUT/megatron_continuation.jsonl"
 cp "$W"/*.log "$W"/*.jsonl "$OUT"/ 2>/dev/null
-for f in "$W"/*.log; do grep -q "Traceback\|error" "$f" && { echo "--- $(basename "$f")"; grep -B2 -A12 "Traceback\|rror" "$f" | tail -25; }; done
+for f in "$W"/*.log; do  # Megatron's own error lines first (torchrun's wrapper traceback says nothing)
+  grep -q "Traceback\|error" "$f" && { echo "--- $(basename "$f")"; grep "rank0\]: [A-Za-z.]*Error" "$f" | tail -3
+    grep -B2 -A12 "Traceback\|rror" "$f" | grep -v "^  [a-z_0-9]* \.\.\." | tail -12; }; done
 exit 0
