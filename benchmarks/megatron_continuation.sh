@@ -6,7 +6,8 @@
 #     dense: torch_dist with the distributed optimizer's default buckets (dp_reshardable), torch_dist fully
 #            reshardable (--dist-ckpt-optim-fully-reshardable), legacy (--ckpt-format torch: distrib_optim.pt)
 #     MoE (4 experts, top-2, aux loss): torch_dist fully reshardable
-#   meshtron trains 10 iterations, saves and exports (--export-megatron)  ->  Megatron loads and trains 11-20,
+#   meshtron trains 10 of 20 iterations (--exit-interval 10: the schedule is that of 20, which Megatron checks),
+#   saves and exports (--export-megatron)  ->  Megatron loads and trains 11-20,
 #     beside meshtron continuing from its own checkpoint.
 #
 # Both read the same .bin/.idx (meshtron's default corpus through NullTokenizer ids) in Megatron's sample order
@@ -60,7 +61,7 @@ meshtron() {  # name, then flags
 
 # ONLY=reverse: only meshtron -> Megatron (meshtron trains 10 and exports; Megatron and meshtron continue it)
 if [ "${ONLY:-}" = reverse ]; then
-  meshtron ms_dense_first --train-iters 10 --save "$W/ms_dense" --export-megatron "$W/ms_to_mg"
+  meshtron ms_dense_first --train-iters 20 --exit-interval 10 --save "$W/ms_dense" --export-megatron "$W/ms_to_mg"
   megatron mg_from_ms --train-iters 20 --load "$W/ms_to_mg" --ckpt-format torch_dist --no-load-rng &
   meshtron ms_dense_self --train-iters 20 --load "$W/ms_dense" &
   wait
@@ -76,7 +77,7 @@ megatron mg_dense_full --train-iters 20 --save "$W/mg_dense_full" --save-interva
 megatron mg_dense_legacy --train-iters 20 --save "$W/mg_dense_legacy" --save-interval 10 --ckpt-format torch &
 megatron mg_moe_full $MOE --train-iters 20 --save "$W/mg_moe_full" --save-interval 10 --ckpt-format torch_dist \
   --dist-ckpt-optim-fully-reshardable &
-meshtron ms_dense_first --train-iters 10 --save "$W/ms_dense" --export-megatron "$W/ms_to_mg" &
+meshtron ms_dense_first --train-iters 20 --exit-interval 10 --save "$W/ms_dense" --export-megatron "$W/ms_to_mg" &
 wait
 
 echo "== phase 2: each continues the other's iteration 10"
