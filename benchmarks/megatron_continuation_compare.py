@@ -37,7 +37,14 @@ def losses(path: Path) -> dict[int, float]:
     if path.suffix == ".jsonl":
         rows = (json.loads(line) for line in text.splitlines() if line.startswith("{"))
         return {r["iteration"]: float(r["loss"]) for r in rows if r.get("type") == "train"}
-    return {int(m.group(1)): float(m.group(2)) for m in ITERATION.finditer(text)}
+    logged = {int(m.group(1)): float(m.group(2)) for m in ITERATION.finditer(text)}
+    first = min(logged, default=None)
+    if first is not None and first + 1 in logged:
+        # Megatron-LM logs a run's first iteration without resetting its sums (training_log's
+        # is_first_iteration), so its next line (--log-interval 1) is the mean of both iterations: undone here.
+        # It matters for a resumed run, whose first iterations are compared.
+        logged[first + 1] = 2 * logged[first + 1] - logged[first]
+    return logged
 
 
 def _commit() -> str:

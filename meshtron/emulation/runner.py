@@ -172,8 +172,12 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
         iteration = warmup + steps + 1
         batches = next(data.train_batches())
         recorder = CollectiveRecorder(ctx, lambda: (iteration, trainer.progress.phase))
-        with recorder:  # one more step, recorded (recording slows it: the timed steps are over)
-            trainer.train_step(batches, iteration)
+        if ctx.world_size > 1:
+            # One more step, recorded (recording slows it: the timed steps are over). torch.compile runs eagerly
+            # under the recorder's dispatch mode, so this step can need more memory than the timed ones; a world
+            # of one has nothing to record and skips it.
+            with recorder:
+                trainer.train_step(batches, iteration)
         if record_path:
             recorder.write(trace_path(record_path, rank))
         coords = {"tp": ctx.tp_rank, "cp": ctx.cp_rank, "dp": ctx.dp_rank, "pp": ctx.pp_rank, "ep": ctx.ep_rank}

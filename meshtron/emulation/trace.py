@@ -142,8 +142,19 @@ class CollectiveRecorder(TorchDispatchMode):
                              "group_size": self._group_size(group), "bytes": int(nbytes_), "dtype": dtype,
                              "async": is_async})
 
+    # Higher-order operators reach __torch_dispatch__ too. Flex attention's (its backward runs under the recorder
+    # when the step's backward does) hold no collective and run as without the recorder; any other is refused
+    # rather than run unrecorded, since its body might hold a collective.
+    supports_higher_order_operators = True
+    _COLLECTIVE_FREE_HOPS = frozenset({"flex_attention", "flex_attention_backward"})
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            if func.name() in self._COLLECTIVE_FREE_HOPS:
+                return func(*args, **kwargs)
+            raise NotImplementedError(f"collective recorder: the higher-order operator {func.name()} may hold "
+                                      "collectives the recorder would not see; it is not supported while recording")
         op = _OPS.get(func._schema.name.split("::")[-1]) if func.namespace in ("c10d", "_c10d_functional") else None
         if op is None or self._inside:
             return func(*args, **kwargs)
@@ -181,6 +192,21 @@ def active_recorder() -> Optional[CollectiveRecorder]:
 
     found = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, CollectiveRecorder)]
     return found[-1] if found else None
+
+
+@contextmanager
+def outside_recorder() -> Iterator[None]:
+    """Run the block with the innermost dispatch mode popped if it is a :class:`CollectiveRecorder`, else as is.
+
+    For operations that hold no collective and cannot run under a user dispatch mode: flex attention compiles
+    itself (even eagerly), and torch.compile refuses a frame while such a mode is active."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+    if isinstance(_get_current_dispatch_mode(), CollectiveRecorder):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
 
 
 def trace_path(path: str, rank: int) -> str:

@@ -220,13 +220,19 @@ def flex(q, k, v, block_mask, scale: Optional[float], return_lse: bool = False):
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
     gqa = k.shape[1] != q.shape[1]
-    if not return_lse:
-        return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    try:  # torch >= 2.9: return_aux (return_lse is deprecated)
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
-    out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    from meshtron.emulation.trace import outside_recorder
+
+    # flex attention holds no collective, and neither its compiled kernel nor its eager path (which compiles too)
+    # runs under a collective recorder's dispatch mode (--record-collectives, meshtron emulate)
+    with outside_recorder():
+        if not return_lse:
+            return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        try:  # torch >= 2.9: return_aux (return_lse is deprecated)
+            from torch.nn.attention.flex_attention import AuxRequest
+        except ImportError:
+            return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+        out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                      return_aux=AuxRequest(lse=True))
     return out, aux.lse
 
 

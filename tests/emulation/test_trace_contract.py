@@ -104,3 +104,18 @@ def test_emulated_rank_issues_the_real_ranks_operations(tmp_path, name):
 def test_emulated_rank_issues_the_real_ranks_operations_slow(tmp_path, name):
     world, flags = SLOW_CASES[name]
     _check_case(tmp_path, world, flags, static_counts=name != "ep_dropless")
+
+
+def test_flex_attention_runs_under_the_recorder():
+    """flex attention (sinks, sliding windows, packed documents) compiles itself even when called eagerly, which
+    torch.compile refuses under a user dispatch mode: it runs outside the recorder, whose trace it adds nothing to."""
+    import torch
+
+    from meshtron.emulation.trace import CollectiveRecorder
+    from meshtron.layers.documents import flex
+
+    q, k, v = torch.randn(3, 1, 2, 32, 16).unbind(0)
+    expected, expected_lse = flex(q, k, v, None, None, return_lse=True)
+    with CollectiveRecorder(None) as recorder:
+        out, lse = flex(q, k, v, None, None, return_lse=True)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse) and recorder.records == []
