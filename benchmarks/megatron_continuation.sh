@@ -5,10 +5,10 @@
 #   Megatron trains 20 iterations and saves at 10   ->  meshtron loads iteration 10 and trains 11-20
 #     dense: torch_dist with the distributed optimizer's default buckets (dp_reshardable), torch_dist fully
 #            reshardable (--dist-ckpt-optim-fully-reshardable), legacy (--ckpt-format torch: distrib_optim.pt)
-#     MoE (4 experts, top-2, aux loss): torch_dist fully reshardable
+#     MoE (4 experts, top-2, aux loss): the same three
 #   meshtron trains 10 of 20 iterations (--exit-interval 10: the schedule is that of 20, which Megatron checks),
 #   saves and exports (--export-megatron)  ->  Megatron loads and trains 11-20,
-#     beside meshtron continuing from its own checkpoint.
+#     beside meshtron continuing from its own checkpoint (dense and MoE).
 #
 # Both read the same .bin/.idx (meshtron's default corpus through NullTokenizer ids) in Megatron's sample order
 # (--data-order megatron), dropout 0, bf16. Independent runs share the GPU (tiny models) to fit one device call.
@@ -59,34 +59,47 @@ meshtron() {  # name, then flags
   echo "meshtron $name: exit $?"
 }
 
-# ONLY=reverse: only meshtron -> Megatron (meshtron trains 10 and exports; Megatron and meshtron continue it)
-if [ "${ONLY:-}" = reverse ]; then
-  meshtron ms_dense_first --train-iters 20 --exit-interval 10 --save "$W/ms_dense" --export-megatron "$W/ms_to_mg"
-  megatron mg_from_ms --train-iters 20 --load "$W/ms_to_mg" --ckpt-format torch_dist --no-load-rng &
-  meshtron ms_dense_self --train-iters 20 --load "$W/ms_dense" &
-  wait
-  python3 benchmarks/megatron_continuation_compare.py "$W" --out "$OUT/megatron_continuation_reverse.jsonl"
-  cp "$W"/mg_from_ms.log "$OUT"/; grep "rank0\]: [A-Za-z.]*Error" "$W"/mg_from_ms.log | tail -3
-  exit 0
-fi
+# ONLY=dense (the dense cases and the reverse), ONLY=moe (the MoE cases: torch_dist both formats, legacy, reverse),
+# ONLY=reverse (meshtron -> Megatron, dense): parts of the whole, each small enough for a short device call.
+part() { [ -z "${ONLY:-}" ] || [ "${ONLY:-}" = "$1" ] || { [ "$1" = dense ] && [ "${ONLY:-}" = reverse ]; }; }
+both() { [ -z "${ONLY:-}" ] || [ "${ONLY:-}" = "$1" ]; }  # runs of the forward direction only
 
-echo "== phase 1: Megatron saves at 10 (and runs on to 20); meshtron trains 10 and exports"
-megatron mg_dense_dist --train-iters 20 --save "$W/mg_dense_dist" --save-interval 10 --ckpt-format torch_dist &
-megatron mg_dense_full --train-iters 20 --save "$W/mg_dense_full" --save-interval 10 --ckpt-format torch_dist \
-  --dist-ckpt-optim-fully-reshardable &
-megatron mg_dense_legacy --train-iters 20 --save "$W/mg_dense_legacy" --save-interval 10 --ckpt-format torch &
-megatron mg_moe_full $MOE --train-iters 20 --save "$W/mg_moe_full" --save-interval 10 --ckpt-format torch_dist \
-  --dist-ckpt-optim-fully-reshardable &
-meshtron ms_dense_first --train-iters 20 --exit-interval 10 --save "$W/ms_dense" --export-megatron "$W/ms_to_mg" &
+echo "== phase 1: Megatron saves at 10 (and runs on to 20); meshtron trains 10 of 20 and exports"
+if both dense; then
+  megatron mg_dense_dist --train-iters 20 --save "$W/mg_dense_dist" --save-interval 10 --ckpt-format torch_dist &
+  megatron mg_dense_full --train-iters 20 --save "$W/mg_dense_full" --save-interval 10 --ckpt-format torch_dist \
+    --dist-ckpt-optim-fully-reshardable &
+  megatron mg_dense_legacy --train-iters 20 --save "$W/mg_dense_legacy" --save-interval 10 --ckpt-format torch &
+fi
+if part dense; then
+  meshtron ms_dense_first --train-iters 20 --exit-interval 10 --save "$W/ms_dense" --export-megatron "$W/ms_to_mg" &
+fi
+if both moe; then
+  megatron mg_moe_dist $MOE --train-iters 20 --save "$W/mg_moe_dist" --save-interval 10 --ckpt-format torch_dist &
+  megatron mg_moe_full $MOE --train-iters 20 --save "$W/mg_moe_full" --save-interval 10 --ckpt-format torch_dist \
+    --dist-ckpt-optim-fully-reshardable &
+  megatron mg_moe_legacy $MOE --train-iters 20 --save "$W/mg_moe_legacy" --save-interval 10 --ckpt-format torch &
+  meshtron ms_moe_first $MOE --train-iters 20 --exit-interval 10 --save "$W/ms_moe" --export-megatron "$W/ms_moe_to_mg" &
+fi
 wait
 
 echo "== phase 2: each continues the other's iteration 10"
-for kind in dense_dist dense_full dense_legacy; do
-  meshtron ms_from_$kind --train-iters 20 --load "$W/mg_$kind/iter_0000010" &
-done
-meshtron ms_from_moe_full $MOE --train-iters 20 --load "$W/mg_moe_full/iter_0000010" &
-megatron mg_from_ms --train-iters 20 --load "$W/ms_to_mg" --ckpt-format torch_dist --no-load-rng &
-meshtron ms_dense_self --train-iters 20 --load "$W/ms_dense" &
+if both dense; then
+  for kind in dense_dist dense_full dense_legacy; do
+    meshtron ms_from_$kind --train-iters 20 --load "$W/mg_$kind/iter_0000010" &
+  done
+fi
+if part dense; then
+  megatron mg_from_ms --train-iters 20 --load "$W/ms_to_mg" --ckpt-format torch_dist --no-load-rng &
+  meshtron ms_dense_self --train-iters 20 --load "$W/ms_dense" &
+fi
+if both moe; then
+  for kind in moe_dist moe_full moe_legacy; do
+    meshtron ms_from_$kind $MOE --train-iters 20 --load "$W/mg_$kind/iter_0000010" &
+  done
+  megatron mg_from_ms_moe $MOE --train-iters 20 --load "$W/ms_moe_to_mg" --ckpt-format torch_dist --no-load-rng &
+  meshtron ms_moe_self $MOE --train-iters 20 --load "$W/ms_moe" &
+fi
 wait
 
 echo "== losses of iterations 11-20"

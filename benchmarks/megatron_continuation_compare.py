@@ -24,8 +24,11 @@ CASES = (
     ("megatron torch_dist dp_reshardable -> meshtron", "mg_dense_dist.log", "ms_from_dense_dist.jsonl"),
     ("megatron torch_dist fully_reshardable -> meshtron", "mg_dense_full.log", "ms_from_dense_full.jsonl"),
     ("megatron legacy (distrib_optim.pt) -> meshtron", "mg_dense_legacy.log", "ms_from_dense_legacy.jsonl"),
+    ("megatron MoE torch_dist dp_reshardable -> meshtron", "mg_moe_dist.log", "ms_from_moe_dist.jsonl"),
     ("megatron MoE torch_dist fully_reshardable -> meshtron", "mg_moe_full.log", "ms_from_moe_full.jsonl"),
+    ("megatron MoE legacy (distrib_optim.pt) -> meshtron", "mg_moe_legacy.log", "ms_from_moe_legacy.jsonl"),
     ("meshtron export -> megatron", "ms_dense_self.jsonl", "mg_from_ms.log"),
+    ("meshtron MoE export -> megatron", "ms_moe_self.jsonl", "mg_from_ms_moe.log"),
 )
 
 
