@@ -73,6 +73,8 @@ MOE_EP1_LEGACY = "legacy_moe_ep1_dp2_distrib_optim"
 MOE_EP1_BF16 = "legacy_moe_ep1_dp2_bf16_optim"
 VP = "dense_pp2vp2_dp2_dp_reshardable"
 VP_LEGACY = "legacy_pp2vp2_dp2_distrib_optim"
+UNEVEN = "dense_pp3_uneven_dp_reshardable"
+UNEVEN_LEGACY = "legacy_pp3_uneven_distrib_optim"
 
 
 def _read(name: str):
@@ -109,7 +111,7 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
 
 
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY, MOE_BF16,
-                                  MOE_EP1, MOE_EP1_LEGACY, MOE_EP1_BF16, VP, VP_LEGACY])
+                                  MOE_EP1, MOE_EP1_LEGACY, MOE_EP1_BF16, VP, VP_LEGACY, UNEVEN, UNEVEN_LEGACY])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
@@ -126,7 +128,7 @@ def test_optimizer_state_is_megatron_cores(name, references):
 
 
 @pytest.mark.parametrize("pair", [(CASE, LEGACY), (MTP, MTP_LEGACY), (MOE, MOE_LEGACY), (MOE_EP1, MOE_EP1_LEGACY),
-                                  (VP, VP_LEGACY)])
+                                  (VP, VP_LEGACY), (UNEVEN, UNEVEN_LEGACY)])
 def test_the_same_optimizer_in_both_formats(pair):
     """The same model and optimizer saved as torch_dist dp_reshardable and as legacy distrib_optim.pt read the
     same: weights, masters (an fp32 model's: its weights) and moments (a mixture-of-experts model's experts
@@ -244,7 +246,7 @@ def test_experts_follow_the_router_in_the_dense_buffer_at_ep1():
 def test_virtual_stages_in_another_order_are_a_notice(monkeypatch, name):
     """Model chunks whose layers are taken as consecutive per stage (stage 0: layers 0, 1) where megatron-core
     assigns them chunk-major (stage 0: layers 0, 2): the proof refuses them, nothing read, said in one line."""
-    def consecutive(num_layers, pp, pp_size, chunk=0, vp_size=1):
+    def consecutive(num_layers, pp, pp_size, chunk=0, vp_size=1, uneven=buckets.EVEN):
         per_chunk = num_layers // (pp_size * vp_size)
         start = (pp * vp_size + chunk) * per_chunk
         return range(start, start + per_chunk)
@@ -284,6 +286,29 @@ def test_virtual_stages_split_the_layers_chunk_major():
     assert [r.first_stage for _, r in ranks.values()] == [True, False, False, False]
     assert buckets.layout(ranks[(0, 1)][1], bucket_size=10)[1] == [64]  # a later chunk is never bucketed
     assert buckets.layout(ranks[(0, 0)][1], bucket_size=10)[1] == [64, 32]
+
+
+def test_uneven_stages_split_as_megatron_core():
+    """--decoder-first/last-pipeline-num-layers: those stages hold their own counts (split over their model chunks),
+    the middle stages the rest evenly, chunk-major (the expectations are megatron-core 0.19.2's
+    get_transformer_layer_offset and get_num_layers_to_build, which agree on 1,103 such placements)."""
+    assert [list(buckets.chunk_layers(4, p, 3, uneven=(1, 1))) for p in range(3)] == [[0], [1, 2], [3]]
+    assert [list(buckets.chunk_layers(5, p, 3, uneven=(1, None))) for p in range(3)] == [[0], [1, 2], [3, 4]]
+    assert [list(buckets.chunk_layers(5, p, 3, uneven=(None, 1))) for p in range(3)] == [[0, 1], [2, 3], [4]]
+    assert [list(buckets.chunk_layers(8, p, 3, v, 2, (2, 2))) for p in range(3) for v in range(2)] == [
+        [0], [4], [1, 2], [5, 6], [3], [7]]
+    assert list(buckets.chunk_layers(4, 0, 1, uneven=(1, 1))) == [0, 1, 2, 3]  # one stage: the counts do not apply
+    for split in [(5, 3, 1, (2, None)), (4, 2, 1, (1, 1)), (8, 3, 2, (1, 2)), (3, 3, 1, (2, 2))]:
+        with pytest.raises(buckets.LayoutMismatch, match="do not split over"):
+            buckets.check_split(*split)
+
+
+def test_uneven_stages_unknown_to_args_are_a_notice(monkeypatch):
+    """The uneven fixture read as if its first stage held two layers: the layout proof fails, nothing is read."""
+    monkeypatch.setattr(reader, "_uneven", lambda args: (2, None))
+    got = read_megatron(find_megatron_checkpoint(FIXTURES / UNEVEN))
+    assert got.optim == {} and len(got.notices) == 1 and "Adam moments start from zero" in got.notices[0]
+    assert set(_read(UNEVEN).model) == set(got.model)  # the weights load as before
 
 
 def _legacy_moe_copy(tmp_path: Path) -> tuple[Path, list]:
@@ -467,7 +492,7 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY, MOE_BF16, MOE_EP1, MOE_EP1_LEGACY,
-                                  VP, VP_LEGACY])
+                                  VP, VP_LEGACY, UNEVEN])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""

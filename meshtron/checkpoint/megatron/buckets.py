@@ -187,23 +187,43 @@ def experts_apart(tp_size: int, ep_size: int, etp_size: Optional[int]) -> bool:
     return ep_size > 1 or (etp_size or tp_size) != tp_size
 
 
-def chunk_layers(num_layers: int, pp: int, pp_size: int, chunk: int = 0, vp_size: int = 1) -> range:
-    """The layers of pipeline rank ``pp``'s model chunk ``chunk`` (of ``vp_size`` virtual stages): megatron-core
-    splits the layers evenly over the chunks, chunk-major (chunk ``v`` of every stage before chunk ``v + 1``)."""
-    per_chunk = num_layers // (pp_size * vp_size)
-    start = chunk * (num_layers // vp_size) + pp * per_chunk
-    return range(start, start + per_chunk)
+#: Megatron-LM's ``--decoder-first-pipeline-num-layers`` and ``--decoder-last-pipeline-num-layers`` (None where
+#: not given: that stage is one of the middle ones)
+Uneven = tuple[Optional[int], Optional[int]]
+EVEN: Uneven = (None, None)
+
+
+def chunk_layers(num_layers: int, pp: int, pp_size: int, chunk: int = 0, vp_size: int = 1,
+                 uneven: Uneven = EVEN) -> range:
+    """The layers of pipeline rank ``pp``'s model chunk ``chunk`` (of ``vp_size`` virtual stages), chunk-major
+    (chunk ``v`` of every stage before chunk ``v + 1``), as megatron-core's ``get_transformer_layer_offset``: split
+    evenly, or with ``uneven`` the first and/or last stage's own count (each split evenly over its chunks) and the
+    rest evenly over the middle stages."""
+    first, last = uneven if pp_size > 1 else EVEN
+    if first is None and last is None:
+        per_chunk = num_layers // (pp_size * vp_size)
+        start = chunk * (num_layers // vp_size) + pp * per_chunk
+        return range(start, start + per_chunk)
+    in_first, in_last = (first or 0) // vp_size, (last or 0) // vp_size
+    middle_stages = pp_size - (first is not None) - (last is not None)
+    in_middle = (num_layers - (first or 0) - (last or 0)) // vp_size  # one chunk of every middle stage
+    per_middle = in_middle // middle_stages if middle_stages else 0
+    start = chunk * (in_first + in_middle + in_last)
+    if pp == 0 and first is not None:
+        return range(start, start + in_first)
+    start += in_first + (pp - (first is not None)) * per_middle
+    return range(start, start + (in_last if pp == pp_size - 1 and last is not None else per_middle))
 
 
 def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, pp_size: int, num_layers: int,
                 spec: str, swiglu: bool, tied: bool, inline_experts: bool = False, grouped: bool = False,
-                chunk: int = 0, vp_size: int = 1) -> Rank:
+                chunk: int = 0, vp_size: int = 1, uneven: Uneven = EVEN) -> Rank:
     """Rank (tp, pp)'s parameters of its model chunk ``chunk`` (of ``vp_size``, :func:`chunk_layers`) from
     Megatron's whole per-layer tensors ``model`` (the embedding on the first chunk of the first stage, the final
     norm, prediction depths and output layer on the last chunk of the last; the fused norm spellings accepted).
     ``inline_experts``: a mixture-of-experts layer's experts (all of them, ``grouped``: TEGroupedMLP's order) follow
     its router, as megatron-core keeps them at expert-parallel 1 (:func:`experts_apart`)."""
-    mine = chunk_layers(num_layers, pp, pp_size, chunk, vp_size)
+    mine = chunk_layers(num_layers, pp, pp_size, chunk, vp_size, uneven)
     order = {k: i for i, k in enumerate(_layer_order(model, spec))}
     # megatron-core's pre_process / post_process of this chunk
     first, last = pp == 0 and chunk == 0, pp == pp_size - 1 and chunk == vp_size - 1
@@ -283,13 +303,13 @@ def experts_by_layer(model: dict[str, torch.Tensor]) -> dict[int, dict[int, dict
 
 def expert_rank_params(experts_of: dict[int, dict[int, dict[str, torch.Tensor]]], etp: int, ep: int, pp: int,
                        etp_size: int, ep_size: int, pp_size: int, num_layers: int, swiglu: bool, grouped: bool,
-                       chunk: int = 0, vp_size: int = 1) -> Rank:
+                       chunk: int = 0, vp_size: int = 1, uneven: Uneven = EVEN) -> Rank:
     """The expert buffer's parameters of expert rank (etp, ep, pp) from ``experts_of`` (:func:`experts_by_layer`),
     in ``named_parameters()`` order: the stage's
     layers in turn, each with its local experts (``ep``'s share of them, in order): SequentialMLP's
     ``local_experts.i.linear_fc1``, ``linear_fc2`` per expert, or, ``grouped`` (TEGroupedMLP), every expert's
     ``linear_fc1`` before every ``linear_fc2``. Expert tensor parallelism shards them as dense MLPs are."""
-    mine = chunk_layers(num_layers, pp, pp_size, chunk, vp_size)
+    mine = chunk_layers(num_layers, pp, pp_size, chunk, vp_size, uneven)
     params: list[tuple[str, torch.Tensor]] = []
     for layer, experts in sorted(experts_of.items()):
         if layer in mine:
@@ -365,18 +385,19 @@ def _chunk_label(chunk: int, vp_size: int) -> str:
 
 def dense_ranks(model: dict[str, torch.Tensor], tp_size: int, pp_size: int, num_layers: int, spec: str,
                 swiglu: bool, tied: bool, inline_experts: bool = False, grouped: bool = False,
-                vp_size: int = 1) -> RankMap:
+                vp_size: int = 1, uneven: Uneven = EVEN) -> RankMap:
     """The dense buffers, indexed by (model-parallel rank ``tp + TP x pp``, model chunk) (``inline_experts``: with
     the experts among their layer's parameters, :func:`rank_params`)."""
     return {(tp + tp_size * pp, v): (f"model-parallel rank {tp + tp_size * pp} (TP {tp}, PP {pp}"
                                      f"{_chunk_label(v, vp_size)})",
                                      rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied,
-                                                 inline_experts, grouped, v, vp_size))
+                                                 inline_experts, grouped, v, vp_size, uneven))
             for pp in range(pp_size) for tp in range(tp_size) for v in range(vp_size)}
 
 
 def expert_ranks(experts_of: dict[int, dict[int, dict[str, torch.Tensor]]], etp_size: int, ep_size: int,
-                 pp_size: int, num_layers: int, swiglu: bool, grouped: bool, vp_size: int = 1) -> RankMap:
+                 pp_size: int, num_layers: int, swiglu: bool, grouped: bool, vp_size: int = 1,
+                 uneven: Uneven = EVEN) -> RankMap:
     """The experts' buffers (:func:`expert_rank_params`), indexed (``etp + ETP x (ep + EP x pp)`` as in
     megatron-core's tensor-expert-pipeline group, model chunk)."""
     out = {}
@@ -388,7 +409,7 @@ def expert_ranks(experts_of: dict[int, dict[int, dict[str, torch.Tensor]]], etp_
                     out[(index, v)] = (f"expert model-parallel rank {index} (expert TP {etp}, EP {ep}, PP {pp}"
                                        f"{_chunk_label(v, vp_size)})",
                                        expert_rank_params(experts_of, etp, ep, pp, etp_size, ep_size, pp_size,
-                                                          num_layers, swiglu, grouped, v, vp_size))
+                                                          num_layers, swiglu, grouped, v, vp_size, uneven))
     return out
 
 
@@ -419,8 +440,8 @@ def split_coalesced(ranks: RankMap, world: dict[tuple[int, int], dict[str, torch
 
 def unflatten(model: dict[str, torch.Tensor], buckets: Buckets, tp_size: int, pp_size: int, num_layers: int,
               spec: str, swiglu: bool, tied: bool, bucket_size: Optional[int], expert_buckets: Optional[Buckets] = None,
-              ep_size: int = 1, etp_size: Optional[int] = None, grouped: bool = False, vp_size: int = 1
-              ) -> dict[str, dict[str, torch.Tensor]]:
+              ep_size: int = 1, etp_size: Optional[int] = None, grouped: bool = False, vp_size: int = 1,
+              uneven: Uneven = EVEN) -> dict[str, dict[str, torch.Tensor]]:
     """{state: {Megatron name: whole tensor}} from ``buckets`` ({(model-parallel rank, model chunk): {bucket:
     {state: flat tensor}}}, ``state`` among ``param``, ``exp_avg``, ``exp_avg_sq``; ``vp_size`` model chunks per
     rank, virtual pipeline stages), checked against ``model`` (Megatron's whole per-layer tensors): LayoutMismatch
@@ -431,12 +452,12 @@ def unflatten(model: dict[str, torch.Tensor], buckets: Buckets, tp_size: int, pp
     parallelism ``etp_size``, default ``tp_size``), or, at expert-parallel 1 with expert tensor parallelism equal
     to tensor parallelism (:func:`experts_apart`), in ``buckets`` among their layer's parameters (``expert_buckets``
     None); they come back as ``decoder.layers.N.mlp.experts.local_experts.E.linear_fcK.weight`` (``E`` over the
-    whole model)."""
-    check_even(num_layers, pp_size, vp_size)
+    whole model). ``uneven``: the first and last stages' own layer counts (:func:`chunk_layers`)."""
+    check_split(num_layers, pp_size, vp_size, uneven)
     experts_of = experts_by_layer(model)
     apart = bool(experts_of) and experts_apart(tp_size, ep_size, etp_size)
     ranks = dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied, bool(experts_of) and not apart,
-                        grouped, vp_size)
+                        grouped, vp_size, uneven)
     vp = f" x VP {vp_size}" if vp_size > 1 else ""
     shards = _unflatten_buffer(ranks, buckets, bucket_size, f"TP {tp_size} x PP {pp_size}{vp}")
     if apart != (expert_buckets is not None):
@@ -444,7 +465,7 @@ def unflatten(model: dict[str, torch.Tensor], buckets: Buckets, tp_size: int, pp
                              else "an expert buffer for a model whose experts (if any) are in the dense buffer")
     if apart:
         etp_size = etp_size or tp_size
-        eranks = expert_ranks(experts_of, etp_size, ep_size, pp_size, num_layers, swiglu, grouped, vp_size)
+        eranks = expert_ranks(experts_of, etp_size, ep_size, pp_size, num_layers, swiglu, grouped, vp_size, uneven)
         for state, by_name in _unflatten_buffer(eranks, expert_buckets, bucket_size,
                                                 f"expert TP {etp_size} x EP {ep_size} x PP {pp_size}{vp}").items():
             shards.setdefault(state, {}).update(by_name)
@@ -457,12 +478,24 @@ def unflatten(model: dict[str, torch.Tensor], buckets: Buckets, tp_size: int, pp
     return out
 
 
-def check_even(num_layers: int, pp_size: int, vp_size: int = 1) -> None:
-    """LayoutMismatch unless the layers split evenly over the pipeline stages and their model chunks (uneven
-    pipelines are not mapped)."""
-    if num_layers % (pp_size * vp_size):
-        raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages"
-                             + (f" x {vp_size} virtual stages" if vp_size > 1 else ""))
+def check_split(num_layers: int, pp_size: int, vp_size: int = 1, uneven: Uneven = EVEN) -> None:
+    """LayoutMismatch unless the layers split over the pipeline stages and their model chunks as megatron-core
+    splits them (:func:`chunk_layers`): evenly, or with the first and/or last stage's own counts (``uneven``) and
+    the rest evenly over the middle stages, every stage's share evenly over its model chunks."""
+    chunks = f" x {vp_size} virtual stages" if vp_size > 1 else ""
+    first, last = uneven if pp_size > 1 else EVEN
+    if first is None and last is None:
+        if num_layers % (pp_size * vp_size):
+            raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages{chunks}")
+        return
+    middle_stages = pp_size - (first is not None) - (last is not None)
+    middle = num_layers - (first or 0) - (last or 0)
+    counts = f"{first} on the first stage, " if first is not None else ""
+    counts += f"{last} on the last" if last is not None else ""
+    if (middle < 0 or (first or 0) % vp_size or (last or 0) % vp_size
+            or (middle_stages == 0 and middle) or (middle_stages and middle % (middle_stages * vp_size))):
+        raise LayoutMismatch(f"{num_layers} layers with {counts.rstrip(', ')} do not split over {pp_size} "
+                             f"pipeline stages{chunks}")
 
 
 def _unflatten_buffer(ranks: RankMap, buckets: Buckets, bucket_size: Optional[int], grid: str

@@ -120,25 +120,27 @@ def _gather_chains(files: dict[tuple[int, int, int], Path], tp_size: int, ep_siz
 def distributed_state(files: dict[tuple[int, int, int], Path], model: dict[str, torch.Tensor], tp_size: int,
                       pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool,
                       bucket_size: Optional[int], ep_size: int = 1, etp_size: Optional[int] = None,
-                      grouped: bool = False, vp_size: int = 1) -> dict[str, dict[str, torch.Tensor]]:
+                      grouped: bool = False, vp_size: int = 1, uneven: buckets.Uneven = buckets.EVEN
+                      ) -> dict[str, dict[str, torch.Tensor]]:
     """{state: {Megatron name: whole tensor}} from every rank's ``distrib_optim.pt`` (one buffer per model chunk:
     ``vp_size`` virtual pipeline stages); a mixture-of-experts model's experts from the second of its chained
     optimizers (expert parallelism ``ep_size``, expert tensor parallelism ``etp_size`` (None: ``tp_size``),
     ``grouped``: TEGroupedMLP's order) unless at expert-parallel 1 they are in the dense buffer."""
-    buckets.check_even(num_layers, pp_size, vp_size)
+    buckets.check_split(num_layers, pp_size, vp_size, uneven)
     experts_of = buckets.experts_by_layer(model)
     _check_expert_tp(experts_of, tp_size, etp_size)
     apart = bool(experts_of) and buckets.experts_apart(tp_size, ep_size, etp_size)
     dense, experts = _gather_chains(files, tp_size, ep_size, apart, vp_size)
     ranks = buckets.dense_ranks(model, tp_size, pp_size, num_layers, spec, swiglu, tied,
-                                bool(experts_of) and not apart, grouped, vp_size)
+                                bool(experts_of) and not apart, grouped, vp_size, uneven)
     flat = buckets.split_coalesced(ranks, dense, bucket_size)
     expert_flat = None
     if apart:
-        eranks = buckets.expert_ranks(experts_of, tp_size, ep_size, pp_size, num_layers, swiglu, grouped, vp_size)
+        eranks = buckets.expert_ranks(experts_of, tp_size, ep_size, pp_size, num_layers, swiglu, grouped, vp_size,
+                                      uneven)
         expert_flat = buckets.split_coalesced(eranks, experts, bucket_size)
     return buckets.unflatten(model, flat, tp_size, pp_size, num_layers, spec, swiglu, tied, bucket_size,
-                             expert_flat, ep_size, tp_size, grouped, vp_size)
+                             expert_flat, ep_size, tp_size, grouped, vp_size, uneven)
 
 
 def _no_decay(name: str, t: torch.Tensor) -> bool:
@@ -189,8 +191,8 @@ def _rank_state(opt: Any, rank: buckets.Rank, where: str) -> dict[str, dict[str,
 
 
 def _file_ranks(key: tuple[int, int, int], opt: Any, model: dict[str, torch.Tensor], experts_of: dict, tp_size: int,
-                pp_size: int, ep_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool, grouped: bool
-                ) -> list[tuple[Any, buckets.Rank, str]]:
+                pp_size: int, ep_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool, grouped: bool,
+                uneven: buckets.Uneven = buckets.EVEN) -> list[tuple[Any, buckets.Rank, str]]:
     """(optimizer state_dict, the parameters it holds, label) of file (tp, pp, ep): its dense optimizer's (taken
     from expert-parallel rank 0, the others hold replicas of it) and, with experts, its experts' optimizer's
     (expert tensor parallelism equal to tensor parallelism)."""
@@ -204,27 +206,29 @@ def _file_ranks(key: tuple[int, int, int], opt: Any, model: dict[str, torch.Tens
     out = []
     if ep == 0:
         out.append((chain[0], buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied,
-                                                  bool(experts_of) and not apart, grouped), where))
+                                                  bool(experts_of) and not apart, grouped, uneven=uneven), where))
     if apart:
         out.append((chain[1], buckets.expert_rank_params(experts_of, tp, ep, pp, tp_size, ep_size, pp_size,
-                                                         num_layers, swiglu, grouped), f"{where} (experts)"))
+                                                         num_layers, swiglu, grouped, uneven=uneven),
+                    f"{where} (experts)"))
     return out
 
 
 def local_state(states: dict[tuple[int, int, int], dict], model: dict[str, torch.Tensor], tp_size: int,
                 pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool, ep_size: int = 1,
-                etp_size: Optional[int] = None, grouped: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+                etp_size: Optional[int] = None, grouped: bool = False, uneven: buckets.Uneven = buckets.EVEN
+                ) -> dict[str, dict[str, torch.Tensor]]:
     """{state: {Megatron name: whole tensor}} from every rank's ``model_optim_rng.pt`` ``optimizer`` entry; a
     mixture-of-experts model's experts from the second of its chained optimizers, per expert-parallel rank
-    (``ep_size``; ``etp_size`` None or ``tp_size``; ``grouped``: TEGroupedMLP's order)."""
-    if num_layers % pp_size:
-        raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages")
+    (``ep_size``; ``etp_size`` None or ``tp_size``; ``grouped``: TEGroupedMLP's order; ``uneven``: the first and
+    last stages' own layer counts)."""
+    buckets.check_split(num_layers, pp_size, 1, uneven)
     experts_of = buckets.experts_by_layer(model)
     _check_expert_tp(experts_of, tp_size, etp_size)
     shards: dict[str, dict[str, list]] = {}
     for key, state in sorted(states.items()):
         for opt, rank, where in _file_ranks(key, state.get("optimizer"), model, experts_of, tp_size, pp_size,
-                                            ep_size, num_layers, spec, swiglu, tied, grouped):
+                                            ep_size, num_layers, spec, swiglu, tied, grouped, uneven):
             for which, by_name in _rank_state(opt, rank, where).items():
                 for name, t in by_name.items():
                     shards.setdefault(which, {}).setdefault(name, [None] * tp_size)[key[0]] = t

@@ -112,6 +112,13 @@ def _vp_size(args: Any) -> int:
     return int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
+def _uneven(args: Any) -> buckets.Uneven:
+    """The first and last pipeline stages' own layer counts (``--decoder-first-pipeline-num-layers``,
+    ``--decoder-last-pipeline-num-layers``; None where not given)."""
+    first, last = (getattr(args, f"decoder_{k}_pipeline_num_layers", None) for k in ("first", "last"))
+    return (None if first is None else int(first), None if last is None else int(last))
+
+
 def _expert_args(args: Any) -> tuple[int, Optional[int], bool]:
     """Expert parallelism (``--expert-model-parallel-size``), expert tensor parallelism (``--expert-tensor-parallel-
     size``, None: the tensor-parallel size) and ``--moe-grouped-gemm``, for the experts' buffer."""
@@ -141,9 +148,9 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
             if has_distributed:
                 return legacy_optim.distributed_state(files, merged, tp, pp, settings["num_layers"], spec,
                                                       shape["swiglu"], shape["tied"], _bucket_size(args),
-                                                      *_expert_args(args), _vp_size(args)), []
+                                                      *_expert_args(args), _vp_size(args), _uneven(args)), []
             return legacy_optim.local_state(states, merged, tp, pp, settings["num_layers"], spec, shape["swiglu"],
-                                            shape["tied"], *_expert_args(args)), []
+                                            shape["tied"], *_expert_args(args), _uneven(args)), []
         except buckets.LayoutMismatch as err:
             why = f"it does not hold the parameters where megatron-core puts them ({err})"
     return {}, [f"{where}: its optimizer state ({what}) is not read: {why}; the weights load and the Adam "
@@ -188,7 +195,8 @@ def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dic
             per_layer.update(dict(names.per_layer(name, t, settings["num_layers"])))
         try:
             state = buckets.unflatten(per_layer, flat[0], tp, pp, settings["num_layers"], spec, shape["swiglu"],
-                                      shape["tied"], _bucket_size(args), flat.get(1), *_expert_args(args), vp)
+                                      shape["tied"], _bucket_size(args), flat.get(1), *_expert_args(args), vp,
+                                      _uneven(args))
         except buckets.LayoutMismatch as err:
             why = f"its buckets do not hold the parameters where megatron-core puts them ({err})"
         for k, b in raw.items():
