@@ -122,7 +122,8 @@ for phase in "$@"; do
     unverified)
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/moe/test_fp8_experts_gpu.py \
         tests/test_generate_new_mixers_gpu.py \
-        tests/training/test_fp8_blockwise_gpu.py > "$OUT/gpu_tests_unverified.log" 2>&1
+        tests/training/test_fp8_blockwise_gpu.py tests/emulation/test_trace_contract.py \
+        > "$OUT/gpu_tests_unverified.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_unverified.log" | tail -14
       timeout 120 python3 benchmarks/fp8_experts_profile.py --experts 128 --hidden 2048 --width 768 --rows 131072 \
         2>&1 | grep -v Warning | tail -34

@@ -119,3 +119,27 @@ def test_flex_attention_runs_under_the_recorder():
     with CollectiveRecorder(None) as recorder:
         out, lse = flex(q, k, v, None, None, return_lse=True)
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse) and recorder.records == []
+
+
+@pytest.mark.gpu
+def test_compiled_flex_attention_trains_under_the_recorder_on_cuda():
+    """On CUDA flex attention is the compiled kernel: forward and backward under the recorder (as in a recorded
+    step of `meshtron emulate` or `--record-collectives`) give what they give without it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from meshtron.emulation.trace import CollectiveRecorder
+    from meshtron.layers.documents import flex
+
+    q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", requires_grad=True) for _ in range(3))
+    expected = flex(q, k, v, None, None)
+    expected.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with CollectiveRecorder(None) as recorder:
+        out = flex(q, k, v, None, None)
+        out.sum().backward()
+    assert torch.equal(out, expected) and recorder.records == []
+    assert all(torch.equal(t.grad, g) for t, g in zip((q, k, v), grads))
