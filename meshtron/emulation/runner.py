@@ -171,7 +171,8 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
         row = _measure(trainer, cfg, ctx, data, warmup, steps, True, False, False, None, list(argv), split_repeats)
         iteration = warmup + steps + 1
         batches = next(data.train_batches())
-        recorder = CollectiveRecorder(ctx, lambda: (iteration, trainer.progress.phase))
+        progress = trainer.progress
+        recorder = CollectiveRecorder(ctx, lambda: (iteration, progress.phase))
         if ctx.world_size > 1:
             # One more step, recorded (recording slows it: the timed steps are over). torch.compile runs eagerly
             # under the recorder's dispatch mode, so this step can need more memory than the timed ones; a world
