@@ -59,6 +59,22 @@ meshtron() {  # name, then flags
   echo "meshtron $name: exit $?"
 }
 
+# ONLY=fixtures: tiny checkpoints saved by Megatron-LM's own training loop (2 layers of hidden 64, 2 iterations;
+# torch_dist dp_reshardable, legacy, and a MoE model fully reshardable), packed into $OUT/megatron_lm_fixtures.tar.gz
+# to be committed as test fixtures (what Megatron-LM's save holds beyond megatron-core's: its args, the rerun state
+# machine, the scheduler).
+if [ "${ONLY:-}" = fixtures ]; then
+  TINY="--num-layers 2 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 --train-iters 2 --save-interval 2"
+  megatron lm_dist $TINY --save "$W/lm_dist" --ckpt-format torch_dist &
+  megatron lm_legacy $TINY --save "$W/lm_legacy" --ckpt-format torch &
+  megatron lm_moe $TINY $MOE --moe-ffn-hidden-size 64 --save "$W/lm_moe" --ckpt-format torch_dist \
+    --dist-ckpt-optim-fully-reshardable &
+  wait
+  tar -C "$W" -czf "$OUT/megatron_lm_fixtures.tar.gz" lm_dist lm_legacy lm_moe && ls -l "$OUT/megatron_lm_fixtures.tar.gz"
+  for f in "$W"/lm_*.log; do grep "rank0\]: [A-Za-z.]*Error" "$f" | tail -2; done
+  exit 0
+fi
+
 # ONLY=dense (the dense cases and the reverse), ONLY=moe (the MoE cases: torch_dist both formats, legacy, reverse),
 # ONLY=reverse (meshtron -> Megatron, dense): parts of the whole, each small enough for a short device call.
 part() { [ -z "${ONLY:-}" ] || [ "${ONLY:-}" = "$1" ] || { [ "$1" = dense ] && [ "${ONLY:-}" = reverse ]; }; }

@@ -18,6 +18,7 @@
 #                                                     # in bf16, FP8 rowwise and FP8 blockwise with FP8 experts
 #   bash benchmarks/pending_gpu_checks.sh losses      # muon's sweep and fp8loss at once (losses only, no timing)
 #   bash benchmarks/pending_gpu_checks.sh migration_moe  # the MoE hand-overs only (carry .mlm)
+#   bash benchmarks/pending_gpu_checks.sh migration_fixtures  # Megatron-LM-saved tiny checkpoints (carry .mlm)
 #   bash benchmarks/pending_gpu_checks.sh rows2       # rows' mixtral and 405B cases with more time each
 #   bash benchmarks/pending_gpu_checks.sh muon1b      # llama3-1b, 1,000 steps, AdamW and Muon at once (losses)
 #   bash benchmarks/pending_gpu_checks.sh fp8seeds    # bf16 and FP8 blockwise at two more seeds (losses)
@@ -26,7 +27,7 @@
 #                                                     # decode at heads of 16 through flex), one layer's FP8 experts
 #                                                     # timed, Muon's TF32 step
 # Run on 2026-12-07 (third): unverified, losses, accuracy, rows (in part), migration (all but ONLY=moe).
-# Next, in this order: migration_moe, muon1b, fp8seeds, accuracy (its gpt-oss and Qwen3.5 rows since the recorder
+# Next, in this order: migration_moe and migration_fixtures (one call), muon1b, fp8seeds, accuracy (its gpt-oss and Qwen3.5 rows since the recorder
 # lets flex attention run and a world of one skips the recorded step), rows2, long, families' rule profile.
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
@@ -107,6 +108,9 @@ for phase in "$@"; do
         --record "$OUT/measured_fp8_blockwise.jsonl" 2>&1 | tail -10 ;;
     migration)
       timeout 560 bash benchmarks/megatron_continuation.sh ;;
+    migration_fixtures)
+      # tiny checkpoints of Megatron-LM's own loop, for tests/fixtures/megatron (carry .mlm)
+      ONLY=fixtures timeout 300 bash benchmarks/megatron_continuation.sh ;;
     migration_moe)
       # the MoE hand-overs not yet run on the GPU: dp_reshardable, legacy, and meshtron's export back (carry .mlm)
       ONLY=moe timeout 400 bash benchmarks/megatron_continuation.sh 2>&1 | grep -v "missing (mg_dense\|missing (ms_dense" ;;
