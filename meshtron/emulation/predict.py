@@ -60,6 +60,9 @@ class CommSummary:
 
 #: Groups whose operations come once per micro-batch (the rest once per step).
 PER_MICRO_BATCH_GROUPS = ("tp", "ep", "cp", "pp")
+#: Phases of a step that run once whatever the micro-batches (a tensor-parallel all-reduce of the sequence-parallel
+#: norms' gradients, the gradient norm's): their operations are never scaled by the micro-batches.
+PER_STEP_PHASES = ("gradient-sync", "optimizer")
 
 
 def summarise_step(records: Sequence[dict], spans_nodes: dict, profile: DeviceProfile, forward_s: float,
@@ -68,7 +71,8 @@ def summarise_step(records: Sequence[dict], spans_nodes: dict, profile: DevicePr
 
     ``spans_nodes``: group name -> whether its ranks sit on more than one node. ``micro_batch_scale``: the
     step ran that many times fewer micro-batches than the job has (``--measure-micro-batches``): the
-    per-micro-batch groups' operations are counted that many times over; ``forward_s`` and ``backward_s``
+    per-micro-batch groups' operations (outside :data:`PER_STEP_PHASES`) are counted that many times over;
+    ``forward_s`` and ``backward_s``
     are the job's (already scaled)."""
     seconds, nbytes, calls = defaultdict(float), defaultdict(int), defaultdict(int)
     async_seconds = defaultdict(float)
@@ -77,7 +81,8 @@ def summarise_step(records: Sequence[dict], spans_nodes: dict, profile: DevicePr
         group = r["group"]
         bw = (profile.network_gbps if spans_nodes.get(group, False) else profile.nvlink_gbps) * 1e9
         t = collective_seconds(r["op"], r["bytes"], r["group_size"], bw, profile.collective_latency_us * 1e-6)
-        if group in PER_MICRO_BATCH_GROUPS or group.startswith("tp_sub"):
+        per_micro_batch = group in PER_MICRO_BATCH_GROUPS or group.startswith("tp_sub")
+        if per_micro_batch and r.get("phase") not in PER_STEP_PHASES:
             t *= micro_batch_scale
         seconds[group] += t
         nbytes[group] += r["bytes"]

@@ -49,6 +49,11 @@ def test_per_micro_batch_operations_scale_with_the_jobs_micro_batches():
     four = summarise_step(records, {}, H100, 1.0, 1.0, pp=1, micro_batch_scale=4.0)
     assert four.seconds_by_group["tp"] == pytest.approx(4 * one.seconds_by_group["tp"])
     assert four.seconds_by_group["dp"] == pytest.approx(one.seconds_by_group["dp"])
+    # a tensor-parallel all-reduce after the backward (the sequence-parallel norms' gradients) comes once per step
+    once = dict(_rec("all_reduce", "tp", 10**7), phase="gradient-sync")
+    with_once = summarise_step(records + [once], {}, H100, 1.0, 1.0, pp=1, micro_batch_scale=4.0)
+    alone = summarise_step([once], {}, H100, 1.0, 1.0, pp=1)
+    assert with_once.seconds_by_group["tp"] == pytest.approx(four.seconds_by_group["tp"] + alone.seconds_by_group["tp"])
 
 
 def test_predicted_step_adds_bubble_communication_and_optimizer():
