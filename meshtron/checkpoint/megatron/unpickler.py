@@ -4,9 +4,10 @@
 checkpoint are ``torch.save`` archives whose pickle names Python objects: tensors and their storages,
 ``OrderedDict``, ``argparse.Namespace`` (Megatron-LM's ``args``), NumPy arrays and scalars (the RNG states),
 ``torch.dtype`` values, ``signal.Signals`` (``args.exit_signal``), and Megatron's own enums (``AttnBackend``,
-``AttnMaskType``... in ``args``; the rerun state machine's in the common state). They go through
-:func:`torch.load` with an unpickler that resolves only those names. Megatron's enums become stand-ins (:class:`MegatronEnum`) that keep the class name and value: meshtron never imports
-Megatron. Anything else is refused by name, in one line, before it is called.
+``AttnMaskType``... in ``args``; the rerun state machine's in the common state). They go through :func:`torch.load`
+with an unpickler that resolves only those names. Megatron's enums become stand-ins (:class:`MegatronEnum`) that
+keep the class name and value: meshtron never imports Megatron. Anything else is refused by name, in one line,
+before it is called.
 """
 
 from __future__ import annotations
