@@ -1,7 +1,6 @@
 # One device call: every pipeline stage of the user guide's layouts (../shared/reference/megatron-core-user-guide.md)
 # and of the published Megatron-Bridge ones, emulated on this GPU (meshtron emulate), rows to $OUT/emulated.jsonl.
 #   bash benchmarks/emulate_user_guide.sh [names...]   (on the GPU machine, OUT set; names: see the case list)
-#   TRACES=1: each emulated rank's recorded step also goes to $OUT/trace_<name>.rank<r>.jsonl
 # Steps run --measure-micro-batches micro-batches and are scaled to the job's count (docs/emulation.md).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -60,7 +59,7 @@ for name in $names; do
   echo "== $name"
   timeout ${CASE_TIMEOUT:-240} python3 -m meshtron emulate ${CASE[$name]} --ranks ${RANKS[$name]:-stages} \
     --measure-micro-batches ${MBS[$name]:-${MB:-2}} --warmup ${WARMUP[$name]:-1} --steps ${STEPS[$name]:-2} --split-repeats ${SPLIT[$name]:-3} \
-    --json --out $OUT/emulated.jsonl ${TRACES:+--record-collectives $OUT/trace_$name} > $OUT/$name.log 2>&1
+    --json --out $OUT/emulated.jsonl > $OUT/$name.log 2>&1
   echo "rc=$?"; grep -v '^{' $OUT/$name.log | grep -v "^\[" | tail -4
   python3 - "$OUT/$name.log" <<'PY'
 import json, sys

@@ -19,7 +19,6 @@
 #   bash benchmarks/pending_gpu_checks.sh losses      # muon's sweep and fp8loss at once (losses only, no timing)
 #   bash benchmarks/pending_gpu_checks.sh migration_moe  # the MoE hand-overs only (carry .mlm)
 #   bash benchmarks/pending_gpu_checks.sh migration_fixtures  # Megatron-LM-saved tiny checkpoints (carry .mlm)
-#   bash benchmarks/pending_gpu_checks.sh tptrace     # what the emulated llama2-13b TP=2 rank's TP calls are
 #   bash benchmarks/pending_gpu_checks.sh rows2       # rows' mixtral and 405B cases with more time each
 #   bash benchmarks/pending_gpu_checks.sh muon1b      # llama3-1b, 1,000 steps, AdamW and Muon at once (losses)
 #   bash benchmarks/pending_gpu_checks.sh fp8seeds    # bf16 and FP8 blockwise at two more seeds (losses)
@@ -53,17 +52,6 @@ for phase in "$@"; do
     rows)
       CASES="llama2-13b-tp2dp4 llama3-70b-tp4pp4dp4 mixtral-8x7b-tp2ep4dp4 llama3-405b-tp8pp8cp2dp2" \
         CASE_TIMEOUT=120 bash benchmarks/emulation_call.sh 2>&1 | grep -v "warn\|^meshtron emulate:" | tail -20 ;;
-    tptrace)
-      # llama2-13b TP=2 DP=4's recorded step, to read what its TP calls are: the GPU row (e21) models about 1,900
-      # per micro-batch, a CPU run of the same layer count about 400 (2026-12-07)
-      CASES="llama2-13b-tp2dp4" TRACES=1 CASE_TIMEOUT=150 bash benchmarks/emulation_call.sh 2>&1 | tail -3
-      python3 -c "
-import collections, json, sys
-rs = [json.loads(l) for l in open('$OUT/trace_llama2-13b-tp2dp4.rank0.jsonl')]
-last = max(r['iteration'] for r in rs)
-for k, v in sorted(collections.Counter((r['phase'], r['group'], r['op'], r['bytes']) for r in rs
-                                       if r['iteration'] == last).items()):
-    print(k, v)" | head -40 ;;
     rows2)
       # rows' last two, which its 120 s per case did not reach or finish on 2026-12-07 (mixtral: compiling and
       # creating the optimizer state of its experts took longer)
