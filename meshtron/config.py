@@ -294,9 +294,10 @@ class LauncherConfig:
 class OptimConfig:
     """Optimizer, learning-rate schedule and clipping."""
 
-    optimizer: str = opt("adam", "Optimizer: adam (AdamW with decoupled weight decay) or muon (momentum orthogonalised "
+    optimizer: str = opt("adam", "Optimizer: adam (AdamW with decoupled weight decay), muon (momentum orthogonalised "
                                  "by Newton-Schulz for the hidden matrices, AdamW for embeddings, output layer, norms, "
-                                 "biases and routers; docs/optimizers.md).", choices=("adam", "muon"))
+                                 "biases and routers) or lion (the sign of an interpolated momentum; "
+                                 "docs/optimizers.md).", choices=("adam", "muon", "lion"))
     muon_momentum: float = opt(0.9, "Muon: momentum of the gradient average that is orthogonalised.")
     muon_nesterov: bool = opt(False, "Muon: Nesterov momentum (orthogonalise the gradient pushed toward the momentum).")
     muon_num_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per step.")
@@ -316,6 +317,8 @@ class OptimConfig:
                                                "medium: TF32 tensor cores, about 8x faster on Hopper). CPU always "
                                                "computes in fp32.",
                                      choices=("highest", "high", "medium"))
+    lion_beta1: float = opt(0.95, "Lion: weight of the momentum against the gradient in the update's sign.")
+    lion_beta2: float = opt(0.98, "Lion: decay of the momentum (its running average of the gradients).")
     lr: float = opt(3e-4, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
     lr_decay_style: str = opt("linear", "Decay after warm-up (Megatron-LM's default: linear).",
