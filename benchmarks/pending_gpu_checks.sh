@@ -158,14 +158,16 @@ for phase in "$@"; do
           | sed "s/^/$recipe: /"
       done ;;
     losses)
-      # The losses of `muon` (its learning-rate sweep) and of `fp8loss`, the nine runs at once on the one GPU:
+      # The losses of `muon` (its learning-rate sweep, and Lion's) and of `fp8loss`, the twelve runs at once on the GPU:
       # each is small, and only their losses are read here (no timing), so sharing the device changes nothing.
       moe="--bf16 --num-experts 8 --moe-ffn-hidden-size 256 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
       # 2026-12-07: AdamW best at 1.5e-3 and Muon at 6e-3, each at an edge of 1.5e-3..6e-3: the sweep reaches past them.
-      for opt in adam muon; do
+      for opt in adam muon lion; do
         lrs=${ADAM_LRS:-7.5e-4 1.5e-3 3e-3}; [ "$opt" = muon ] && lrs=${MUON_LRS:-3e-3 6e-3 1.2e-2}
+        [ "$opt" = lion ] && lrs=${LION_LRS:-1.5e-4 3e-4 6e-4}
         for lr in $lrs; do
           extra=""; [ "$opt" = muon ] && extra="--muon-scale-mode spectral --muon-extra-scale-factor 0.2"
+          [ "$opt" = lion ] && extra="--weight-decay 1.0"  # lr x wd as AdamW's at 3e-3 x 0.1 (the Lion paper's rule)
           (timeout 500 python3 -m meshtron train --train-iters 1000 --optimizer "$opt" --lr "$lr" $extra \
             --save "/tmp/quick_${opt}_$lr" --metrics-file "$OUT/quick_${opt}_$lr.jsonl" --log-interval 250 > "/tmp/quick_${opt}_$lr.log" 2>&1
            echo "$opt lr $lr: exit $? $(grep -E "validation" "/tmp/quick_${opt}_$lr.log" | tail -1)") &
