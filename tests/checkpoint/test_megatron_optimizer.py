@@ -73,6 +73,7 @@ MOE_EP1_LEGACY = "legacy_moe_ep1_dp2_distrib_optim"
 MOE_EP1_BF16 = "legacy_moe_ep1_dp2_bf16_optim"
 VP = "dense_pp2vp2_dp2_dp_reshardable"
 VP_LEGACY = "legacy_pp2vp2_dp2_distrib_optim"
+VP_BF16 = "legacy_pp2vp2_bf16_optim"
 UNEVEN = "dense_pp3_uneven_dp_reshardable"
 UNEVEN_LEGACY = "legacy_pp3_uneven_distrib_optim"
 
@@ -111,7 +112,8 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
 
 
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY, MOE_BF16,
-                                  MOE_EP1, MOE_EP1_LEGACY, MOE_EP1_BF16, VP, VP_LEGACY, UNEVEN, UNEVEN_LEGACY])
+                                  MOE_EP1, MOE_EP1_LEGACY, MOE_EP1_BF16, VP, VP_LEGACY, VP_BF16, UNEVEN,
+                                  UNEVEN_LEGACY])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
@@ -286,6 +288,18 @@ def test_virtual_stages_split_the_layers_chunk_major():
     assert [r.first_stage for _, r in ranks.values()] == [True, False, False, False]
     assert buckets.layout(ranks[(0, 1)][1], bucket_size=10)[1] == [64]  # a later chunk is never bucketed
     assert buckets.layout(ranks[(0, 0)][1], bucket_size=10)[1] == [64, 32]
+
+
+def test_chunks_joined_in_another_order_are_a_notice(monkeypatch):
+    """The non-distributed optimizer's groups take chunk 0's parameters before chunk 1's: read the other way round,
+    the masters prove the mismatch, nothing is read, and the weights still load."""
+    from meshtron.checkpoint.megatron import legacy_optim
+
+    joined = legacy_optim._chunks_joined
+    monkeypatch.setattr(legacy_optim, "_chunks_joined", lambda ranks: joined(list(reversed(ranks))))
+    got = _read(VP_BF16)
+    assert got.optim == {} and len(got.notices) == 1 and "Adam moments start from zero" in got.notices[0]
+    assert set(got.model) == set(_read(VP).model)
 
 
 def test_uneven_stages_split_as_megatron_core():
@@ -492,7 +506,7 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY, MOE_BF16, MOE_EP1, MOE_EP1_LEGACY,
-                                  VP, VP_LEGACY, UNEVEN])
+                                  VP, VP_LEGACY, VP_BF16, UNEVEN])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""

@@ -190,12 +190,20 @@ def _rank_state(opt: Any, rank: buckets.Rank, where: str) -> dict[str, dict[str,
     return out
 
 
+def _chunks_joined(ranks: list[buckets.Rank]) -> buckets.Rank:
+    """One rank's model chunks as its non-distributed optimizer holds them: Megatron-LM's parameter groups take
+    every parameter of chunk 0, then of chunk 1, and so on."""
+    first = ranks[0]
+    return buckets.Rank(first.tp, first.pp, [p for r in ranks for p in r.params], first.first_stage,
+                        set().union(*(r.shared_embedding for r in ranks)))
+
+
 def _file_ranks(key: tuple[int, int, int], opt: Any, model: dict[str, torch.Tensor], experts_of: dict, tp_size: int,
                 pp_size: int, ep_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool, grouped: bool,
-                uneven: buckets.Uneven = buckets.EVEN) -> list[tuple[Any, buckets.Rank, str]]:
+                uneven: buckets.Uneven = buckets.EVEN, vp_size: int = 1) -> list[tuple[Any, buckets.Rank, str]]:
     """(optimizer state_dict, the parameters it holds, label) of file (tp, pp, ep): its dense optimizer's (taken
     from expert-parallel rank 0, the others hold replicas of it) and, with experts, its experts' optimizer's
-    (expert tensor parallelism equal to tensor parallelism)."""
+    (expert tensor parallelism equal to tensor parallelism); with virtual stages over all the rank's chunks."""
     tp, pp, ep = key
     # else the experts are the dense optimizer's, among their layer's (expert TP equals TP here)
     apart = bool(experts_of) and buckets.experts_apart(tp_size, ep_size, tp_size)
@@ -205,30 +213,33 @@ def _file_ranks(key: tuple[int, int, int], opt: Any, model: dict[str, torch.Tens
     chain = _optimizer_chain(opt, 2 if apart else 1, f"{where}: its 'optimizer' entry")
     out = []
     if ep == 0:
-        out.append((chain[0], buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied,
-                                                  bool(experts_of) and not apart, grouped, uneven=uneven), where))
+        out.append((chain[0], _chunks_joined([
+            buckets.rank_params(model, tp, pp, tp_size, pp_size, num_layers, spec, swiglu, tied,
+                                bool(experts_of) and not apart, grouped, v, vp_size, uneven)
+            for v in range(vp_size)]), where))
     if apart:
-        out.append((chain[1], buckets.expert_rank_params(experts_of, tp, ep, pp, tp_size, ep_size, pp_size,
-                                                         num_layers, swiglu, grouped, uneven=uneven),
-                    f"{where} (experts)"))
+        out.append((chain[1], _chunks_joined([
+            buckets.expert_rank_params(experts_of, tp, ep, pp, tp_size, ep_size, pp_size, num_layers, swiglu,
+                                       grouped, v, vp_size, uneven)
+            for v in range(vp_size)]), f"{where} (experts)"))
     return out
 
 
 def local_state(states: dict[tuple[int, int, int], dict], model: dict[str, torch.Tensor], tp_size: int,
                 pp_size: int, num_layers: int, spec: str, swiglu: bool, tied: bool, ep_size: int = 1,
-                etp_size: Optional[int] = None, grouped: bool = False, uneven: buckets.Uneven = buckets.EVEN
-                ) -> dict[str, dict[str, torch.Tensor]]:
+                etp_size: Optional[int] = None, grouped: bool = False, uneven: buckets.Uneven = buckets.EVEN,
+                vp_size: int = 1) -> dict[str, dict[str, torch.Tensor]]:
     """{state: {Megatron name: whole tensor}} from every rank's ``model_optim_rng.pt`` ``optimizer`` entry; a
     mixture-of-experts model's experts from the second of its chained optimizers, per expert-parallel rank
     (``ep_size``; ``etp_size`` None or ``tp_size``; ``grouped``: TEGroupedMLP's order; ``uneven``: the first and
-    last stages' own layer counts)."""
-    buckets.check_split(num_layers, pp_size, 1, uneven)
+    last stages' own layer counts; ``vp_size`` model chunks per rank, in one optimizer)."""
+    buckets.check_split(num_layers, pp_size, vp_size, uneven)
     experts_of = buckets.experts_by_layer(model)
     _check_expert_tp(experts_of, tp_size, etp_size)
     shards: dict[str, dict[str, list]] = {}
     for key, state in sorted(states.items()):
         for opt, rank, where in _file_ranks(key, state.get("optimizer"), model, experts_of, tp_size, pp_size,
-                                            ep_size, num_layers, spec, swiglu, tied, grouped, uneven):
+                                            ep_size, num_layers, spec, swiglu, tied, grouped, uneven, vp_size):
             for which, by_name in _rank_state(opt, rank, where).items():
                 for name, t in by_name.items():
                     shards.setdefault(which, {}).setdefault(name, [None] * tp_size)[key[0]] = t

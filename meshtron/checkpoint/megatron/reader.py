@@ -139,9 +139,7 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
     what = "distrib_optim.pt (the distributed optimizer's buffers)" if has_distributed else \
         "the 'optimizer' entries of model_optim_rng.pt"
     why = None
-    if not has_distributed and _vp_size(args) > 1:
-        why = "the non-distributed optimizer's parameter indices over virtual-pipeline model chunks are not mapped yet"
-    elif has_distributed and not all(f.is_file() for f in distributed):
+    if has_distributed and not all(f.is_file() for f in distributed):
         why = f"{next(f for f in distributed if not f.is_file())} is missing"
     else:
         try:
@@ -150,7 +148,7 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
                                                       shape["swiglu"], shape["tied"], _bucket_size(args),
                                                       *_expert_args(args), _vp_size(args), _uneven(args)), []
             return legacy_optim.local_state(states, merged, tp, pp, settings["num_layers"], spec, shape["swiglu"],
-                                            shape["tied"], *_expert_args(args), _uneven(args)), []
+                                            shape["tied"], *_expert_args(args), _uneven(args), _vp_size(args)), []
         except buckets.LayoutMismatch as err:
             why = f"it does not hold the parameters where megatron-core puts them ({err})"
     return {}, [f"{where}: its optimizer state ({what}) is not read: {why}; the weights load and the Adam "
