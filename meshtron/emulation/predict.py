@@ -72,8 +72,7 @@ def summarise_step(records: Sequence[dict], spans_nodes: dict, profile: DevicePr
     ``spans_nodes``: group name -> whether its ranks sit on more than one node. ``micro_batch_scale``: the
     step ran that many times fewer micro-batches than the job has (``--measure-micro-batches``): the
     per-micro-batch groups' operations (outside :data:`PER_STEP_PHASES`) are counted that many times over;
-    ``forward_s`` and ``backward_s``
-    are the job's (already scaled)."""
+    ``forward_s`` and ``backward_s`` are the job's (already scaled)."""
     seconds, nbytes, calls = defaultdict(float), defaultdict(int), defaultdict(int)
     async_seconds = defaultdict(float)
     per_transfer = defaultdict(list)

@@ -41,6 +41,8 @@ from typing import Optional
 
 import torch
 
+from meshtron.emulation.trace import outside_recorder
+
 PATH_ENV = "MESHTRON_DOCUMENT_ATTENTION"
 PATHS = ("blocks", "dense")
 CUDA_BLOCK = 128  # flex attention's default tile (BlockMask's BLOCK_SIZE)
@@ -220,8 +222,6 @@ def flex(q, k, v, block_mask, scale: Optional[float], return_lse: bool = False):
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
     gqa = k.shape[1] != q.shape[1]
-    from meshtron.emulation.trace import outside_recorder
-
     # flex attention holds no collective, and neither its compiled kernel nor its eager path (which compiles too)
     # runs under a collective recorder's dispatch mode (--record-collectives, meshtron emulate)
     with outside_recorder():

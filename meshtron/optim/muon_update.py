@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from meshtron.optim.muon_rule import NS_COEFFICIENTS, NS_EPS, STATES, uses_muon
+from meshtron.optim.segment_momentum import SegmentMomentum
 from meshtron.parallel.sharding import ShardSpec, cut, spec_of, split_local
 
 # ----------------------------------------------------------------------------------------- the update
@@ -205,45 +206,20 @@ class MixedPrecisionMuon:
 
 
 # ----------------------------------------------------------------------------------------- distributed optimizer part
-class SegmentMuon:
+class SegmentMuon(SegmentMomentum):
     """Muon stepping whole parameters owned by this rank (segments of the flat buffers), a partition of the
     distributed optimizer with SegmentAdamW's interface."""
 
-    def __init__(self, segments, params: Sequence[nn.Parameter], grad_data, param_data: torch.Tensor, cfg, ctx):
-        from meshtron.optim.grad_buffer import grad_region
+    STATE = "momentum_buffer"
 
-        self.segments = [s for s in segments if s.length > 0]
+    def __init__(self, segments, params: Sequence[nn.Parameter], grad_data, param_data: torch.Tensor, cfg, ctx):
+        super().__init__(segments, grad_data, param_data, cfg)
         for s in self.segments:
             if s.param_offset != 0 or s.length != params[s.param_index].numel():
                 raise ValueError("Muon steps whole parameters: the layout must not cut one across ranks "
                                  "(meshtron.optim.buckets.place_buckets(whole=True))")
         self.shapes = [params[s.param_index].shape for s in self.segments]
-        self.grad_views = [grad_region(grad_data, s.buffer_offset, s.buffer_offset + s.length) for s in self.segments]
-        self.param_data = param_data
-        self.cfg = cfg
-        self.aliased = param_data.dtype == torch.float32
-        views = [param_data[s.buffer_offset:s.buffer_offset + s.length] for s in self.segments]
-        self.master_flat: Optional[torch.Tensor] = None
-        if self.aliased:
-            self.masters = views
-        else:
-            numel = sum(s.length for s in self.segments)
-            self.master_flat = torch.empty(numel, dtype=torch.float32, device=param_data.device)
-            self.masters, offset = [], 0
-            for v, s in zip(views, self.segments):
-                self.masters.append(self.master_flat[offset:offset + s.length])
-                self.masters[-1].copy_(v)
-                offset += s.length
-        self.momentum: list[Optional[torch.Tensor]] = [None] * len(self.segments)
         self.updates = MatrixUpdates([params[s.param_index] for s in self.segments], cfg, ctx)
-
-    @torch.no_grad()
-    def scale_grads(self, coef: torch.Tensor) -> None:
-        if self.segments:
-            torch._foreach_mul_(self.grad_views, coef)
-
-    def fetch_grads(self) -> None:
-        """Device partitions only (Muon's state is not offloaded)."""
 
     @torch.no_grad()
     def step(self, lr: float, grad_coef: Optional[torch.Tensor] = None, step_number: int = 0) -> None:
@@ -255,40 +231,6 @@ class SegmentMuon:
                 grad = grad * grad_coef
             update = self.updates.update(k, _momentum_step(self.momentum[k], grad, self.cfg).view(shape))
             master.mul_(decay).add_(update.reshape(-1), alpha=-lr)
-
-    @torch.no_grad()
-    def store_params(self) -> None:
-        if self.segments and not self.aliased:
-            torch._foreach_copy_([self.param_data[s.buffer_offset:s.buffer_offset + s.length] for s in self.segments],
-                                 self.masters)
-
-    def finish_store(self) -> None:
-        """Nothing in flight."""
-
-    def ensure_state(self, step: int) -> None:
-        for k, master in enumerate(self.masters):
-            if self.momentum[k] is None:
-                self.momentum[k] = torch.zeros_like(master, dtype=torch.float32)
-
-    def state_of(self, position: int) -> dict[str, torch.Tensor]:
-        out = {"master": self.masters[position]}
-        if self.momentum[position] is not None:
-            out["momentum_buffer"] = self.momentum[position]
-        return out
-
-    @torch.no_grad()
-    def load_segment(self, position: int, key: str, values: torch.Tensor) -> None:
-        self.state_of(position)[key].copy_(values)
-        if key == "master" and not self.aliased:
-            s = self.segments[position]
-            self.param_data[s.buffer_offset:s.buffer_offset + s.length].copy_(self.masters[position])
-
-    def set_step(self, step: int) -> None:
-        """Muon has no step counter (no bias correction)."""
-
-    def state_bytes(self) -> int:
-        total = 0 if self.master_flat is None else self.master_flat.numel() * 4
-        return total + sum(m.numel() * 4 for m in self.momentum if m is not None)
 
 
 def partitions(segments, params, grad_data, param_data, cfg, ctx, host):

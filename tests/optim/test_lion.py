@@ -16,12 +16,10 @@ import torch
 import torch.nn as nn
 
 from meshtron.optim.registry import ELEMENTS, optimizer_kind, optimizer_names
-from tests.distributed.launch import run_distributed
-from tests.optim.test_sharding_strategies import _checkpoint_tensors, _latest, _run
+from tests.optim.test_muon import ITERS, _assert_logs, _assert_memory, _config, _launch, one_process_runs
+from tests.optim.test_sharding_strategies import _checkpoint_tensors, _latest
 
-ITERS = 4
-WORLD = 4
-LR = 3e-3
+LR = 3e-3  # the trainer helpers and ITERS are tests/optim/test_muon.py's (its WORLD of 4 processes)
 
 
 def test_registered_as_an_elementwise_optimizer():
@@ -79,31 +77,6 @@ def _args(iters=ITERS, save=None, load=None, *extra) -> list[str]:
     return args + list(extra)
 
 
-def _config(args: list[str]):
-    from meshtron.cli import build_config
-
-    cfg = build_config(args)
-    cfg.log.quiet, cfg.log.progress_bar, cfg.data.num_workers, cfg.train.generate_sample = True, False, 0, False
-    cfg.train.compile = False
-    return cfg
-
-
-def _worker(rank: int, world: int, cases: list) -> list:
-    return [_run(_config(args)) for _, args in cases]
-
-
-def _launch(cases: list) -> dict:
-    results = run_distributed(_worker, WORLD, cases, timeout=600)
-    return {name: [r[i] for r in results] for i, (name, _) in enumerate(cases)}
-
-
-def _assert_logs(per_rank, ref, iterations, rel: float = 1e-5) -> None:
-    for rank, (losses, norms, *_) in enumerate(per_rank):
-        for it in iterations:
-            assert losses[it] == pytest.approx(ref.train_losses[it], rel=rel), f"rank {rank} iteration {it} loss"
-            assert norms[it] == pytest.approx(ref.grad_norms[it], rel=rel), f"rank {rank} iteration {it} norm"
-
-
 def _assert_checkpoint(got_dir: str, want_dir: str) -> None:
     """Every tensor equal to the one-process run's (rtol 1e-5), except for a few elements whose update's sign
     flipped: where the momentum and the gradient all but cancel, the rounding of another reduction order decides
@@ -121,23 +94,10 @@ def _assert_checkpoint(got_dir: str, want_dir: str) -> None:
             assert (a - b).abs().max() <= 2 * LR * (1 + 0.1 * LR) * ITERS + 1e-5, f"{got_dir} {key}"
 
 
-def _assert_memory(per_rank, name: str) -> None:
-    for rank, (_, _, memory, _) in enumerate(per_rank):
-        for kind, (got, planned) in memory.items():
-            assert got == planned, f"{name} rank {rank}: {kind} allocated {got} bytes, the model predicts {planned}"
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     pytest.importorskip("meshtron.data.mock")
-    from meshtron.training.trainer import run_training
-
-    root = str(tmp_path_factory.mktemp("lion"))
-    os.environ.pop("WORLD_SIZE", None)
-    ref_dir, half_dir = os.path.join(root, "ref"), os.path.join(root, "ref_half")
-    ref = run_training(_config(_args(save=ref_dir)))
-    half = run_training(_config(_args(iters=ITERS // 2, save=half_dir)))
-    return root, ref, ref_dir, half, half_dir
+    return one_process_runs(str(tmp_path_factory.mktemp("lion")), _args)
 
 
 def test_resume_in_one_process_equals_the_uninterrupted_run(reference):
@@ -156,7 +116,7 @@ def test_tp_and_distributed_optimizer_train_the_single_process_model(reference):
     """The fast representative: TP=2 with SP x DP=2, the distributed optimizer cutting Lion's state anywhere."""
     root, ref, ref_dir, *_ = reference
     out = os.path.join(root, "tp2dp2")
-    results = _launch([("tp2dp2", _args(ITERS, out, None, "--tensor-model-parallel-size", "2",
+    results = _launch(root, [("tp2dp2", _args(ITERS, out, None, "--tensor-model-parallel-size", "2",
                                         "--sequence-parallel", "--use-distributed-optimizer"))])
     _assert_logs(results["tp2dp2"], ref, range(1, ITERS + 1))
     _assert_checkpoint(out, ref_dir)
@@ -177,7 +137,7 @@ def test_every_layout_trains_the_single_process_model_and_reshards(reference):
         # a checkpoint of one process resumes under DP=4 with the distributed optimizer
         ("dp4_from_one", _args(ITERS, d("dp4_from_one"), half_dir, "--use-distributed-optimizer")),
     ]
-    results = _launch(cases)
+    results = _launch(root, cases)
     for name in ("dp4_zero3", "pp2dp2", "cp2dp2_zero2", "tp4_no_shard"):
         _assert_logs(results[name], ref, range(1, ITERS + 1))
         _assert_checkpoint(d(name), ref_dir)

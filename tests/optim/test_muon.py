@@ -193,17 +193,22 @@ def _assert_memory(per_rank, name: str) -> None:
             assert got == planned, f"{name} rank {rank}: {kind} allocated {got} bytes, the model predicts {planned}"
 
 
+def one_process_runs(root: str, args) -> tuple:
+    """(root, the one-process run of ITERS steps, its checkpoint directory, the run of half as many, its
+    directory): the references of the layouts, each run from ``args(iters=..., save=...)``."""
+    from meshtron.training.trainer import run_training
+
+    os.environ.pop("WORLD_SIZE", None)
+    ref_dir, half_dir = os.path.join(root, "ref"), os.path.join(root, "ref_half")
+    ref = run_training(_config(args(save=ref_dir)))
+    half = run_training(_config(args(iters=ITERS // 2, save=half_dir)))
+    return root, ref, ref_dir, half, half_dir
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     pytest.importorskip("meshtron.data.mock")
-    from meshtron.training.trainer import run_training
-
-    root = str(tmp_path_factory.mktemp("muon"))
-    os.environ.pop("WORLD_SIZE", None)
-    ref_dir, half_dir = os.path.join(root, "ref"), os.path.join(root, "ref_half")
-    ref = run_training(_config(_args(save=ref_dir)))
-    half = run_training(_config(_args(iters=ITERS // 2, save=half_dir)))
-    return root, ref, ref_dir, half, half_dir
+    return one_process_runs(str(tmp_path_factory.mktemp("muon")), _args)
 
 
 def test_resume_in_one_process_equals_the_uninterrupted_run(reference):
