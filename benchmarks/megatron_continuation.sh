@@ -21,7 +21,7 @@
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-W=/tmp/migration; rm -rf "$W"; mkdir -p "$W"
+W=${MIGRATION_WORK:-/tmp/migration}; rm -rf "$W"; mkdir -p "$W"
 MLM=$PWD/.mlm
 [ -f "$MLM/pretrain_gpt.py" ] || { echo "no Megatron-LM source in .mlm (see the header)"; exit 2; }
 if ! command -v make >/dev/null; then  # Megatron runs `make` on its dataset helpers: already built, nothing to do
@@ -120,7 +120,7 @@ wait
 
 echo "== losses of iterations 11-20"
 python3 benchmarks/megatron_continuation_compare.py "$W" --out "$OUT/megatron_continuation.jsonl"
-cp "$W"/*.log "$W"/*.jsonl "$OUT"/ 2>/dev/null
+tar -C "$W" -czf "$OUT/megatron_continuation_logs${ONLY:+_$ONLY}.tar.gz" $(cd "$W" && ls *.log *.jsonl 2>/dev/null)  # one file: few come back
 for f in "$W"/*.log; do  # Megatron's own error lines first (torchrun's wrapper traceback says nothing)
   grep -q "Traceback\|error" "$f" && { echo "--- $(basename "$f")"; grep "rank0\]: [A-Za-z.]*Error" "$f" | tail -3
     grep -B2 -A12 "Traceback\|rror" "$f" | grep -v "^  [a-z_0-9]* \.\.\." | tail -12; }; done

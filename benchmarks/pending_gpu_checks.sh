@@ -110,7 +110,7 @@ for phase in "$@"; do
       timeout 560 bash benchmarks/megatron_continuation.sh ;;
     migration_fixtures)
       # tiny checkpoints of Megatron-LM's own loop, for tests/fixtures/megatron (carry .mlm)
-      ONLY=fixtures timeout 300 bash benchmarks/megatron_continuation.sh ;;
+      ONLY=fixtures MIGRATION_WORK=/tmp/migration_fixtures timeout 300 bash benchmarks/megatron_continuation.sh ;;
     migration_moe)
       # the MoE hand-overs not yet run on the GPU: dp_reshardable, legacy, and meshtron's export back (carry .mlm)
       ONLY=moe timeout 400 bash benchmarks/megatron_continuation.sh 2>&1 | grep -v "missing (mg_dense\|missing (ms_dense" ;;
@@ -173,7 +173,7 @@ for phase in "$@"; do
            echo "$opt lr $lr: exit $? $(grep -E "validation" "/tmp/quick_${opt}_$lr.log" | tail -1)") &
         done
       done
-      for recipe in bf16 rowwise blockwise; do
+      for recipe in ${LOSSES_FP8_RECIPES-bf16 rowwise blockwise}; do  # LOSSES_FP8_RECIPES= : the optimizers only
         fp8=""; [ "$recipe" != bf16 ] && fp8="--fp8-format e4m3 --fp8-recipe $recipe --fp8-experts"
         (timeout 500 python3 -m meshtron train --train-iters 1000 $moe $fp8 --save "/tmp/fp8loss_$recipe" \
           --metrics-file "$OUT/fp8loss_$recipe.jsonl" \
