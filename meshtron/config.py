@@ -203,6 +203,10 @@ class ParallelConfig:
     account_for_loss_in_pipeline_split: bool = opt(False, "Count the output layer and loss as one layer when "
                                                           "splitting layers over pipeline stages (the last model "
                                                           "chunk holds one layer fewer).")
+    pipeline_model_parallel_layout: Optional[str] = opt(
+        None, "Megatron-LM's layout of every model chunk, in model order with | between chunks: E the embedding, "
+              "t a transformer layer, m a multi-token prediction depth, L the loss; (...)*n and x*n repeat "
+              "(e.g. \"Ett|(tt|)*2,tL\"). Chunks / PP gives the virtual stages.")
     context_parallel_size: int = opt(1, "Context-parallel size (split the sequence).")
     cp_comm_type: str = opt("p2p", "Context-parallel attention communication: p2p (ring attention), allgather "
                                    "(keys and values gathered once), a2a (DeepSpeed-Ulysses: heads exchanged for "

@@ -54,7 +54,8 @@ def layout_from_config(cfg: MeshtronConfig) -> PipelineLayout:
                             virtual_size=p.virtual_pipeline_model_parallel_size,
                             layers_per_virtual=p.num_layers_per_virtual_pipeline_stage,
                             embedding_slot=p.account_for_embedding_in_pipeline_split,
-                            loss_slot=p.account_for_loss_in_pipeline_split, v_shape=p.pipeline_schedule == "zbv")
+                            loss_slot=p.account_for_loss_in_pipeline_split, v_shape=p.pipeline_schedule == "zbv",
+                            layout=p.pipeline_model_parallel_layout, mtp_layers=cfg.model.mtp_num_layers or 0)
 
 
 def sharding_strategy(cfg) -> str:

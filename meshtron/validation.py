@@ -85,8 +85,9 @@ def resolve(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
     """Fill, in place, the fields of ``cfg`` that other fields imply (idempotent).
 
     A fill whose inputs are unusable is skipped, and :func:`check` then names the flag. The one
-    error raised here is an impossible ``--num-layers-per-virtual-pipeline-stage`` split (the
-    partition that derives the virtual stages is the same that refuses it).
+    error raised here is an impossible ``--num-layers-per-virtual-pipeline-stage`` or
+    ``--pipeline-model-parallel-layout`` split (the partition that derives the virtual stages is the same that
+    refuses it).
     """
     _resolve_model(cfg.model)
     _resolve_precision_and_recompute(cfg)
@@ -95,6 +96,9 @@ def resolve(cfg: MeshtronConfig, world_size: Optional[int] = 1) -> None:
         p.expert_tensor_parallel_size = p.tensor_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:
         p.virtual_pipeline_model_parallel_size = layout_from_config(cfg).virtual_stages
+    if p.pipeline_model_parallel_layout is not None and p.virtual_pipeline_model_parallel_size is None:
+        virtual = layout_from_config(cfg).virtual_stages  # the layout's chunks per stage
+        p.virtual_pipeline_model_parallel_size = virtual if virtual > 1 else None
     dp = _data_parallel_size_or_none(cfg, world_size)
     if dp is not None:
         _resolve_batch_and_samples(cfg, dp)

@@ -65,6 +65,11 @@ ERRORS = [
     (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2",
               "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"], 2,
      "cannot be combined with --decoder-first-pipeline-num-layers"),
+    (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+              "Ett|(tt|)*2,L"], 2, "model chunk 3 ('L': stage 1, virtual stage 1) holds no transformer layer"),
+    (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+              "Ett|t|t|ttL", "--virtual-pipeline-model-parallel-size", "3"], 2,
+     "names 4 model chunks, 2 per pipeline stage, but --virtual-pipeline-model-parallel-size is 3"),
     # Megatron-LM flags that meshtron parses in order to say why it does not do what they ask.
     (SHAPE + ["--recompute-activations", "--recompute-granularity", "full"], 1,
      "--recompute-activations means --recompute-granularity selective; it contradicts"),

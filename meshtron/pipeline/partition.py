@@ -15,6 +15,11 @@ stage ``p`` is model chunk ``v * PP + p``. A chunk of stage ``p`` holds
 ``layers(p) / V`` layers. Example: 8 layers, PP=2, V=2 gives stage 0 the chunks
 [0, 1] and [4, 5], stage 1 the chunks [2, 3] and [6, 7].
 
+Megatron-LM's ``--pipeline-model-parallel-layout`` names every model chunk's contents instead, in model order and
+separated by ``|``: ``E`` the embedding, ``t`` a transformer layer, ``m`` a multi-token prediction depth, ``L`` the
+output layer and loss, ``(...)*n`` and ``x*n`` repeats, commas cosmetic (``"Et*3|(tt|)*2,m|L"``, as
+megatron-core parses it); its number of chunks divided by the stages gives the virtual stages.
+
 The embedding lives on chunk 0 of stage 0, the final norm, output layer and loss
 on chunk V-1 of the last stage. ZBV (``--pipeline-schedule zbv``) places two chunks per stage in
 a V instead: chunk 0 of stage ``p`` is model chunk ``p`` and chunk 1 is model chunk
@@ -28,6 +33,7 @@ into these arguments) needs no model code.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -58,6 +64,10 @@ _VPP = "--virtual-pipeline-model-parallel-size"
 _PER_VIRTUAL = "--num-layers-per-virtual-pipeline-stage"
 _EMBEDDING_SLOT = "--account-for-embedding-in-pipeline-split"
 _LOSS_SLOT = "--account-for-loss-in-pipeline-split"
+_LAYOUT = "--pipeline-model-parallel-layout"
+#: the letters of a layout string, as megatron-core's PipelineParallelLayerLayout reads them
+LAYOUT_LETTERS = {"E": "embedding", "t": "transformer layer", "m": "multi-token prediction depth",
+                  "L": "output layer and loss"}
 
 
 @dataclass(frozen=True)
@@ -158,25 +168,92 @@ def resolve_virtual_stages(num_layers: int, counts: list[int], virtual_size: Opt
 
 def partition_layers(num_layers: int, stages: int, *, first: Optional[int] = None, last: Optional[int] = None,
                      virtual_size: Optional[int] = None, layers_per_virtual: Optional[int] = None,
-                     embedding_slot: bool = False, loss_slot: bool = False, v_shape: bool = False) -> PipelineLayout:
+                     embedding_slot: bool = False, loss_slot: bool = False, v_shape: bool = False,
+                     layout: Optional[str] = None, mtp_layers: int = 0,
+                     empty_chunks: bool = False) -> PipelineLayout:
     """The layout of ``num_layers`` layers over ``stages`` pipeline stages (see the module docstring).
 
     ``embedding_slot`` / ``loss_slot``: count the embedding / the output layer and loss as a layer.
     ``v_shape`` (``--pipeline-schedule zbv``): two chunks per stage placed in a V, each half of the stage's
-    layers. Raises :class:`ConfigError` naming the flags when the split is impossible.
+    layers. ``layout``: a ``--pipeline-model-parallel-layout`` string (:func:`partition_from_layout`).
+    ``empty_chunks``: allow model chunks without transformer layers (megatron-core builds them; meshtron's
+    pipeline does not run them). Raises :class:`ConfigError` naming the flags when the split is impossible.
     """
     if num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {num_layers}")
+    if layout is not None:
+        given = [f for f, on in ((_FIRST, first is not None), (_LAST, last is not None), (_PER_VIRTUAL,
+                 layers_per_virtual is not None), (_EMBEDDING_SLOT, embedding_slot), (_LOSS_SLOT, loss_slot),
+                 ("--pipeline-schedule zbv", v_shape)) if on]
+        if given:
+            raise ConfigError(f"{_LAYOUT} places every layer itself; drop {', '.join(given)}")
+        return partition_from_layout(layout, num_layers, stages, virtual_size, mtp_layers, empty_chunks)
     if v_shape:
         return _v_layout(num_layers, stages, first, last, virtual_size, layers_per_virtual, embedding_slot,
                          loss_slot)
     if embedding_slot or loss_slot:
         return _partition_with_slots(num_layers, stages, first, last, virtual_size, layers_per_virtual,
-                                     embedding_slot, loss_slot)
+                                     embedding_slot, loss_slot, empty_chunks)
     counts = stage_layer_counts(num_layers, stages, first, last)
     vpp = resolve_virtual_stages(num_layers, counts, virtual_size, layers_per_virtual,
                                  uneven=first is not None or last is not None)
     return _layout(num_layers, stages, vpp, [counts[k % stages] // vpp for k in range(stages * vpp)])
+
+
+def parse_layout(text: str) -> list[str]:
+    """The model chunks of a ``--pipeline-model-parallel-layout`` string, in model order, each as its letters
+    (repeats unrolled, commas and spaces dropped): ``"Et*2|(tt|)*2,L"`` gives ``["Ett", "tt", "tt", "L"]``."""
+    flat = text.replace(",", "").replace(" ", "")
+    for pattern in (r"\(([^()]+)\)\*(\d+)", r"(.)\*(\d+)"):  # groups first, then single letters
+        flat = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), flat)
+    chunks = flat.split("|")
+    for i, chunk in enumerate(chunks):
+        bad = sorted(set(chunk) - set(LAYOUT_LETTERS))
+        if bad:
+            known = ", ".join(f"{k} ({v})" for k, v in LAYOUT_LETTERS.items())
+            raise ConfigError(f"{_LAYOUT} {text!r}: model chunk {i} ({chunk!r}) has {', '.join(map(repr, bad))}; "
+                              f"the letters are {known}, with | between chunks and *n after a letter or (...) "
+                              f"to repeat it")
+    return chunks
+
+
+def partition_from_layout(text: str, num_layers: int, stages: int, virtual_size: Optional[int] = None,
+                          mtp_layers: int = 0, empty_chunks: bool = False) -> PipelineLayout:
+    """The layout that a ``--pipeline-model-parallel-layout`` string names (see the module docstring), checked as
+    megatron-core checks it (the embedding first, the loss last, ``num_layers`` layers, the prediction depths after
+    every layer) and against what meshtron runs: the embedding on the first model chunk, the output layer with
+    the prediction depths on the last, every model chunk with at least one transformer layer (unless
+    ``empty_chunks``: megatron-core allows chunks without one, which a reader of its checkpoints meets)."""
+    chunks = parse_layout(text)
+    if stages < 1 or len(chunks) % stages:
+        raise ConfigError(f"{_LAYOUT} names {len(chunks)} model chunks, not a multiple of {_PP} ({stages})")
+    vpp = len(chunks) // stages
+    if virtual_size is not None and virtual_size != vpp:
+        raise ConfigError(f"{_LAYOUT} names {len(chunks)} model chunks, {vpp} per pipeline stage, but {_VPP} is "
+                          f"{virtual_size}; drop {_VPP} (the layout gives it)")
+    flat = "".join(chunks)
+    where = f"{_LAYOUT} {text!r}"
+    if flat.count("E") != 1 or flat.count("L") != 1:
+        raise ConfigError(f"{where} must name the embedding (E) and the loss (L) once each")
+    if not chunks[0].startswith("E") or not chunks[-1].endswith("L"):
+        raise ConfigError(f"{where} must begin with the embedding (E) in the first model chunk and end with the "
+                          f"loss (L) in the last")
+    if flat.count("t") != num_layers:
+        raise ConfigError(f"{where} names {flat.count('t')} transformer layers (t), but --num-layers is "
+                          f"{num_layers}")
+    if flat.count("m") != mtp_layers:
+        raise ConfigError(f"{where} names {flat.count('m')} multi-token prediction depths (m), but "
+                          f"--mtp-num-layers is {mtp_layers}")
+    if "m" in flat and ("t" in flat[flat.index("m"):] or "m" in "".join(chunks[:-1])):
+        raise ConfigError(f"{where}: meshtron keeps the prediction depths (m) beside the loss, after every "
+                          f"transformer layer, in the last model chunk")
+    sizes = [c.count("t") for c in chunks]
+    if min(sizes) < 1 and not empty_chunks:
+        empty = sizes.index(0)
+        raise ConfigError(f"{where}: model chunk {empty} ({chunks[empty]!r}: stage {empty % stages}, virtual "
+                          f"stage {empty // stages}) holds no transformer layer, which meshtron's pipeline "
+                          f"does not run; give every chunk at least one t")
+    return _layout(num_layers, stages, vpp, sizes)
 
 
 def _v_layout(num_layers: int, stages: int, first: Optional[int], last: Optional[int], virtual_size: Optional[int],
@@ -213,7 +290,7 @@ def _layout(num_layers: int, stages: int, vpp: int, chunk_sizes: list[int]) -> P
 
 def _partition_with_slots(num_layers: int, stages: int, first: Optional[int], last: Optional[int],
                           virtual_size: Optional[int], layers_per_virtual: Optional[int],
-                          embedding_slot: bool, loss_slot: bool) -> PipelineLayout:
+                          embedding_slot: bool, loss_slot: bool, empty_chunks: bool = False) -> PipelineLayout:
     """Megatron-LM's accounting split: the embedding and/or the loss take one layer's slot."""
     flags = " and ".join(f for f, on in ((_EMBEDDING_SLOT, embedding_slot), (_LOSS_SLOT, loss_slot)) if on)
     if first is not None or last is not None:
@@ -228,7 +305,7 @@ def _partition_with_slots(num_layers: int, stages: int, first: Optional[int], la
     sizes = [slots // (stages * vpp)] * (stages * vpp)
     sizes[0] -= embedding_slot
     sizes[-1] -= loss_slot
-    if min(sizes) < 1:
+    if min(sizes) < (0 if empty_chunks else 1):
         raise ConfigError(f"{flags} with --num-layers {num_layers}, {_PP} {stages} and {vpp} virtual stages "
                           f"leaves a model chunk without layers; use fewer stages or virtual stages")
     return _layout(num_layers, stages, vpp, sizes)

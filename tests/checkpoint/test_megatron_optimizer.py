@@ -76,6 +76,10 @@ VP_LEGACY = "legacy_pp2vp2_dp2_distrib_optim"
 VP_BF16 = "legacy_pp2vp2_bf16_optim"
 UNEVEN = "dense_pp3_uneven_dp_reshardable"
 UNEVEN_LEGACY = "legacy_pp3_uneven_distrib_optim"
+LAYOUT = "dense_pp2vp2_layout_dp_reshardable"  # --pipeline-model-parallel-layout "Ett|t|t|ttL"
+LAYOUT_LEGACY = "legacy_pp2vp2_layout_distrib_optim"
+LOSS_SLOT = "dense_pp2_loss_slot_dp_reshardable"  # --account-for-loss-in-pipeline-split
+LOSS_SLOT_LEGACY = "legacy_pp2_loss_slot_distrib_optim"
 
 
 def _read(name: str):
@@ -113,7 +117,7 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
 
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY, MOE_BF16,
                                   MOE_EP1, MOE_EP1_LEGACY, MOE_EP1_BF16, VP, VP_LEGACY, VP_BF16, UNEVEN,
-                                  UNEVEN_LEGACY])
+                                  UNEVEN_LEGACY, LAYOUT, LAYOUT_LEGACY, LOSS_SLOT, LOSS_SLOT_LEGACY])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
@@ -130,7 +134,8 @@ def test_optimizer_state_is_megatron_cores(name, references):
 
 
 @pytest.mark.parametrize("pair", [(CASE, LEGACY), (MTP, MTP_LEGACY), (MOE, MOE_LEGACY), (MOE_EP1, MOE_EP1_LEGACY),
-                                  (VP, VP_LEGACY), (UNEVEN, UNEVEN_LEGACY)])
+                                  (VP, VP_LEGACY), (UNEVEN, UNEVEN_LEGACY), (LAYOUT, LAYOUT_LEGACY),
+                                  (LOSS_SLOT, LOSS_SLOT_LEGACY)])
 def test_the_same_optimizer_in_both_formats(pair):
     """The same model and optimizer saved as torch_dist dp_reshardable and as legacy distrib_optim.pt read the
     same: weights, masters (an fp32 model's: its weights) and moments (a mixture-of-experts model's experts
@@ -319,7 +324,7 @@ def test_uneven_stages_split_as_megatron_core():
 
 def test_uneven_stages_unknown_to_args_are_a_notice(monkeypatch):
     """The uneven fixture read as if its first stage held two layers: the layout proof fails, nothing is read."""
-    monkeypatch.setattr(reader, "_uneven", lambda args: (2, None))
+    monkeypatch.setattr(reader, "_uneven", lambda args, num_layers: (2, None))
     got = read_megatron(find_megatron_checkpoint(FIXTURES / UNEVEN))
     assert got.optim == {} and len(got.notices) == 1 and "Adam moments start from zero" in got.notices[0]
     assert set(_read(UNEVEN).model) == set(got.model)  # the weights load as before
@@ -506,7 +511,7 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY, MOE_BF16, MOE_EP1, MOE_EP1_LEGACY,
-                                  VP, VP_LEGACY, VP_BF16, UNEVEN])
+                                  VP, VP_LEGACY, VP_BF16, UNEVEN, LAYOUT, LOSS_SLOT_LEGACY])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""

@@ -40,6 +40,9 @@ WORLD_4 = [
     ("pp2-dp2-interleaved-v2-embedding-and-loss-slots",
      run_config(model_config(layers=6, tied=False), pp=2, vpp=2, account_for_embedding_in_pipeline_split=True,
                 account_for_loss_in_pipeline_split=True, overlap_p2p_comm=True)),
+    # Megatron's --pipeline-model-parallel-layout: chunks of 2, 1 | 1, 2 layers (stage 0 holds layers 0, 1 and 3).
+    ("pp2-dp2-layout-string", run_config(model_config(layers=6, tied=False), pp=2, vpp=2,
+                                         pipeline_model_parallel_layout="Ett|t|t|ttL")),
 ]
 WORLD_8 = [
     ("tp2-pp2-dp2-sp", run_config(LLAMA_TIED, tp=2, pp=2, sp=True)),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from meshtron.config import MeshtronConfig
@@ -121,3 +124,64 @@ def test_get_schedule_rejects_a_micro_batch_count_interleaving_cannot_run():
     cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 3
     with pytest.raises(ConfigError, match="--global-batch-size"):
         get_schedule(cfg, ParallelContext(pp=2), forward_step=lambda chunk, micro_batch, hidden: (hidden, None))
+
+
+# megatron-core 0.19.2's own placements (tests/fixtures/megatron/make_pipeline_layouts.py)
+_MEGATRON_PLACEMENTS = json.loads((Path(__file__).parents[1] / "fixtures" / "megatron" /
+                                   "pipeline_layouts.json").read_text())
+
+
+@pytest.mark.parametrize("case", _MEGATRON_PLACEMENTS["layouts"], ids=lambda c: f"{c['layout']}-pp{c['pp']}")
+def test_layout_strings_place_layers_as_megatron_core(case):
+    table = case["layers"]
+    mtp = case["layout"].count("m")
+    num_layers = sum(len(chunk) for row in table for chunk in row)
+    layout = partition_layers(num_layers, case["pp"], layout=case["layout"], mtp_layers=mtp, empty_chunks=True)
+    assert layout.virtual_stages == len(table[0])
+    assert [[layout.layers(p, v) for v in range(layout.virtual_stages)] for p in range(case["pp"])] == table
+    if all(chunk for row in table for chunk in row):  # meshtron trains it as placed
+        assert partition_layers(num_layers, case["pp"], layout=case["layout"], mtp_layers=mtp).chunk_layers == \
+            layout.chunk_layers
+
+
+@pytest.mark.parametrize("case", _MEGATRON_PLACEMENTS["slots"],
+                         ids=lambda c: f"L{c['num_layers']}-pp{c['pp']}-vp{c['vp']}-e{c['embedding']:d}l{c['loss']:d}")
+def test_accounting_slots_place_layers_as_megatron_core(case):
+    table = case["layers"]
+    try:
+        layout = partition_layers(case["num_layers"], case["pp"], virtual_size=case["vp"],
+                                  embedding_slot=case["embedding"], loss_slot=case["loss"], empty_chunks=True)
+    except ConfigError:  # megatron-core builds a chunk with fewer than no layers only where its asserts are off
+        assert any(not chunk for row in table for chunk in row)
+        return
+    assert [[layout.layers(p, v) for v in range(layout.virtual_stages)] for p in range(case["pp"])] == table
+
+
+def test_layout_string_sets_the_virtual_stages_and_trains_its_placement():
+    cfg = MeshtronConfig()
+    cfg.model.num_layers = 5
+    cfg.parallel.pipeline_model_parallel_size = 2
+    cfg.parallel.pipeline_model_parallel_layout = "Et|tt|t|tL"
+    from meshtron.validation import resolve
+    resolve(cfg)
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+    assert layout_from_config(cfg).chunk_layers == ((0,), (1, 2), (3,), (4,))
+
+
+@pytest.mark.parametrize("text,kwargs,message", [
+    ("Et|tt|t|t", {}, "the embedding (E) and the loss (L) once each"),
+    ("tE|tt|t|tL", {}, "must begin with the embedding"),
+    ("Et|tt|t|tLx", {}, "has 'x'"),
+    ("Et|tt|tL", {}, "3 model chunks, not a multiple"),
+    ("Et|ttt|t|tL", {}, "names 6 transformer layers (t), but --num-layers is 5"),
+    ("E|ttt|t|tL", {}, "model chunk 0 ('E': stage 0, virtual stage 0) holds no transformer layer"),
+    ("Et|tt|t|tmL", {}, "names 1 multi-token prediction depths (m), but --mtp-num-layers is 0"),
+    ("Et|tt|tm|tL", {"mtp_layers": 1}, "in the last model chunk"),
+    ("Et|tt|t|tL", {"virtual_size": 3}, "but --virtual-pipeline-model-parallel-size is 3"),
+    ("Et|tt|t|tL", {"embedding_slot": True}, "drop --account-for-embedding-in-pipeline-split"),
+    ("Et|tt|t|tL", {"first": 1}, "drop --decoder-first-pipeline-num-layers"),
+])
+def test_layout_string_errors_name_the_flag_and_what_is_valid(text, kwargs, message):
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-layout") as err:
+        partition_layers(5, 2, layout=text, **kwargs)
+    assert message in str(err.value)

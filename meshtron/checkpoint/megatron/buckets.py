@@ -56,11 +56,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from meshtron.checkpoint.megatron.names import expert_name
+from meshtron.pipeline.partition import PipelineLayout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
@@ -190,9 +191,11 @@ def experts_apart(tp_size: int, ep_size: int, etp_size: Optional[int]) -> bool:
     return ep_size > 1 or (etp_size or tp_size) != tp_size
 
 
-#: Megatron-LM's ``--decoder-first-pipeline-num-layers`` and ``--decoder-last-pipeline-num-layers`` (None where
-#: not given: that stage is one of the middle ones)
-Uneven = tuple[Optional[int], Optional[int]]
+#: How the layers split over the pipeline stages: Megatron-LM's ``--decoder-first-pipeline-num-layers`` and
+#: ``--decoder-last-pipeline-num-layers`` (None where not given: that stage is one of the middle ones), or every
+#: chunk's layers where Megatron-LM placed them otherwise (``--pipeline-model-parallel-layout``,
+#: ``--account-for-embedding/loss-in-pipeline-split``: meshtron's own partition of those flags)
+Uneven = Union[tuple[Optional[int], Optional[int]], PipelineLayout]
 EVEN: Uneven = (None, None)
 
 
@@ -201,7 +204,10 @@ def chunk_layers(num_layers: int, pp: int, pp_size: int, chunk: int = 0, vp_size
     """The layers of pipeline rank ``pp``'s model chunk ``chunk`` (of ``vp_size`` virtual stages), chunk-major
     (chunk ``v`` of every stage before chunk ``v + 1``), as megatron-core's ``get_transformer_layer_offset``: split
     evenly, or with ``uneven`` the first and/or last stage's own count (each split evenly over its chunks) and the
-    rest evenly over the middle stages."""
+    rest evenly over the middle stages; or the layers that a whole :class:`PipelineLayout` gives that chunk."""
+    if isinstance(uneven, PipelineLayout):
+        layers = uneven.layers(pp, chunk)
+        return range(layers[0], layers[-1] + 1) if layers else range(0)
     first, last = uneven if pp_size > 1 else EVEN
     if first is None and last is None:
         per_chunk = num_layers // (pp_size * vp_size)
@@ -486,6 +492,12 @@ def check_split(num_layers: int, pp_size: int, vp_size: int = 1, uneven: Uneven 
     splits them (:func:`chunk_layers`): evenly, or with the first and/or last stage's own counts (``uneven``) and
     the rest evenly over the middle stages, every stage's share evenly over its model chunks."""
     chunks = f" x {vp_size} virtual stages" if vp_size > 1 else ""
+    if isinstance(uneven, PipelineLayout):
+        if (uneven.num_layers, uneven.stages, uneven.virtual_stages) != (num_layers, pp_size, vp_size):
+            raise LayoutMismatch(f"the pipeline layout of {uneven.num_layers} layers over {uneven.stages} stages x "
+                                 f"{uneven.virtual_stages} virtual stages is not one of {num_layers} layers over "
+                                 f"{pp_size} stages{chunks}")
+        return
     first, last = uneven if pp_size > 1 else EVEN
     if first is None and last is None:
         if num_layers % (pp_size * vp_size):

@@ -15,6 +15,8 @@ from meshtron.checkpoint.megatron.detect import MegatronCheckpoint
 from meshtron.checkpoint.megatron.unpickler import load_pickled
 from meshtron.checkpoint.writer import quiet_single_process_notice
 from meshtron.config import ModelConfig, head_dim, num_kv_heads
+from meshtron.errors import ConfigError
+from meshtron.pipeline.partition import partition_layers
 
 #: Megatron's optimizer state names (fully reshardable: ``param``; fully sharded model space: ``fp32_param``)
 #: -> meshtron's.
@@ -112,10 +114,25 @@ def _vp_size(args: Any) -> int:
     return int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
-def _uneven(args: Any) -> buckets.Uneven:
-    """The first and last pipeline stages' own layer counts (``--decoder-first-pipeline-num-layers``,
-    ``--decoder-last-pipeline-num-layers``; None where not given)."""
+def _uneven(args: Any, num_layers: int) -> buckets.Uneven:
+    """How the checkpoint's layers split over its pipeline stages: the first and last stages' own layer counts
+    (``--decoder-first-pipeline-num-layers``, ``--decoder-last-pipeline-num-layers``; None where not given), or,
+    for ``--pipeline-model-parallel-layout`` and ``--account-for-embedding/loss-in-pipeline-split``, every model
+    chunk's layers (meshtron's partition of those flags, chunks without layers allowed as megatron-core allows
+    them; a layout meshtron cannot read is a :class:`buckets.LayoutMismatch`)."""
     first, last = (getattr(args, f"decoder_{k}_pipeline_num_layers", None) for k in ("first", "last"))
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    embedding_slot = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
+    loss_slot = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
+    pp = _layout_args(args)[1]
+    if pp > 1 and (layout is not None or embedding_slot or loss_slot):
+        try:
+            return partition_layers(num_layers, pp, virtual_size=_vp_size(args) if layout is None else None,
+                                    embedding_slot=embedding_slot, loss_slot=loss_slot,
+                                    layout=None if layout is None else str(layout),
+                                    mtp_layers=int(getattr(args, "mtp_num_layers", None) or 0), empty_chunks=True)
+        except ConfigError as err:
+            raise buckets.LayoutMismatch(str(err)) from None
     return (None if first is None else int(first), None if last is None else int(last))
 
 
@@ -146,9 +163,11 @@ def _read_legacy_optimizer(ckpt: MegatronCheckpoint, files: dict, states: dict, 
             if has_distributed:
                 return legacy_optim.distributed_state(files, merged, tp, pp, settings["num_layers"], spec,
                                                       shape["swiglu"], shape["tied"], _bucket_size(args),
-                                                      *_expert_args(args), _vp_size(args), _uneven(args)), []
+                                                      *_expert_args(args), _vp_size(args),
+                                                      _uneven(args, settings["num_layers"])), []
             return legacy_optim.local_state(states, merged, tp, pp, settings["num_layers"], spec, shape["swiglu"],
-                                            shape["tied"], *_expert_args(args), _uneven(args), _vp_size(args)), []
+                                            shape["tied"], *_expert_args(args),
+                                            _uneven(args, settings["num_layers"]), _vp_size(args)), []
         except buckets.LayoutMismatch as err:
             why = f"it does not hold the parameters where megatron-core puts them ({err})"
     return {}, [f"{where}: its optimizer state ({what}) is not read: {why}; the weights load and the Adam "
@@ -194,7 +213,7 @@ def _read_buckets(ckpt: MegatronCheckpoint, md, shapes: dict, model_tensors: dic
         try:
             state = buckets.unflatten(per_layer, flat[0], tp, pp, settings["num_layers"], spec, shape["swiglu"],
                                       shape["tied"], _bucket_size(args), flat.get(1), *_expert_args(args), vp,
-                                      _uneven(args))
+                                      _uneven(args, settings["num_layers"]))
         except buckets.LayoutMismatch as err:
             why = f"its buckets do not hold the parameters where megatron-core puts them ({err})"
         for k, b in raw.items():
