@@ -80,6 +80,8 @@ LAYOUT = "dense_pp2vp2_layout_dp_reshardable"  # --pipeline-model-parallel-layou
 LAYOUT_LEGACY = "legacy_pp2vp2_layout_distrib_optim"
 LOSS_SLOT = "dense_pp2_loss_slot_dp_reshardable"  # --account-for-loss-in-pipeline-split
 LOSS_SLOT_LEGACY = "legacy_pp2_loss_slot_distrib_optim"
+MOE_PP = "moe_pp2_ep2_dp_reshardable"  # tied: the last stage's output layer a copy of the embedding
+MOE_PP_LEGACY = "legacy_moe_pp2_ep2_distrib_optim"
 
 
 def _read(name: str):
@@ -117,7 +119,8 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
 
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY, MOE_BF16,
                                   MOE_EP1, MOE_EP1_LEGACY, MOE_EP1_BF16, VP, VP_LEGACY, VP_BF16, UNEVEN,
-                                  UNEVEN_LEGACY, LAYOUT, LAYOUT_LEGACY, LOSS_SLOT, LOSS_SLOT_LEGACY])
+                                  UNEVEN_LEGACY, LAYOUT, LAYOUT_LEGACY, LOSS_SLOT, LOSS_SLOT_LEGACY, MOE_PP,
+                                  MOE_PP_LEGACY])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
@@ -135,7 +138,7 @@ def test_optimizer_state_is_megatron_cores(name, references):
 
 @pytest.mark.parametrize("pair", [(CASE, LEGACY), (MTP, MTP_LEGACY), (MOE, MOE_LEGACY), (MOE_EP1, MOE_EP1_LEGACY),
                                   (VP, VP_LEGACY), (UNEVEN, UNEVEN_LEGACY), (LAYOUT, LAYOUT_LEGACY),
-                                  (LOSS_SLOT, LOSS_SLOT_LEGACY)])
+                                  (LOSS_SLOT, LOSS_SLOT_LEGACY), (MOE_PP, MOE_PP_LEGACY)])
 def test_the_same_optimizer_in_both_formats(pair):
     """The same model and optimizer saved as torch_dist dp_reshardable and as legacy distrib_optim.pt read the
     same: weights, masters (an fp32 model's: its weights) and moments (a mixture-of-experts model's experts
@@ -511,7 +514,7 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY, MOE_BF16, MOE_EP1, MOE_EP1_LEGACY,
-                                  VP, VP_LEGACY, VP_BF16, UNEVEN, LAYOUT, LOSS_SLOT_LEGACY])
+                                  VP, VP_LEGACY, VP_BF16, UNEVEN, LAYOUT, LOSS_SLOT_LEGACY, MOE_PP])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""
