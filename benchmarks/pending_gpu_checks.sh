@@ -182,6 +182,17 @@ for phase in "$@"; do
          grep -B2 -A8 Traceback "/tmp/fp8loss_$recipe.log" | tail -12) &
       done
       wait ;;
+    concurrent)
+      # the phases named in $CONCURRENT at once (losses and checks only: they share the GPU, so no timing is read)
+      for ph in ${CONCURRENT:-}; do (bash "$0" "$ph" > "/tmp/concurrent_$ph.txt" 2>&1) & done
+      wait
+      for ph in ${CONCURRENT:-}; do cat "/tmp/concurrent_$ph.txt"; done ;;
+    gputests)
+      # the GPU tests of code changed since their last GPU run (as `unverified`, without its timings)
+      timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/moe/test_fp8_experts_gpu.py \
+        tests/test_generate_new_mixers_gpu.py tests/training/test_fp8_blockwise_gpu.py \
+        tests/emulation/test_trace_contract.py > "$OUT/gpu_tests.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | tail -14 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
