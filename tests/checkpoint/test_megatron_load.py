@@ -326,3 +326,23 @@ def _assert_refused_naming(args, change: dict, flag: str) -> None:
     with pytest.raises(CheckpointError) as err:
         model_settings(bad, "Megatron-LM checkpoint X")
     assert any(flag in line for line in err.value.differences), err.value.differences
+
+
+def test_legacy_experts_with_their_own_tensor_parallelism_refused_by_name(tmp_path):
+    """A legacy mixture-of-experts checkpoint with --expert-tensor-parallel-size unlike --tensor-model-parallel-size:
+    its writers' names leave ranks out (one is removed here, as such a save does) and say nothing of the expert
+    tensor-parallel rank, so it is refused in one line naming both flags and the format to save in instead, before
+    any file is called missing."""
+    dst = tmp_path / "moe"
+    shutil.copytree(FIXTURES / "legacy_moe_ep2_dp4_distrib_optim", dst)
+    f = dst / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = load_pickled(f, str(f))
+    state["args"].attention_backend = "auto"  # the stand-in of Megatron's enum does not pickle back
+    state["args"].expert_tensor_parallel_size = 2
+    torch.save(state, f)
+    shutil.rmtree(dst / "iter_0000007" / "mp_rank_00_001")
+    with pytest.raises(CheckpointError) as err:
+        read_megatron(find_megatron_checkpoint(dst))
+    text = str(err.value)
+    assert "\n" not in text and "--expert-tensor-parallel-size 2 unlike --tensor-model-parallel-size 1" in text
+    assert "--ckpt-format torch_dist" in text and "missing" not in text

@@ -67,6 +67,17 @@ def rank_files(directory: Path, expert_only: bool = False) -> dict[tuple[int, in
     return out
 
 
+def first_rank_file(directory: Path) -> Path:
+    """Model-parallel rank 0's ``model_optim_rng.pt`` (``mp_rank_00``, ``mp_rank_00_000`` or ``mp_rank_00_000_000``),
+    whose ``args`` say how the other files are to be read, found before the others are checked."""
+    for d in sorted(directory.iterdir()):
+        m = RANK_DIR.match(d.name)
+        if m and d.is_dir() and not any(int(g or 0) for g in m.groups()):
+            return d / LEGACY_FILE
+    raise CheckpointError(f"Megatron-LM checkpoint {directory} holds no mp_rank_00* directory (model-parallel "
+                          "rank 0)")
+
+
 def read_rank(f: Path) -> dict:
     state = load_pickled(f, str(f))
     if not isinstance(state, dict) or not any(k == "model" or re.fullmatch(r"model\d+", str(k)) for k in state):

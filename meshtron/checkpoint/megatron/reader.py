@@ -262,13 +262,14 @@ def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, op
         step = (_groups_step(groups, iteration) if groups is not None else _optimizer_step(common, iteration)) \
             if optim else None
     else:
-        files = legacy.rank_files(ckpt.directory)
-        first = legacy.read_rank(files[(0, 0, 0)])
+        first = legacy.read_rank(legacy.first_rank_file(ckpt.directory))
         iteration, args, scheduler = _progress(first, where)
         settings = model_settings(args, where)
         shape = _shape_info(settings, args)
-        if _layout_args(args)[1] == 1 and _expert_args(args)[0] > 1:  # mp_rank_TT_EEE: no pipeline field
-            files = legacy.rank_files(ckpt.directory, expert_only=True)
+        _refuse_legacy_expert_tp(args, where)
+        # mp_rank_TT_EEE: a one-stage checkpoint's names leave the pipeline field out
+        files = legacy.rank_files(ckpt.directory,
+                                  expert_only=_layout_args(args)[1] == 1 and _expert_args(args)[0] > 1)
         merged, states, more = legacy.merge(ckpt.directory, shape["swiglu"], files)
         notices += more
         model = _canonical(merged, settings["num_layers"], shape)
@@ -301,12 +302,26 @@ def read_megatron(ckpt: MegatronCheckpoint, vocab_size: Optional[int] = None, op
     return MegatronState(ckpt, settings, model, optim, step, iteration, consumed, scheduler, args, notices)
 
 
+def _refuse_legacy_expert_tp(args: Any, where: str) -> None:
+    """Megatron-LM's legacy files are named by the writer's tensor- and expert-parallel ranks only: with expert
+    tensor parallelism unlike tensor parallelism, the writers of a mixture-of-experts model's files are chosen by
+    both its rank grids (ranks of data-parallel or expert-data-parallel rank 0), so that some names are missing
+    and others hold an expert shard whose expert tensor-parallel rank nothing records. Refused by name."""
+    tp = _layout_args(args)[0]
+    _, etp, _ = _expert_args(args)
+    if getattr(args, "num_experts", None) and etp is not None and etp != tp:
+        raise CheckpointError(f"{where}: a mixture-of-experts model in Megatron-LM's legacy format (--ckpt-format "
+                              f"torch) with --expert-tensor-parallel-size {etp} unlike --tensor-model-parallel-size "
+                              f"{tp} cannot be read: its mp_rank_* directories do not say which expert "
+                              "tensor-parallel rank wrote each expert shard. Save it in Megatron-LM with "
+                              "--ckpt-format torch_dist (its tensors carry their global place) and load that")
+
+
 def read_common_state(ckpt: MegatronCheckpoint) -> dict:
     """The checkpoint's common state (``args``, ``iteration``...), without its tensors."""
     if ckpt.format == "torch_dist":
         return torch_dist.read_common(ckpt.directory, torch_dist.read_index(ckpt.directory))
-    files = legacy.rank_files(ckpt.directory)
-    return legacy.read_rank(files[(0, 0, 0)])
+    return legacy.read_rank(legacy.first_rank_file(ckpt.directory))
 
 
 def megatron_config(ckpt: MegatronCheckpoint):
