@@ -37,6 +37,9 @@ CASES = {
 SLOW_CASES = {
     "pp_interleaved": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                            "--global-batch-size", "4"]),
+    # Megatron's layout string: 3 layers on stage 0, 1 on stage 1
+    "pp_layout_string": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ettt|tL",
+                             "--global-batch-size", "4"]),
     "pp_zero_bubble_h1": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble-h1",
                               "--global-batch-size", "4"]),
     "pp_zbv": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
