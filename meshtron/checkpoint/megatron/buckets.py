@@ -61,7 +61,8 @@ from typing import Optional, Union
 import torch
 
 from meshtron.checkpoint.megatron.names import expert_name
-from meshtron.pipeline.partition import PipelineLayout
+from meshtron.errors import ConfigError
+from meshtron.pipeline.partition import PipelineLayout, partition_layers
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
@@ -199,29 +200,35 @@ Uneven = Union[tuple[Optional[int], Optional[int]], PipelineLayout]
 EVEN: Uneven = (None, None)
 
 
+def stage_split(num_layers: int, pp_size: int, vp_size: int = 1, uneven: Uneven = EVEN) -> PipelineLayout:
+    """Every model chunk's layers as megatron-core places them (``get_transformer_layer_offset``,
+    ``get_num_layers_to_build``): meshtron's own partition (:func:`~meshtron.pipeline.partition.partition_layers`,
+    the one it trains with) of ``num_layers`` over ``pp_size`` stages of ``vp_size`` chunks, evenly or with
+    ``uneven``'s first and/or last stage's own count (ignored at one stage, as megatron-core ignores it), or
+    ``uneven`` itself when it is a whole layout. A split megatron-core could not have made is a
+    :class:`LayoutMismatch`."""
+    chunks = f" x {vp_size} virtual stages" if vp_size > 1 else ""
+    if isinstance(uneven, PipelineLayout):
+        if (uneven.num_layers, uneven.stages, uneven.virtual_stages) != (num_layers, pp_size, vp_size):
+            raise LayoutMismatch(f"the pipeline layout of {uneven.num_layers} layers over {uneven.stages} stages x "
+                                 f"{uneven.virtual_stages} virtual stages is not one of {num_layers} layers over "
+                                 f"{pp_size} stages{chunks}")
+        return uneven
+    first, last = uneven if pp_size > 1 else EVEN
+    try:
+        return partition_layers(num_layers, pp_size, first=first, last=last,
+                                virtual_size=vp_size if vp_size > 1 else None, empty_chunks=True)
+    except ConfigError as err:
+        raise LayoutMismatch(f"{num_layers} layers do not split over {pp_size} pipeline stages{chunks}: {err}") \
+            from None
+
+
 def chunk_layers(num_layers: int, pp: int, pp_size: int, chunk: int = 0, vp_size: int = 1,
                  uneven: Uneven = EVEN) -> range:
     """The layers of pipeline rank ``pp``'s model chunk ``chunk`` (of ``vp_size`` virtual stages), chunk-major
-    (chunk ``v`` of every stage before chunk ``v + 1``), as megatron-core's ``get_transformer_layer_offset``: split
-    evenly, or with ``uneven`` the first and/or last stage's own count (each split evenly over its chunks) and the
-    rest evenly over the middle stages; or the layers that a whole :class:`PipelineLayout` gives that chunk."""
-    if isinstance(uneven, PipelineLayout):
-        layers = uneven.layers(pp, chunk)
-        return range(layers[0], layers[-1] + 1) if layers else range(0)
-    first, last = uneven if pp_size > 1 else EVEN
-    if first is None and last is None:
-        per_chunk = num_layers // (pp_size * vp_size)
-        start = chunk * (num_layers // vp_size) + pp * per_chunk
-        return range(start, start + per_chunk)
-    in_first, in_last = (first or 0) // vp_size, (last or 0) // vp_size
-    middle_stages = pp_size - (first is not None) - (last is not None)
-    in_middle = (num_layers - (first or 0) - (last or 0)) // vp_size  # one chunk of every middle stage
-    per_middle = in_middle // middle_stages if middle_stages else 0
-    start = chunk * (in_first + in_middle + in_last)
-    if pp == 0 and first is not None:
-        return range(start, start + in_first)
-    start += in_first + (pp - (first is not None)) * per_middle
-    return range(start, start + (in_last if pp == pp_size - 1 and last is not None else per_middle))
+    (chunk ``v`` of every stage before chunk ``v + 1``), as megatron-core places them (:func:`stage_split`)."""
+    layers = stage_split(num_layers, pp_size, vp_size, uneven).layers(pp, chunk)
+    return range(layers[0], layers[-1] + 1) if layers else range(0)
 
 
 def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, pp_size: int, num_layers: int,
@@ -489,28 +496,8 @@ def unflatten(model: dict[str, torch.Tensor], buckets: Buckets, tp_size: int, pp
 
 def check_split(num_layers: int, pp_size: int, vp_size: int = 1, uneven: Uneven = EVEN) -> None:
     """LayoutMismatch unless the layers split over the pipeline stages and their model chunks as megatron-core
-    splits them (:func:`chunk_layers`): evenly, or with the first and/or last stage's own counts (``uneven``) and
-    the rest evenly over the middle stages, every stage's share evenly over its model chunks."""
-    chunks = f" x {vp_size} virtual stages" if vp_size > 1 else ""
-    if isinstance(uneven, PipelineLayout):
-        if (uneven.num_layers, uneven.stages, uneven.virtual_stages) != (num_layers, pp_size, vp_size):
-            raise LayoutMismatch(f"the pipeline layout of {uneven.num_layers} layers over {uneven.stages} stages x "
-                                 f"{uneven.virtual_stages} virtual stages is not one of {num_layers} layers over "
-                                 f"{pp_size} stages{chunks}")
-        return
-    first, last = uneven if pp_size > 1 else EVEN
-    if first is None and last is None:
-        if num_layers % (pp_size * vp_size):
-            raise LayoutMismatch(f"{num_layers} layers do not split evenly over {pp_size} pipeline stages{chunks}")
-        return
-    middle_stages = pp_size - (first is not None) - (last is not None)
-    middle = num_layers - (first or 0) - (last or 0)
-    counts = f"{first} on the first stage, " if first is not None else ""
-    counts += f"{last} on the last" if last is not None else ""
-    if (middle < 0 or (first or 0) % vp_size or (last or 0) % vp_size
-            or (middle_stages == 0 and middle) or (middle_stages and middle % (middle_stages * vp_size))):
-        raise LayoutMismatch(f"{num_layers} layers with {counts.rstrip(', ')} do not split over {pp_size} "
-                             f"pipeline stages{chunks}")
+    splits them (:func:`stage_split`)."""
+    stage_split(num_layers, pp_size, vp_size, uneven)
 
 
 def _unflatten_buffer(ranks: RankMap, buckets: Buckets, bucket_size: Optional[int], grid: str
