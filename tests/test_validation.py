@@ -65,8 +65,10 @@ ERRORS = [
     (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "2",
               "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"], 2,
      "cannot be combined with --decoder-first-pipeline-num-layers"),
-    (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
-              "Ett|(tt|)*2,L"], 2, "model chunk 3 ('L': stage 1, virtual stage 1) holds no transformer layer"),
+    (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1",
+              "--pipeline-model-parallel-layout", "Ett|tt|ttm|L"], 2,
+     "meshtron keeps the prediction depths (m) beside the loss, after every transformer layer, in the last model "
+     "chunk"),
     (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
               "Ett|t|t|ttL", "--virtual-pipeline-model-parallel-size", "3"], 2,
      "names 4 model chunks, 2 per pipeline stage, but --virtual-pipeline-model-parallel-size is 3"),

@@ -169,15 +169,13 @@ def resolve_virtual_stages(num_layers: int, counts: list[int], virtual_size: Opt
 def partition_layers(num_layers: int, stages: int, *, first: Optional[int] = None, last: Optional[int] = None,
                      virtual_size: Optional[int] = None, layers_per_virtual: Optional[int] = None,
                      embedding_slot: bool = False, loss_slot: bool = False, v_shape: bool = False,
-                     layout: Optional[str] = None, mtp_layers: int = 0,
-                     empty_chunks: bool = False) -> PipelineLayout:
+                     layout: Optional[str] = None, mtp_layers: int = 0) -> PipelineLayout:
     """The layout of ``num_layers`` layers over ``stages`` pipeline stages (see the module docstring).
 
     ``embedding_slot`` / ``loss_slot``: count the embedding / the output layer and loss as a layer.
     ``v_shape`` (``--pipeline-schedule zbv``): two chunks per stage placed in a V, each half of the stage's
     layers. ``layout``: a ``--pipeline-model-parallel-layout`` string (:func:`partition_from_layout`).
-    ``empty_chunks``: allow model chunks without transformer layers (megatron-core builds them; meshtron's
-    pipeline does not run them). Raises :class:`ConfigError` naming the flags when the split is impossible.
+    Raises :class:`ConfigError` naming the flags when the split is impossible.
     """
     if num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {num_layers}")
@@ -187,13 +185,13 @@ def partition_layers(num_layers: int, stages: int, *, first: Optional[int] = Non
                  ("--pipeline-schedule zbv", v_shape)) if on]
         if given:
             raise ConfigError(f"{_LAYOUT} places every layer itself; drop {', '.join(given)}")
-        return partition_from_layout(layout, num_layers, stages, virtual_size, mtp_layers, empty_chunks)
+        return partition_from_layout(layout, num_layers, stages, virtual_size, mtp_layers)
     if v_shape:
         return _v_layout(num_layers, stages, first, last, virtual_size, layers_per_virtual, embedding_slot,
                          loss_slot)
     if embedding_slot or loss_slot:
         return _partition_with_slots(num_layers, stages, first, last, virtual_size, layers_per_virtual,
-                                     embedding_slot, loss_slot, empty_chunks)
+                                     embedding_slot, loss_slot)
     counts = stage_layer_counts(num_layers, stages, first, last)
     vpp = resolve_virtual_stages(num_layers, counts, virtual_size, layers_per_virtual,
                                  uneven=first is not None or last is not None)
@@ -218,12 +216,12 @@ def parse_layout(text: str) -> list[str]:
 
 
 def partition_from_layout(text: str, num_layers: int, stages: int, virtual_size: Optional[int] = None,
-                          mtp_layers: int = 0, empty_chunks: bool = False) -> PipelineLayout:
+                          mtp_layers: int = 0) -> PipelineLayout:
     """The layout that a ``--pipeline-model-parallel-layout`` string names (see the module docstring), checked as
     megatron-core checks it (the embedding first, the loss last, ``num_layers`` layers, the prediction depths after
     every layer) and against what meshtron runs: the embedding on the first model chunk, the output layer with
-    the prediction depths on the last, every model chunk with at least one transformer layer (unless
-    ``empty_chunks``: megatron-core allows chunks without one, which a reader of its checkpoints meets)."""
+    the prediction depths on the last. A chunk may hold no transformer layer (as in megatron-core: the
+    embedding or the loss alone, or nothing, which passes its input on)."""
     chunks = parse_layout(text)
     if stages < 1 or len(chunks) % stages:
         raise ConfigError(f"{_LAYOUT} names {len(chunks)} model chunks, not a multiple of {_PP} ({stages})")
@@ -248,11 +246,6 @@ def partition_from_layout(text: str, num_layers: int, stages: int, virtual_size:
         raise ConfigError(f"{where}: meshtron keeps the prediction depths (m) beside the loss, after every "
                           f"transformer layer, in the last model chunk")
     sizes = [c.count("t") for c in chunks]
-    if min(sizes) < 1 and not empty_chunks:
-        empty = sizes.index(0)
-        raise ConfigError(f"{where}: model chunk {empty} ({chunks[empty]!r}: stage {empty % stages}, virtual "
-                          f"stage {empty // stages}) holds no transformer layer, which meshtron's pipeline "
-                          f"does not run; give every chunk at least one t")
     return _layout(num_layers, stages, vpp, sizes)
 
 
@@ -290,7 +283,7 @@ def _layout(num_layers: int, stages: int, vpp: int, chunk_sizes: list[int]) -> P
 
 def _partition_with_slots(num_layers: int, stages: int, first: Optional[int], last: Optional[int],
                           virtual_size: Optional[int], layers_per_virtual: Optional[int],
-                          embedding_slot: bool, loss_slot: bool, empty_chunks: bool = False) -> PipelineLayout:
+                          embedding_slot: bool, loss_slot: bool) -> PipelineLayout:
     """Megatron-LM's accounting split: the embedding and/or the loss take one layer's slot."""
     flags = " and ".join(f for f, on in ((_EMBEDDING_SLOT, embedding_slot), (_LOSS_SLOT, loss_slot)) if on)
     if first is not None or last is not None:
@@ -305,9 +298,7 @@ def _partition_with_slots(num_layers: int, stages: int, first: Optional[int], la
     sizes = [slots // (stages * vpp)] * (stages * vpp)
     sizes[0] -= embedding_slot
     sizes[-1] -= loss_slot
-    if min(sizes) < (0 if empty_chunks else 1):
-        raise ConfigError(f"{flags} with --num-layers {num_layers}, {_PP} {stages} and {vpp} virtual stages "
-                          f"leaves a model chunk without layers; use fewer stages or virtual stages")
+    # (each chunk has at least one slot, so the first and last may hold the embedding or the loss alone)
     return _layout(num_layers, stages, vpp, sizes)
 
 

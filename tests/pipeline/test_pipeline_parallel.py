@@ -43,6 +43,12 @@ WORLD_4 = [
     # Megatron's --pipeline-model-parallel-layout: chunks of 2, 1 | 1, 2 layers (stage 0 holds layers 0, 1 and 3).
     ("pp2-dp2-layout-string", run_config(model_config(layers=6, tied=False), pp=2, vpp=2,
                                          pipeline_model_parallel_layout="Ett|t|t|ttL")),
+    # chunks without layers, as megatron-core allows: stage 0 holding the (tied) embedding alone; a chunk holding
+    # nothing (passes its input on) and the loss alone
+    ("pp2-dp2-layout-embedding-stage-tied", run_config(model_config(layers=4, tied=True), pp=2,
+                                                       pipeline_model_parallel_layout="E|ttttL")),
+    ("pp2-dp2-layout-nothing-in-a-chunk", run_config(model_config(layers=4, tied=True), pp=2, vpp=2,
+                                                     pipeline_model_parallel_layout="Ett||tt|L")),
 ]
 WORLD_8 = [
     ("tp2-pp2-dp2-sp", run_config(LLAMA_TIED, tp=2, pp=2, sp=True)),

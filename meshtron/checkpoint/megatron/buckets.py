@@ -217,7 +217,7 @@ def stage_split(num_layers: int, pp_size: int, vp_size: int = 1, uneven: Uneven 
     first, last = uneven if pp_size > 1 else EVEN
     try:
         return partition_layers(num_layers, pp_size, first=first, last=last,
-                                virtual_size=vp_size if vp_size > 1 else None, empty_chunks=True)
+                                virtual_size=vp_size if vp_size > 1 else None)
     except ConfigError as err:
         raise LayoutMismatch(f"{num_layers} layers do not split over {pp_size} pipeline stages{chunks}: {err}") \
             from None

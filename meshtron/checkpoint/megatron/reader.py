@@ -118,8 +118,8 @@ def _uneven(args: Any, num_layers: int) -> buckets.Uneven:
     """How the checkpoint's layers split over its pipeline stages: the first and last stages' own layer counts
     (``--decoder-first-pipeline-num-layers``, ``--decoder-last-pipeline-num-layers``; None where not given), or,
     for ``--pipeline-model-parallel-layout`` and ``--account-for-embedding/loss-in-pipeline-split``, every model
-    chunk's layers (meshtron's partition of those flags, chunks without layers allowed as megatron-core allows
-    them; a layout meshtron cannot read is a :class:`buckets.LayoutMismatch`)."""
+    chunk's layers (meshtron's partition of those flags; a layout meshtron cannot read is a
+    :class:`buckets.LayoutMismatch`)."""
     first, last = (getattr(args, f"decoder_{k}_pipeline_num_layers", None) for k in ("first", "last"))
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     embedding_slot = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
@@ -130,7 +130,7 @@ def _uneven(args: Any, num_layers: int) -> buckets.Uneven:
             return partition_layers(num_layers, pp, virtual_size=_vp_size(args) if layout is None else None,
                                     embedding_slot=embedding_slot, loss_slot=loss_slot,
                                     layout=None if layout is None else str(layout),
-                                    mtp_layers=int(getattr(args, "mtp_num_layers", None) or 0), empty_chunks=True)
+                                    mtp_layers=int(getattr(args, "mtp_num_layers", None) or 0))
         except ConfigError as err:
             raise buckets.LayoutMismatch(str(err)) from None
     return (None if first is None else int(first), None if last is None else int(last))
