@@ -54,7 +54,8 @@ megatron() {  # name, then flags; --standalone: each run on a free port (runs sh
 }
 meshtron() {  # name, then flags
   local name=$1; shift
-  timeout 300 python3 -m meshtron train $MODEL $TRAIN --data-order megatron --metrics-file "$W/$name.jsonl" \
+  timeout 300 python3 -m meshtron train $MODEL $TRAIN --data-order megatron --transformer-impl local \
+    --metrics-file "$W/$name.jsonl" \
     "$@" >"$W/$name.log" 2>&1
   echo "meshtron $name: exit $?"
 }
@@ -76,8 +77,10 @@ if [ "${ONLY:-}" = fixtures ]; then
 fi
 
 # ONLY=dense (the dense cases and the reverse), ONLY=moe (the MoE cases: torch_dist both formats, legacy, reverse),
-# ONLY=reverse (meshtron -> Megatron, dense): parts of the whole, each small enough for a short device call.
-part() { [ -z "${ONLY:-}" ] || [ "${ONLY:-}" = "$1" ] || { [ "$1" = dense ] && [ "${ONLY:-}" = reverse ]; }; }
+# ONLY=reverse (meshtron -> Megatron, dense), ONLY=moe_reverse (the same for the MoE model): parts of the whole,
+# each small enough for a short device call.
+part() { [ -z "${ONLY:-}" ] || [ "${ONLY:-}" = "$1" ] || { [ "$1" = dense ] && [ "${ONLY:-}" = reverse ]; } ||
+  { [ "$1" = moe ] && [ "${ONLY:-}" = moe_reverse ]; }; }
 both() { [ -z "${ONLY:-}" ] || [ "${ONLY:-}" = "$1" ]; }  # runs of the forward direction only
 
 echo "== phase 1: Megatron saves at 10 (and runs on to 20); meshtron trains 10 of 20 and exports"
@@ -95,6 +98,8 @@ if both moe; then
   megatron mg_moe_full $MOE --train-iters 20 --save "$W/mg_moe_full" --save-interval 10 --ckpt-format torch_dist \
     --dist-ckpt-optim-fully-reshardable &
   megatron mg_moe_legacy $MOE --train-iters 20 --save "$W/mg_moe_legacy" --save-interval 10 --ckpt-format torch &
+fi
+if part moe; then
   meshtron ms_moe_first $MOE --train-iters 20 --exit-interval 10 --save "$W/ms_moe" --export-megatron "$W/ms_moe_to_mg" &
 fi
 wait
@@ -113,6 +118,8 @@ if both moe; then
   for kind in moe_dist moe_full moe_legacy; do
     meshtron ms_from_$kind $MOE --train-iters 20 --load "$W/mg_$kind/iter_0000010" &
   done
+fi
+if part moe; then
   megatron mg_from_ms_moe $MOE --train-iters 20 --load "$W/ms_moe_to_mg" --ckpt-format torch_dist --no-load-rng &
   meshtron ms_moe_self $MOE --train-iters 20 --load "$W/ms_moe" &
 fi

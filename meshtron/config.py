@@ -528,6 +528,11 @@ class CheckpointConfig:
                                                "latest_checkpointed_iteration.txt) in this directory, as `meshtron "
                                                "convert --to megatron --add-to-existing` does (rank 0 converts; "
                                                "needs --save).", metavar="DIR")
+    transformer_impl: str = opt("transformer_engine", "Megatron-LM's layer implementation: meshtron runs its own "
+                                                      "layers either way; --export-megatron names the checkpoint's "
+                                                      "keys as this one's (they differ in a mixture-of-experts "
+                                                      "layer's pre-MLP norm; --megatron-spec of meshtron convert).",
+                                choices=("transformer_engine", "local"))
     no_load_optim: bool = opt(False, "Do not load the optimizer state.")
     no_load_rng: bool = opt(False, "Do not load the RNG state.")
     no_verify_checkpoint: bool = opt(False, "Load a checkpoint without checking its files against the checksums "

@@ -97,8 +97,6 @@ MEGATRON_COMPAT: tuple[CompatFlag, ...] = (
                                         "but each model chunk's last), more host-device traffic than the named "
                                         "modules alone; --offload-activations-num-layers N offloads fewer layers"),)),
     CompatFlag("use_mcore_models", bool, False, "meshtron has one model implementation"),
-    CompatFlag("transformer_impl", str, None,
-               "meshtron uses its own layers", choices=("local", "transformer_engine"), optional=True),
     CompatFlag("use_flash_attn", bool, False, "flash/cuDNN attention is the default on CUDA"),
     CompatFlag("attention_backend", str, "auto",
                "meshtron's attention is SDPA with the fused cuDNN kernel first, then flash",

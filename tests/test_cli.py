@@ -208,7 +208,7 @@ def test_help_is_grouped_by_topic() -> None:
         "--bf16": "Precision and recomputation", "--fp8-hybrid": "Precision and recomputation",
         "--recompute-granularity": "Precision and recomputation", "--compile": "Precision and recomputation",
         "--data-path": "Data and tokenizer", "--save": "Checkpoints", "--metrics-file": "Logging",
-        "--use-mcore-models": "Megatron compatibility", "--transformer-impl": "Megatron compatibility",
+        "--use-mcore-models": "Megatron compatibility", "--transformer-impl": "Checkpoints",
         "--use-flash-attn": "Megatron compatibility", "--dataloader-type": "Megatron compatibility",
         "--ckpt-format": "Megatron compatibility", "--cpu-optimizer-type": "Megatron compatibility",
         "--moe-grouped-gemm": "Megatron compatibility",
@@ -438,7 +438,7 @@ def test_megatron_guide_70b_script_validates(tmp_path: Path, monkeypatch: pytest
     assert validation.data_parallel_size(cfg, 64) == 4
     assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
     notices = cli.compat_notices(args)
-    assert [n.split(":")[2].strip() for n in notices] == ["--use-mcore-models", "--transformer-impl transformer_engine"]
+    assert [n.split(":")[2].strip() for n in notices] == ["--use-mcore-models"]
 
 
 def test_megatron_guide_moe_command_validates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -485,7 +485,8 @@ class Trainer:
                 notices.append(f"{done} exists already; not written again")
             else:
                 try:
-                    path = meshtron_to_megatron(self.cfg.checkpoint.save, target, add_to_existing=True,
+                    path = meshtron_to_megatron(self.cfg.checkpoint.save, target,
+                                                spec=self.cfg.checkpoint.transformer_impl, add_to_existing=True,
                                                 notices=notices)
                 except CheckpointError as err:
                     failure[0] = str(err)

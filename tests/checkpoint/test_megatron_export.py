@@ -571,3 +571,21 @@ def test_mla_export_is_megatron_cores_own_save(tmp_path):
     model, _ = load_for_inference(tmp_path / "back", "cpu", torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(model(ref["tokens"]), ref["logits"]["mla"], rtol=0, atol=2e-5)
+
+
+def test_train_exports_for_the_transformer_impl_given(tmp_path):
+    """--transformer-impl local (Megatron-LM's flag): --export-megatron writes a mixture-of-experts layer's pre-MLP
+    norm under the local spec's name, which Megatron-LM's local layers load (the Transformer Engine spec's
+    ``pre_mlp_layernorm`` is what they refuse)."""
+    from meshtron.checkpoint.megatron import torch_dist
+
+    cmd = [sys.executable, "-m", "meshtron", "train", "--mock-data", "--device", "cpu", "--num-layers", "1",
+           "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "8", "--vocab-size", "64",
+           "--swiglu", "--normalization", "RMSNorm", "--num-experts", "2", "--moe-ffn-hidden-size", "8",
+           "--train-iters", "1", "--global-batch-size", "2", "--micro-batch-size", "2", "--eval-iters", "0",
+           "--transformer-impl", "local", "--save", str(tmp_path / "run"), "--export-megatron", str(tmp_path / "mg")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    keys = set(torch_dist.read_index(tmp_path / "mg" / "iter_0000001").state_dict_metadata)
+    assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in keys, sorted(keys)
+    assert not any("pre_mlp_layernorm" in k for k in keys)
