@@ -27,8 +27,11 @@
 #                                                     # decode at heads of 16 through flex), one layer's FP8 experts
 #                                                     # timed, Muon's TF32 step
 # Run on 2026-12-07 (third): unverified, losses, accuracy, rows (in part), migration (all but ONLY=moe).
-# Next, in this order: migration_moe and migration_fixtures (one call), muon1b, fp8seeds, accuracy (its gpt-oss and Qwen3.5 rows since the recorder
-# lets flex attention run and a world of one skips the recorded step), rows2, long, families' rule profile.
+# Run on 2026-12-07 (fourth), at once: migration_moe, muon1b, losses (optimizers), gputests (cut by its limit).
+# Next, in this order: ONLY=moe_reverse of benchmarks/megatron_continuation.sh (the MoE export back to Megatron-LM,
+# with --transformer-impl local since 90bca2d; carry .mlm) with migration_fixtures, gputests alone, fp8seeds,
+# accuracy (its gpt-oss and Qwen3.5 rows since the recorder lets flex attention run and a world of one skips the
+# recorded step), rows2, long, families' rule profile.
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
