@@ -65,8 +65,8 @@ for phase in "$@"; do
       # quick-start best rate and Muon at its, at once (losses only: they share the GPU).
       for opt in adam muon; do
         extra="--lr 1.5e-3"; [ "$opt" = muon ] && extra="--lr 6e-3 --muon-scale-mode spectral --muon-extra-scale-factor 0.2"
-        (timeout 560 python3 -m meshtron train --model llama3-1b --bf16 --seq-length 2048 --micro-batch-size 4 \
-          --global-batch-size 4 --train-iters 1000 --optimizer "$opt" $extra --eval-interval 250 --eval-iters 10 \
+        (timeout 590 python3 -m meshtron train --model llama3-1b --bf16 --seq-length 2048 --micro-batch-size 4 \
+          --global-batch-size 4 --train-iters 1000 --optimizer "$opt" $extra --eval-interval 250 --eval-iters 5 \
           --save "/tmp/muon1b_$opt" --metrics-file "$OUT/muon1b_$opt.jsonl" --log-interval 250 > "/tmp/muon1b_$opt.log" 2>&1
          echo "llama3-1b $opt: exit $? $(grep -E "validation" "/tmp/muon1b_$opt.log" | tail -1)") &
       done
