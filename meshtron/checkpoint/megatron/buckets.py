@@ -19,8 +19,9 @@ as flat buffers laid out like its gradient buffer (``_compute_per_buffer_param_l
   chunk of the first stage's, the final norm and output layer the last chunk of the last stage's, and only the
   first chunk of the first stage is bucketed (Megatron-LM's ``disable_bucketing`` for the others);
 * with ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` those stages hold their
-  own counts and the middle stages the rest evenly (:func:`chunk_layers`, as megatron-core's
-  ``get_transformer_layer_offset``).
+  own counts and the middle stages the rest evenly; other splits (``--pipeline-model-parallel-layout``, the
+  embedding/loss accounting) as meshtron's own partition places them (:func:`stage_split`, equal to
+  megatron-core's ``get_transformer_layer_offset``).
 
 A layer's order (:data:`_LOCAL_ORDER`, :data:`_TE_ORDER`, :data:`_MLA_ORDER`) is its modules' registration order:
 the input norm, ``linear_proj`` (built by ``Attention`` before its subclass's projections), then grouped-query

@@ -115,11 +115,10 @@ def _vp_size(args: Any) -> int:
 
 
 def _uneven(args: Any, num_layers: int) -> buckets.Uneven:
-    """How the checkpoint's layers split over its pipeline stages: the first and last stages' own layer counts
-    (``--decoder-first-pipeline-num-layers``, ``--decoder-last-pipeline-num-layers``; None where not given), or,
-    for ``--pipeline-model-parallel-layout`` and ``--account-for-embedding/loss-in-pipeline-split``, every model
-    chunk's layers (meshtron's partition of those flags; a layout meshtron cannot read is a
-    :class:`buckets.LayoutMismatch`)."""
+    """Every model chunk's layers in the checkpoint, from its args (meshtron's partition of
+    ``--decoder-first/last-pipeline-num-layers``, ``--pipeline-model-parallel-layout`` or
+    ``--account-for-embedding/loss-in-pipeline-split``), computed once for all its ranks; a split meshtron cannot
+    read is a :class:`buckets.LayoutMismatch`."""
     first, last = (getattr(args, f"decoder_{k}_pipeline_num_layers", None) for k in ("first", "last"))
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     embedding_slot = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
@@ -133,7 +132,8 @@ def _uneven(args: Any, num_layers: int) -> buckets.Uneven:
                                     mtp_layers=int(getattr(args, "mtp_num_layers", None) or 0))
         except ConfigError as err:
             raise buckets.LayoutMismatch(str(err)) from None
-    return (None if first is None else int(first), None if last is None else int(last))
+    counts = (None if first is None else int(first), None if last is None else int(last))
+    return buckets.stage_split(num_layers, pp, _vp_size(args), counts)
 
 
 def _expert_args(args: Any) -> tuple[int, Optional[int], bool]:
