@@ -67,8 +67,8 @@ ERRORS = [
      "cannot be combined with --decoder-first-pipeline-num-layers"),
     (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1",
               "--pipeline-model-parallel-layout", "Ett|tt|ttm|L"], 2,
-     "meshtron keeps the prediction depths (m) beside the loss, after every transformer layer, in the last model "
-     "chunk"),
+     "meshtron computes them beside the loss, in the last model chunk: --pipeline-model-parallel-layout "
+     "'Ett|tt|tt|mL' keeps every other chunk as it is"),
     (SHAPE + ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
               "Ett|t|t|ttL", "--virtual-pipeline-model-parallel-size", "3"], 2,
      "names 4 model chunks, 2 per pipeline stage, but --virtual-pipeline-model-parallel-size is 3"),

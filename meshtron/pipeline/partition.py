@@ -79,6 +79,9 @@ class PipelineLayout:
     virtual_stages: int
     chunk_layers: tuple[tuple[int, ...], ...]  # in model order
     v_shape: bool = False  # ZBV: chunk 0 of stage p is model chunk p, chunk 1 is model chunk 2 PP - 1 - p
+    #: the model chunk of the multi-token prediction depths where it is not the last (megatron-core's "standalone"
+    #: depths of a layout string; read from its checkpoints, not trained): None, with the loss
+    mtp_chunk: Optional[int] = None
 
     def position(self, stage: int, virtual: int = 0) -> int:
         """The model chunk that chunk ``virtual`` of ``stage`` holds (its index in model order)."""
@@ -99,6 +102,12 @@ class PipelineLayout:
     def has_loss(self, stage: int, virtual: int = 0) -> bool:
         """Whether this chunk is the very last one (holds the final norm, output layer and loss)."""
         return self.position(stage, virtual) == self.stages * self.virtual_stages - 1
+
+    def has_mtp(self, stage: int, virtual: int = 0) -> bool:
+        """Whether this chunk holds the multi-token prediction depths (of a model with them): the last one, or the
+        layout string's chunk of its ``m``."""
+        where = self.stages * self.virtual_stages - 1 if self.mtp_chunk is None else self.mtp_chunk
+        return self.position(stage, virtual) == where
 
     @property
     def loss_stage(self) -> int:
@@ -169,13 +178,14 @@ def resolve_virtual_stages(num_layers: int, counts: list[int], virtual_size: Opt
 def partition_layers(num_layers: int, stages: int, *, first: Optional[int] = None, last: Optional[int] = None,
                      virtual_size: Optional[int] = None, layers_per_virtual: Optional[int] = None,
                      embedding_slot: bool = False, loss_slot: bool = False, v_shape: bool = False,
-                     layout: Optional[str] = None, mtp_layers: int = 0) -> PipelineLayout:
+                     layout: Optional[str] = None, mtp_layers: int = 0,
+                     standalone_mtp: bool = False) -> PipelineLayout:
     """The layout of ``num_layers`` layers over ``stages`` pipeline stages (see the module docstring).
 
     ``embedding_slot`` / ``loss_slot``: count the embedding / the output layer and loss as a layer.
     ``v_shape`` (``--pipeline-schedule zbv``): two chunks per stage placed in a V, each half of the stage's
-    layers. ``layout``: a ``--pipeline-model-parallel-layout`` string (:func:`partition_from_layout`).
-    Raises :class:`ConfigError` naming the flags when the split is impossible.
+    layers. ``layout``: a ``--pipeline-model-parallel-layout`` string (:func:`partition_from_layout`, which reads
+    ``standalone_mtp``). Raises :class:`ConfigError` naming the flags when the split is impossible.
     """
     if num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {num_layers}")
@@ -185,7 +195,7 @@ def partition_layers(num_layers: int, stages: int, *, first: Optional[int] = Non
                  ("--pipeline-schedule zbv", v_shape)) if on]
         if given:
             raise ConfigError(f"{_LAYOUT} places every layer itself; drop {', '.join(given)}")
-        return partition_from_layout(layout, num_layers, stages, virtual_size, mtp_layers)
+        return partition_from_layout(layout, num_layers, stages, virtual_size, mtp_layers, standalone_mtp)
     if v_shape:
         return _v_layout(num_layers, stages, first, last, virtual_size, layers_per_virtual, embedding_slot,
                          loss_slot)
@@ -216,12 +226,16 @@ def parse_layout(text: str) -> list[str]:
 
 
 def partition_from_layout(text: str, num_layers: int, stages: int, virtual_size: Optional[int] = None,
-                          mtp_layers: int = 0) -> PipelineLayout:
+                          mtp_layers: int = 0, standalone_mtp: bool = False) -> PipelineLayout:
     """The layout that a ``--pipeline-model-parallel-layout`` string names (see the module docstring), checked as
     megatron-core checks it (the embedding first, the loss last, ``num_layers`` layers, the prediction depths after
-    every layer) and against what meshtron runs: the embedding on the first model chunk, the output layer with
-    the prediction depths on the last. A chunk may hold no transformer layer (as in megatron-core: the
-    embedding or the loss alone, or nothing, which passes its input on)."""
+    every layer, together, on the last chunk of their stage) and against what meshtron runs: the embedding on the
+    first model chunk, the output layer with the prediction depths on the last. A chunk may hold no transformer
+    layer (as in megatron-core: the embedding or the loss alone, or nothing, which passes its input on).
+
+    ``standalone_mtp``: accept megatron-core's "standalone" depths on a chunk of their own before the loss's (to
+    read a checkpoint saved so; :attr:`PipelineLayout.mtp_chunk`); meshtron trains them beside the loss, and
+    otherwise refuses such a string with the one that does."""
     chunks = parse_layout(text)
     if stages < 1 or len(chunks) % stages:
         raise ConfigError(f"{_LAYOUT} names {len(chunks)} model chunks, not a multiple of {_PP} ({stages})")
@@ -242,11 +256,40 @@ def partition_from_layout(text: str, num_layers: int, stages: int, virtual_size:
     if flat.count("m") != mtp_layers:
         raise ConfigError(f"{where} names {flat.count('m')} multi-token prediction depths (m), but "
                           f"--mtp-num-layers is {mtp_layers}")
-    if "m" in flat and ("t" in flat[flat.index("m"):] or "m" in "".join(chunks[:-1])):
-        raise ConfigError(f"{where}: meshtron keeps the prediction depths (m) beside the loss, after every "
-                          f"transformer layer, in the last model chunk")
+    mtp_chunk = _mtp_chunk(text, chunks, stages, standalone_mtp) if "m" in flat else None
     sizes = [c.count("t") for c in chunks]
-    return _layout(num_layers, stages, vpp, sizes)
+    layout = _layout(num_layers, stages, vpp, sizes)
+    return layout if mtp_chunk is None else PipelineLayout(num_layers, stages, vpp, layout.chunk_layers,
+                                                           mtp_chunk=mtp_chunk)
+
+
+def _mtp_chunk(text: str, chunks: list[str], stages: int, standalone: bool) -> Optional[int]:
+    """The model chunk of a layout string's prediction depths where it is not the last (None: the last), checked
+    as megatron-core checks them: after every transformer layer, all in one chunk, the last chunk of its stage."""
+    where = f"{_LAYOUT} {text!r}"
+    flat = "".join(chunks)
+    if "t" in flat[flat.index("m"):]:
+        raise ConfigError(f"{where}: the multi-token prediction depths (m) come after every transformer layer (t)")
+    holding = [k for k, c in enumerate(chunks) if "m" in c]
+    if len(holding) > 1:
+        raise ConfigError(f"{where}: the multi-token prediction depths (m) must all be in one model chunk, not in "
+                          f"chunks {', '.join(map(str, holding))}")
+    k = holding[0]
+    if k == len(chunks) - 1:
+        return None
+    if k // stages != len(chunks) // stages - 1:
+        raise ConfigError(f"{where}: the multi-token prediction depths (m) must be in the last model chunk of their "
+                          f"pipeline stage (model chunk {k} is virtual stage {k // stages} of stage {k % stages})")
+    if not standalone:
+        depths = flat.count("m")
+        moved = re.sub(r"m(\*\d+)?", "", text)
+        cut = moved.rindex("L")
+        moved = moved[:cut] + "m" * depths + moved[cut:]
+        raise ConfigError(f"{where} places the multi-token prediction depths (m) on a model chunk of their own, "
+                          f"before the loss's (megatron-core's standalone depths); meshtron computes them beside "
+                          f"the loss, in the last model chunk: {_LAYOUT} {moved!r} keeps every other chunk as it is "
+                          f"(a Megatron-LM checkpoint saved with the first loads into it)")
+    return k
 
 
 def _v_layout(num_layers: int, stages: int, first: Optional[int], last: Optional[int], virtual_size: Optional[int],

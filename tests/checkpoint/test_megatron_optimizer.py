@@ -82,6 +82,9 @@ LOSS_SLOT = "dense_pp2_loss_slot_dp_reshardable"  # --account-for-loss-in-pipeli
 LOSS_SLOT_LEGACY = "legacy_pp2_loss_slot_distrib_optim"
 MOE_PP = "moe_pp2_ep2_dp_reshardable"  # tied: the last stage's output layer a copy of the embedding
 MOE_PP_LEGACY = "legacy_moe_pp2_ep2_distrib_optim"
+#: --pipeline-model-parallel-layout "Et|t|mm|L": megatron-core's standalone depths on stage 2 of 4
+STANDALONE = "mtp_pp4_standalone_dp_reshardable"
+STANDALONE_LEGACY = "legacy_mtp_pp4_standalone_distrib_optim"
 
 
 def _read(name: str):
@@ -120,7 +123,7 @@ def _reference(references: dict, name: str, settings: dict, args=None) -> dict[s
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MTP_LEGACY, ROPE, MOE, MLA, MOE_LEGACY, MOE_BF16,
                                   MOE_EP1, MOE_EP1_LEGACY, MOE_EP1_BF16, VP, VP_LEGACY, VP_BF16, UNEVEN,
                                   UNEVEN_LEGACY, LAYOUT, LAYOUT_LEGACY, LOSS_SLOT, LOSS_SLOT_LEGACY, MOE_PP,
-                                  MOE_PP_LEGACY])
+                                  MOE_PP_LEGACY, STANDALONE, STANDALONE_LEGACY])
 def test_optimizer_state_is_megatron_cores(name, references):
     state = _read(name)
     assert state.notices == [] and state.step == 7
@@ -138,7 +141,8 @@ def test_optimizer_state_is_megatron_cores(name, references):
 
 @pytest.mark.parametrize("pair", [(CASE, LEGACY), (MTP, MTP_LEGACY), (MOE, MOE_LEGACY), (MOE_EP1, MOE_EP1_LEGACY),
                                   (VP, VP_LEGACY), (UNEVEN, UNEVEN_LEGACY), (LAYOUT, LAYOUT_LEGACY),
-                                  (LOSS_SLOT, LOSS_SLOT_LEGACY), (MOE_PP, MOE_PP_LEGACY)])
+                                  (LOSS_SLOT, LOSS_SLOT_LEGACY), (MOE_PP, MOE_PP_LEGACY),
+                                  (STANDALONE, STANDALONE_LEGACY)])
 def test_the_same_optimizer_in_both_formats(pair):
     """The same model and optimizer saved as torch_dist dp_reshardable and as legacy distrib_optim.pt read the
     same: weights, masters (an fp32 model's: its weights) and moments (a mixture-of-experts model's experts
@@ -514,7 +518,7 @@ def test_prediction_depths_follow_the_final_norm_on_the_last_stage():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [CASE, LEGACY, BF16, MTP, MOE, MLA, MOE_LEGACY, MOE_BF16, MOE_EP1, MOE_EP1_LEGACY,
-                                  VP, VP_LEGACY, VP_BF16, UNEVEN, LAYOUT, LOSS_SLOT_LEGACY, MOE_PP])
+                                  VP, VP_LEGACY, VP_BF16, UNEVEN, LAYOUT, LOSS_SLOT_LEGACY, MOE_PP, STANDALONE])
 def test_train_continues_with_the_optimizer_state(name):
     """meshtron train --load on each: resumes at iteration 7 with the optimizer state (no notice that the Adam
     moments start from zero) and trains on."""

@@ -167,7 +167,14 @@ def test_layout_string_sets_the_virtual_stages_and_trains_its_placement():
     ("Et|tt|tL", {}, "3 model chunks, not a multiple"),
     ("Et|ttt|t|tL", {}, "names 6 transformer layers (t), but --num-layers is 5"),
     ("Et|tt|t|tmL", {}, "names 1 multi-token prediction depths (m), but --mtp-num-layers is 0"),
-    ("Et|tt|tm|tL", {"mtp_layers": 1}, "in the last model chunk"),
+    ("Et|tt|tm|tL", {"mtp_layers": 1}, "(m) come after every transformer layer (t)"),
+    ("Et|tt|ttm|mL", {"mtp_layers": 2}, "must all be in one model chunk, not in chunks 2, 3"),
+    ("Et|tttt|m|||L", {"mtp_layers": 1}, "in the last model chunk of their pipeline stage (model chunk 2 is virtual "
+                                         "stage 1 of stage 0)"),
+    # megatron-core's standalone depths: refused for training, with the string that trains them beside the loss
+    ("Et|tt|tt||m|L", {"mtp_layers": 1}, "meshtron computes them beside the loss, in the last model chunk: "
+                                         "--pipeline-model-parallel-layout 'Et|tt|tt|||mL'"),
+    ("Et|(tt|)*2,|m*2|L", {"mtp_layers": 2}, "--pipeline-model-parallel-layout 'Et|(tt|)*2,||mmL'"),
     ("Et|tt|t|tL", {"virtual_size": 3}, "but --virtual-pipeline-model-parallel-size is 3"),
     ("Et|tt|t|tL", {"embedding_slot": True}, "drop --account-for-embedding-in-pipeline-split"),
     ("Et|tt|t|tL", {"first": 1}, "drop --decoder-first-pipeline-num-layers"),
@@ -176,6 +183,17 @@ def test_layout_string_errors_name_the_flag_and_what_is_valid(text, kwargs, mess
     with pytest.raises(ConfigError, match="--pipeline-model-parallel-layout") as err:
         partition_layers(5, 2, layout=text, **kwargs)
     assert message in str(err.value)
+
+
+def test_standalone_prediction_depths_are_read_where_megatron_places_them():
+    """A Megatron-LM checkpoint saved with its depths on a chunk of their own (``--pipeline-model-parallel-layout
+    "...|m|L"``) is read with that placement (``standalone_mtp``, the checkpoint reader's); the default layout keeps
+    them with the loss."""
+    layout = partition_layers(5, 2, layout="Et|tt|tt||m|L", mtp_layers=1, standalone_mtp=True)
+    assert layout.mtp_chunk == 4 and layout.has_mtp(0, 2) and not layout.has_mtp(1, 2)
+    assert layout.chunk_layers == ((0,), (1, 2), (3, 4), (), (), ())
+    assert partition_layers(5, 2, layout="Et|tt|tt|||mL", mtp_layers=1).has_mtp(1, 2)
+    assert partition_layers(4, 2).has_mtp(1) and not partition_layers(4, 2).has_mtp(0)
 
 
 def test_chunks_may_hold_the_embedding_or_the_loss_alone_as_in_megatron():

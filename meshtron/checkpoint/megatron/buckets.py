@@ -12,6 +12,10 @@ as flat buffers laid out like its gradient buffer (``_compute_per_buffer_param_l
   (only with ``--overlap-grad-reduce``, ``--ddp-bucket-size`` or max(4e7, 1e6 x DP), and only on the first
   pipeline stage); a tied embedding or output layer off a one-stage pipeline gets a bucket of its own, as do
   both copies of the word embedding that prediction depths on another stage read;
+* the prediction depths are on the last chunk of the last stage, or where a layout string's ``m`` places them
+  (megatron-core's "standalone" depths, a chunk before the loss's, with their own copy of the word embedding);
+  in a model with depths the final layernorm is beside the last transformer layer (megatron-core's
+  ``has_final_layernorm_in_this_stage``), which may be an earlier chunk than the output layer's;
 * a bucket's saved length is its *unpadded* size (up to the end of its last parameter);
 * with virtual pipeline stages each model chunk is a DistributedDataParallel of its own, so one buffer per chunk
   (the optimizer's ``gbuf_idx``, chunks in order, one parameter dtype), laid out as above; chunk ``v`` of stage
@@ -240,10 +244,16 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
     norm, prediction depths and output layer on the last chunk of the last; the fused norm spellings accepted).
     ``inline_experts``: a mixture-of-experts layer's experts (all of them, ``grouped``: TEGroupedMLP's order) follow
     its router, as megatron-core keeps them at expert-parallel 1 (:func:`experts_apart`)."""
-    mine = chunk_layers(num_layers, pp, pp_size, chunk, vp_size, uneven)
+    split = stage_split(num_layers, pp_size, vp_size, uneven)
+    mine = chunk_layers(num_layers, pp, pp_size, chunk, vp_size, split)
     order = {k: i for i, k in enumerate(_layer_order(model, spec))}
     # megatron-core's pre_process / post_process of this chunk
     first, last = pp == 0 and chunk == 0, pp == pp_size - 1 and chunk == vp_size - 1
+    # its mtp_process (the last chunk's, or a layout string's chunk of its own); with prediction depths
+    # megatron-core keeps the final norm beside the last transformer layer, else beside the output layer
+    with_depths = any(_MTP.match(n) for n in model)
+    depths_here = with_depths and split.has_mtp(pp, chunk)
+    final_norm_here = (num_layers - 1 in mine) if with_depths else last
     layers: dict[int, list[tuple[tuple[int, int], str]]] = {}
     whole = dict(model)  # plus the experts under their per-expert names, when they are in this buffer
     if inline_experts:
@@ -264,9 +274,9 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
             if n in mine:
                 layers.setdefault(n, []).append(((order[rest], 0), name))
         m = _MTP.match(name)
-        if m and last:
+        if m and depths_here:
             depths.setdefault(int(m.group(1)), []).append((_mtp_sort_key(m.group(2), order), name))
-    mtp_copy = bool(depths) and not first  # the last stage's copy of the embedding the depths read
+    mtp_copy = bool(depths) and not first  # the depths' chunk's copy of the embedding they read
     names = [n for n in _BEFORE_LAYERS if first and n in model]
     shared = set()
     if mtp_copy:
@@ -274,7 +284,7 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
         shared.add(EMBEDDING_COPY)
     for n in sorted(layers):
         names += [name for _, name in sorted(layers[n])]
-    names += [n for n in _AFTER_LAYERS[:2] if last and n in model]
+    names += [n for n in _AFTER_LAYERS[:2] if final_norm_here and n in model]
     for k in sorted(depths):
         names += [name for _, name in sorted(depths[k])]
     if last and (not tied and "output_layer.weight" in model):
@@ -282,7 +292,7 @@ def rank_params(model: dict[str, torch.Tensor], tp: int, pp: int, tp_size: int, 
     elif last and tied and not first and not mtp_copy:  # the last stage's copy of the tied embedding
         names.append("output_layer.weight")
         shared.add("output_layer.weight")
-    if (tied or any(_MTP.match(n) for n in model)) and first and not last:
+    if (tied or with_depths) and first and not last:
         shared.add("embedding.word_embeddings.weight")
     params = []
     for name in names:

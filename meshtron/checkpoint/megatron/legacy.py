@@ -13,9 +13,9 @@ are merged here into Megatron's whole per-layer tensors:
 
 Layers are numbered by stage in Megatron's order (virtual chunk, then pipeline stage), from the number of
 layers each file holds, so uneven first/last stages merge too. Multi-token prediction depths
-(``mtp.layers.k.*``, their transformer layer ``mtp_model_layer``) sit on the last stage under their own numbers;
-the last stage's copy of the word embedding that they read (with more than one stage) is the first stage's
-tensor, kept equal by Megatron: the first stage's is taken.
+(``mtp.layers.k.*``, their transformer layer ``mtp_model_layer``) sit on their stage (the last, or a layout
+string's own) under their own numbers; that stage's copy of the word embedding that they read (with more than one
+stage) is the first stage's tensor, kept equal by Megatron: the first stage's is taken.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def merge(directory: Path, swiglu: bool, files: Optional[dict[tuple[int, int, in
                 elif e > 0:
                     continue
                 elif key == "embedding.word_embeddings.weight" and (p, v) != (0, 0):
-                    continue  # the prediction depths' copy on the last stage: the first stage's is kept
+                    continue  # the prediction depths' copy on their stage: the first stage's is kept
                 shards.setdefault(name, {})[t] = value
     merged = {name: _merge_tp(name, parts, tp, swiglu) for name, parts in shards.items()}
     return merged, states, []

@@ -129,7 +129,8 @@ def _uneven(args: Any, num_layers: int) -> buckets.Uneven:
             return partition_layers(num_layers, pp, virtual_size=_vp_size(args) if layout is None else None,
                                     embedding_slot=embedding_slot, loss_slot=loss_slot,
                                     layout=None if layout is None else str(layout),
-                                    mtp_layers=int(getattr(args, "mtp_num_layers", None) or 0))
+                                    mtp_layers=int(getattr(args, "mtp_num_layers", None) or 0),
+                                    standalone_mtp=True)
         except ConfigError as err:
             raise buckets.LayoutMismatch(str(err)) from None
     counts = (None if first is None else int(first), None if last is None else int(last))
