@@ -45,13 +45,26 @@ STEP_GAPS = {
     # DeepSeek-V3 EP=64: emulation counts the expert all-to-all as exposed (44.5 s), the planner hides part of
     # it (25.1 s exposed in all), and the selective-recomputation backward measures 3.6x the forward.
     "e19": (0.55, 0.90), "e20": (0.60, 0.90),
+    # 2026-12-07, optimizer state held. mixtral-8x7b TP=2 EP=4: the measured passes 18% over the planner's MoE
+    # compute, the expert all-to-all 1.73 s exposed against the planner's 0.89 (e6, the same layout before
+    # the state was held: 0.91).
+    "e24": (0.78, 0.90),
+    # e17/e18's layout again (llama3-405b TP=8 CP=2 PP=8), the passes 19% over the planner's compute.
+    "e25": (0.78, 0.90), "e26": (0.80, 0.92),
+    # llama3-8b at 1,048,576 tokens, CP=32 over 4 nodes: compute within 6%, but the ring's transfers 27.1 s
+    # exposed in emulation against the planner's 8.0 (emulation counts them unhidden).
+    "e27": (0.75, 0.88),
 }
-#: (highest planner / measured peak, why) where the memory model is above an emulated peak by more than 3%.
+#: (lowest, highest) planner / measured peak, and why, where the memory model misses an emulated peak by more
+#: than 3%.
 MEMORY_GAPS = {
     # DeepSeek-V3's first stage (3 dense + 5 MoE layers, 8 micro-batches in flight, selective recomputation):
     # 3.7 GiB per in-flight micro-batch above the peak, while its last stage (e20: 5 MoE layers, one in flight)
     # is modelled within 0.1%; which tensors is not established.
-    "e19": 1.50,
+    "e19": (1.03, 1.50),
+    # llama3-8b at 1,048,576 tokens, CP=32, full recomputation: the planner is 12 GiB under the peak (47.7 of
+    # 59.8), the dangerous direction; which tensors of a 32,768-token rank it misses is not established.
+    "e27": (0.75, 0.97),
 }
 
 
@@ -86,7 +99,8 @@ def test_planner_follows_the_emulated_rows(row):
     twins = [peak] if row.get("optimizer_state_held") else [peak, peak + _moments_gib(cfg, stage)]
     errors = [memory_gib / twin - 1 for twin in twins]
     if row["id"] in MEMORY_GAPS:
-        assert 0 < memory_gib / peak < MEMORY_GAPS[row["id"]], f"{row['id']}: planner {memory_gib:.1f} GiB"
+        low, high = MEMORY_GAPS[row["id"]]
+        assert low < memory_gib / peak < high, f"{row['id']}: planner {memory_gib:.1f} GiB, peak {peak:.1f}"
         assert min(abs(e) for e in errors) > MEMORY_TOLERANCE, f"{row['id']} is followed now: drop its bound"
         return
     assert min(abs(e) for e in errors) < MEMORY_TOLERANCE, (
