@@ -28,10 +28,11 @@
 #                                                     # timed, Muon's TF32 step
 # Run on 2026-12-07 (third): unverified, losses, accuracy, rows (in part), migration (all but ONLY=moe).
 # Run on 2026-12-07 (fourth), at once: migration_moe, muon1b, losses (optimizers), gputests (cut by its limit).
-# Next, in this order: ONLY=moe_reverse of benchmarks/megatron_continuation.sh (the MoE export back to Megatron-LM,
-# with --transformer-impl local since 90bca2d; carry .mlm) with migration_fixtures, gputests alone, fp8seeds,
-# accuracy (its gpt-oss and Qwen3.5 rows since the recorder lets flex attention run and a world of one skips the
-# recorded step), rows2, long, families' rule profile.
+# Run on 2026-12-07 (fifth): ONLY=moe_reverse with migration_fixtures and fp8seeds at once; gputests alone; rows2's
+# mixtral; rows2's 405B with long's CP=32 case; accuracy (cut before its sixth row).
+# Next, in this order: long's llama3-8b-1m-tp4cp8 alone (255 s did not reach its measurement), the million-token
+# rank's memory (benchmarks/debug_memory.py on llama3-8b-1m-cp32: the planner is 12 GiB under its peak), accuracy's
+# Qwen3.5 row (+17% step in emulation), families' rule profile.
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
