@@ -30,7 +30,8 @@
 # Run on 2026-12-07 (fourth), at once: migration_moe, muon1b, losses (optimizers), gputests (cut by its limit).
 # Run on 2026-12-07 (fifth): ONLY=moe_reverse with migration_fixtures and fp8seeds at once; gputests alone; rows2's
 # mixtral; rows2's 405B with long's CP=32 case; accuracy (cut before its sixth row).
-# Next, in this order: long's llama3-8b-1m-tp4cp8 alone (255 s did not reach its measurement), the million-token
+# Next, in this order: long's llama3-8b-1m-tp4cp8 alone (255 s did not reach its measurement) and the 8-GPU case
+# (CASES=llama3-8b-1m-cp8 of benchmarks/emulation_call.sh: CP=8 with the optimizer on the host), the million-token
 # rank's memory (benchmarks/debug_memory.py on llama3-8b-1m-cp32: the planner is 12 GiB under its peak), accuracy's
 # Qwen3.5 row (+17% step in emulation), families' rule profile.
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
