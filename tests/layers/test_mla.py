@@ -1,5 +1,5 @@
 """Multi-latent attention: the math against Hugging Face's DeepSeek-V3, parallel layouts (TP + SP, CP ring and
-all-gather, PP through the trainer, compiled layers) against one process, validation, and FLOPs/parameter counts.
+all-gather, PP through the trainer, compiled layers: slow) against one process, validation, and FLOPs/parameter counts.
 """
 
 from __future__ import annotations
@@ -196,6 +196,9 @@ def test_pipeline_trainer_logs_the_single_process_losses(layouts):
         assert evals == pytest.approx(ref.eval_losses, rel=1e-5), f"rank {rank}"
 
 
+# Slow: the tp2-sp layout runs eager by default (test_parallel_layout_matches_one_process) and compiled TP + SP
+# layers run in tests/parallel/test_compiled_parallel.py.
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_layers_with_tensor_and_sequence_parallelism_match_one_process():
