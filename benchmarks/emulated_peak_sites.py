@@ -31,7 +31,7 @@ def main() -> int:
     import torch
 
     from meshtron.bench import RandomTokens
-    from meshtron.emulation.runner import _config, _enter_world, _leave_world
+    from meshtron.emulation.runner import _config, _enter_world, _leave_world, hold_optimizer_state
     from meshtron.memory import stage_estimates
     from meshtron.memory_report import allocation_site, trace_peak
     from meshtron.parallel.context import context_from_config
@@ -48,6 +48,7 @@ def main() -> int:
         data = RandomTokens(cfg.model.vocab_size or 32000, cfg.model.seq_length, t.micro_batch_size, n_micro, t.seed)
         torch.cuda.memory._record_memory_history("all", stacks="python", max_entries=3_000_000)
         trainer = Trainer(cfg, ctx, data=data)
+        hold_optimizer_state(trainer)  # as meshtron emulate does: the moments exist though steps may be skipped
         batches = next(data.train_batches())
         for it in range(1, steps + 1):
             trainer.train_step(batches, it)

@@ -20,6 +20,7 @@
 #   bash benchmarks/pending_gpu_checks.sh migration_moe  # the MoE hand-overs only (carry .mlm)
 #   bash benchmarks/pending_gpu_checks.sh migration_fixtures  # Megatron-LM-saved tiny checkpoints (carry .mlm)
 #   bash benchmarks/pending_gpu_checks.sh rows2       # rows' mixtral and 405B cases with more time each
+#   bash benchmarks/pending_gpu_checks.sh peak1m      # where the million-token CP=32 rank's memory peaks
 #   bash benchmarks/pending_gpu_checks.sh muon1b      # llama3-1b, 1,000 steps, AdamW and Muon at once (losses)
 #   bash benchmarks/pending_gpu_checks.sh fp8seeds    # bf16 and FP8 blockwise at two more seeds (losses)
 #   bash benchmarks/pending_gpu_checks.sh unverified  # first, in one call: GPU tests of code changed since its last GPU
@@ -32,7 +33,7 @@
 # mixtral; rows2's 405B with long's CP=32 case; accuracy (cut before its sixth row).
 # Next, in this order: long's llama3-8b-1m-tp4cp8 alone (255 s did not reach its measurement) and the 8-GPU case
 # (CASES=llama3-8b-1m-cp8 of benchmarks/emulation_call.sh: CP=8 with the optimizer on the host), the million-token
-# rank's memory (benchmarks/debug_memory.py on llama3-8b-1m-cp32: the planner is 12 GiB under its peak), accuracy's
+# rank's memory (the peak1m phase: the planner is 12 GiB under its peak), accuracy's
 # Qwen3.5 row (+17% step in emulation), families' rule profile.
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
@@ -62,6 +63,11 @@ for phase in "$@"; do
       # creating the optimizer state of its experts took longer)
       CASES="mixtral-8x7b-tp2ep4dp4 llama3-405b-tp8pp8cp2dp2" CASE_TIMEOUT=270 bash benchmarks/emulation_call.sh \
         2>&1 | grep -v "warn\|^meshtron emulate:" | tail -20 ;;
+    peak1m)
+      # where the million-token rank (e27: llama3-8b, 1,048,576 tokens, CP=32) peaks: the planner is 12 GiB under it
+      timeout 500 python3 benchmarks/emulated_peak_sites.py 32 0 --model llama3-8b --bf16 --seq-length 1048576 \
+        --micro-batch-size 1 --global-batch-size 1 --use-distributed-optimizer --recompute-granularity full \
+        --recompute-method uniform --recompute-num-layers 1 --context-parallel-size 32 2>&1 | grep -v Warning | tail -40 ;;
     muon1b)
       # llama3-1b (the preset, one micro-batch of 4 x 2048 per step), 1,000 steps on the built-in corpus, AdamW at its
       # quick-start best rate and Muon at its, at once (losses only: they share the GPU).
