@@ -158,7 +158,7 @@ def emulate_main(argv: Sequence[str]) -> int:
 
 def report_row(emulated, train_argv: Sequence[str], world: int, gpus_per_node: int, profile) -> dict:
     """The measured figures of one emulated rank, its prediction, and the planner's beside it."""
-    from meshtron.emulation.predict import predict_rank, summarise_step
+    from meshtron.emulation.predict import fit_passes, predict_rank, summarise_step
     from meshtron.emulation.runner import _config
     from meshtron.planning.step_time import DATASHEET_PEAK_TFLOPS, Links, bubble_fraction, predict_step
     from meshtron.training.metrics import compute_throughput, flops_per_token
@@ -167,10 +167,12 @@ def report_row(emulated, train_argv: Sequence[str], world: int, gpus_per_node: i
     p, t = cfg.parallel, cfg.train
     pp, vp = p.pipeline_model_parallel_size, (p.virtual_pipeline_model_parallel_size or 1)
     scale = emulated.micro_batches / emulated.measured_micro_batches
-    forward, backward = emulated.forward_s * scale, emulated.backward_s * scale
+    measured_fwd, measured_bwd = fit_passes(emulated.forward_s, emulated.backward_s, emulated.step_s,
+                                            emulated.data_s)
+    forward, backward = measured_fwd * scale, measured_bwd * scale
     comm = summarise_step(emulated.records, emulated.spans_nodes, profile, forward, backward, pp, scale)
     bubble = bubble_fraction(pp, vp, emulated.micro_batches, p.pipeline_schedule)
-    other = max(0.0, emulated.step_s - emulated.forward_s - emulated.backward_s - emulated.optimizer_s)
+    other = max(0.0, emulated.step_s - measured_fwd - measured_bwd - emulated.optimizer_s)
     pred = predict_rank(forward, backward, emulated.optimizer_s, other, comm, bubble)
     vocab = cfg.model.vocab_size or 32000
     tokens = t.global_batch_size * cfg.model.seq_length

@@ -128,6 +128,19 @@ class RankPrediction:
     comm: CommSummary
 
 
+def fit_passes(forward_s: float, backward_s: float, step_s: float, data_s: float = 0.0) -> tuple[float, float]:
+    """The forward and backward seconds of the measured micro-batches, held to the whole step.
+
+    The whole step (timed without a sync between its passes, communication completing at once) measures the
+    rank's work; the passes timed one by one, each synchronised and so paying its launch latency alone, only
+    apportion it. Where they add up to more than the step less its data preparation, both are scaled down to it
+    (the remainder ``meshtron bench`` reports as the optimizer's is then 0); otherwise they are kept."""
+    passes, budget = forward_s + backward_s, step_s - data_s
+    if passes > budget > 0:
+        return forward_s * budget / passes, backward_s * budget / passes
+    return forward_s, backward_s
+
+
 def predict_rank(forward_s: float, backward_s: float, optimizer_s: float, other_s: float, comm: CommSummary,
                  bubble_fraction: float) -> RankPrediction:
     """Step = compute x (1 + bubble) + exposed communication + optimizer + the rest."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.emulation.predict import collective_seconds, predict_rank, summarise_step
+from meshtron.emulation.predict import CommSummary, collective_seconds, fit_passes, predict_rank, summarise_step
 from meshtron.planning.profiles import builtin_profile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +60,20 @@ def test_predicted_step_adds_bubble_communication_and_optimizer():
     comm = summarise_step([_rec("all_gather", "tp", 10**8)], {}, H100, 1.0, 2.0, pp=1)
     pred = predict_rank(1.0, 2.0, 0.5, 0.1, comm, bubble_fraction=0.25)
     assert pred.step_s == pytest.approx(3.0 * 1.25 + comm.exposed_s + 0.5 + 0.1)
+
+
+def test_passes_timed_one_by_one_are_held_to_the_whole_step():
+    """Synchronised passes that add up to more than the whole step (each pays its launch latency alone: 17% on
+    the Qwen3.5 row of 2026-12-07, 10% on mixtral's rank) are scaled down to it, in proportion; passes inside the
+    step are kept. A world of one then predicts its own whole step, whichever way the passes came out."""
+    assert fit_passes(0.3, 0.6, 1.0, 0.02) == (0.3, 0.6)
+    fwd, bwd = fit_passes(0.4, 0.8, 1.0, 0.04)
+    assert fwd + bwd == pytest.approx(0.96) and bwd == pytest.approx(2 * fwd)
+    no_comm = CommSummary()
+    for passes, optimizer in (((0.3, 0.6), 0.08), ((0.4, 0.8), 0.0)):  # the bench's remainder, as it reports it
+        fwd, bwd = fit_passes(*passes, 1.0, 0.02)
+        other = max(0.0, 1.0 - fwd - bwd - optimizer)
+        assert predict_rank(fwd, bwd, optimizer, other, no_comm, bubble_fraction=0.0).step_s == pytest.approx(1.0)
 
 
 def _emulate(*args: str) -> subprocess.CompletedProcess:
