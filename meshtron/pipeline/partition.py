@@ -33,6 +33,7 @@ into these arguments) needs no model code.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -106,8 +107,9 @@ class PipelineLayout:
     def has_mtp(self, stage: int, virtual: int = 0) -> bool:
         """Whether this chunk holds the multi-token prediction depths (of a model with them): the last one, or the
         layout string's chunk of its ``m``."""
-        where = self.stages * self.virtual_stages - 1 if self.mtp_chunk is None else self.mtp_chunk
-        return self.position(stage, virtual) == where
+        if self.mtp_chunk is None:
+            return self.has_loss(stage, virtual)
+        return self.position(stage, virtual) == self.mtp_chunk
 
     @property
     def loss_stage(self) -> int:
@@ -258,9 +260,7 @@ def partition_from_layout(text: str, num_layers: int, stages: int, virtual_size:
                           f"--mtp-num-layers is {mtp_layers}")
     mtp_chunk = _mtp_chunk(text, chunks, stages, standalone_mtp) if "m" in flat else None
     sizes = [c.count("t") for c in chunks]
-    layout = _layout(num_layers, stages, vpp, sizes)
-    return layout if mtp_chunk is None else PipelineLayout(num_layers, stages, vpp, layout.chunk_layers,
-                                                           mtp_chunk=mtp_chunk)
+    return dataclasses.replace(_layout(num_layers, stages, vpp, sizes), mtp_chunk=mtp_chunk)
 
 
 def _mtp_chunk(text: str, chunks: list[str], stages: int, standalone: bool) -> Optional[int]:
@@ -281,10 +281,17 @@ def _mtp_chunk(text: str, chunks: list[str], stages: int, standalone: bool) -> O
         raise ConfigError(f"{where}: the multi-token prediction depths (m) must be in the last model chunk of their "
                           f"pipeline stage (model chunk {k} is virtual stage {k // stages} of stage {k % stages})")
     if not standalone:
-        depths = flat.count("m")
+        # the same string with its m's moved before the L; spelled out chunk by chunk where that edit would not
+        # parse to the intended chunks (an m inside a repeated group)
+        intended = [c.replace("m", "") for c in chunks]
+        intended[-1] = "m" * flat.count("m") + intended[-1]
         moved = re.sub(r"m(\*\d+)?", "", text)
-        cut = moved.rindex("L")
-        moved = moved[:cut] + "m" * depths + moved[cut:]
+        moved = moved[:moved.rindex("L")] + "m" * flat.count("m") + moved[moved.rindex("L"):]
+        try:
+            if parse_layout(moved) != intended:
+                moved = "|".join(intended)
+        except ConfigError:
+            moved = "|".join(intended)
         raise ConfigError(f"{where} places the multi-token prediction depths (m) on a model chunk of their own, "
                           f"before the loss's (megatron-core's standalone depths); meshtron computes them beside "
                           f"the loss, in the last model chunk: {_LAYOUT} {moved!r} keeps every other chunk as it is "

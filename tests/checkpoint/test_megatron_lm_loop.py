@@ -12,7 +12,6 @@ state and the consumed samples, all inside the DCP files (core 0.19's common sta
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -20,7 +19,6 @@ import torch
 from meshtron.checkpoint.megatron.detect import find_megatron_checkpoint
 from meshtron.checkpoint.megatron.reader import read_megatron
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "megatron" / "megatron_lm_loop_dense"
 
 

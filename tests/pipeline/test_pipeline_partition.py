@@ -175,6 +175,8 @@ def test_layout_string_sets_the_virtual_stages_and_trains_its_placement():
     ("Et|tt|tt||m|L", {"mtp_layers": 1}, "meshtron computes them beside the loss, in the last model chunk: "
                                          "--pipeline-model-parallel-layout 'Et|tt|tt|||mL'"),
     ("Et|(tt|)*2,|m*2|L", {"mtp_layers": 2}, "--pipeline-model-parallel-layout 'Et|(tt|)*2,||mmL'"),
+    # an m inside a repeated group: the moved string is spelled out chunk by chunk
+    ("Et|tttt|(m)*2|L", {"mtp_layers": 2}, "--pipeline-model-parallel-layout 'Et|tttt||mmL'"),
     ("Et|tt|t|tL", {"virtual_size": 3}, "but --virtual-pipeline-model-parallel-size is 3"),
     ("Et|tt|t|tL", {"embedding_slot": True}, "drop --account-for-embedding-in-pipeline-split"),
     ("Et|tt|t|tL", {"first": 1}, "drop --decoder-first-pipeline-num-layers"),
