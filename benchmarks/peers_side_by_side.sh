@@ -2,7 +2,8 @@
 # torchtitan 0.2.2 (the peer) on meshtron's MoE benchmark shapes, one GPU, one device call:
 #   OUT=$OUT bash benchmarks/peers_side_by_side.sh
 # Rows (benchmarks/peers_torchtitan.py has the shapes and what is torchtitan's and what is the harness):
-#   dsv3_width_mbs2, qwen3_30b_a3b_mbs4, gpt_oss_20b_mbs1, gpt_oss_20b_mbs2, dsv3_width_fp8_experts_mbs2
+#   dsv3_width_mbs2, qwen3_30b_a3b_mbs4, gpt_oss_20b_mbs1, gpt_oss_20b_mbs2, dsv3_width_fp8_experts_mbs2,
+#   dsv3_width_fp8_linear_mbs2, dsv3_width_fp8_both_mbs2
 # Each row runs in its own process under a timeout (PEERS_ROW_TIMEOUT_S, default 120 s; the first gpt-oss row
 # PEERS_GPT_OSS_FIRST_TIMEOUT_S, default 170 s) inside a total budget
 # (PEERS_DEADLINE_S, default 500 s, counted from the start of this script); a row that would get less than

@@ -21,6 +21,10 @@ and meshtron/presets.py; bf16 = torchtitan's single-GPU mixed precision, see bel
   dsv3_width_fp8_experts_mbs2  the first row with torchtitan's `quantize.grouped_mm.float8` converter
                          (fqns=["experts"]: dynamic float8 rowwise scaled grouped GEMMs for the routed experts,
                          from torchao 0.18); every other layer stays bf16.
+  dsv3_width_fp8_linear_mbs2   the first row with torchtitan's `quantize.linear.float8` converter, recipe
+                         "rowwise", filter_fqns ["output", "auto_filter_small_kn"] (the output layer in bf16, as
+                         meshtron's; torchtitan's filter of linears too small to gain); the experts stay bf16.
+  dsv3_width_fp8_both_mbs2     both converters at once.
 
 What is torchtitan's (unchanged, imported from the wheel):
   - the model classes and their args (DeepSeekV3Model/DeepSeekV3ModelArgs, Qwen3Model/Qwen3ModelArgs with the
@@ -190,6 +194,8 @@ ROWS = {
     "gpt_oss_20b_mbs1": dict(family="gpt_oss", mbs=1, fp8=False),
     "gpt_oss_20b_mbs2": dict(family="gpt_oss", mbs=2, fp8=False),
     "dsv3_width_fp8_experts_mbs2": dict(family="deepseek_v3", mbs=2, fp8=True),
+    "dsv3_width_fp8_linear_mbs2": dict(family="deepseek_v3", mbs=2, fp8="linear"),
+    "dsv3_width_fp8_both_mbs2": dict(family="deepseek_v3", mbs=2, fp8="both"),
 }
 SEQ = 4096
 GPT_OSS_AS_SHIPPED = False  # --gpt-oss-as-shipped: parallelize_gptoss only (no per-block compile)
@@ -248,9 +254,17 @@ def job_config_for(row: dict, compile_: bool, seq: int, steps: int):
     jc.compile.enable = compile_
     jc.compile.components = ["model", "loss"]
     jc.activation_checkpoint.mode = "none"
-    if row["fp8"]:
-        jc.model.converters = ["quantize.grouped_mm.float8"]
+    converters = []
+    if row["fp8"] in ("linear", "both"):
+        # torchtitan's float8 dense linears, rowwise scaling (its torchao recipe); the output layer stays bf16 as
+        # meshtron's does, and torchtitan's own auto filter skips the linears too small to gain from FP8
+        converters.append("quantize.linear.float8")
+        jc.quantize.linear.float8.recipe_name = "rowwise"
+        jc.quantize.linear.float8.filter_fqns = ["output", "auto_filter_small_kn"]
+    if row["fp8"] in (True, "both"):
+        converters.append("quantize.grouped_mm.float8")
         jc.quantize.grouped_mm.float8.fqns = ["experts"]
+    jc.model.converters = converters
     return jc
 
 
@@ -411,7 +425,9 @@ def check_wiring():
         model, args, _, jc = build(name, "cpu", True, True, 64, 2)
         compiled = sum(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())
         kinds = sorted({type(p).__name__ for n, p in model.named_parameters() if "experts" in n})
-        print(f"WIRING {name} compiled_submodules {compiled} expert_param_types {kinds}", flush=True)
+        fp8_linears = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        print(f"WIRING {name} compiled_submodules {compiled} expert_param_types {kinds} float8_linears {fp8_linears}",
+              flush=True)
 
 
 def main():

@@ -63,6 +63,24 @@ for phase in "$@"; do
       # creating the optimizer state of its experts took longer)
       CASES="mixtral-8x7b-tp2ep4dp4 llama3-405b-tp8pp8cp2dp2" CASE_TIMEOUT=270 bash benchmarks/emulation_call.sh \
         2>&1 | grep -v "warn\|^meshtron emulate:" | tail -20 ;;
+    profile_moe)
+      # where the MoE side-by-side rows' steps go now (kernel categories and the top kernels): the Qwen3-30B-A3B shape
+      # in bf16 and the DeepSeek-V3 width in FP8 rowwise (experts bf16), the settings of #43's best rows
+      qwen="--model qwen3-0.6b --num-layers 4 --hidden-size 2048 --num-attention-heads 32 --num-query-groups 4
+        --kv-channels 128 --ffn-hidden-size 6144 --num-experts 128 --moe-ffn-hidden-size 768 --moe-router-topk 8
+        --moe-aux-loss-coeff 0.001 --untie-embeddings-and-output-weights --micro-batch-size 4 --global-batch-size 4
+        --bf16 --seq-length 4096"
+      dsv3="--model deepseek-moe-16b --num-layers 2 --vocab-size 129280 --hidden-size 7168 --num-attention-heads 128
+        --num-query-groups 128 --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128
+        --qk-pos-emb-head-dim 64 --v-head-dim 128 --ffn-hidden-size 18432 --num-experts 16 --moe-ffn-hidden-size 2048
+        --moe-router-topk 8 --moe-shared-expert-intermediate-size 2048 --moe-first-dense-layers 1
+        --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5
+        --moe-aux-loss-coeff 0.0001 --moe-router-load-balancing-type seq_aux_loss --micro-batch-size 2
+        --global-batch-size 2 --bf16 --seq-length 4096 --fp8-format e4m3 --fp8-recipe rowwise"
+      PROFILE_ROWS=45 timeout 200 python3 benchmarks/profile_step.py $qwen > "$OUT/profile_qwen.txt" 2>&1
+      tail -12 "$OUT/profile_qwen.txt"
+      PROFILE_ROWS=45 timeout 200 python3 benchmarks/profile_step.py $dsv3 > "$OUT/profile_dsv3.txt" 2>&1
+      tail -12 "$OUT/profile_dsv3.txt" ;;
     peak1m)
       # where the million-token rank (e27: llama3-8b, 1,048,576 tokens, CP=32) peaks: the planner is 12 GiB under it
       timeout 500 python3 benchmarks/emulated_peak_sites.py 32 0 --model llama3-8b --bf16 --seq-length 1048576 \
