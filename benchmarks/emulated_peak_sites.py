@@ -3,11 +3,13 @@ allocator's history on, then print the peak, the stack of the allocation that re
 at that moment grouped by allocation site (meshtron.memory_report) and by kind (weights, gradient buffer,
 optimizer state, activations/other), beside meshtron's memory model of that stage.
 
-    python benchmarks/emulated_peak_sites.py WORLD RANK [train flags...]   (on a GPU)
+    PEAK_STEPS=N python benchmarks/emulated_peak_sites.py WORLD RANK [train flags...]   (on a GPU; 3 steps by default)
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,7 +40,7 @@ def main() -> int:
     from meshtron.training.trainer import Trainer
 
     world, rank, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    steps = 3
+    steps = int(os.environ.get("PEAK_STEPS", "3"))  # the peak of a held-state rank is in its first step
     _enter_world(world, rank)
     try:
         cfg = _config(argv, world, steps)
@@ -51,9 +53,11 @@ def main() -> int:
         hold_optimizer_state(trainer)  # as meshtron emulate does: the moments exist though steps may be skipped
         batches = next(data.train_batches())
         for it in range(1, steps + 1):
+            start = time.perf_counter()
             trainer.train_step(batches, it)
             torch.cuda.synchronize()
-            print(f"step {it}: max allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+            print(f"step {it}: max allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, "
+                  f"{time.perf_counter() - start:.1f} s (allocator history on)", flush=True)
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(None)
         events = snap["device_traces"][torch.cuda.current_device()]

@@ -21,6 +21,8 @@
 #   bash benchmarks/pending_gpu_checks.sh migration_fixtures  # Megatron-LM-saved tiny checkpoints (carry .mlm)
 #   bash benchmarks/pending_gpu_checks.sh rows2       # rows' mixtral and 405B cases with more time each
 #   bash benchmarks/pending_gpu_checks.sh peak1m      # where the million-token CP=32 rank's memory peaks
+#   bash benchmarks/pending_gpu_checks.sh profile_moe # where the MoE side-by-side rows' steps go (kernels)
+#   bash benchmarks/pending_gpu_checks.sh gemms       # calibrate this GPU; GEMM rates at the emulated rows' shapes
 #   bash benchmarks/pending_gpu_checks.sh muon1b      # llama3-1b, 1,000 steps, AdamW and Muon at once (losses)
 #   bash benchmarks/pending_gpu_checks.sh fp8seeds    # bf16 and FP8 blockwise at two more seeds (losses)
 #   bash benchmarks/pending_gpu_checks.sh unverified  # first, in one call: GPU tests of code changed since its last GPU
@@ -81,9 +83,14 @@ for phase in "$@"; do
       tail -12 "$OUT/profile_qwen.txt"
       PROFILE_ROWS=45 timeout 200 python3 benchmarks/profile_step.py $dsv3 > "$OUT/profile_dsv3.txt" 2>&1
       tail -12 "$OUT/profile_dsv3.txt" ;;
+    gemms)
+      # this GPU's calibrated profile, and the GEMM rate at the emulated rows' per-rank shapes beside the planner's
+      gpu=H100; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && gpu=H200
+      timeout 150 python3 -m meshtron plan --calibrate --out "$OUT/$(echo $gpu | tr A-Z a-z)-measured.json" 2>&1 | tail -2
+      timeout 150 python3 benchmarks/gemm_shapes.py --gpu $gpu 2>&1 | grep -v Warning ;;
     peak1m)
       # where the million-token rank (e27: llama3-8b, 1,048,576 tokens, CP=32) peaks: the planner is 12 GiB under it
-      timeout 500 python3 benchmarks/emulated_peak_sites.py 32 0 --model llama3-8b --bf16 --seq-length 1048576 \
+      PEAK_STEPS=2 timeout 400 python3 benchmarks/emulated_peak_sites.py 32 0 --model llama3-8b --bf16 --seq-length 1048576 \
         --micro-batch-size 1 --global-batch-size 1 --use-distributed-optimizer --recompute-granularity full \
         --recompute-method uniform --recompute-num-layers 1 --context-parallel-size 32 2>&1 | grep -v Warning | tail -40 ;;
     muon1b)
