@@ -97,3 +97,36 @@ def test_bench_row_frees_its_model_for_the_next_row(monkeypatch):
     torch._dynamo.reset()
     gc.collect()
     assert len(created) == 1 and created[0]() is None
+
+
+def test_without_warmup_the_step_is_the_warm_passes_and_the_cold_one_is_reported(monkeypatch):
+    """A run of no warm-up times its first step, which compiles and grows the allocator: the step is then the
+    warm passes' sum with a separately timed optimizer step, and the cold step is kept as first_step_s."""
+    import meshtron.bench as bench
+
+    argv = ["--model", "tiny", "--vocab-size", "300", "--device", "cpu", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "4"]
+    calls = []
+    original_measure = bench._measure
+
+    def slow_first_step(trainer, *args, **kwargs):
+        step = trainer.train_step
+
+        def train_step(batches, it):
+            calls.append(it)
+            if len(calls) == 1:
+                import time
+                time.sleep(0.5)  # what a first step's compilation costs
+            return step(batches, it)
+
+        trainer.train_step = train_step
+        return original_measure(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_measure", slow_first_step)
+    cold = bench.bench_row(argv, 0, 1)
+    assert cold["first_step_s"] >= 0.5 > cold["step_s"]
+    parts = cold["data_s"] + cold["forward_s"] + cold["backward_s"] + cold["exposed_comm_s"] + cold["optimizer_s"]
+    assert abs(cold["step_s"] - parts) < 1e-9 and cold["optimizer_s"] > 0
+    calls.clear()
+    warm = bench.bench_row(argv, 1, 1)
+    assert "first_step_s" not in warm and warm["step_s"] < 0.5
