@@ -11,7 +11,8 @@ measured passes.
 Overlap rules (the same as the step-time model's, docs/emulation.md):
 
 * tensor- and expert-parallel operations (``tp``, ``tp_sub*``, ``ep``) lie on the critical path: exposed;
-* context-parallel ring transfers overlap the attention they feed: hidden behind the forward and backward;
+* context-parallel ring transfers overlap the attention they feed: hidden behind the forward and backward; a
+  hop's send and receive run at once (full-duplex links), so a hop costs one transfer;
 * data-parallel reductions and gathers (``dp``, ``dp_cp``, ``expert_dp``) issued without waiting
   (``--overlap-grad-reduce``, ``--overlap-param-gather``) hide behind the backward pass; otherwise exposed;
 * pipeline transfers hide behind compute except on the warm-up and cool-down path (2 x (PP - 1) transfers);
@@ -80,6 +81,10 @@ def summarise_step(records: Sequence[dict], spans_nodes: dict, profile: DevicePr
         group = r["group"]
         bw = (profile.network_gbps if spans_nodes.get(group, False) else profile.nvlink_gbps) * 1e9
         t = collective_seconds(r["op"], r["bytes"], r["group_size"], bw, profile.collective_latency_us * 1e-6)
+        if group == "cp" and r["op"] == "recv":
+            # A ring hop's receive runs at once with its send (one batched isend/irecv over full-duplex links):
+            # the hop costs one transfer, counted on the send.
+            t = 0.0
         per_micro_batch = group in PER_MICRO_BATCH_GROUPS or group.startswith("tp_sub")
         if per_micro_batch and r.get("phase") not in PER_STEP_PHASES:
             t *= micro_batch_scale

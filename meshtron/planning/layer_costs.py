@@ -259,7 +259,12 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
             bw = links.bandwidth(profile, ring, tp * a2a)
             kv = t.micro_batch_size * (seq / ring) * kv_out * e
             ring_fwd = (ring - 1) * (kv / bw + latency)
-            by_kind["cp"] += _overlapped(ring_fwd, attn_fwd, profile) + _overlapped(2 * ring_fwd, attn_bwd, profile)
+            # Backward: each hop carries the key/value block again with its gradient, accumulated in fp32 (the
+            # ring's own gradient and the all-gather's reduce-scatter alike), and the gradient goes home at the end.
+            ring_bwd = (ring - 1) * (kv * (1 + 4 / e) / bw + latency) + kv * 4 / e / bw
+            by_kind["cp"] += _overlapped(ring_fwd, attn_fwd, profile) + _overlapped(ring_bwd, attn_bwd, profile)
+            if recomputed:  # the recomputed forward runs the ring again
+                by_kind["cp"] += _overlapped(ring_fwd, attn_fwd, profile)
     if work.ep_bytes and ep > 1:
         bw = links.bandwidth(profile, ep, tp)
         by_kind["ep"] = 4 * _ring(work.ep_bytes, ep, bw, latency)

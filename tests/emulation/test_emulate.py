@@ -43,6 +43,18 @@ def test_overlap_rules_expose_tp_and_hide_overlapped_data_parallel_reduction():
     assert comm.exposed_by_group["dp_cp"] == pytest.approx(blocking + H100.overlap_cost * network)
 
 
+def test_a_context_parallel_ring_hop_costs_one_transfer_not_its_send_and_receive():
+    """Each hop of the CP ring sends this rank's key/value block and receives its neighbour's in one batched call
+    over full-duplex links: the trace notes both, the time is one transfer per hop."""
+    hops = 7
+    records = [_rec(op, "cp", 10**8) for _ in range(hops) for op in ("send", "recv")]
+    comm = summarise_step(records, {"cp": True}, H100, forward_s=10.0, backward_s=20.0, pp=1)
+    one = collective_seconds("send", 10**8, 8, H100.network_gbps * 1e9, H100.collective_latency_us * 1e-6)
+    assert comm.seconds_by_group["cp"] == pytest.approx(hops * one)
+    assert comm.bytes_by_group["cp"] == 2 * hops * 10**8  # the trace's bytes stay what moved each way
+    assert comm.exposed_by_group["cp"] == pytest.approx(H100.overlap_cost * hops * one)  # behind the attention
+
+
 def test_per_micro_batch_operations_scale_with_the_jobs_micro_batches():
     records = [_rec("all_gather", "tp", 10**7), _rec("all_reduce", "dp", 10**8)]
     one = summarise_step(records, {}, H100, 1.0, 1.0, pp=1, micro_batch_scale=1.0)
@@ -145,7 +157,7 @@ def test_an_emulated_rank_holds_its_optimizer_state_when_every_step_is_skipped(m
 
     monkeypatch.setattr(Trainer, "close", record_then_close)
     emulate_rank([*TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "2"],
-                 2, 0, warmup=0, steps=1, split_repeats=1)
+                 2, 0, warmup=1, steps=1, split_repeats=1)  # (no warm-up would time an optimizer step alone)
     assert held["steps"] == 0  # no step was applied
     assert held["moments"] == 2 * held["params"]  # Adam's two moments of every parameter of this rank
 
