@@ -14,6 +14,8 @@
 #   bash benchmarks/pending_gpu_checks.sh sbs         # MoE shapes side by side with torchtitan 0.2.2 (carry .whl:
 #                                                     # benchmarks/peers_side_by_side.sh says how), bf16 and FP8
 #   bash benchmarks/pending_gpu_checks.sh sbs_oss     # gpt-oss shape side by side with torchtitan 0.2.2 (carry .whl)
+#   bash benchmarks/pending_gpu_checks.sh sbs2        # #43's targets: meshtron's best settings beside torchtitan's bf16
+#                                                     # and float8-linear rows (carry .whl)
 #   bash benchmarks/pending_gpu_checks.sh fp8loss     # a small MoE (the quick-start job with 8 experts), 1,000 steps
 #                                                     # in bf16, FP8 rowwise and FP8 blockwise with FP8 experts
 #   bash benchmarks/pending_gpu_checks.sh losses      # muon's sweep and fp8loss at once (losses only, no timing)
@@ -81,8 +83,10 @@ for phase in "$@"; do
         --global-batch-size 2 --bf16 --seq-length 4096 --fp8-format e4m3 --fp8-recipe rowwise"
       PROFILE_ROWS=45 timeout 200 python3 benchmarks/profile_step.py $qwen > "$OUT/profile_qwen.txt" 2>&1
       tail -12 "$OUT/profile_qwen.txt"
-      PROFILE_ROWS=45 timeout 200 python3 benchmarks/profile_step.py $dsv3 > "$OUT/profile_dsv3.txt" 2>&1
-      tail -12 "$OUT/profile_dsv3.txt" ;;
+      if [ "${PROFILE_DSV3:-0}" = 1 ]; then
+        PROFILE_ROWS=45 timeout 200 python3 benchmarks/profile_step.py $dsv3 > "$OUT/profile_dsv3.txt" 2>&1
+        tail -12 "$OUT/profile_dsv3.txt"
+      fi ;;
     gemms)
       # this GPU's calibrated profile, and the GEMM rate at the emulated rows' per-rank shapes beside the planner's
       gpu=H100; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && gpu=H200
@@ -180,6 +184,13 @@ for phase in "$@"; do
         --no-split --record "$OUT/measured_sbs.jsonl" 2>&1 | tail -8
       PEERS_ROWS="dsv3_width_mbs2 qwen3_30b_a3b_mbs4" PEERS_DEADLINE_S=280 bash benchmarks/peers_side_by_side.sh \
         2>&1 | grep "^PEER" ;;
+    sbs2)
+      # #43's targets in one call: meshtron's best settings (benchmarks/moe_side_by_side_best.yaml) beside torchtitan
+      # 0.2.2's bf16 rows and its float8 dense linears at the DeepSeek-V3 width (carry .whl)
+      timeout 260 python3 -m meshtron bench --matrix benchmarks/moe_side_by_side_best.yaml --warmup 3 --steps 5 \
+        --no-split --record "$OUT/measured_sbs2.jsonl" 2>&1 | tail -8
+      PEERS_ROWS="dsv3_width_mbs2 dsv3_width_fp8_linear_mbs2 qwen3_30b_a3b_mbs4" PEERS_DEADLINE_S=320 \
+        bash benchmarks/peers_side_by_side.sh 2>&1 | grep "^PEER" ;;
     sbs_oss)
       timeout 200 python3 -m meshtron bench --matrix benchmarks/gpt_oss_one_gpu.yaml --warmup 3 --steps 5 \
         --no-split --record "$OUT/measured_sbs_oss.jsonl" 2>&1 | tail -5
