@@ -51,9 +51,10 @@ STEP_GAPS = {
     "e24": (0.78, 0.90),
     # e17/e18's layout again (llama3-405b TP=8 CP=2 PP=8), the passes 19% over the planner's compute.
     "e25": (0.78, 0.90), "e26": (0.80, 0.92),
-    # llama3-8b at 1,048,576 tokens, CP=32 over 4 nodes: compute within 6%, but the ring's transfers 27.1 s
-    # exposed in emulation against the planner's 8.0 (emulation counts them unhidden).
-    "e27": (0.75, 0.88),
+    # llama3-8b at 1,048,576 tokens, CP=32 over 4 nodes, as recorded: its one step was the first (7.2 s of
+    # compilation) and its ring hops counted twice (send and receive); recomputed with today's arithmetic the
+    # planner is within 5% (docs/planning.md). The planner's ring now counts the fp32 gradient: 95.3 of 111.2 s.
+    "e27": (0.80, 0.90),
 }
 #: (lowest, highest) planner / measured peak, and why, where the memory model misses an emulated peak by more
 #: than 3%.
