@@ -678,6 +678,15 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
             # By the optimizer step every gradient is there and the activations are gone: the peak is the
             # larger of the two moments (the step's, for a large model on a small micro-batch).
             grads = max(grads, all_grads - activations - logits)
+            if releases and n_micro == 1 and tr.recompute_granularity == "full" and layer_sizes:
+                # A third moment: the backward of the stage's first layer, recomputed. Every gradient but that
+                # layer's (and an untied input embedding's, which comes last) is allocated by then, beside one
+                # kept input and the layer's working set: the peak of a long sequence on a large model
+                # (llama3-8b at 32,768 tokens per CP rank: 4.5 GiB above the step's moment).
+                embedding = vocab * m.hidden_size / tp if first and (m.untie_embeddings_and_output_weights or pp > 1) else 0
+                first_input = act(chunks[0][0], "full") if chunks and chunks[0] else 0.0
+                late = all_grads - (embedding + layer_sizes[0]) * g_bytes + first_input + working
+                grads = max(grads, late - activations - logits)
         out.append(MemoryEstimate(weights=round(weights), gradients=round(grads), optimizer_state=round(optim),
                                   activations=round(activations), logits=round(logits), stage=rank,
                                   microbatches_in_flight=in_flight,
