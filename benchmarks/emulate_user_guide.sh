@@ -23,7 +23,7 @@ CASE[llama3-405b-tp8pp8cp2dp2]="--world-size 256 --model llama3-405b $common --t
 CASE[bridge-deepseek-v3]="--world-size 1024 --model deepseek-v3 $common --recompute-granularity selective --global-batch-size 8192 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 8 --decoder-last-pipeline-num-layers 5 --expert-model-parallel-size 64 --moe-router-force-load-balancing"
 # A million tokens of llama3-8b (SPPO, 2026: Megatron-LM runs out of memory past 896K tokens for a 7B GPT).
 long="--model llama3-8b --bf16 --seq-length 1048576 --micro-batch-size 1 --global-batch-size 1 --use-distributed-optimizer --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-CASE[llama3-8b-1m-cp8]="--world-size 8 $long --context-parallel-size 8 --optimizer-cpu-offload"
+CASE[llama3-8b-1m-cp8]="--world-size 8 $long --context-parallel-size 8 --optimizer-cpu-offload --offload-activations"
 CASE[llama3-8b-1m-cp32]="--world-size 32 $long --context-parallel-size 32"
 CASE[llama3-8b-1m-tp4cp8]="--world-size 32 $long --context-parallel-size 8 --tensor-model-parallel-size 4 --sequence-parallel"
 # Two-GPU rows of benchmarks/measured.jsonl (two H200s) that one H100 holds: the emulated rank's peak against the

@@ -35,10 +35,11 @@
 # Run on 2026-12-07 (fourth), at once: migration_moe, muon1b, losses (optimizers), gputests (cut by its limit).
 # Run on 2026-12-07 (fifth): ONLY=moe_reverse with migration_fixtures and fp8seeds at once; gputests alone; rows2's
 # mixtral; rows2's 405B with long's CP=32 case; accuracy (cut before its sixth row).
-# Next, in this order: long's llama3-8b-1m-tp4cp8 alone (255 s did not reach its measurement) and the 8-GPU case
-# (CASES=llama3-8b-1m-cp8 of benchmarks/emulation_call.sh: CP=8 with the optimizer on the host), the million-token
-# rank's memory (the peak1m phase: the planner is 12 GiB under its peak), accuracy's
-# Qwen3.5 row (+17% step in emulation), families' rule profile.
+# Next, in this order: sbs2 (#43's targets: meshtron with bf16 moments / gradient buffer beside torchtitan's bf16 and
+# float8-linear rows; carry .whl), profile_moe + gemms + peak1m at once (where the Qwen3-30B-A3B step goes; the H100's
+# own calibration and GEMM rates at the emulated rows' shapes; where the million-token CP=32 rank peaks), long's
+# llama3-8b-1m-cp32 again (its step now warm, its ring hops counted once), the 8-GPU case (CASES=llama3-8b-1m-cp8:
+# CP=8, optimizer on the host, activations offloaded; its step is minutes), accuracy's Qwen3.5 row, families' rule profile.
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
