@@ -189,7 +189,7 @@ for phase in "$@"; do
       # #43's targets in one call: meshtron's best settings (benchmarks/moe_side_by_side_best.yaml) beside torchtitan
       # 0.2.2's bf16 rows and its float8 dense linears at the DeepSeek-V3 width (carry .whl)
       # (torchtitan's rows in the order of their worth: its FP8 row is new, its bf16 DeepSeek-V3 row was measured before)
-      timeout 240 python3 -m meshtron bench --matrix benchmarks/moe_side_by_side_best.yaml --warmup 2 --steps 5 \
+      timeout ${SBS_BENCH_S:-240} python3 -m meshtron bench --matrix benchmarks/moe_side_by_side_best.yaml --warmup 2 --steps 5 \
         --no-split --record "$OUT/measured_sbs2.jsonl" 2>&1 | tail -8
       PEERS_ROWS="dsv3_width_fp8_linear_mbs2 qwen3_30b_a3b_mbs4 dsv3_width_mbs2" PEERS_DEADLINE_S=${PEERS_DEADLINE_S:-320} \
         bash benchmarks/peers_side_by_side.sh 2>&1 | grep "^PEER" ;;
