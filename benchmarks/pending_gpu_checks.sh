@@ -14,7 +14,7 @@
 #   bash benchmarks/pending_gpu_checks.sh sbs         # MoE shapes side by side with torchtitan 0.2.2 (carry .whl:
 #                                                     # benchmarks/peers_side_by_side.sh says how), bf16 and FP8
 #   bash benchmarks/pending_gpu_checks.sh sbs_oss     # gpt-oss shape side by side with torchtitan 0.2.2 (carry .whl)
-#   bash benchmarks/pending_gpu_checks.sh sbs2        # #43's targets: meshtron's best settings beside torchtitan's bf16
+#   bash benchmarks/pending_gpu_checks.sh sbs2        # the FP8 MoE speed targets: meshtron's best settings beside torchtitan's bf16
 #                                                     # and float8-linear rows (carry .whl)
 #   bash benchmarks/pending_gpu_checks.sh fp8loss     # a small MoE (the quick-start job with 8 experts), 1,000 steps
 #                                                     # in bf16, FP8 rowwise and FP8 blockwise with FP8 experts
@@ -35,11 +35,12 @@
 # Run on 2026-12-07 (fourth), at once: migration_moe, muon1b, losses (optimizers), gputests (cut by its limit).
 # Run on 2026-12-07 (fifth): ONLY=moe_reverse with migration_fixtures and fp8seeds at once; gputests alone; rows2's
 # mixtral; rows2's 405B with long's CP=32 case; accuracy (cut before its sixth row).
-# Next, in this order: sbs2 (#43's targets: meshtron with bf16 moments / gradient buffer beside torchtitan's bf16 and
-# float8-linear rows; carry .whl), profile_moe + gemms + peak1m at once (where the Qwen3-30B-A3B step goes; the H100's
-# own calibration and GEMM rates at the emulated rows' shapes; where the million-token CP=32 rank peaks), long's
-# llama3-8b-1m-cp32 again (its step now warm, its ring hops counted once), the 8-GPU case (CASES=llama3-8b-1m-cp8:
-# CP=8, optimizer on the host, activations offloaded; its step is minutes), accuracy's Qwen3.5 row, families' rule profile.
+# Run on 2026-12-07 (sixth): sbs2; gemm_shapes.py alone (the calibration of the gemms phase not yet).
+# Next, in this order: profile_moe + gemms + peak1m at once (where the Qwen3-30B-A3B step goes; the H100's own
+# calibration; where the million-token CP=32 rank peaks: the planner is 8.7 GiB under it), long's llama3-8b-1m-cp32
+# again (its step now warm, its ring hops counted once: about 90 s predicted), the 8-GPU case (CASES=llama3-8b-1m-cp8:
+# CP=8, optimizer on the host, activations offloaded, planned at 67 GiB; its step is minutes), accuracy's Qwen3.5
+# row, families' rule profile.
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -70,7 +71,7 @@ for phase in "$@"; do
         2>&1 | grep -v "warn\|^meshtron emulate:" | tail -20 ;;
     profile_moe)
       # where the MoE side-by-side rows' steps go now (kernel categories and the top kernels): the Qwen3-30B-A3B shape
-      # in bf16 and the DeepSeek-V3 width in FP8 rowwise (experts bf16), the settings of #43's best rows
+      # in bf16 and the DeepSeek-V3 width in FP8 rowwise (experts bf16), the settings of the FP8 MoE speed targets' best rows
       qwen="--model qwen3-0.6b --num-layers 4 --hidden-size 2048 --num-attention-heads 32 --num-query-groups 4
         --kv-channels 128 --ffn-hidden-size 6144 --num-experts 128 --moe-ffn-hidden-size 768 --moe-router-topk 8
         --moe-aux-loss-coeff 0.001 --untie-embeddings-and-output-weights --micro-batch-size 4 --global-batch-size 4
@@ -186,7 +187,7 @@ for phase in "$@"; do
       PEERS_ROWS="dsv3_width_mbs2 qwen3_30b_a3b_mbs4" PEERS_DEADLINE_S=280 bash benchmarks/peers_side_by_side.sh \
         2>&1 | grep "^PEER" ;;
     sbs2)
-      # #43's targets in one call: meshtron's best settings (benchmarks/moe_side_by_side_best.yaml) beside torchtitan
+      # the FP8 MoE speed targets in one call: meshtron's best settings (benchmarks/moe_side_by_side_best.yaml) beside torchtitan
       # 0.2.2's bf16 rows and its float8 dense linears at the DeepSeek-V3 width (carry .whl)
       # (torchtitan's rows in the order of their worth: its FP8 row is new, its bf16 DeepSeek-V3 row was measured before)
       timeout ${SBS_BENCH_S:-240} python3 -m meshtron bench --matrix benchmarks/moe_side_by_side_best.yaml --warmup 2 --steps 5 \
