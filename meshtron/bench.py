@@ -9,7 +9,9 @@ world size (the parallel layout may differ as long as it fits the world).
 Each row trains on random tokens (``--mock-data``) for ``--warmup`` + ``--steps``
 iterations; warm-up iterations are excluded. The step-time split is measured
 afterwards in separate, synchronised passes (forward only; forward+backward; the
-data-parallel reduction), so it does not disturb the timed steps.
+data-parallel reduction), so it does not disturb the timed steps. With ``--warmup 0``
+(steps of minutes) the timed step is the cold first one: the step is then the warm
+passes plus a separately timed optimizer step, the cold step ``first_step_s``.
 """
 
 from __future__ import annotations
