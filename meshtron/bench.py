@@ -211,7 +211,7 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
         comm = timed(trainer.dp_strategy.finish) if ctx.dp * ctx.cp > 1 else 0.0
         if warmup == 0:
             # Without a warm-up the timed step was the first: it compiled the layers and grew the allocator
-            # (7 s of a 76 s million-token step). The passes above ran warm; time the optimizer step alike and
+            # (7 s of the million-token rank's 83 s step). The passes above ran warm; time the optimizer step alike and
             # take the warm sum as the step (the cold one is reported as first_step_s).
             optimizer_s = timed(lambda: trainer.optimizer.step(trainer.learning_rate(warmup + steps)), repeat=1)
             first_step, step = step, data_time + fwdbwd + comm + optimizer_s

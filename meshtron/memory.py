@@ -683,8 +683,9 @@ def stage_estimates(cfg: MeshtronConfig, vocab_size: int, *, world_size: Optiona
                 # layer's (and an untied input embedding's, which comes last) is allocated by then, beside one
                 # kept input and the layer's working set: the peak of a long sequence on a large model
                 # (llama3-8b at 32,768 tokens per CP rank: 4.5 GiB above the step's moment).
-                embedding = vocab * m.hidden_size / tp if first and (m.untie_embeddings_and_output_weights or pp > 1) else 0
-                first_input = act(chunks[0][0], "full") if chunks and chunks[0] else 0.0
+                untied = m.untie_embeddings_and_output_weights or pp > 1
+                embedding = vocab * m.hidden_size / tp if first and untied else 0
+                first_input = act(next(layers[0] for layers in chunks if layers), "full")  # (a chunk may hold none)
                 late = all_grads - (embedding + layer_sizes[0]) * g_bytes + first_input + working
                 grads = max(grads, late - activations - logits)
         out.append(MemoryEstimate(weights=round(weights), gradients=round(grads), optimizer_state=round(optim),

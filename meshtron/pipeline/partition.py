@@ -286,7 +286,8 @@ def _mtp_chunk(text: str, chunks: list[str], stages: int, standalone: bool) -> O
         intended = [c.replace("m", "") for c in chunks]
         intended[-1] = "m" * flat.count("m") + intended[-1]
         moved = re.sub(r"m(\*\d+)?", "", text)
-        moved = moved[:moved.rindex("L")] + "m" * flat.count("m") + moved[moved.rindex("L"):]
+        cut = moved.rindex("L")
+        moved = moved[:cut] + "m" * flat.count("m") + moved[cut:]
         try:
             if parse_layout(moved) != intended:
                 moved = "|".join(intended)
