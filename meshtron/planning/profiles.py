@@ -70,10 +70,10 @@ _FIELDS = {f.name for f in dataclasses.fields(DeviceProfile)}
 H200 = DeviceProfile(
     name="H200", memory_gib=139.8, matmul_tflops=741.0, matmul_half_gflop=6.12, fp8_matmul_speedup=1.775,
     attention_tflops=560.0, attention_half_seq=2300.0, attention_tflops_d64=430.0, attention_half_seq_d64=700.0,
-    hbm_gbps=4800.0, hbm_efficiency=0.6651,
-    eager_elementwise_factor=3.37, layer_overhead_us=1036.0, step_overhead_ms=15.32,
-    optimizer_bytes_per_param=18.53, moe_gemm_efficiency=0.6375, nvlink_gbps=285.3, network_gbps=40.0,
-    collective_latency_us=20.0, overlap_cost=0.8, async_tp_hidden=0.0847,
+    hbm_gbps=4800.0, hbm_efficiency=0.74,
+    eager_elementwise_factor=3.37, layer_overhead_us=760.0, step_overhead_ms=17.0,
+    optimizer_bytes_per_param=18.3, moe_gemm_efficiency=0.6375, nvlink_gbps=290.0, network_gbps=40.0,
+    collective_latency_us=20.0, overlap_cost=0.8, async_tp_hidden=0.0,
     source="fitted to benchmarks/measured.jsonl (H200 SXM); matmul from meshtron doctor")
 
 SOURCES: dict[str, str] = {

@@ -59,7 +59,8 @@ from meshtron.pipeline.partition import SPLIT_BACKWARD
 from meshtron.planning.layer_costs import (ATTENTION_BACKWARD_FLOPS, LAYER_SAVES, LayerCost, Links, _overlapped,
                                            _ring, attention_rate, cp_a2a_size, gemm_seconds, head_cost, layer_cost)
 from meshtron.planning.profiles import DeviceProfile
-from meshtron.run_layout import RunLayout, resolve_layout, shards_gradients, shards_state, shards_weights
+from meshtron.run_layout import (BF16, RunLayout, compute_dtype_name, resolve_layout, shards_gradients, shards_state,
+                                 shards_weights)
 
 # The per-layer costs live in meshtron.planning.layer_costs (the memory model needs them too); these names are
 # kept here for the callers that time GEMMs and attention through this module.
@@ -138,6 +139,24 @@ def _mtp_depth_cost(cfg: MeshtronConfig, layer: LayerCost, loss: float, embed: f
     return layer.compute + layer.comm + embed + proj + loss
 
 
+def gradient_accumulation_bytes(cfg: MeshtronConfig, strategy: str, micro_batches: int) -> float:
+    """HBM bytes per parameter of a rank that taking in one micro-batch's gradients moves, averaged over the
+    step's ``micro_batches``: backward hands each gradient over in the weights' dtype and a post-accumulate hook
+    puts it into the gradient buffer (fp32, or bf16 with ``--grad-reduce-in-bf16``). The whole buffer
+    (:class:`meshtron.optim.grad_buffer.GradBuffer`) takes the first micro-batch's gradient as a copy (read it,
+    write the buffer) and adds the others (read both, write the buffer); the sharded gradients of ZeRO-2/3
+    (:class:`meshtron.optim.sharded_grads.ShardedGradients`) zero a temporary bucket and add into it for every
+    micro-batch (their reduced shard's add, 1/DP of that, is left out). A pass over every parameter per
+    micro-batch: with many micro-batches per step and billions of parameters per rank a tenth of the step."""
+    weight = 2 if compute_dtype_name(cfg) == BF16 else 4
+    buffer = 2 if cfg.parallel.grad_reduce_in_bf16 else 4
+    if shards_gradients(strategy):
+        return buffer + (buffer + weight + buffer)
+    micro_batches = max(1, micro_batches)
+    first, later = weight + buffer, buffer + weight + buffer
+    return (first + (micro_batches - 1) * later) / micro_batches
+
+
 def _rank_parameters(cfg: MeshtronConfig, layers: list[int], first: bool, last: bool, vocab: int) -> tuple[float, float]:
     """(dense, expert) parameters of one pipeline rank."""
     m, p = cfg.model, cfg.parallel
@@ -174,6 +193,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     virtual = len(chunks[0])
     latency = profile.collective_latency_us * 1e-6
     loss, embed = head_cost(cfg, vocab, profile)
+    hbm = profile.hbm_gbps * 1e9 * profile.hbm_efficiency
 
     cache: dict[tuple[str, bool], LayerCost] = {}
 
@@ -209,6 +229,8 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         stage_fwd.append(sum(c.forward for c in costs))
         stage_comm.append({k: sum(c.comm_kind[k] for c in costs) for k in ("tp", "cp", "ep")})
         params_by_stage.append(_rank_parameters(cfg, layers, rank == 0, rank == loss_rank, vocab))
+        stage_times[-1] += sum(params_by_stage[-1]) * gradient_accumulation_bytes(cfg, layout.sharding_strategy,
+                                                                                  micro) / hbm
     if t.offload_activations:
         # The backward's waits for the host copies the side stream has not finished (memory.offload_timeline).
         for rank, est in enumerate(stage_estimates(cfg, vocab, world_size=world_size, profile=profile,
