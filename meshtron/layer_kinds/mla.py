@@ -94,18 +94,26 @@ class MultiLatentAttention(MixerKind):
         e, lin, n = s.e, s.lin, s.heads
         dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
         latent = (m.q_lora_rank or 0) + m.kv_lora_rank + dr
-        # The down projection's output (the latent norms' input, replicated like the down projection)
-        # with the norms' statistics, and the normed latents (the up projections' input).
-        s.rep += e * latent + s.stats * (2 if m.q_lora_rank else 1)
-        s.part += lin * latent  # gathered over the sequence under SP: whole on every TP rank
+        # The down projection's output (the latent norms' input, replicated like the down projection).
+        s.rep += e * latent
         if "norm" not in s.selective:
+            # the norms' statistics and the normed latents (the up projections' input; gathered over the
+            # sequence under SP: whole on every TP rank); selective recomputation runs the norms again
+            s.rep += s.stats * (2 if m.q_lora_rank else 1)
+            s.part += lin * latent
             s.rep += lin * s.h  # the first norm's output (the input of the down and query projections)
         qk = n * (dn + dr)
-        # The concatenated queries and keys, the values (copied out of the key/value projection's output,
-        # which then goes; under selective recomputation that output is a saved matmul output and stays
-        # whole), the attention output, and its [s, b, n*dv] copy, the output projection's input.
-        kv_kept = n * dv if s.recompute != "selective" and s.saves >= 1 else n * (dn + dv)
-        s.part += e * (2 * qk + kv_kept + n * dv) + lin * n * dv
+        if "core_attn" in s.selective:
+            # Selective recomputation keeps the matmul outputs: the query projection's and the key/value
+            # projection's (whole), and the attention kernel's output; the rotated, concatenated queries and
+            # keys and the output projection's [s, b, n*dv] input are made again from them (counted on the CPU,
+            # tests/layers/test_saved_activations.py).
+            s.part += e * (qk + n * (dn + dv) + n * dv)
+        else:
+            # The concatenated queries and keys, the values (copied out of the key/value projection's output,
+            # which then goes), the attention output, and its [s, b, n*dv] copy, the output projection's input.
+            kv_kept = n * dv if s.saves >= 1 else n * (dn + dv)
+            s.part += e * (2 * qk + kv_kept + n * dv) + lin * n * dv
         add_attention_kernel_saves(m, s)
 
 

@@ -182,3 +182,38 @@ def test_compiled_gated_deltanet_layer_saves_what_the_model_counts():
         _, storages = saved_storages(layer, x, rope, None, params=list(model.parameters()))
     got = sum(n for ptr, n in storages.items() if ptr not in tables)
     assert got == layer_activation_bytes(cfg.model, micro_batch=BATCH, seq=128, act_bytes=4, compiled=True, layer=0)
+
+
+def test_compiled_mla_layer_under_selective_recomputation_saves_what_the_model_counts():
+    """Selective recomputation keeps an MLA layer's matmul outputs (the down, query and key/value projections',
+    the output projection's, fc1's) and the attention kernel's output; the latent norms, the rotated queries and
+    keys and the output projection's input are made again. Compiled (the GPU default), the layer keeps the
+    model's count. The CPU runs MLA's attention (query/key and value head dims differ) through the math path,
+    which keeps the s x s probabilities where flash attention keeps its log-sum-exp: compared without either."""
+    seq = 40
+    heads = 4
+    mla = dict(multi_latent_attention=True, q_lora_rank=48, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+               v_head_dim=12, group_query_attention=False, num_query_groups=None)
+    cfg = tiny_config(num_layers=1, hidden_size=64, num_attention_heads=heads, ffn_hidden_size=96, seq_length=seq,
+                      **mla)
+    model = GPTModel(cfg.model, ParallelContext(), 128, layer_ids=[0], selective_recompute=True)
+    initialize_parameters(model, 1, torch.device("cpu"), torch.float32)
+    layer = model.layers["0"]
+    layer.compile()
+    rope = model._rope(seq, None, torch.device("cpu"), torch.float32)
+    tables = {t.untyped_storage().data_ptr() for t in rope}
+    for _ in range(2):  # the second call runs the compiled graphs
+        x = torch.randn(seq, BATCH, 64, requires_grad=True)
+        out, storages = saved_storages(layer, x, rope, None, params=list(model.parameters()))
+        out.square().sum().backward()
+    saved = [n for ptr, n in storages.items() if ptr not in tables]
+    scores = BATCH * heads * seq * seq * 4
+    assert saved.count(scores) == 1
+    tokens = seq * BATCH
+    kwargs = dict(micro_batch=BATCH, seq=seq, act_bytes=4, compiled=True, layer=0)
+    expected = layer_activation_bytes(cfg.model, recompute="selective", **kwargs) - 4 * heads * tokens  # its lse
+    assert sum(saved) - scores == expected
+    # the model before: the normed latents (and their statistics), both rotated queries and keys, and the output
+    # projection's input on top
+    none = layer_activation_bytes(cfg.model, **kwargs)
+    assert none > expected + tokens * 4 * (48 + 32 + 8 + 4 * 12)
