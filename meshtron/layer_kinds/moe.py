@@ -104,6 +104,9 @@ class MixtureOfExperts(MLPKind):
         return m.hidden_size * (2 * fs if m.swiglu else fs) / tp
 
     def step_work(self, m: ModelConfig, x: StepInputs) -> StepWork:
+        # Every TP rank routes, permutes and dispatches the whole sequence (meshtron.layers.moe.layer gathers the
+        # sequence-parallel shards first): the permutation's copies and the all-to-all carry all of its tokens'
+        # choices, never a TP share of them (the traces of the emulated DeepSeek-V3 and Mixtral ranks, TP=2).
         h, tokens, e, etp, gemm = m.hidden_size, x.tokens, x.e, x.expert_tp, x.gemm
         fe = m.moe_ffn_hidden_size or ffn_size(m)
         k, n_exp = m.moe_router_topk, m.num_experts
@@ -126,16 +129,16 @@ class MixtureOfExperts(MLPKind):
             # experts.forward_weighted: the routing weight inside the fused SwiGLU (read gate and up, write the
             # product; backward recomputes it in the same pass), each token's rows gathered into the aligned
             # buffer and summed out of it (the slot-sum kernel): no permutation, unpadding or weighted combine.
-            elementwise = tokens * e * (3 * k * fe / etp + 2 * k * h / x.rep_div)
+            elementwise = tokens * e * (3 * k * fe / etp + 2 * k * h)
         else:
-            elementwise = tokens * e * (3 * k * fe / etp + 8 * k * h / x.rep_div)  # SwiGLU + permute copies
+            elementwise = tokens * e * (3 * k * fe / etp + 8 * k * h)  # SwiGLU + permute copies
         elementwise += tokens * 3 * 4 * n_exp  # router softmax / top-k in fp32
         if fs:
             elementwise += tokens * e * 3 * fs / x.tp
         if x.fp8_experts:
             elementwise += fp8_expert_quantisation_bytes(tokens * k, h, fan_in / etp, fe / etp, local) / 3
         return StepWork(fwd_gemm=expert + router + shared, wgrad=expert + shared, elementwise=elementwise,
-                        ep_bytes=tokens * k * h * e / x.rep_div)
+                        ep_bytes=tokens * k * h * e)
 
 
 #: How many times its ideal traffic the FP8 experts' quantisation moves (per-group maxima through scatters,

@@ -137,6 +137,14 @@ def cp_a2a_size(cfg: MeshtronConfig) -> int:
                       p.hierarchical_context_parallel_sizes)
 
 
+def expert_all_to_alls(cfg: MeshtronConfig, recomputed: bool) -> int:
+    """The token all-to-alls of one MoE layer and micro-batch: dispatch and combine, forward and backward, and
+    again for a recomputed forward (``--recompute-granularity full`` on this layer, or selective: its policy
+    saves no collective's output)."""
+    gran = cfg.train.recompute_granularity
+    return 6 if gran == "selective" or (gran == "full" and recomputed) else 4
+
+
 def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: DeviceProfile, links: Links,
                saves: int = LAYER_SAVES) -> LayerCost:
     """Forward + backward time of layer ``layer`` for one micro-batch on one rank, from what its kinds
@@ -267,7 +275,7 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
                 by_kind["cp"] += _overlapped(ring_fwd, attn_fwd, profile)
     if work.ep_bytes and ep > 1:
         bw = links.bandwidth(profile, ep, tp)
-        by_kind["ep"] = 4 * _ring(work.ep_bytes, ep, bw, latency)
+        by_kind["ep"] = expert_all_to_alls(cfg, recomputed) * _ring(work.ep_bytes, ep, bw, latency)
     return LayerCost(compute=compute, forward=forward, comm=sum(by_kind.values()), comm_kind=by_kind)
 
 

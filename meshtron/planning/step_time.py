@@ -93,6 +93,12 @@ class StepPrediction:
     model_tflops_per_gpu: float
     mfu: Optional[float]
     comm_by_kind_s: dict = field(default_factory=dict)  # exposed seconds per group kind
+    stage_compute_s: list = field(default_factory=list)  # each pipeline rank's M micro-batches (compute_s: the slowest)
+
+    def stage_step_s(self, stage: int) -> float:
+        """The step as pipeline rank ``stage`` alone would set it: its own micro-batches where the slowest
+        rank's are (what one emulated rank of that stage predicts; the job runs at the slowest's pace)."""
+        return self.step_s + (self.stage_compute_s[stage] - self.compute_s) * (1 + self.bubble_fraction)
 
     def as_dict(self) -> dict:
         """JSON-ready figures."""
@@ -321,6 +327,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     model_tflops = flops_per_token(m, vocab) * tokens_per_gpu / 1e12
     peak = DATASHEET_PEAK_TFLOPS.get(profile.name.upper(), profile.extra.get("peak_tflops") if profile.extra else None)
     return StepPrediction(step_s=step, compute_s=compute, bubble_s=bubble_s, bubble_fraction=bubble,
+                          stage_compute_s=[micro * t for t in stage_times],
                           exposed_comm_s=exposed, optimizer_s=optimizer, overhead_s=overhead,
                           tokens_per_sec_per_gpu=tokens_per_gpu, model_tflops_per_gpu=model_tflops,
                           mfu=(model_tflops / peak) if peak else None, comm_by_kind_s=kinds)

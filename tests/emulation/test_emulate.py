@@ -180,3 +180,39 @@ def test_a_routing_skew_sends_the_hot_rank_more_rows_than_it_sends(tmp_path):
     assert a2a_bytes(0) > 1.5 * a2a_bytes(3)
     bad = _emulate("--world-size", "4", "--emulate-routing", "hot", *TINY, *moe)
     assert bad.returncode == 2 and "skew:S" in bad.stderr
+
+
+def test_the_planners_expert_all_to_alls_are_the_emulated_ranks():
+    """TP=2 with SP and EP=2, selective recomputation: every TP rank dispatches its micro-batch's whole sequence
+    (the MoE layer gathers the shards first), six all-to-alls per MoE layer and micro-batch (dispatch and
+    combine, forward, backward and the recomputed forward): the planner counts what the trace records."""
+    from meshtron.cli import build_config
+    from meshtron.layer_kinds.base import StepInputs
+    from meshtron.layer_kinds.pattern import layer_at
+    from meshtron.planning.layer_costs import expert_all_to_alls
+    from meshtron.planning.validate import validate_for_plan
+
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+           "--moe-router-force-load-balancing", "--disable-bias-linear", "--tensor-model-parallel-size", "2",
+           "--sequence-parallel", "--recompute-granularity", "selective", "--global-batch-size", "2",
+           "--attention-dropout", "0", "--hidden-dropout", "0"]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = f"{tmp}/trace"
+        run = _emulate("--world-size", "4", "--ranks", "0", "--json", "--warmup", "0", "--steps", "1",
+                       "--split-repeats", "1", "--record-collectives", trace, *TINY, *moe)
+        assert run.returncode == 0, run.stderr[-2000:]
+        records = [json.loads(line) for line in Path(f"{trace}.rank0.jsonl").read_text().splitlines()]
+    moved = [r["bytes"] for r in records
+             if r["op"] == "all_to_all" and r["group"] == "ep" and r["dtype"] != "int64" and r["phase"] != "setup"]
+    cfg = validate_for_plan(build_config([*TINY, *moe]), 4)
+    layers = 4
+    row = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][0])
+    micro_batches = row["measured_micro_batches"]
+    assert len(moved) == layers * micro_batches * expert_all_to_alls(cfg, recomputed=False) == 4 * micro_batches * 6
+    m = cfg.model
+    work = layer_at(m, 0).mlp.step_work(m, StepInputs(tokens=32, tp=2, ep=2, expert_tp=2, rep_div=2, e=4, fp8=False,
+                                                      fp8_experts=False, bf16=False, saves=7, fc2_recomputes=True,
+                                                      gemm=lambda *a, **k: 0.0))
+    assert set(moved) == {work.ep_bytes} == {32 * 2 * 32 * 4}  # 32 tokens x 2 choices x 32 wide, fp32
