@@ -237,14 +237,20 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
             # the mirrored pair, and the inputs gathered again for the weight gradients.
             fwd_comm = 2 * _ring(gather, tp, bw, latency) + 2 * _ring(act, tp, bw, latency)
             bwd_comm = 4 * _ring(act, tp, bw, latency) + 2 * _ring(gather, tp, bw, latency)
+            # A recomputed forward (selective, or full on this layer) runs again only as far as the backward
+            # needs: both all-gathers and the attention's reduce-scatter, not the MLP's (the traces of CPU ranks).
+            again_comm = 2 * _ring(gather, tp, bw, latency) + _ring(act, tp, bw, latency)
         else:
             fwd_comm = bwd_comm = 2 * _ring(act, tp, bw, latency, 2.0)
+            again_comm = _ring(act, tp, bw, latency, 2.0)  # the attention's all-reduce
         hidden = profile.async_tp_hidden if (p.async_tensor_parallel and sp) else 0.0
         fwd_exposed = _overlapped(fwd_comm, fwd_comm * hidden, profile)
         bwd_exposed = bwd_comm * (1 - hidden)
         if p.tp_comm_overlap:
             bwd_exposed = _overlapped(bwd_exposed, wgrad, profile)
-        by_kind["tp"] = fwd_exposed + bwd_exposed + (fwd_exposed if gran == "full" else 0.0)
+        again = gran == "selective" or (gran == "full" and recomputed)
+        by_kind["tp"] = fwd_exposed + bwd_exposed + (_overlapped(again_comm, again_comm * hidden, profile)
+                                                     if again else 0.0)
     state_bytes = kinds.mixer.cp_state_bytes(m, tp, t.micro_batch_size) if cp > 1 else 0.0
     if state_bytes:
         # A recurrence (gdn): every rank's two chunks' states and convolution halos all-gathered in the

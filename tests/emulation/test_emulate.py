@@ -216,3 +216,40 @@ def test_the_planners_expert_all_to_alls_are_the_emulated_ranks():
                                                       fp8_experts=False, bf16=False, saves=7, fc2_recomputes=True,
                                                       gemm=lambda *a, **k: 0.0))
     assert set(moved) == {work.ep_bytes} == {32 * 2 * 32 * 4}  # 32 tokens x 2 choices x 32 wide, fp32
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+def test_recomputation_runs_the_forwards_tensor_parallel_collectives_the_planner_counts(tmp_path, sequence_parallel):
+    """Selective recomputation runs a layer's forward again only as far as backward needs it: with SP both
+    all-gathers and the attention's reduce-scatter (not the MLP's), without SP the attention's all-reduce. The
+    trace of a TP=2 rank shows it, and the planner adds exactly those collectives' time."""
+    from meshtron.cli import build_config
+    from meshtron.planning.layer_costs import Links, layer_cost
+    from meshtron.planning.validate import validate_for_plan
+
+    base = [*TINY, "--tensor-model-parallel-size", "2", "--global-batch-size", "1", "--attention-dropout", "0",
+            "--hidden-dropout", "0"] + (["--sequence-parallel"] if sequence_parallel else [])
+    counts = {}
+    for name, extra in (("none", []), ("selective", ["--recompute-granularity", "selective"])):
+        trace = str(tmp_path / name)
+        run = _emulate("--world-size", "2", "--ranks", "0", "--warmup", "0", "--steps", "1", "--split-repeats", "1",
+                       "--record-collectives", trace, *base, *extra)
+        assert run.returncode == 0, run.stderr[-2000:]
+        records = [json.loads(line) for line in Path(f"{trace}.rank0.jsonl").read_text().splitlines()]
+        counts[name] = {op: sum(1 for r in records if r["group"] == "tp" and r["op"] == op
+                                and r["phase"] == "forward-backward" and r["bytes"] == 32 * 32 * 4)
+                        for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    again = {op: (counts["selective"][op] - counts["none"][op]) / 4 for op in counts["none"]}  # per layer
+    assert again == ({"all_gather": 2, "reduce_scatter": 1, "all_reduce": 0} if sequence_parallel
+                     else {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 1})
+
+    gpu = ["--model", "llama3-8b", "--seq-length", "4096", "--tensor-model-parallel-size", "2", "--bf16"]
+    gpu += ["--sequence-parallel"] if sequence_parallel else []
+
+    def tp_seconds(recompute):
+        cfg = validate_for_plan(build_config(gpu + recompute), 8)
+        return layer_cost(cfg, 0, False, H100, Links(8)).comm_kind["tp"]
+
+    act, bw, lat = 4096 * 4096 * 2, H100.nvlink_gbps * 1e9, H100.collective_latency_us * 1e-6
+    expected = sum(n * collective_seconds(op, act, 2, bw, lat) for op, n in again.items())
+    assert tp_seconds(["--recompute-granularity", "selective"]) - tp_seconds([]) == pytest.approx(expected)
