@@ -226,8 +226,10 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
     overhead = profile.layer_overhead_us * 1e-6 * (1.5 if gran == "full" else 1.0)
     compute = forward + backward + recompute + overhead
 
-    # Communication on the critical path.
+    # Communication on the critical path. A recomputed forward (selective recomputation saves no collective's
+    # output; full, on the recomputed layers) runs its collectives again as far as the backward needs them.
     by_kind = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
+    again = gran == "selective" or (gran == "full" and recomputed)
     if tp > 1:
         bw = links.bandwidth(profile, tp, 1)
         act = tokens * h * e
@@ -248,7 +250,6 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
         bwd_exposed = bwd_comm * (1 - hidden)
         if p.tp_comm_overlap:
             bwd_exposed = _overlapped(bwd_exposed, wgrad, profile)
-        again = gran == "selective" or (gran == "full" and recomputed)
         by_kind["tp"] = fwd_exposed + bwd_exposed + (_overlapped(again_comm, again_comm * hidden, profile)
                                                      if again else 0.0)
     state_bytes = kinds.mixer.cp_state_bytes(m, tp, t.micro_batch_size) if cp > 1 else 0.0
@@ -277,7 +278,7 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
             # ring's own gradient and the all-gather's reduce-scatter alike), and the gradient goes home at the end.
             ring_bwd = (ring - 1) * (kv * (1 + 4 / e) / bw + latency) + kv * 4 / e / bw
             by_kind["cp"] += _overlapped(ring_fwd, attn_fwd, profile) + _overlapped(ring_bwd, attn_bwd, profile)
-            if recomputed:  # the recomputed forward runs the ring again
+            if again:  # the recomputed forward runs the ring again (selective too: the hops are not saved)
                 by_kind["cp"] += _overlapped(ring_fwd, attn_fwd, profile)
     if work.ep_bytes and ep > 1:
         bw = links.bandwidth(profile, ep, tp)

@@ -253,3 +253,33 @@ def test_recomputation_runs_the_forwards_tensor_parallel_collectives_the_planner
     act, bw, lat = 4096 * 4096 * 2, H100.nvlink_gbps * 1e9, H100.collective_latency_us * 1e-6
     expected = sum(n * collective_seconds(op, act, 2, bw, lat) for op, n in again.items())
     assert tp_seconds(["--recompute-granularity", "selective"]) - tp_seconds([]) == pytest.approx(expected)
+
+
+def test_selective_recomputation_runs_the_context_parallel_ring_again_and_the_planner_counts_it(tmp_path):
+    """CP=2: selective recomputation runs each layer's forward ring hop again in backward (the trace of the rank
+    has one more send per layer); the planner adds the forward ring once more, as for a fully recomputed layer."""
+    from meshtron.cli import build_config
+    from meshtron.planning.layer_costs import Links, layer_cost
+    from meshtron.planning.validate import validate_for_plan
+
+    base = [*TINY, "--seq-length", "64", "--context-parallel-size", "2", "--global-batch-size", "1",
+            "--attention-dropout", "0", "--hidden-dropout", "0"]
+    sends = {}
+    for name, extra in (("none", []), ("selective", ["--recompute-granularity", "selective"])):
+        trace = str(tmp_path / name)
+        run = _emulate("--world-size", "2", "--ranks", "0", "--warmup", "0", "--steps", "1", "--split-repeats", "1",
+                       "--record-collectives", trace, *base, *extra)
+        assert run.returncode == 0, run.stderr[-2000:]
+        records = [json.loads(line) for line in Path(f"{trace}.rank0.jsonl").read_text().splitlines()]
+        sends[name] = sum(1 for r in records if r["group"] == "cp" and r["op"] == "send" and r["phase"] != "setup")
+    assert sends["selective"] - sends["none"] == 4  # one hop per layer (a ring of two)
+
+    gpu = ["--model", "llama3-8b", "--seq-length", "32768", "--context-parallel-size", "2", "--bf16"]
+
+    def cp_seconds(recompute, recomputed=False):
+        cfg = validate_for_plan(build_config(gpu + recompute), 8)
+        return layer_cost(cfg, 0, recomputed, H100, Links(8)).comm_kind["cp"]
+
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    assert cp_seconds(["--recompute-granularity", "selective"]) == pytest.approx(cp_seconds(full, recomputed=True))
+    assert cp_seconds(["--recompute-granularity", "selective"]) > cp_seconds([])
