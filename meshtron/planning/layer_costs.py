@@ -137,12 +137,18 @@ def cp_a2a_size(cfg: MeshtronConfig) -> int:
                       p.hierarchical_context_parallel_sizes)
 
 
+def reruns_forward_collectives(cfg: MeshtronConfig, recomputed: bool) -> bool:
+    """Whether a layer's backward runs its forward's collectives again, as far as it needs them: under
+    ``--recompute-granularity full`` on a recomputed layer, and always under selective (its policy saves no
+    collective's output)."""
+    gran = cfg.train.recompute_granularity
+    return gran == "selective" or (gran == "full" and recomputed)
+
+
 def expert_all_to_alls(cfg: MeshtronConfig, recomputed: bool) -> int:
     """The token all-to-alls of one MoE layer and micro-batch: dispatch and combine, forward and backward, and
-    again for a recomputed forward (``--recompute-granularity full`` on this layer, or selective: its policy
-    saves no collective's output)."""
-    gran = cfg.train.recompute_granularity
-    return 6 if gran == "selective" or (gran == "full" and recomputed) else 4
+    both again where the forward's collectives run again (:func:`reruns_forward_collectives`)."""
+    return 6 if reruns_forward_collectives(cfg, recomputed) else 4
 
 
 def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: DeviceProfile, links: Links,
@@ -226,10 +232,9 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
     overhead = profile.layer_overhead_us * 1e-6 * (1.5 if gran == "full" else 1.0)
     compute = forward + backward + recompute + overhead
 
-    # Communication on the critical path. A recomputed forward (selective recomputation saves no collective's
-    # output; full, on the recomputed layers) runs its collectives again as far as the backward needs them.
+    # Communication on the critical path.
     by_kind = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
-    again = gran == "selective" or (gran == "full" and recomputed)
+    again = reruns_forward_collectives(cfg, recomputed)
     if tp > 1:
         bw = links.bandwidth(profile, tp, 1)
         act = tokens * h * e

@@ -199,7 +199,9 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
     virtual = len(chunks[0])
     latency = profile.collective_latency_us * 1e-6
     loss, embed = head_cost(cfg, vocab, profile)
-    hbm = profile.hbm_gbps * 1e9 * profile.hbm_efficiency
+    # each micro-batch's gradients taken into the gradient buffer: seconds per parameter of a rank
+    accumulation_s_per_param = (gradient_accumulation_bytes(cfg, layout.sharding_strategy, micro)
+                                / (profile.hbm_gbps * 1e9 * profile.hbm_efficiency))
 
     cache: dict[tuple[str, bool], LayerCost] = {}
 
@@ -235,8 +237,7 @@ def predict_step(cfg: MeshtronConfig, world_size: int, profile: DeviceProfile, v
         stage_fwd.append(sum(c.forward for c in costs))
         stage_comm.append({k: sum(c.comm_kind[k] for c in costs) for k in ("tp", "cp", "ep")})
         params_by_stage.append(_rank_parameters(cfg, layers, rank == 0, rank == loss_rank, vocab))
-        stage_times[-1] += sum(params_by_stage[-1]) * gradient_accumulation_bytes(cfg, layout.sharding_strategy,
-                                                                                  micro) / hbm
+        stage_times[-1] += sum(params_by_stage[-1]) * accumulation_s_per_param
     if t.offload_activations:
         # The backward's waits for the host copies the side stream has not finished (memory.offload_timeline).
         for rank, est in enumerate(stage_estimates(cfg, vocab, world_size=world_size, profile=profile,

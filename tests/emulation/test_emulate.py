@@ -93,6 +93,15 @@ def _emulate(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, timeout=300)
 
 
+def _rank0_trace(trace: str, world_size: int, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Emulate rank 0 of ``world_size`` for one cold step, recording its collectives to ``trace``: the run and the
+    trace's records."""
+    run = _emulate("--world-size", str(world_size), "--ranks", "0", "--json", "--warmup", "0", "--steps", "1",
+                   "--split-repeats", "1", "--record-collectives", trace, *args)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run, [json.loads(line) for line in Path(f"{trace}.rank0.jsonl").read_text().splitlines()]
+
+
 def test_one_stage_of_a_64_rank_layout_runs_here_and_is_predicted(tmp_path):
     out = tmp_path / "emulated.jsonl"
     run = _emulate("--world-size", "64", "--gpus-per-node", "8", "--ranks", "56", "--json", "--out", str(out),
@@ -182,7 +191,7 @@ def test_a_routing_skew_sends_the_hot_rank_more_rows_than_it_sends(tmp_path):
     assert bad.returncode == 2 and "skew:S" in bad.stderr
 
 
-def test_the_planners_expert_all_to_alls_are_the_emulated_ranks():
+def test_the_planners_expert_all_to_alls_are_the_emulated_ranks(tmp_path):
     """TP=2 with SP and EP=2, selective recomputation: every TP rank dispatches its micro-batch's whole sequence
     (the MoE layer gathers the shards first), six all-to-alls per MoE layer and micro-batch (dispatch and
     combine, forward, backward and the recomputed forward): the planner counts what the trace records."""
@@ -196,14 +205,7 @@ def test_the_planners_expert_all_to_alls_are_the_emulated_ranks():
            "--moe-router-force-load-balancing", "--disable-bias-linear", "--tensor-model-parallel-size", "2",
            "--sequence-parallel", "--recompute-granularity", "selective", "--global-batch-size", "2",
            "--attention-dropout", "0", "--hidden-dropout", "0"]
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = f"{tmp}/trace"
-        run = _emulate("--world-size", "4", "--ranks", "0", "--json", "--warmup", "0", "--steps", "1",
-                       "--split-repeats", "1", "--record-collectives", trace, *TINY, *moe)
-        assert run.returncode == 0, run.stderr[-2000:]
-        records = [json.loads(line) for line in Path(f"{trace}.rank0.jsonl").read_text().splitlines()]
+    run, records = _rank0_trace(str(tmp_path / "trace"), 4, *TINY, *moe)
     moved = [r["bytes"] for r in records
              if r["op"] == "all_to_all" and r["group"] == "ep" and r["dtype"] != "int64" and r["phase"] != "setup"]
     cfg = validate_for_plan(build_config([*TINY, *moe]), 4)
@@ -231,11 +233,7 @@ def test_recomputation_runs_the_forwards_tensor_parallel_collectives_the_planner
             "--hidden-dropout", "0"] + (["--sequence-parallel"] if sequence_parallel else [])
     counts = {}
     for name, extra in (("none", []), ("selective", ["--recompute-granularity", "selective"])):
-        trace = str(tmp_path / name)
-        run = _emulate("--world-size", "2", "--ranks", "0", "--warmup", "0", "--steps", "1", "--split-repeats", "1",
-                       "--record-collectives", trace, *base, *extra)
-        assert run.returncode == 0, run.stderr[-2000:]
-        records = [json.loads(line) for line in Path(f"{trace}.rank0.jsonl").read_text().splitlines()]
+        _, records = _rank0_trace(str(tmp_path / name), 2, *base, *extra)
         counts[name] = {op: sum(1 for r in records if r["group"] == "tp" and r["op"] == op
                                 and r["phase"] == "forward-backward" and r["bytes"] == 32 * 32 * 4)
                         for op in ("all_gather", "reduce_scatter", "all_reduce")}
@@ -266,11 +264,7 @@ def test_selective_recomputation_runs_the_context_parallel_ring_again_and_the_pl
             "--attention-dropout", "0", "--hidden-dropout", "0"]
     sends = {}
     for name, extra in (("none", []), ("selective", ["--recompute-granularity", "selective"])):
-        trace = str(tmp_path / name)
-        run = _emulate("--world-size", "2", "--ranks", "0", "--warmup", "0", "--steps", "1", "--split-repeats", "1",
-                       "--record-collectives", trace, *base, *extra)
-        assert run.returncode == 0, run.stderr[-2000:]
-        records = [json.loads(line) for line in Path(f"{trace}.rank0.jsonl").read_text().splitlines()]
+        _, records = _rank0_trace(str(tmp_path / name), 2, *base, *extra)
         sends[name] = sum(1 for r in records if r["group"] == "cp" and r["op"] == "send" and r["phase"] != "setup")
     assert sends["selective"] - sends["none"] == 4  # one hop per layer (a ring of two)
 
