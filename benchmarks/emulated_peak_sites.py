@@ -48,7 +48,10 @@ def main() -> int:
         t = cfg.train
         n_micro = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         data = RandomTokens(cfg.model.vocab_size or 32000, cfg.model.seq_length, t.micro_batch_size, n_micro, t.seed)
-        torch.cuda.memory._record_memory_history("all", stacks="python", max_entries=3_000_000)
+        # PEAK_CONTEXT=none records the events without their stacks (the live blocks then by size only)
+        context = os.environ.get("PEAK_CONTEXT", "all")
+        torch.cuda.memory._record_memory_history("all", context=None if context == "none" else context,
+                                                  stacks="python", max_entries=3_000_000)
         trainer = Trainer(cfg, ctx, data=data)
         hold_optimizer_state(trainer)  # as meshtron emulate does: the moments exist though steps may be skipped
         batches = next(data.train_batches())
@@ -77,10 +80,13 @@ def main() -> int:
                 alive[addr] = (event["size"], allocation_site(fr), _kind(fr))
             elif action in ("free_requested", "free_completed"):
                 alive.pop(addr, None)
-        by_site, by_kind = defaultdict(int), defaultdict(int)
+        by_site, by_kind, by_size = defaultdict(int), defaultdict(int), defaultdict(int)
         for size, site, kind in alive.values():
             by_site[site] += size
             by_kind[kind] += size
+            by_size[size] += 1
+        print("live blocks at the peak by size (MiB x count):",
+              ", ".join(f"{size / 2**20:.0f} x {n}" for size, n in sorted(by_size.items(), key=lambda kv: -kv[0] * kv[1])[:20]))
         for kind, size in sorted(by_kind.items(), key=lambda kv: -kv[1]):
             print(f"  {kind:<18} {size / 2**30:8.3f} GiB")
         for site, size in sorted(by_site.items(), key=lambda kv: -kv[1])[:25]:

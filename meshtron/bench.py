@@ -228,7 +228,7 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
         "global_batch": t.global_batch_size, "seq": cfg.model.seq_length,
         "recompute": t.recompute_granularity or "none", "precision": (f"fp8-{t.fp8_format}" if t.fp8_format
                                                                       else ("bf16" if t.bf16 else "fp32")),
-        "compile": bool(t.compile), "step_s": step, "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu,
+        "compile": bool(t.compile), "step_s": step, "step_times_s": times[warmup:], "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu,
         "tflops_per_gpu": speed.tflops_per_gpu,
         "mfu": speed.mfu, "peak_mem_gib": peak, "peak_reserved_gib": reserved,
         "est_mem_gib": est.total / 2**30, "leftover_mem_gib": leftover, "forward_s": fwd,

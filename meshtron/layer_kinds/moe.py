@@ -78,6 +78,11 @@ class MixtureOfExperts(MLPKind):
             # revision 5 those without an output bias weigh the dispatched rows themselves: the combine keeps
             # no output row.
             rows = (2 if s.local_experts else 3) - (1 if s.saves >= 5 and m.disable_bias_linear else 0)
+            if s.recompute == "selective":
+                # Selective recomputation keeps the matmuls' outputs and makes the rest again: the down
+                # projection's output rows stay (one per choice), not the grouped buffer (fc1's input) nor
+                # what the dispatcher copies (DeepSeek-V3's EP=64 ranks, e28/e29 of benchmarks/emulated.jsonl).
+                rows = 1
             s.part += k * e * rows * h + k * (4 + e * 2 * fe / etp)
         else:
             s.part += k * e * (2 if s.local_experts else 3) * h
