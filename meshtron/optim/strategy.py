@@ -157,16 +157,20 @@ class ReplicatedGradients(DataParallelStrategy):
         self.shards_optimizer = shard
         self.layout = layout
         params = layout.params
+        self.param_buffer: Optional[ParamBuffer] = None
+        if flat_weights:  # the distributed optimizer (or CPU offload) addresses weights in one flat buffer
+            # Before the gradient buffer: while the weights move into the flat buffer they exist twice, and
+            # with the gradients beside them that moment was the rank's peak (a million-token llama3-8b rank:
+            # 15 GiB of weights twice and 30 GiB of gradients, above its training steps).
+            self.param_buffer = ParamBuffer(layout, ctx.device)
+            self.param_data = self.param_buffer.data
         self.grad_buffer = GradBuffer(params, dtype=grad_dtype, device=ctx.device, layout=layout,
                                       release=release_grads)
         self.grad_sync = GradientSync(model_chunks, params, ctx, self.grad_buffer, overlap=overlap_grad_reduce,
                                       reduce_scatter=shard)
         self.grad_data = self.grad_buffer.data
         self.grad_source = self.grad_buffer if release_grads else self.grad_data
-        self.param_buffer: Optional[ParamBuffer] = None
-        if flat_weights:  # the distributed optimizer (or CPU offload) addresses weights in one flat buffer
-            self.param_buffer = ParamBuffer(layout, ctx.device)
-            self.param_data = self.param_buffer.data
+        if self.param_buffer is not None:
             self.gather = ParamGather(layout, self.param_buffer, model_chunks, overlap=shard and overlap_param_gather)
 
     def zero(self) -> None:
@@ -216,17 +220,17 @@ class ShardedGradStrategy(DataParallelStrategy):
                  grad_dtype: torch.dtype, shard_params: bool, overlap_param_gather: bool):
         self.name = "optim_grads_params" if shard_params else "optim_grads"
         self.layout = layout
+        # The flat weights first, as above: while the weights move into it they exist twice.
+        self.param_buffer = None if shard_params else ParamBuffer(layout, ctx.device)
         self.grads = ShardedGradients(model_chunks, layout, ctx, grad_dtype, ctx.device)
         self.compact = self.grads.shards
         self.grad_data = self.grad_source = self.grads.data
-        self.param_buffer = None
         if shard_params:
             self.sharded_params = ShardedParams(layout, model_chunks, ctx.device, prefetch=True)
             self.grads.on_bucket_complete = self.sharded_params.release_after_backward
             self.gather = self.sharded_params
             self.param_data = self.sharded_params.data
         else:
-            self.param_buffer = ParamBuffer(layout, ctx.device)
             gather = ParamGather(layout, self.param_buffer, model_chunks, overlap=overlap_param_gather,
                                  shards=self.compact)
             self.gather, self.param_data = gather, gather.shard_data
