@@ -13,12 +13,15 @@ python3 - "$OUT/bench_h175.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    print("bench", round(r["step_s"], 4), [round(x, 3) for x in r.get("step_times_s", [])], round(r["peak_mem_gib"], 2))
+    print("bench", round(r["step_s"], 4), [round(x, 3) for x in r.get("step_times_s", [])], "peak", round(r["peak_mem_gib"], 2),
+          "reserved", round(r["peak_reserved_gib"], 2))
 PY
 argv="$(python3 -c "import json;[print(r['argv']) for r in map(json.loads,open('benchmarks/measured.jsonl')) if r['id']=='h175']")"
 for hold in 1 0; do
   HOLD=$hold timeout ${EMULATE_TIMEOUT:-100} python3 - "$argv" <<'PY' 2>&1 | grep "^emulate"
 import os, shlex, sys
+
+import torch
 
 import meshtron.bench as bench
 import meshtron.emulation.runner as runner
@@ -29,6 +32,8 @@ if os.environ["HOLD"] == "0":
     runner.hold_optimizer_state = lambda trainer: None
 em = runner.emulate_rank(shlex.split(sys.argv[1]), 1, 0, warmup=3, steps=5, split_repeats=1)
 print("emulate, state held" if os.environ["HOLD"] == "1" else "emulate, state not held", round(em.step_s, 4),
-      [round(x, 3) for x in em.step_times_s], round(em.peak_mem_gib or 0, 2), flush=True)
+      [round(x, 3) for x in em.step_times_s], "peak", round(em.peak_mem_gib or 0, 2), "reserved",
+      round(em.peak_reserved_gib or 0, 2), "allocation retries", torch.cuda.memory_stats().get("num_alloc_retries"),
+      flush=True)
 PY
 done
