@@ -40,7 +40,7 @@ def main() -> int:
     from meshtron.training.trainer import Trainer
 
     world, rank, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    steps = int(os.environ.get("PEAK_STEPS", "3"))  # the peak of a held-state rank is in its first step
+    steps = int(os.environ.get("PEAK_STEPS", "3"))  # the optimizer's state is made at the end of the first
     _enter_world(world, rank)
     try:
         cfg = _config(argv, world, steps)
@@ -53,7 +53,7 @@ def main() -> int:
         torch.cuda.memory._record_memory_history("all", context=None if context == "none" else context,
                                                   stacks="python", max_entries=3_000_000)
         trainer = Trainer(cfg, ctx, data=data)
-        hold_optimizer_state(trainer)  # as meshtron emulate does: the moments exist though steps may be skipped
+        hold_optimizer_state(trainer)  # as meshtron emulate does: the moments are made though steps may be skipped
         batches = next(data.train_batches())
         for it in range(1, steps + 1):
             start = time.perf_counter()

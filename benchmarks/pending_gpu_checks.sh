@@ -101,8 +101,8 @@ for phase in "$@"; do
     peak1m)
       # where the million-token rank (e27: llama3-8b, 1,048,576 tokens, CP=32) peaks: the planner is 12 GiB under it
       # without stacks (with Python stacks the recording failed inside the recomputed forward on 2026-12-07);
-      # the first step holds the peak of a rank whose optimizer state is held
-      PEAK_CONTEXT=${PEAK_CONTEXT:-none} PEAK_STEPS=${PEAK_STEPS:-1} timeout ${PEAK_TIMEOUT:-400} python3 benchmarks/emulated_peak_sites.py 32 0 --model llama3-8b --bf16 --seq-length 1048576 \
+      # two steps: the optimizer's state is made at the end of the first, as the real rank makes it
+      PEAK_CONTEXT=${PEAK_CONTEXT:-none} PEAK_STEPS=${PEAK_STEPS:-2} timeout ${PEAK_TIMEOUT:-400} python3 benchmarks/emulated_peak_sites.py 32 0 --model llama3-8b --bf16 --seq-length 1048576 \
         --micro-batch-size 1 --global-batch-size 1 --use-distributed-optimizer --recompute-granularity full \
         --recompute-method uniform --recompute-num-layers 1 --context-parallel-size 32 > "$OUT/peak1m.log" 2>&1
       echo "rc=$?"; grep -E "^step|^peak|^the peak|^live|^model|^  [a-z]" "$OUT/peak1m.log" ;;

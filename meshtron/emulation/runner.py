@@ -204,15 +204,17 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
 
 
 def hold_optimizer_state(trainer) -> None:
-    """Create the optimizer's state now, as the real rank holds it from its first applied step on.
+    """Have the optimizer's state created at the first step, applied or not, as the real rank creates it.
 
     The optimizers create their moments at their first step, and a step is applied only when the loss and the
     gradient norm are finite. An emulated rank's values are not the real ones: on the GPU under torch 2.11 the
     single-tensor all-gathers and reduce-scatters (sequence parallelism's) leave their outputs as allocated, and
     stale bf16 bits are often NaN or inf, so every step of such a rank can be skipped and its peak would miss the
     moments (8 bytes per parameter of the optimizer's shard): the rows of benchmarks/emulated.jsonl measured
-    before this (docs/planning.md, "The planner against emulation")."""
-    trainer.optimizer.ensure_state()
+    before this (docs/planning.md, "The planner against emulation"). The state is made where the first step
+    would make it, after that step's backward, not before the first forward: the allocator then lays out the
+    step's blocks in the real rank's order."""
+    trainer.create_state_on_skipped_step = True
 
 
 def steady_state_micro_batches(cfg) -> int:

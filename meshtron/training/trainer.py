@@ -117,6 +117,9 @@ class Trainer:
         # --check-for-nan-in-loss-and-grad every rank's shard and own loss are checked as well.
         self.grads_sharded = shards_gradients(self.dp_strategy.name)
         self.check_shards = self.grads_sharded and t.check_for_nan_in_loss_and_grad
+        #: Create the optimizer's state at a skipped step too (an emulated rank: its values are not the real ones
+        #: and may skip every step, where the real rank creates its state at its first step).
+        self.create_state_on_skipped_step = False
         self.schedule = get_schedule(cfg, ctx, gpt_forward_step, self.layout)
         # Router-loss weighting, expert-bias updates and MoE metrics (None for dense models).
         self.moe = (MoETrainingHooks(self.model_chunks, ctx, self.num_micro_batches, cfg.model)
@@ -277,6 +280,8 @@ class Trainer:
             self.optimizer.step(self.learning_rate(iteration), grad_coef=coef)
             if self.faults is not None:
                 self.faults.after_optimizer_step(iteration, self.params)
+        elif self.create_state_on_skipped_step:
+            self.optimizer.ensure_state()
         self._lap("optimizer", last=True)
         if self.moe is not None:
             self.moe.after_step(applied)

@@ -147,7 +147,8 @@ def test_plan_emulates_its_first_layouts_beside_the_planner():
 def test_an_emulated_rank_holds_its_optimizer_state_when_every_step_is_skipped(monkeypatch):
     """Emulated values can be NaN (stale bits in the outputs of torch 2.11's fake single-tensor collectives on the
     GPU): every step is then skipped, and the moments, which the optimizers create at their first step, must be
-    there all the same (runner.hold_optimizer_state), as in the real job's steady state."""
+    there all the same (runner.hold_optimizer_state), as in the real job's steady state, and made where the real
+    rank makes them: at the first step."""
     import math
 
     from meshtron.emulation.runner import emulate_rank
@@ -155,7 +156,17 @@ def test_an_emulated_rank_holds_its_optimizer_state_when_every_step_is_skipped(m
 
     held = {}
     monkeypatch.setattr(Trainer, "_synced", lambda self, norm, loss: [math.nan, math.nan])
-    close = Trainer.close
+    close, train_step = Trainer.close, Trainer.train_step
+
+    def moments(trainer) -> int:
+        return sum(t.numel() for state in trainer.optimizer.inner.state.values() for key, t in state.items()
+                   if key.startswith("exp_avg"))
+
+    def first_step_sees(self, *args, **kwargs):
+        held.setdefault("before_first_step", moments(self))
+        return train_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", first_step_sees)
 
     def record_then_close(self):
         held["steps"] = self.optimizer.step_count
@@ -168,6 +179,7 @@ def test_an_emulated_rank_holds_its_optimizer_state_when_every_step_is_skipped(m
     emulate_rank([*TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "2"],
                  2, 0, warmup=1, steps=1, split_repeats=1)  # (no warm-up would time an optimizer step alone)
     assert held["steps"] == 0  # no step was applied
+    assert held["before_first_step"] == 0  # made where the real rank makes them: at the first step, not before
     assert held["moments"] == 2 * held["params"]  # Adam's two moments of every parameter of this rank
 
 
