@@ -1,7 +1,7 @@
 # The Qwen3.5-9b shape's row (h175 of benchmarks/measured.jsonl: 0.270 s a step on an H100) through `meshtron bench`
-# and through emulation (a world of one), 3 warm-up and 5 timed steps each, on this GPU; emulation once as
-# `meshtron emulate` runs it (the optimizer's state held from the start) and once without that. Each prints its
-# timed steps. Emulated on 2026-12-07 at 0.344-0.391 s a step on an H100 (commit 17b095b).
+# and through emulation (a world of one), 3 warm-up and 5 timed steps each, on this GPU; emulation once with the
+# optimizer's state made before the first forward (as `meshtron emulate` did until 2026-12-07, when it measured
+# 0.344-0.391 s a step on an H100, commit 17b095b) and once as it runs now. Each prints its timed steps.
 #   OUT=/tmp/out bash benchmarks/qwen35_bench_vs_emulation.sh   (on the GPU machine)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,10 +28,10 @@ import meshtron.emulation.runner as runner
 
 measure = bench._measure
 bench._measure = lambda *a, **k: measure(*a[:6], False, *a[7:], **k)  # no split passes: the steps only
-if os.environ["HOLD"] == "0":
-    runner.hold_optimizer_state = lambda trainer: None
+if os.environ["HOLD"] == "1":  # as emulation did until 2026-12-07: the state made before the first forward
+    runner.hold_optimizer_state = lambda trainer: trainer.optimizer.ensure_state()
 em = runner.emulate_rank(shlex.split(sys.argv[1]), 1, 0, warmup=3, steps=5, split_repeats=1)
-print("emulate, state held" if os.environ["HOLD"] == "1" else "emulate, state not held", round(em.step_s, 4),
+print("emulate, state made first" if os.environ["HOLD"] == "1" else "emulate", round(em.step_s, 4),
       [round(x, 3) for x in em.step_times_s], "peak", round(em.peak_mem_gib or 0, 2), "reserved",
       round(em.peak_reserved_gib or 0, 2), "allocation retries", torch.cuda.memory_stats().get("num_alloc_retries"),
       flush=True)
