@@ -261,9 +261,9 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
     if state_bytes:
         # A recurrence (gdn): every rank's two chunks' states and convolution halos all-gathered in the
         # forward (two collectives), their gradients reduce-scattered in the backward; the composition
-        # waits for them, so nothing hides them.
+        # waits for them, so nothing hides them. A recomputed forward (selective too) gathers them again.
         one_way = _ring(2 * cp * state_bytes, cp, links.bandwidth(profile, cp, tp), 2 * latency)
-        by_kind["cp"] += (3 if gran == "full" else 2) * one_way
+        by_kind["cp"] += (3 if again else 2) * one_way
     elif cp > 1:
         ring = cp // a2a  # ranks of the ring (p2p, all-gather: CP; a2a: none; a2a+p2p: B)
         if a2a > 1:
@@ -273,7 +273,8 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
             width = heads * d_qk + g * (d_qk + d_v) + heads * d_v
             moved = t.micro_batch_size * (seq / cp) * width * e * (a2a - 1) / a2a
             one_way = moved / links.bandwidth(profile, a2a, tp) + 4 * latency
-            by_kind["cp"] += 2 * one_way
+            # A recomputed forward (selective too) exchanges all four again: none of them is saved.
+            by_kind["cp"] += (3 if again else 2) * one_way
             kv_out = (2 * g * d) / a2a  # the ring below carries this rank's heads after the exchange
         if ring > 1:
             bw = links.bandwidth(profile, ring, tp * a2a)

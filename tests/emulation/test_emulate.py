@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -289,3 +290,58 @@ def test_selective_recomputation_runs_the_context_parallel_ring_again_and_the_pl
     full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     assert cp_seconds(["--recompute-granularity", "selective"]) == pytest.approx(cp_seconds(full, recomputed=True))
     assert cp_seconds(["--recompute-granularity", "selective"]) > cp_seconds([])
+
+
+def _cp_records(trace: str, *args: str) -> collections.Counter:
+    """The context-parallel operations of rank 0 of a CP=2 world's one step: (op, bytes) -> count."""
+    _, records = _rank0_trace(trace, 2, *TINY, "--seq-length", "64", "--context-parallel-size", "2",
+                              "--global-batch-size", "1", "--attention-dropout", "0", "--hidden-dropout", "0", *args)
+    return collections.Counter((r["op"], r["bytes"]) for r in records if r["group"] == "cp" and r["phase"] != "setup")
+
+
+def _planned_cp_seconds(model: list[str], recompute: list[str], recomputed: bool = False) -> float:
+    from meshtron.cli import build_config
+    from meshtron.planning.layer_costs import Links, layer_cost
+    from meshtron.planning.validate import validate_for_plan
+
+    cfg = validate_for_plan(build_config([*model, "--context-parallel-size", "2", "--bf16", *recompute]), 8)
+    return layer_cost(cfg, 0, recomputed, H100, Links(8)).comm_kind["cp"]
+
+
+SELECTIVE = ["--recompute-granularity", "selective"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+def test_selective_recomputation_runs_the_context_parallel_all_to_alls_again_and_the_planner_counts_them(tmp_path):
+    """--cp-comm-type a2a (Ulysses): a layer exchanges its queries, keys, values and output in its forward and
+    their gradients in its backward (8 all-to-alls); selective recomputation exchanges the forward's four again,
+    none of them saved. The planner adds the forward's exchange once more, as for a fully recomputed layer."""
+    a2a = ["--cp-comm-type", "a2a"]
+    none = _cp_records(str(tmp_path / "none"), *a2a)
+    selective = _cp_records(str(tmp_path / "selective"), *a2a, *SELECTIVE)
+    assert set(none) == set(selective) == {("all_to_all", 4096)}
+    assert none[("all_to_all", 4096)] == 4 * 8 and selective[("all_to_all", 4096)] == 4 * 12
+
+    model = ["--model", "llama3-8b", "--seq-length", "32768", *a2a]
+    assert _planned_cp_seconds(model, SELECTIVE) == pytest.approx(_planned_cp_seconds(model, FULL, recomputed=True))
+    assert _planned_cp_seconds(model, SELECTIVE) == pytest.approx(1.5 * _planned_cp_seconds(model, []))
+
+
+def test_selective_recomputation_gathers_the_gated_deltanet_states_again_and_the_planner_counts_it(tmp_path):
+    """A gated DeltaNet layer under CP all-gathers its chunks' states and convolution halos in the forward (two
+    collectives) and reduce-scatters their gradients in the backward; selective recomputation gathers again, as a
+    fully recomputed layer does. The planner counts the gathers once more for both."""
+    gdn = ["--layer-pattern", "gdn+dense*4", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+           "--linear-key-head-dim", "16", "--linear-value-head-dim", "8"]
+    none = _cp_records(str(tmp_path / "none"), *gdn)
+    selective = _cp_records(str(tmp_path / "selective"), *gdn, *SELECTIVE)
+    gathers = {key: n for key, n in none.items() if key[0] == "all_gather"}
+    assert len(gathers) == 2 and all(n == 4 for n in gathers.values())  # two per layer
+    assert all(selective[key] == 2 * n for key, n in gathers.items())
+    assert {k: n for k, n in selective.items() if k[0] != "all_gather"} == {k: n for k, n in none.items()
+                                                                          if k[0] != "all_gather"}
+
+    model = ["--model", "qwen3.5-9b", "--seq-length", "32768"]
+    assert _planned_cp_seconds(model, SELECTIVE) == pytest.approx(_planned_cp_seconds(model, FULL, recomputed=True))
+    assert _planned_cp_seconds(model, SELECTIVE) == pytest.approx(1.5 * _planned_cp_seconds(model, []))
+    assert _planned_cp_seconds(model, FULL, recomputed=False) == pytest.approx(_planned_cp_seconds(model, []))
