@@ -72,6 +72,8 @@ def main() -> int:
                "measured_peak_gib": row["peak_mem_gib"], "emulated_peak_gib": em.peak_mem_gib,
                "peak_error": mem_err, "measured_step_s": row["step_s"], "emulated_step_s": em.step_s,
                "step_error": time_err, "emulated_compute_s": em.forward_s + em.backward_s + em.optimizer_s,
+               "emulated_reserved_gib": em.peak_reserved_gib, "emulated_alloc_retries": em.alloc_retries,
+               "measured_reserved_gib": row.get("peak_reserved_gib"), "measured_alloc_retries": row.get("alloc_retries"),
                "device": gpu}
         fmt = (lambda v: "n/a" if v is None else f"{v:+.2%}")
         print(f"| {row['id']} | {row['argv'][:60]} | {row['peak_mem_gib']:.2f} | {em.peak_mem_gib or 0:.2f} | "

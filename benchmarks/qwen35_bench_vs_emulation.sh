@@ -14,14 +14,12 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     print("bench", round(r["step_s"], 4), [round(x, 3) for x in r.get("step_times_s", [])], "peak", round(r["peak_mem_gib"], 2),
-          "reserved", round(r["peak_reserved_gib"], 2))
+          "reserved", round(r["peak_reserved_gib"], 2), "allocation retries", r.get("alloc_retries"))
 PY
 argv="$(python3 -c "import json;[print(r['argv']) for r in map(json.loads,open('benchmarks/measured.jsonl')) if r['id']=='h175']")"
 for hold in 1 0; do
   HOLD=$hold timeout ${EMULATE_TIMEOUT:-100} python3 - "$argv" <<'PY' 2>&1 | grep "^emulate"
 import os, shlex, sys
-
-import torch
 
 import meshtron.bench as bench
 import meshtron.emulation.runner as runner
@@ -33,7 +31,7 @@ if os.environ["HOLD"] == "1":  # as emulation did until 2026-12-07: the state ma
 em = runner.emulate_rank(shlex.split(sys.argv[1]), 1, 0, warmup=3, steps=5, split_repeats=1)
 print("emulate, state made first" if os.environ["HOLD"] == "1" else "emulate", round(em.step_s, 4),
       [round(x, 3) for x in em.step_times_s], "peak", round(em.peak_mem_gib or 0, 2), "reserved",
-      round(em.peak_reserved_gib or 0, 2), "allocation retries", torch.cuda.memory_stats().get("num_alloc_retries"),
+      round(em.peak_reserved_gib or 0, 2), "allocation retries", em.alloc_retries,
       flush=True)
 PY
 done

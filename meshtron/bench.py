@@ -153,6 +153,14 @@ def bench_row(argv: list[str], warmup: int, steps: int, split: bool = True, prof
             trainer.close()  # its hooks would keep the parameters alive into the next row
 
 
+def _alloc_retries(device: torch.device) -> Optional[int]:
+    """How often the CUDA caching allocator has freed its cache to retry an allocation (None off CUDA). A step
+    near the device's capacity that does so pays device-wide synchronisations: its time is not the layout's."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int, steps: int, split: bool,
              profile_comm: bool, memory_sites: bool, leftover: Optional[float], argv: list[str],
              split_repeats: int = 3) -> dict:
@@ -166,6 +174,7 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
     vocab = cfg.model.vocab_size or 32000
     batches = next(data.train_batches())
     times = []
+    retries = _alloc_retries(dev)
     for it in range(1, warmup + steps + 1):
         _sync(dev)
         start = time.perf_counter()
@@ -175,6 +184,7 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
         _sync(dev)
         times.append(time.perf_counter() - start)
     step = statistics.median(times[warmup:])
+    retries = None if retries is None else _alloc_retries(dev) - retries
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     # What the caching allocator took from the device (fragmentation included; what torchtitan reports).
     reserved = torch.cuda.max_memory_reserved(dev) / 2**30 if dev.type == "cuda" else None
@@ -231,7 +241,7 @@ def _measure(trainer, cfg: MeshtronConfig, ctx, data: RandomTokens, warmup: int,
         "compile": bool(t.compile), "step_s": step, "step_times_s": times[warmup:], "tokens_per_sec_per_gpu": speed.tokens_per_sec_per_gpu,
         "tflops_per_gpu": speed.tflops_per_gpu,
         "mfu": speed.mfu, "peak_mem_gib": peak, "peak_reserved_gib": reserved,
-        "est_mem_gib": est.total / 2**30, "leftover_mem_gib": leftover, "forward_s": fwd,
+        "est_mem_gib": est.total / 2**30, "leftover_mem_gib": leftover, "alloc_retries": retries, "forward_s": fwd,
         "backward_s": None if fwd is None else max(0.0, fwdbwd - fwd),
         "optimizer_s": None if fwd is None else max(0.0, step - fwdbwd - comm - data_time),
         "exposed_comm_s": comm, "data_s": data_time,
@@ -350,6 +360,10 @@ def bench_main(argv: Sequence[str]) -> int:
                 append_record(args.record, row, row_argv)
     if rank0 and not args.json:
         print(format_table(results))
+        for i, row in enumerate(results, 1):
+            if row.get("alloc_retries"):
+                print(f"row {i}: the CUDA allocator flushed its cache {row['alloc_retries']} times during the timed "
+                      f"steps (memory near the device's capacity): its step time is not the layout's")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

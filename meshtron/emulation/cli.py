@@ -188,8 +188,9 @@ def report_row(emulated, train_argv: Sequence[str], world: int, gpus_per_node: i
         "gpus_per_node": gpus_per_node, "argv": " ".join(train_argv), "device": emulated.device,
         "profile": profile.name, "micro_batches": emulated.micro_batches,
         "measured_micro_batches": emulated.measured_micro_batches,
-        "optimizer_state_held": True,  # created up front (runner.hold_optimizer_state), skipped steps or not
+        "optimizer_state_held": True,  # made at the first step, skipped or not (runner.hold_optimizer_state)
         "measured": {"peak_mem_gib": emulated.peak_mem_gib, "peak_reserved_gib": emulated.peak_reserved_gib,
+                     "alloc_retries": emulated.alloc_retries,
                      "step_s_comm_emulated": emulated.step_s, "forward_s": emulated.forward_s,
                      "backward_s": emulated.backward_s, "optimizer_s": emulated.optimizer_s},
         "modelled": {"comm_bytes_by_group": comm.bytes_by_group, "comm_s_by_group": comm.seconds_by_group,

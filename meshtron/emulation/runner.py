@@ -110,6 +110,7 @@ class EmulatedRank:
     optimizer_s: float
     data_s: float
     step_times_s: list = field(default_factory=list)  # each timed step (the median is ``step_s``)
+    alloc_retries: Optional[int] = None  # the allocator's cache flushes during the timed steps (None off CUDA)
     records: list = field(default_factory=list)  # the operations of one recorded step
     spans_nodes: dict = field(default_factory=dict)  # group name -> its ranks sit on several nodes
 
@@ -189,7 +190,7 @@ def emulate_rank(argv: Sequence[str], world_size: int, rank: int, gpus_per_node:
             peak_mem_gib=row["peak_mem_gib"], peak_reserved_gib=row["peak_reserved_gib"],
             est_mem_gib=row["est_mem_gib"], step_s=row["step_s"], forward_s=row["forward_s"] or 0.0,
             backward_s=row["backward_s"] or 0.0, optimizer_s=row["optimizer_s"] or 0.0, data_s=row["data_s"] or 0.0,
-            step_times_s=row["step_times_s"],
+            step_times_s=row["step_times_s"], alloc_retries=row["alloc_retries"],
             records=[r for r in recorder.records if r["iteration"] == iteration],
             spans_nodes=_spans_nodes(ctx, gpus_per_node))
     finally:
