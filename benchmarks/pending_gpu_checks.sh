@@ -37,14 +37,13 @@
 # Run on 2026-12-07 (fifth): ONLY=moe_reverse with migration_fixtures and fp8seeds at once; gputests alone; rows2's
 # mixtral; rows2's 405B with long's CP=32 case; accuracy (cut before its sixth row).
 # Run on 2026-12-07 (sixth): sbs2; gemm_shapes.py alone (the calibration of the gemms phase not yet).
-# Next, in this order: profile_moe + gemms in one call (where the Qwen3-30B-A3B step goes; the H100's own
-# calibration), peak1m alone (where the million-token CP=32 rank peaks: the planner is 8.7 GiB under it), long's
-# llama3-8b-1m-cp32 again (its step now warm, its ring hops counted once: about 90 s predicted), DeepSeek-V3's two
-# stages again with the optimizer state held (CASES=bridge-deepseek-v3 CASE_TIMEOUT=270 bash benchmarks/emulation_call.sh:
-# e19/e20 predate held state; the MLA selective count is corrected, e19 still 25% over), llama2-7b-dp8 with
-# --measure-micro-batches 8 (e3: the planner 11% slow; 2 of 128 micro-batches measured), the 8-GPU case
-# (CASES=llama3-8b-1m-cp8: CP=8, optimizer on the host, activations offloaded, planned at 67 GiB; its step is
-# minutes), accuracy's Qwen3.5 row, families' rule profile.
+# Run on 2026-12-07 (seventh): accuracy of h147 and h175; DeepSeek-V3's two stages with the state held (e28/e29);
+# peak1m (the peak named: setup's flat weight buffer, fixed since); qwen35's first form (its bench line lost).
+# Next, in this order: qwen35 on an H100 (bench against emulation of the Qwen3.5 row, with the state made first and
+# as now: which one is 30% slow, and whether allocation retries are why), peak1m again (the million-token rank's
+# training-step peak, now that setup no longer peaks: the planner says 51.2 GiB), accuracy (every H100 row again,
+# the state made at the first step), profile_moe + gemms in one call, long's llama3-8b-1m-cp32 (a new e27),
+# llama2-7b-dp8 with --measure-micro-batches 8 (e3), the 8-GPU case (CASES=llama3-8b-1m-cp8), families' rule profile.
 # Several phases may be named in one call. Results go under $OUT (rows into emulated.jsonl / accuracy.jsonl).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
