@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtron.config import MeshtronConfig, ffn_size, head_dim, padded_vocab_size
+from meshtron.config import MeshtronConfig, head_dim, padded_vocab_size
 from meshtron.layer_kinds.base import StepInputs
 from meshtron.layer_kinds.pattern import layer_at
 from meshtron.parallel.layout import sequence_parallel_in_effect
@@ -227,8 +227,9 @@ def layer_cost(cfg: MeshtronConfig, layer: int, recomputed: bool, profile: Devic
         recompute = forward if recomputed else 0.0
     elif gran == "selective":
         # meshtron.layers.recompute saves every matmul's and attention kernel's output (MUST_SAVE) and
-        # recomputes the element-wise work around them: the norms, RoPE and the SwiGLU.
-        recompute = (norm_elem + tokens * e * 2 * (q_out + kv_out / 2) + tokens * e * 3 * (ffn_size(m) / tp)) / hbm
+        # recomputes the element-wise work around them: the norms, RoPE and the MLP's own (a dense MLP's SwiGLU; a
+        # MoE layer's routing, permutation copies and SwiGLU over its routed rows).
+        recompute = (norm_elem + tokens * e * 2 * (q_out + kv_out / 2) + mlp_elem) / hbm
     overhead = profile.layer_overhead_us * 1e-6 * (1.5 if gran == "full" else 1.0)
     compute = forward + backward + recompute + overhead
 

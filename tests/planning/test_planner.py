@@ -325,3 +325,23 @@ def test_attention_rate_moves_to_the_head_dim_64_pair_below_head_dim_128():
     assert attention_rate(p, s, 96) == pytest.approx((560 - 130 * x) * 1e12 * s / (s + 2300 - 1600 * x))
     same = H200.with_(attention_tflops_d64=0.0, attention_half_seq_d64=0.0)  # an older profile file: no pair
     assert attention_rate(same, 4096, 64) == attention_rate(same, 4096, 128)
+
+
+def test_a_selectively_recomputed_moe_layer_runs_its_routing_and_permutations_again():
+    """Selective recomputation makes every op of a layer again but its matmuls and attention: for a MoE layer that
+    is its routing, the permutation copies around the experts and SwiGLU over the routed rows (k x the expert
+    width per token), not a dense MLP's SwiGLU."""
+    from meshtron.cli import build_config
+    from meshtron.planning.layer_costs import Links, layer_cost
+    from meshtron.planning.validate import validate_for_plan
+
+    base = ["--model", "mixtral-8x7b", "--seq-length", "4096", "--bf16", "--expert-model-parallel-size", "8"]
+
+    def compute(*recompute: str) -> float:
+        return layer_cost(validate_for_plan(build_config([*base, *recompute]), 8), 0, False, H100, Links(8)).compute
+
+    m = validate_for_plan(build_config(base), 8).model
+    tokens, k, h, fe = 4096, m.moe_router_topk, m.hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size
+    hbm = H100.hbm_gbps * 1e9 * H100.hbm_efficiency
+    rerun = compute("--recompute-granularity", "selective") - compute()
+    assert rerun > tokens * 2 * (8 * k * h + 3 * k * fe) / hbm  # the permutation copies and the routed SwiGLU
