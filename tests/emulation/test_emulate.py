@@ -233,7 +233,8 @@ def test_the_planners_expert_all_to_alls_are_the_emulated_ranks(tmp_path):
     assert set(moved) == {work.ep_bytes} == {32 * 2 * 32 * 4}  # 32 tokens x 2 choices x 32 wide, fp32
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+# Without SP (the attention's all-reduce) slow: the SP case is the fast representative.
+@pytest.mark.parametrize("sequence_parallel", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["sp", "no-sp"])
 def test_recomputation_runs_the_forwards_tensor_parallel_collectives_the_planner_counts(tmp_path, sequence_parallel):
     """Selective recomputation runs a layer's forward again only as far as backward needs it: with SP both
     all-gathers and the attention's reduce-scatter (not the MLP's), without SP the attention's all-reduce. The
@@ -312,6 +313,7 @@ SELECTIVE = ["--recompute-granularity", "selective"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
+@pytest.mark.slow  # the context-parallel ring's test is the fast representative
 def test_selective_recomputation_runs_the_context_parallel_all_to_alls_again_and_the_planner_counts_them(tmp_path):
     """--cp-comm-type a2a (Ulysses): a layer exchanges its queries, keys, values and output in its forward and
     their gradients in its backward (8 all-to-alls); selective recomputation exchanges the forward's four again,
@@ -327,6 +329,7 @@ def test_selective_recomputation_runs_the_context_parallel_all_to_alls_again_and
     assert _planned_cp_seconds(model, SELECTIVE) == pytest.approx(1.5 * _planned_cp_seconds(model, []))
 
 
+@pytest.mark.slow  # the context-parallel ring's test is the fast representative
 def test_selective_recomputation_gathers_the_gated_deltanet_states_again_and_the_planner_counts_it(tmp_path):
     """A gated DeltaNet layer under CP all-gathers its chunks' states and convolution halos in the forward (two
     collectives) and reduce-scatters their gradients in the backward; selective recomputation gathers again, as a
