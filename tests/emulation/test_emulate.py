@@ -267,32 +267,6 @@ def test_recomputation_runs_the_forwards_tensor_parallel_collectives_the_planner
     assert tp_seconds(["--recompute-granularity", "selective"]) - tp_seconds([]) == pytest.approx(expected)
 
 
-def test_selective_recomputation_runs_the_context_parallel_ring_again_and_the_planner_counts_it(tmp_path):
-    """CP=2: selective recomputation runs each layer's forward ring hop again in backward (the trace of the rank
-    has one more send per layer); the planner adds the forward ring once more, as for a fully recomputed layer."""
-    from meshtron.cli import build_config
-    from meshtron.planning.layer_costs import Links, layer_cost
-    from meshtron.planning.validate import validate_for_plan
-
-    base = [*TINY, "--seq-length", "64", "--context-parallel-size", "2", "--global-batch-size", "1",
-            "--attention-dropout", "0", "--hidden-dropout", "0"]
-    sends = {}
-    for name, extra in (("none", []), ("selective", ["--recompute-granularity", "selective"])):
-        _, records = _rank0_trace(str(tmp_path / name), 2, *base, *extra)
-        sends[name] = sum(1 for r in records if r["group"] == "cp" and r["op"] == "send" and r["phase"] != "setup")
-    assert sends["selective"] - sends["none"] == 4  # one hop per layer (a ring of two)
-
-    gpu = ["--model", "llama3-8b", "--seq-length", "32768", "--context-parallel-size", "2", "--bf16"]
-
-    def cp_seconds(recompute, recomputed=False):
-        cfg = validate_for_plan(build_config(gpu + recompute), 8)
-        return layer_cost(cfg, 0, recomputed, H100, Links(8)).comm_kind["cp"]
-
-    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    assert cp_seconds(["--recompute-granularity", "selective"]) == pytest.approx(cp_seconds(full, recomputed=True))
-    assert cp_seconds(["--recompute-granularity", "selective"]) > cp_seconds([])
-
-
 def _cp_records(trace: str, *args: str) -> collections.Counter:
     """The context-parallel operations of rank 0 of a CP=2 world's one step: (op, bytes) -> count."""
     _, records = _rank0_trace(trace, 2, *TINY, "--seq-length", "64", "--context-parallel-size", "2",
@@ -311,6 +285,22 @@ def _planned_cp_seconds(model: list[str], recompute: list[str], recomputed: bool
 
 SELECTIVE = ["--recompute-granularity", "selective"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+def test_selective_recomputation_runs_the_context_parallel_ring_again_and_the_planner_counts_it(tmp_path):
+    """CP=2: selective recomputation runs each layer's forward ring hop again in backward (the trace of the rank
+    has one more send per layer); the planner adds the forward ring once more, as for a fully recomputed layer."""
+    none = _cp_records(str(tmp_path / "none"))
+    selective = _cp_records(str(tmp_path / "selective"), *SELECTIVE)
+
+    def sends(records: collections.Counter) -> int:
+        return sum(n for (op, _), n in records.items() if op == "send")
+
+    assert sends(selective) - sends(none) == 4  # one hop per layer (a ring of two)
+
+    model = ["--model", "llama3-8b", "--seq-length", "32768"]
+    assert _planned_cp_seconds(model, SELECTIVE) == pytest.approx(_planned_cp_seconds(model, FULL, recomputed=True))
+    assert _planned_cp_seconds(model, SELECTIVE) > _planned_cp_seconds(model, [])
 
 
 @pytest.mark.slow  # the context-parallel ring's test is the fast representative
